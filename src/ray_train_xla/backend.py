@@ -1,0 +1,208 @@
+"""The Ray Train backend: gather facts from the workers, plan every environment, apply it.
+
+The backend itself is a short story (``on_start``, ``on_training_start``, ``on_shutdown``) and
+keeps no per-run state: what a worker needs later travels in its environment
+(``RAY_TRAIN_XLA_*``). The work done on workers is the small module-level functions below, sent
+with ``worker_group.execute``; each one is bounded in time on the worker, so no driver-side wait
+can hang. Works with Ray Train V2 (default) and V1: only ``execute``/``execute_single`` are used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import ray
+from ray.train.backend import Backend
+
+from ray_train_xla import _netinfo
+from ray_train_xla.config import TorchXLAConfig
+from ray_train_xla.runtimes import Rendezvous, get_runtime, plan, resolve_device
+from ray_train_xla.runtimes.base import (
+    DEVICE_VAR,
+    INIT_METHOD_VAR,
+    PG_BACKEND_VAR,
+    RUNTIME_VAR,
+    TIMEOUT_VAR,
+)
+from ray_train_xla.topology import Topology, WorkerFacts
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSetupError(RuntimeError):
+    """A worker could not be set up; the message names the worker and what to do."""
+
+
+class XLABackend(Backend):
+    """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
+
+    share_cuda_visible_devices: bool = False
+
+    def on_start(self, worker_group, backend_config: TorchXLAConfig) -> None:
+        facts: list[WorkerFacts] = worker_group.execute(gather_facts)
+        device = resolve_device(backend_config.device, facts)
+        runtime = get_runtime(device, backend_config.runtime)
+        topology = Topology.from_facts(facts, runtime.resource)
+        runtime.check(backend_config, topology)
+
+        ports = worker_group.execute_single(
+            0, reserve_ports, 1 + runtime.ports_needed(backend_config)
+        )
+        rdzv = Rendezvous(
+            master_addr=facts[0].node_ip,
+            master_port=ports[0],
+            extra_ports=tuple(ports[1:]),
+            run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
+        )
+        plans = plan(topology, backend_config, rdzv, device, facts)
+        logger.info(
+            "ray_train_xla: device=%s runtime=%s workers=%d nodes=%d master=%s:%d",
+            device, backend_config.runtime, topology.world_size, topology.num_nodes,
+            rdzv.master_addr, rdzv.master_port,
+        )
+        # One object for all workers; each takes its own entry (O(1) per worker to apply).
+        by_key = ray.put({f.key: p.env for f, p in zip(facts, plans)})
+        worker_group.execute(apply_env, by_key, runtime_options(backend_config))
+
+    def on_training_start(self, worker_group, backend_config: TorchXLAConfig) -> None:
+        worker_group.execute(init_process_group)
+
+    def on_shutdown(self, worker_group, backend_config: TorchXLAConfig) -> None:
+        worker_group.execute(
+            shutdown_worker, runtime_options(backend_config), float(backend_config.timeout_s)
+        )
+
+
+def runtime_options(config: TorchXLAConfig) -> dict[str, Any]:
+    """The config options the worker-side runtime hooks need (plain data, cheap to send)."""
+    return config.to_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions run on the workers.
+# ---------------------------------------------------------------------------------------------
+
+
+def _who() -> str:
+    rank = os.environ.get("RANK", "?")
+    return (
+        f"worker rank {rank} (local rank {os.environ.get('LOCAL_RANK', '?')}, "
+        f"node {ray.util.get_node_ip_address()}, pid {os.getpid()})"
+    )
+
+
+def _worker_key() -> str:
+    return f"{ray.get_runtime_context().get_node_id()}/{os.getpid()}"
+
+
+def gather_facts() -> WorkerFacts:
+    """Report where this worker runs and what Ray gave it."""
+    ctx = ray.get_runtime_context()
+    ip = ray.util.get_node_ip_address()
+    accelerators = {
+        name: tuple(str(i) for i in ids)
+        for name, ids in ctx.get_accelerator_ids().items()
+        if ids
+    }
+    return WorkerFacts(
+        node_id=ctx.get_node_id(),
+        node_ip=ip,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        accelerator_ids=accelerators,
+        pjrt_device=os.environ.get("PJRT_DEVICE", ""),
+        has_efa=_netinfo.has_efa(),
+        network_interface=_netinfo.interface_for_ip(ip) or "",
+    )
+
+
+def reserve_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on this node (held together while chosen)."""
+    family = socket.AF_INET6 if ":" in ray.util.get_node_ip_address() else socket.AF_INET
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def apply_env(plans_by_key: Mapping[str, Mapping[str, str]], options: Mapping[str, Any]) -> None:
+    """Set this worker's planned environment, then run the runtime's worker preparation."""
+    env = plans_by_key.get(_worker_key())
+    if env is None:
+        raise WorkerSetupError(f"pid {os.getpid()}: no environment was planned for this worker")
+    runtime = get_runtime(env[DEVICE_VAR], env[RUNTIME_VAR])
+    if runtime.env_read_at_import and "torch_xla" in sys.modules:
+        raise WorkerSetupError(
+            f"worker rank {env['RANK']} (pid {os.getpid()}): torch_xla was imported before "
+            f"ray_train_xla set the {runtime.name} environment, so torch_xla would ignore it. "
+            "Import torch_xla inside the training function, not in a worker setup hook or at "
+            "the top of a module Ray imports when the worker starts."
+        )
+    os.environ.update(env)
+    runtime.prepare_worker(options)
+
+
+def init_process_group() -> None:
+    """Initialise torch.distributed as planned, bounded by the configured timeout."""
+    import torch.distributed as dist
+
+    backend = os.environ[PG_BACKEND_VAR]
+    init_method = os.environ[INIT_METHOD_VAR]
+    timeout = timedelta(seconds=float(os.environ[TIMEOUT_VAR]))
+    if dist.is_initialized():
+        return
+    try:
+        if backend == "xla" or init_method == "xla://":
+            # Registers the "xla" backend and the "xla://" rendezvous handler.
+            import torch_xla.distributed.xla_backend  # noqa: F401
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+    except Exception as exc:
+        raise WorkerSetupError(
+            f"{_who()}: init_process_group({backend!r}, init_method={init_method!r}) failed "
+            f"within timeout_s={timeout.total_seconds():.0f}: {type(exc).__name__}: {exc}. "
+            "If another worker failed first, its error is the cause; otherwise check that "
+            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} is reachable from this node."
+        ) from exc
+
+
+def shutdown_worker(options: Mapping[str, Any], timeout_s: float) -> None:
+    """Destroy the process group and run the runtime's clean-up, never waiting forever."""
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # a dead peer must not stop the runtime's clean-up
+            logger.warning("%s: destroy_process_group failed: %s", _who(), exc)
+        try:
+            device, kind = os.environ.get(DEVICE_VAR), os.environ.get(RUNTIME_VAR)
+            if device and kind:
+                get_runtime(device, kind).cleanup_worker(options)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, name="ray_train_xla-shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("%s: shutdown did not finish within %.0f s; leaving it", _who(), timeout_s)
+        return
+    if errors:
+        raise errors[0]

@@ -1,0 +1,126 @@
+"""Planning: from a Topology and a TorchXLAConfig, every worker's complete environment.
+
+This is the one place where worker environment variables come from:
+
+- ``base.torchrun_env``: the torchrun contract (RANK, LOCAL_RANK, WORLD_SIZE, ..., MASTER_*,
+  TORCHELASTIC_*), the same for every device;
+- ``<device>.py``: each runtime's own variables (PJRT_DEVICE, NEURON_*, TPU_*, ...);
+- ``RAY_TRAIN_XLA_*``: what the worker-side helpers read to know the device and process group;
+- ``TorchXLAConfig.env``: the user's extra variables, applied last.
+
+Nothing here imports Ray or torch_xla, so ``ray-train-xla plan`` can print and tests can check
+any variable without hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ray_train_xla.config import config_error
+from ray_train_xla.runtimes.base import (
+    DEVICE_VAR,
+    INIT_METHOD_VAR,
+    PG_BACKEND_VAR,
+    RUNTIME_VAR,
+    TIMEOUT_VAR,
+    Rendezvous,
+    Runtime,
+    torchrun_env,
+)
+from ray_train_xla.runtimes.cpu import CPURuntime
+from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
+
+if TYPE_CHECKING:
+    from ray_train_xla.config import TorchXLAConfig
+
+__all__ = ["Rendezvous", "Runtime", "WorkerPlan", "get_runtime", "plan", "resolve_device"]
+
+# Ray resource name -> device, for device="auto".
+_RESOURCE_DEVICES = {"neuron_cores": "neuron", "TPU": "tpu"}
+_PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
+
+
+def _runtimes() -> dict[tuple[str, str], Runtime]:
+    return {("cpu", "pjrt"): CPURuntime()}
+
+
+def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
+    """The runtime object for a resolved device and runtime kind."""
+    table = _runtimes()
+    try:
+        return table[(device, runtime)]
+    except KeyError:
+        valid = sorted(f"{d}/{r}" for d, r in table)
+        raise config_error("device", f"{device}/{runtime}", valid) from None
+
+
+def resolve_device(requested: str, facts: Sequence[WorkerFacts]) -> str:
+    """Resolve device="auto": accelerators Ray gave the workers, else the workers' PJRT_DEVICE,
+    else CPU. An explicit device is returned as is."""
+    if requested != "auto":
+        return requested
+    for resource, device in _RESOURCE_DEVICES.items():
+        if any(f.accelerator_ids.get(resource) for f in facts):
+            return device
+    found = {f.pjrt_device.upper() for f in facts if f.pjrt_device}
+    if len(found) == 1:
+        value = found.pop()
+        if value in _PJRT_DEVICES:
+            return _PJRT_DEVICES[value]
+        raise config_error("device", "auto", f"an explicit device: workers have PJRT_DEVICE={value!r}")
+    if len(found) > 1:
+        raise config_error("device", "auto", f"an explicit device: workers disagree on PJRT_DEVICE "
+                           f"({', '.join(sorted(found))})")
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker's place and the complete environment planned for it."""
+
+    place: WorkerPlace
+    env: dict[str, str]
+
+    def to_json(self) -> dict:
+        p = self.place
+        return {
+            "rank": p.rank,
+            "local_rank": p.local_rank,
+            "node_rank": p.node_rank,
+            "local_world_size": p.local_world_size,
+            "node_ip": p.node_ip,
+            "accelerator_ids": list(p.accelerator_ids),
+            "env": self.env,
+        }
+
+
+def plan(
+    topology: Topology,
+    config: TorchXLAConfig,
+    rdzv: Rendezvous,
+    device: str,
+    facts: Sequence[WorkerFacts] | None = None,
+) -> list[WorkerPlan]:
+    """Every worker's environment, in rank order. ``device`` is already resolved (no "auto");
+    ``facts`` (one per worker, rank order) carry node details such as EFA, when known."""
+    runtime = get_runtime(device, config.runtime)
+    runtime.check(config, topology)
+    pg_backend, init_method = runtime.process_group(topology, config)
+    ours = {
+        DEVICE_VAR: device,
+        RUNTIME_VAR: config.runtime,
+        PG_BACKEND_VAR: pg_backend,
+        INIT_METHOD_VAR: init_method,
+        TIMEOUT_VAR: str(int(config.timeout_s)),
+    }
+    user = {k: str(v) for k, v in config.env.items()}
+    plans = []
+    for place in topology.workers:
+        env = torchrun_env(place, topology, rdzv)
+        env.update(runtime.device_env(place, topology, rdzv, config, facts[place.rank] if facts else None))
+        env.update(ours)
+        env.update(user)
+        plans.append(WorkerPlan(place=place, env=env))
+    return plans

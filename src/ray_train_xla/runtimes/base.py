@@ -1,0 +1,102 @@
+"""The runtime interface, and the torchrun contract that every runtime speaks.
+
+A runtime plans a worker's environment in the driver (pure, no Ray, no torch_xla) and runs two
+small hooks on the worker: ``prepare_worker`` after the environment is applied, and
+``cleanup_worker`` at shutdown. Device modules (``cpu``, ``neuron``, ``tpu``) add their own
+variables on top of :func:`torchrun_env`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
+
+if TYPE_CHECKING:
+    from ray_train_xla.config import TorchXLAConfig
+
+# Our own variables: how the worker-side helpers know what the backend chose.
+DEVICE_VAR = "RAY_TRAIN_XLA_DEVICE"
+RUNTIME_VAR = "RAY_TRAIN_XLA_RUNTIME"
+PG_BACKEND_VAR = "RAY_TRAIN_XLA_PG_BACKEND"
+INIT_METHOD_VAR = "RAY_TRAIN_XLA_INIT_METHOD"
+TIMEOUT_VAR = "RAY_TRAIN_XLA_TIMEOUT_S"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the workers meet: rank 0's address, ports taken there, and this run's id."""
+
+    master_addr: str
+    master_port: int
+    run_id: str
+    extra_ports: tuple[int, ...] = ()
+
+
+def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> dict[str, str]:
+    """The variables torchrun (``torch/distributed/run.py``) gives each worker; every runtime
+    reads these. ``TORCHELASTIC_RUN_ID`` makes torch_xla treat the process as torchrun-launched
+    (``dist.is_torchelastic_launched``), which the ``xla://`` handler and Neuron's init need."""
+    world = str(topology.world_size)
+    return {
+        "RANK": str(place.rank),
+        "LOCAL_RANK": str(place.local_rank),
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "GROUP_RANK": str(place.node_rank),
+        "GROUP_WORLD_SIZE": str(topology.num_nodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(place.rank),
+        "ROLE_WORLD_SIZE": world,
+        "MASTER_ADDR": rdzv.master_addr,
+        "MASTER_PORT": str(rdzv.master_port),
+        "TORCHELASTIC_RUN_ID": rdzv.run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # No torchrun agent here: the xla:// handler must create its own TCPStore on rank 0.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+
+
+class Runtime:
+    """One device runtime. Subclasses override what differs; defaults suit a plain PJRT device."""
+
+    name: str = ""
+    pjrt_device: str = ""
+    # The Ray resource whose ids this runtime maps to devices ("neuron_cores", "TPU"), if any.
+    resource: str | None = None
+    # True where torch_xla reads the environment at import (Neuron): it must not be imported
+    # on a worker before the backend applies the plan.
+    env_read_at_import: bool = False
+
+    # ---- driver side (pure) ----
+    def check(self, config: TorchXLAConfig, topology: Topology) -> None:
+        """Raise XLAConfigError for a config that cannot work on this topology."""
+
+    def ports_needed(self, config: TorchXLAConfig) -> int:
+        """Free ports to take on rank 0's node beyond MASTER_PORT."""
+        return 0
+
+    def process_group(self, topology: Topology, config: TorchXLAConfig) -> tuple[str, str]:
+        """(backend, init_method) for ``torch.distributed.init_process_group``."""
+        return "xla", "xla://"
+
+    def device_env(
+        self,
+        place: WorkerPlace,
+        topology: Topology,
+        rdzv: Rendezvous,
+        config: TorchXLAConfig,
+        facts: WorkerFacts | None,
+    ) -> dict[str, str]:
+        """This runtime's own variables for one worker."""
+        return {"PJRT_DEVICE": self.pjrt_device}
+
+    # ---- worker side ----
+    def prepare_worker(self, options: Mapping[str, Any]) -> None:
+        """Runs on each worker after its environment is applied, before the process group."""
+
+    def cleanup_worker(self, options: Mapping[str, Any]) -> None:
+        """Runs on each worker at shutdown, after the process group is destroyed."""

@@ -1,0 +1,138 @@
+"""Who is where: the facts each worker reports, and the ranks derived from them.
+
+Pure data and functions: no Ray, no torch_xla. Workers are grouped by Ray **node id**, not by
+IP, so the ranks are right both on real clusters and on ``ray.cluster_utils.Cluster`` test
+clusters, where every node shares one IP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What one worker reports about itself at start (gathered in one parallel round)."""
+
+    node_id: str
+    node_ip: str
+    pid: int
+    hostname: str = ""
+    # Accelerator ids Ray assigned to this worker, by resource name ("neuron_cores", "TPU").
+    accelerator_ids: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # PJRT_DEVICE as the worker found it before we touched its environment ("" if unset).
+    pjrt_device: str = ""
+    # Whether the node has EFA devices, and the network interface that carries node_ip.
+    has_efa: bool = False
+    network_interface: str = ""
+
+    @property
+    def key(self) -> str:
+        """Identifies the worker process across the driver and the worker."""
+        return f"{self.node_id}/{self.pid}"
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """One worker's place in the job, in torchrun's terms."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    local_world_size: int
+    node_id: str
+    node_ip: str
+    # This worker's accelerator ids for the job's device resource (as Ray assigned them).
+    accelerator_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Every worker's place, in world-rank order, plus per-node views the runtimes need."""
+
+    workers: tuple[WorkerPlace, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @cached_property
+    def num_nodes(self) -> int:
+        return max((w.node_rank for w in self.workers), default=-1) + 1
+
+    def node_workers(self, node_rank: int) -> list[WorkerPlace]:
+        """The workers of one node, ordered by local rank."""
+        return sorted(
+            (w for w in self.workers if w.node_rank == node_rank), key=lambda w: w.local_rank
+        )
+
+    def nodes(self) -> list[list[WorkerPlace]]:
+        """All nodes (index = node rank), each a list of its workers ordered by local rank."""
+        out: list[list[WorkerPlace]] = [[] for _ in range(self.num_nodes)]
+        for w in self.workers:
+            out[w.node_rank].append(w)
+        for node in out:
+            node.sort(key=lambda w: w.local_rank)
+        return out
+
+    @classmethod
+    def from_facts(cls, facts: Sequence[WorkerFacts], resource: str | None = None) -> Topology:
+        """Derive ranks from the facts, listed in Ray's world-rank order.
+
+        Node rank follows the order in which nodes first appear in that order (so the node of
+        rank 0 is node 0); local rank is the order of a node's workers by world rank.
+        """
+        if not facts:
+            raise ValueError("a topology needs at least one worker")
+        node_rank_of: dict[str, int] = {}
+        local_counts: dict[str, int] = {}
+        for f in facts:
+            node_rank_of.setdefault(f.node_id, len(node_rank_of))
+            local_counts[f.node_id] = local_counts.get(f.node_id, 0) + 1
+        seen: dict[str, int] = {}
+        places = []
+        for rank, f in enumerate(facts):
+            local_rank = seen.get(f.node_id, 0)
+            seen[f.node_id] = local_rank + 1
+            ids = tuple(str(i) for i in f.accelerator_ids.get(resource, ())) if resource else ()
+            places.append(
+                WorkerPlace(
+                    rank=rank,
+                    local_rank=local_rank,
+                    node_rank=node_rank_of[f.node_id],
+                    local_world_size=local_counts[f.node_id],
+                    node_id=f.node_id,
+                    node_ip=f.node_ip,
+                    accelerator_ids=ids,
+                )
+            )
+        return cls(workers=tuple(places))
+
+    @classmethod
+    def uniform(
+        cls,
+        workers_per_node: Sequence[int],
+        accelerators_per_worker: int = 0,
+        ip_prefix: str = "10.0.0.",
+    ) -> Topology:
+        """A described topology (for ``plan`` and tests): node n has ``workers_per_node[n]``
+        workers, with contiguous accelerator ids from 0 on each node."""
+        facts = []
+        for node, count in enumerate(workers_per_node):
+            if count < 1:
+                raise ValueError(f"node {node} has {count} workers; every node needs at least 1")
+            for local in range(count):
+                ids = tuple(
+                    str(local * accelerators_per_worker + i) for i in range(accelerators_per_worker)
+                )
+                facts.append(
+                    WorkerFacts(
+                        node_id=f"node{node}",
+                        node_ip=f"{ip_prefix}{node + 1}",
+                        pid=1000 + local,
+                        accelerator_ids={"accel": ids},
+                    )
+                )
+        return cls.from_facts(facts, "accel" if accelerators_per_worker else None)

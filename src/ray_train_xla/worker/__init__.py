@@ -1,0 +1,25 @@
+"""Helpers used inside the training function (imported on workers, never by the backend)."""
+
+from ray_train_xla.worker.collectives import (
+    all_reduce,
+    broadcast,
+    get_device,
+    local_rank,
+    node_rank,
+    rank,
+    rendezvous,
+    uses_host_collectives,
+    world_size,
+)
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "get_device",
+    "local_rank",
+    "node_rank",
+    "rank",
+    "rendezvous",
+    "uses_host_collectives",
+    "world_size",
+]
