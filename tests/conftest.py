@@ -1,0 +1,106 @@
+"""Shared fixtures: one real local Ray per test module, always shut down."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# Ray workers import the test modules that define training functions: put them on their path.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p
+)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray instance with fake-able logical resources, shared by a module."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # address="local": never attach to a cluster another test or program left behind.
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def fit(train_fn, num_workers: int = 1, torch_config=None, loop_config=None, **trainer_kwargs):
+    """Run TorchTrainer.fit() and return (result, records): one JSON record per file the
+    workers wrote into ``config["out_dir"]`` (Train V2 reports no metrics without a checkpoint).
+    """
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_train_xla import TorchXLAConfig
+
+    out_dir = tempfile.mkdtemp(prefix="rtx-test-out-")
+    config = dict(loop_config or {})
+    config["out_dir"] = out_dir
+    scaling = trainer_kwargs.pop("scaling_config", None) or ScalingConfig(num_workers=num_workers)
+    run_config = trainer_kwargs.pop("run_config", None) or RunConfig(
+        storage_path=tempfile.mkdtemp(prefix="rtx-test-results-")
+    )
+    result = TorchTrainer(
+        train_fn,
+        train_loop_config=config,
+        torch_config=torch_config or TorchXLAConfig(device="cpu", timeout_s=120),
+        scaling_config=scaling,
+        run_config=run_config,
+        **trainer_kwargs,
+    ).fit()
+    records = []
+    for name in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, name)) as f:
+            records.append(json.load(f))
+    return result, records
+
+
+def write_record(config: dict, name: str, record: dict) -> None:
+    """Called on a worker: leave a JSON record for the test to read."""
+    with open(os.path.join(config["out_dir"], f"{name}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def is_train_v2() -> bool:
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    return is_v2_enabled()
+
+
+def start_cluster(nodes: int = 2, cpus_per_node: int = 3, **node_resources):
+    """A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), connected.
+
+    Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land per node.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster()
+    try:
+        for _ in range(nodes):
+            cluster.add_node(
+                num_cpus=cpus_per_node,
+                resources={"slot": 2, **node_resources},
+                include_dashboard=False,
+            )
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def stop_cluster(cluster) -> None:
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()

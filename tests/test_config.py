@@ -1,0 +1,55 @@
+"""Bad configurations fail in the driver, at construction, naming field, value and choices."""
+
+import pytest
+
+from ray_train_xla import TorchXLAConfig, XLAConfigError
+
+BAD = [
+    ({"device": "gpu"}, "TorchXLAConfig.device='gpu' is not valid: expected one of 'auto', "
+                        "'neuron', 'tpu', 'cpu'"),
+    ({"device": "cuda"}, "TorchXLAConfig.device='cuda'"),
+    ({"runtime": "xla"}, "TorchXLAConfig.runtime='xla' is not valid: expected one of 'pjrt', 'xrt'"),
+    ({"runtime": "xrt", "device": "tpu"}, "XRT is only supported by legacy torch-neuronx"),
+    ({"runtime": "xrt", "device": "cpu"}, "TorchXLAConfig.runtime='xrt'"),
+    ({"neuron_parallel_compile": "yes"}, "neuron_parallel_compile='yes' is not valid: expected "
+                                         "True or False"),
+    ({"neuron_parallel_compile": True, "device": "cpu"}, "parallel compile is a Neuron feature"),
+    ({"timeout_s": 0}, "TorchXLAConfig.timeout_s=0 is not valid: expected a positive number"),
+    ({"timeout_s": -5}, "timeout_s=-5"),
+    ({"timeout_s": "60"}, "timeout_s='60'"),
+    ({"timeout_s": True}, "timeout_s=True"),
+    ({"gather_timeout_s": 0}, "gather_timeout_s=0"),
+    ({"env": ["A=1"]}, "TorchXLAConfig.env=['A=1'] is not valid: expected a mapping"),
+    ({"env": {"A=B": "1"}}, "variable names without '='"),
+    ({"env": {"A": None}}, "TorchXLAConfig.env['A']=None is not valid: expected a string"),
+    ({"efa": "auto"}, "TorchXLAConfig.efa='auto' is not valid: expected None (detect), True or False"),
+    ({"compile_cache": ""}, "TorchXLAConfig.compile_cache=''"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[str(k) for k, _ in BAD])
+def test_bad_config_is_rejected_with_a_clear_message(kwargs, message):
+    with pytest.raises(XLAConfigError) as info:
+        TorchXLAConfig(**kwargs)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_good_config_is_a_torch_config_with_our_backend():
+    from ray.train.torch import TorchConfig
+
+    from ray_train_xla.backend import XLABackend
+
+    config = TorchXLAConfig(device="cpu", timeout_s=30, env={"FOO": "1", "N": 3})
+    assert isinstance(config, TorchConfig)
+    assert config.backend_cls is XLABackend
+    assert config.to_dict()["env"] == {"FOO": "1", "N": 3}
+
+
+def test_importing_the_package_does_not_import_torch_xla():
+    import subprocess
+    import sys
+
+    code = "import sys, ray_train_xla; print('torch_xla' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

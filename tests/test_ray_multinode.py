@@ -1,0 +1,62 @@
+"""Two Ray nodes on one machine (ray.cluster_utils.Cluster), two workers per node."""
+
+import pytest
+
+from conftest import fit, start_cluster, stop_cluster, write_record
+
+pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = start_cluster(nodes=2)
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+
+
+def where_am_i(config):
+    import os
+
+    import ray
+    import torch
+
+    import ray_train_xla as rtx
+
+    total = rtx.all_reduce(torch.ones(1, device=rtx.get_device())).cpu().item()
+    write_record(config, f"rank{rtx.rank()}", {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "rank": rtx.rank(),
+        "local_rank": rtx.local_rank(),
+        "node_rank": rtx.node_rank(),
+        "env": {k: os.environ[k] for k in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE",
+                                           "MASTER_ADDR", "MASTER_PORT")},
+        "total": total,
+    })
+
+
+def test_ranks_on_two_nodes(two_nodes):
+    from ray.train import ScalingConfig
+
+    _, records = fit(
+        where_am_i,
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1, "slot": 1}),
+    )
+    assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
+    by_node = {}
+    for r in records:
+        by_node.setdefault(r["node_id"], []).append(r)
+        assert r["env"]["WORLD_SIZE"] == "4"
+        assert r["env"]["LOCAL_WORLD_SIZE"] == "2"
+        assert r["env"]["GROUP_WORLD_SIZE"] == "2"
+        assert r["total"] == 4.0
+    assert len(by_node) == 2
+    assert sorted(sorted(w["local_rank"] for w in ws) for ws in by_node.values()) == [[0, 1]] * 2
+    for workers in by_node.values():
+        assert len({w["node_rank"] for w in workers}) == 1  # one node rank per node
+    assert sorted(ws[0]["node_rank"] for ws in by_node.values()) == [0, 1]
+    # rank 0's node is node 0, and every worker meets at one address
+    rank0 = next(r for r in records if r["rank"] == 0)
+    assert rank0["node_rank"] == 0 and rank0["local_rank"] == 0
+    assert len({(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in records}) == 1
