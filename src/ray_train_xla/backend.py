@@ -20,9 +20,11 @@ from datetime import timedelta
 from typing import Any
 
 import ray
+from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
 from ray_train_xla import _netinfo
+from ray_train_xla.compile import NeuronCompileError
 from ray_train_xla.config import TorchXLAConfig
 from ray_train_xla.runtimes import Rendezvous, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
@@ -32,7 +34,7 @@ from ray_train_xla.runtimes.base import (
     RUNTIME_VAR,
     TIMEOUT_VAR,
 )
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.topology import PRESET_VARS, Topology, WorkerFacts
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class XLABackend(Backend):
 
     def on_start(self, worker_group, backend_config: TorchXLAConfig) -> None:
         facts: list[WorkerFacts] = worker_group.execute(gather_facts)
-        device = resolve_device(backend_config.device, facts)
+        device = resolve_device(backend_config.device, facts, backend_config.runtime)
         runtime = get_runtime(device, backend_config.runtime)
         topology = Topology.from_facts(facts, runtime.resource)
         runtime.check(backend_config, topology)
@@ -76,9 +78,16 @@ class XLABackend(Backend):
         worker_group.execute(init_process_group)
 
     def on_shutdown(self, worker_group, backend_config: TorchXLAConfig) -> None:
-        worker_group.execute(
-            shutdown_worker, runtime_options(backend_config), float(backend_config.timeout_s)
-        )
+        try:
+            worker_group.execute(
+                shutdown_worker, runtime_options(backend_config), float(backend_config.timeout_s)
+            )
+        except RayTaskError as exc:
+            # Ray Train logs and drops worker errors raised at shutdown (they usually follow a
+            # crash). A failed Neuron compile is the run's result, so it must fail the run.
+            if isinstance(exc, NeuronCompileError) or isinstance(exc.cause, NeuronCompileError):
+                raise NeuronCompileError(str(exc.cause)) from None
+            raise
 
 
 def runtime_options(config: TorchXLAConfig) -> dict[str, Any]:
@@ -121,6 +130,7 @@ def gather_facts() -> WorkerFacts:
         pjrt_device=os.environ.get("PJRT_DEVICE", ""),
         has_efa=_netinfo.has_efa(),
         network_interface=_netinfo.interface_for_ip(ip) or "",
+        preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
     )
 
 

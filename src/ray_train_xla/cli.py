@@ -78,6 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="accelerator ids (NeuronCores, TPU chips) Ray assigns each worker "
         "(default: 1 on neuron/tpu, none on cpu)",
     )
+    plan.add_argument(
+        "--efa", action="store_true",
+        help="describe nodes with EFA devices (Neuron: plans the FI_* variables)",
+    )
+    plan.add_argument(
+        "--interface", default="", metavar="NAME",
+        help="network interface carrying the node IP, as workers detect it (Neuron: "
+        "CCOM_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
+    )
+    plan.add_argument(
+        "--compile-cache", default=None, metavar="URL",
+        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL",
+    )
+    plan.add_argument(
+        "--parallel-compile", action="store_true",
+        help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
+    )
     plan.add_argument("--master-port", type=int, default=29500, help="example MASTER_PORT")
     plan.add_argument(
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
@@ -88,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _describe_topology(args: argparse.Namespace):
-    from ray_train_xla.topology import Topology
+    """(Topology, facts) for the cluster the flags describe."""
+    from ray_train_xla.topology import DESCRIBED_RESOURCE, Topology, described_facts
 
     counts = args.workers_per_node
     if len(counts) == 1:
@@ -101,7 +119,8 @@ def _describe_topology(args: argparse.Namespace):
     cores = args.cores_per_worker
     if cores is None:
         cores = 0 if args.device == "cpu" else 1
-    return Topology.uniform(counts, accelerators_per_worker=cores)
+    facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
+    return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -109,8 +128,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ray_train_xla.runtimes import Rendezvous, get_runtime, plan
 
     try:
-        config = TorchXLAConfig(device=args.device, runtime=args.runtime, env=dict(args.env))
-        topology = _describe_topology(args)
+        config = TorchXLAConfig(
+            device=args.device,
+            runtime=args.runtime,
+            env=dict(args.env),
+            compile_cache=args.compile_cache,
+            neuron_parallel_compile=args.parallel_compile,
+        )
+        topology, facts = _describe_topology(args)
         needed = get_runtime(args.device, args.runtime).ports_needed(config)
         rdzv = Rendezvous(
             master_addr=topology.workers[0].node_ip,
@@ -118,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
             run_id="example-run-id",
         )
-        plans = plan(topology, config, rdzv, args.device)
+        plans = plan(topology, config, rdzv, args.device, facts)
     except XLAConfigError as exc:
         print(f"ray-train-xla plan: {exc}", file=sys.stderr)
         return 2

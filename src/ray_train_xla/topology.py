@@ -11,6 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+# Worker variables that the planner respects when the user already set them on the workers.
+PRESET_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
 
 @dataclass(frozen=True)
 class WorkerFacts:
@@ -27,6 +30,8 @@ class WorkerFacts:
     # Whether the node has EFA devices, and the network interface that carries node_ip.
     has_efa: bool = False
     network_interface: str = ""
+    # Variables among PRESET_VARS that the worker already had (the user's choice wins).
+    preset_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -61,6 +66,11 @@ class Topology:
     @cached_property
     def num_nodes(self) -> int:
         return max((w.node_rank for w in self.workers), default=-1) + 1
+
+    @cached_property
+    def node_accelerator_ids(self) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """Per node (index = node rank), each worker's accelerator ids in local-rank order."""
+        return tuple(tuple(w.accelerator_ids for w in node) for node in self.nodes())
 
     def node_workers(self, node_rank: int) -> list[WorkerPlace]:
         """The workers of one node, ordered by local rank."""
@@ -111,28 +121,39 @@ class Topology:
         return cls(workers=tuple(places))
 
     @classmethod
-    def uniform(
-        cls,
-        workers_per_node: Sequence[int],
-        accelerators_per_worker: int = 0,
-        ip_prefix: str = "10.0.0.",
-    ) -> Topology:
-        """A described topology (for ``plan`` and tests): node n has ``workers_per_node[n]``
-        workers, with contiguous accelerator ids from 0 on each node."""
-        facts = []
-        for node, count in enumerate(workers_per_node):
-            if count < 1:
-                raise ValueError(f"node {node} has {count} workers; every node needs at least 1")
-            for local in range(count):
-                ids = tuple(
-                    str(local * accelerators_per_worker + i) for i in range(accelerators_per_worker)
+    def uniform(cls, workers_per_node: Sequence[int], accelerators_per_worker: int = 0) -> Topology:
+        """A described topology (for ``plan`` and tests); see :func:`described_facts`."""
+        facts = described_facts(workers_per_node, accelerators_per_worker)
+        return cls.from_facts(facts, DESCRIBED_RESOURCE if accelerators_per_worker else None)
+
+
+DESCRIBED_RESOURCE = "accelerator"
+
+
+def described_facts(
+    workers_per_node: Sequence[int],
+    accelerators_per_worker: int = 0,
+    has_efa: bool = False,
+    network_interface: str = "",
+    ip_prefix: str = "10.0.0.",
+) -> list[WorkerFacts]:
+    """Facts for a described cluster: node n (IP ``ip_prefix{n+1}``) has ``workers_per_node[n]``
+    workers, with contiguous accelerator ids from 0 on each node (resource DESCRIBED_RESOURCE)."""
+    facts = []
+    for node, count in enumerate(workers_per_node):
+        if count < 1:
+            raise ValueError(f"node {node} has {count} workers; every node needs at least 1")
+        for local in range(count):
+            first = local * accelerators_per_worker
+            ids = tuple(str(first + i) for i in range(accelerators_per_worker))
+            facts.append(
+                WorkerFacts(
+                    node_id=f"node{node}",
+                    node_ip=f"{ip_prefix}{node + 1}",
+                    pid=1000 + local,
+                    accelerator_ids={DESCRIBED_RESOURCE: ids},
+                    has_efa=has_efa,
+                    network_interface=network_interface,
                 )
-                facts.append(
-                    WorkerFacts(
-                        node_id=f"node{node}",
-                        node_ip=f"{ip_prefix}{node + 1}",
-                        pid=1000 + local,
-                        accelerator_ids={"accel": ids},
-                    )
-                )
-        return cls.from_facts(facts, "accel" if accelerators_per_worker else None)
+            )
+    return facts

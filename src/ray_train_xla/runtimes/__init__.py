@@ -30,6 +30,7 @@ from ray_train_xla.runtimes.base import (
     torchrun_env,
 )
 from ray_train_xla.runtimes.cpu import CPURuntime
+from ray_train_xla.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
 
 if TYPE_CHECKING:
@@ -43,7 +44,11 @@ _PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
 
 
 def _runtimes() -> dict[tuple[str, str], Runtime]:
-    return {("cpu", "pjrt"): CPURuntime()}
+    return {
+        ("cpu", "pjrt"): CPURuntime(),
+        ("neuron", "pjrt"): NeuronRuntime(),
+        ("neuron", "xrt"): NeuronXRTRuntime(),
+    }
 
 
 def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
@@ -56,11 +61,13 @@ def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
         raise config_error("device", f"{device}/{runtime}", valid) from None
 
 
-def resolve_device(requested: str, facts: Sequence[WorkerFacts]) -> str:
+def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = "pjrt") -> str:
     """Resolve device="auto": accelerators Ray gave the workers, else the workers' PJRT_DEVICE,
-    else CPU. An explicit device is returned as is."""
+    else CPU (XRT exists only on Neuron). An explicit device is returned as is."""
     if requested != "auto":
         return requested
+    if runtime == "xrt":
+        return "neuron"
     for resource, device in _RESOURCE_DEVICES.items():
         if any(f.accelerator_ids.get(resource) for f in facts):
             return device

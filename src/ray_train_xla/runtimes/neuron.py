@@ -1,0 +1,189 @@
+"""AWS Neuron (Trainium, Inferentia2): PJRT (torch-neuronx 2.x) and legacy XRT (1.x).
+
+torch_xla configures Neuron **at ``import torch_xla``** (``_aws_ec2_inf_trn_init`` ->
+``torch_xla._internal.neuron.configure_pjrt_environment``), so everything below must be on the
+worker before its first import. Variables planned here, per worker:
+
+- ``PJRT_DEVICE=NEURON``.
+- ``NEURON_RT_VISIBLE_CORES``: the node-local list of this trainer's NeuronCores, ordered by
+  local rank. Ray gives each worker its own core and Train V2 does not share them across a
+  node's workers; torch_xla's ``remap_visible_cores`` needs exactly ``LOCAL_WORLD_SIZE`` entries
+  and keeps ``cores[LOCAL_RANK]``, which is then the core Ray assigned this worker.
+- ``NEURON_RT_ROOT_COMM_ID``: rank 0's address and a second free port taken there, never
+  torch_xla's fixed default 62182 (two jobs on one host would collide; ray#65070).
+- ``NEURON_PJRT_WORLD_SIZE``, ``PJRT_LOCAL_PROCESS_COUNT``, ``NEURON_PJRT_PROCESS_INDEX``,
+  ``PJRT_LOCAL_PROCESS_RANK``: what ``configure_pjrt_environment`` derives from the torchrun
+  contract, set up front so torch-neuronx's own init (which may replace torch_xla's) agrees.
+  ``NEURON_PJRT_WORLD_SIZE`` keeps the env O(1) per worker (no per-process device list).
+- ``FI_PROVIDER=efa``, ``FI_EFA_USE_DEVICE_RDMA=1``, ``FI_EFA_FORK_SAFE=1``: only where the node
+  has EFA devices (detected on the worker) or ``efa=True``.
+- ``CCOM_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``: the interface carrying the node's Ray IP
+  (detected on the worker), unless the worker already had them set.
+- ``NEURON_COMPILE_CACHE_URL``: from ``compile_cache``.
+- ``NEURON_EXTRACT_GRAPHS_ONLY``, ``NEURON_PARALLEL_COMPILE``, ``NEURON_FALL_BACK_TO_NULL_NEFF``:
+  with ``neuron_parallel_compile=True`` (see ``ray_train_xla.compile``).
+
+One NeuronCore per worker: under torchrun-style launch torch_xla's init always narrows a process
+to ``cores[LOCAL_RANK]`` (``neuron_utils.remap_visible_cores``), so a worker given several cores
+would use one and strand the rest. ``check`` rejects that, naming the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ray_train_xla.config import XLAConfigError
+from ray_train_xla.runtimes.base import Runtime
+
+logger = logging.getLogger(__name__)
+
+NEURON_RESOURCE = "neuron_cores"
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+INTERFACE_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+PARALLEL_COMPILE_ENV = {
+    "NEURON_EXTRACT_GRAPHS_ONLY": "1",
+    "NEURON_PARALLEL_COMPILE": "1",
+    "NEURON_FALL_BACK_TO_NULL_NEFF": "1",
+}
+
+
+def _bracket_ipv6(addr: str) -> str:
+    return f"[{addr.strip('[]')}]" if ":" in addr else addr
+
+
+class NeuronRuntime(Runtime):
+    name = "neuron"
+    pjrt_device = "NEURON"
+    resource = NEURON_RESOURCE
+    env_read_at_import = True
+
+    # ---- driver side ----
+    def check(self, config, topology) -> None:
+        counts = {len(w.accelerator_ids) for w in topology.workers}
+        if counts == {0}:
+            logger.warning(
+                "device='neuron' but Ray assigned no neuron_cores to the workers: each worker "
+                "will use the core numbered by its local rank. Request "
+                "resources_per_worker={'neuron_cores': 1} so Ray keeps jobs apart."
+            )
+            return
+        if 0 in counts:
+            bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
+            raise XLAConfigError(
+                f"Neuron workers {bare} were given no neuron_cores while others were: request "
+                "resources_per_worker={'neuron_cores': 1} for every worker."
+            )
+        if counts != {1}:
+            many = max(counts)
+            raise XLAConfigError(
+                f"resources_per_worker asks for {many} neuron_cores per worker, but torch_xla's "
+                "Neuron runtime drives exactly one NeuronCore per process (it narrows "
+                "NEURON_RT_VISIBLE_CORES to cores[LOCAL_RANK]), so the other cores would sit "
+                "idle. Use resources_per_worker={'neuron_cores': 1} and "
+                f"num_workers={topology.world_size * many} instead."
+            )
+
+    def ports_needed(self, config) -> int:
+        return 1  # NEURON_RT_ROOT_COMM_ID
+
+    @staticmethod
+    def _cores_for_node(topology, node_rank: int) -> str:
+        """This trainer's cores on one node, ordered by local rank (local ranks if Ray
+        assigned none)."""
+        ids = topology.node_accelerator_ids[node_rank]
+        return ",".join(i[0] if i else str(local) for local, i in enumerate(ids))
+
+    def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
+        env = {
+            "PJRT_DEVICE": "NEURON",
+            "NEURON_RT_VISIBLE_CORES": self._cores_for_node(topology, place.node_rank),
+            "NEURON_RT_ROOT_COMM_ID": f"{_bracket_ipv6(rdzv.master_addr)}:{rdzv.extra_ports[0]}",
+            "NEURON_PJRT_WORLD_SIZE": str(topology.world_size),
+            "PJRT_LOCAL_PROCESS_COUNT": str(place.local_world_size),
+            "NEURON_PJRT_PROCESS_INDEX": str(place.rank),
+            "PJRT_LOCAL_PROCESS_RANK": str(place.local_rank),
+        }
+        env.update(node_network_env(config, facts))
+        if config.compile_cache:
+            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
+        if config.neuron_parallel_compile:
+            env.update(PARALLEL_COMPILE_ENV)
+        return env
+
+    # ---- worker side ----
+    def prepare_worker(self, options: Mapping[str, Any]) -> None:
+        if options.get("neuron_parallel_compile"):
+            from ray_train_xla import compile as neuron_compile
+
+            neuron_compile.on_worker_start()
+
+    def cleanup_worker(self, options: Mapping[str, Any]) -> None:
+        if options.get("neuron_parallel_compile"):
+            from ray_train_xla import compile as neuron_compile
+
+            neuron_compile.compile_extracted_graphs()
+
+
+def node_network_env(config, facts) -> dict[str, str]:
+    """EFA and socket-interface variables for a worker, from what its node reported."""
+    env: dict[str, str] = {}
+    has_efa = facts.has_efa if facts is not None else False
+    if config.efa is True or (config.efa is None and has_efa):
+        env.update(EFA_ENV)
+    if facts is not None and facts.network_interface:
+        for var in INTERFACE_VARS:
+            if not facts.preset_env.get(var):
+                env[var] = facts.network_interface
+    return env
+
+
+class NeuronXRTRuntime(NeuronRuntime):
+    """Legacy torch-neuronx 1.x (XRT). torch_xla's ``xla`` process group starts the XRT server
+    on local rank 0 when ``TORCHELASTIC_RUN_ID`` is set (``init_xrt_context``); it reads the
+    torchrun contract (with ``GROUP_RANK``) and sets its own ``XRT_*`` variables. We add the
+    node-local core list, EFA where present, and Ray's two XRT-era settings."""
+
+    name = "neuron-xrt"
+    pjrt_device = ""
+
+    def ports_needed(self, config) -> int:
+        return 0  # XRT takes its own root-comm port through the store
+
+    def process_group(self, topology, config) -> tuple[str, str]:
+        return "xla", "env://"
+
+    def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
+        env = {
+            "NEURON_RT_VISIBLE_CORES": self._cores_for_node(topology, place.node_rank),
+            "XLA_TRANSFER_SEED_ASYNC": "1",
+            "NCCL_ASYNC_ERROR_HANDLING": "1",
+        }
+        env.update(node_network_env(config, facts))
+        if config.compile_cache:
+            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
+        if config.neuron_parallel_compile:
+            env.update(PARALLEL_COMPILE_ENV)
+        return env
+
+    def prepare_worker(self, options: Mapping[str, Any]) -> None:
+        from ray_train_xla import _xrt
+
+        _xrt.clean_stale_servers()
+        _xrt.watch_for_servers(timeout_s=float(options.get("timeout_s", 1800)))
+        super().prepare_worker(options)
+
+    def cleanup_worker(self, options: Mapping[str, Any]) -> None:
+        from ray_train_xla import _xrt
+
+        try:
+            _xrt.stop_own_servers()
+        finally:
+            super().cleanup_worker(options)
+
+
+def is_graph_extraction_run() -> bool:
+    """True on a worker of a ``neuron_parallel_compile`` run: outputs and losses are not real."""
+    return os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") == "1"

@@ -1,0 +1,208 @@
+"""Neuron planning, and the planned environment fed to torch_xla's own Neuron init."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ray_train_xla import TorchXLAConfig, XLAConfigError
+from ray_train_xla.compile import DEFAULT_CACHE_URL, explicit_cache_dir, resolve_cache_url
+from ray_train_xla.runtimes import Rendezvous, plan
+from ray_train_xla.topology import Topology, WorkerFacts, described_facts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(29611,))
+
+
+def neuron_facts(cores_per_node, **kw):
+    """Facts for nodes whose workers got the given Ray core ids (one list per node)."""
+    facts = []
+    for n, cores in enumerate(cores_per_node):
+        for local, core in enumerate(cores):
+            facts.append(WorkerFacts(node_id=f"n{n}", node_ip=f"10.0.0.{n + 1}", pid=100 + local,
+                                     accelerator_ids={"neuron_cores": (str(core),)}, **kw))
+    return facts
+
+
+def neuron_plan(facts, **config):
+    topo = Topology.from_facts(facts, "neuron_cores")
+    return plan(topo, TorchXLAConfig(device="neuron", **config), RDZV, "neuron", facts)
+
+
+TOPOLOGIES = {
+    "1x2": [[0, 1]],
+    "1x32": [list(range(32))],
+    "2x4": [[0, 1, 2, 3], [0, 1, 2, 3]],
+    "non-contiguous": [[5, 2, 7], [3, 0]],
+}
+
+
+def run_torch_xla_neuron_init(envs):
+    """torch_xla's configure_pjrt_environment() on each env, each in a fresh forked process."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "contracts", "neuron_configure.py")],
+        input=json.dumps(envs), capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+# The single-core env Ray Train V2 gives a worker of a 2-worker node, without our node list.
+RAY_ONLY_ENV = dict(neuron_plan(neuron_facts([[0, 1]]))[1].env, NEURON_RT_VISIBLE_CORES="1")
+
+
+@pytest.fixture(scope="module")
+def contract_results():
+    """All topologies through one runner (torch_xla is imported once, then forked per worker)."""
+    plans = {name: neuron_plan(neuron_facts(cores)) for name, cores in TOPOLOGIES.items()}
+    envs = [p.env for name in TOPOLOGIES for p in plans[name]] + [RAY_ONLY_ENV]
+    results = run_torch_xla_neuron_init(envs)
+    by_name, i = {}, 0
+    for name in TOPOLOGIES:
+        by_name[name] = (plans[name], results[i:i + len(plans[name])])
+        i += len(plans[name])
+    by_name["ray-only"] = results[-1]
+    return by_name
+
+
+@pytest.mark.parametrize("name", TOPOLOGIES)
+def test_torch_xla_neuron_init_accepts_the_plan(name, contract_results):
+    plans, results = contract_results[name]
+    assigned = [str(c) for node in TOPOLOGIES[name] for c in node]
+    assert len(results) == len(plans) == len(assigned)
+    for p, res, core in zip(plans, results, assigned):
+        assert res["ok"], (p.place, res)
+        env = res["env"]
+        assert env["NEURON_RT_VISIBLE_CORES"] == core  # exactly the core Ray assigned
+        assert env["NEURON_PJRT_PROCESS_INDEX"] == p.env["RANK"]
+        assert env["PJRT_LOCAL_PROCESS_RANK"] == p.env["LOCAL_RANK"]
+        assert env["NEURON_PJRT_WORLD_SIZE"] == str(len(assigned))
+    assert {r["env"]["NEURON_RT_ROOT_COMM_ID"] for r in results} == {"10.0.0.1:29611"}
+
+
+def test_ray_v2_alone_breaks_torch_xla_neuron_init(contract_results):
+    # The failure the node-local list fixes: one core visible, LOCAL_WORLD_SIZE=2.
+    res = contract_results["ray-only"]
+    assert not res["ok"] and "is not equal to count 1" in res["error"]
+
+
+def test_node_local_core_lists_and_root_comm_port():
+    plans = neuron_plan(neuron_facts([[5, 2, 7], [3, 0]]))
+    assert [p.env["NEURON_RT_VISIBLE_CORES"] for p in plans] == ["5,2,7"] * 3 + ["3,0"] * 2
+    for p in plans:
+        assert p.env["PJRT_DEVICE"] == "NEURON"
+        assert p.env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.1:29611"
+        assert p.env["NEURON_RT_ROOT_COMM_ID"] != f"10.0.0.1:{p.env['MASTER_PORT']}"
+        assert "62182" not in p.env["NEURON_RT_ROOT_COMM_ID"]
+        assert p.env["TORCHELASTIC_RUN_ID"] == "r"
+        assert p.env["RAY_TRAIN_XLA_PG_BACKEND"] == "xla"
+        assert p.env["RAY_TRAIN_XLA_INIT_METHOD"] == "xla://"
+
+
+def test_ipv6_master_is_bracketed():
+    topo = Topology.from_facts(neuron_facts([[0]]), "neuron_cores")
+    rdzv = Rendezvous(master_addr="fd00::2", master_port=1, run_id="r", extra_ports=(2,))
+    (p,) = plan(topo, TorchXLAConfig(device="neuron"), rdzv, "neuron")
+    assert p.env["NEURON_RT_ROOT_COMM_ID"] == "[fd00::2]:2"
+
+
+@pytest.mark.parametrize(
+    "efa,has_efa,expected",
+    [(None, True, True), (None, False, False), (True, False, True), (False, True, False)],
+)
+def test_efa_variables_only_where_wanted(efa, has_efa, expected):
+    (p,) = neuron_plan(neuron_facts([[0]], has_efa=has_efa), efa=efa)
+    efa_vars = {k: p.env.get(k) for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA",
+                                          "FI_EFA_FORK_SAFE")}
+    if expected:
+        assert efa_vars == {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
+                            "FI_EFA_FORK_SAFE": "1"}
+    else:
+        assert set(efa_vars.values()) == {None}
+
+
+def test_socket_interface_is_detected_unless_the_user_set_it():
+    (p,) = neuron_plan(neuron_facts([[0]], network_interface="ens5"))
+    assert p.env["CCOM_SOCKET_IFNAME"] == p.env["NCCL_SOCKET_IFNAME"] == "ens5"
+    (p,) = neuron_plan(neuron_facts([[0]], network_interface="ens5",
+                                    preset_env={"CCOM_SOCKET_IFNAME": "eth0"}))
+    assert "CCOM_SOCKET_IFNAME" not in p.env  # the worker keeps its own eth0
+    assert p.env["NCCL_SOCKET_IFNAME"] == "ens5"
+    (p,) = neuron_plan(neuron_facts([[0]]))
+    assert "CCOM_SOCKET_IFNAME" not in p.env
+
+
+def test_compile_cache_and_parallel_compile_variables():
+    (p,) = neuron_plan(neuron_facts([[0]]), compile_cache="s3://bucket/cache",
+                       neuron_parallel_compile=True)
+    assert p.env["NEURON_COMPILE_CACHE_URL"] == "s3://bucket/cache"
+    assert (p.env["NEURON_EXTRACT_GRAPHS_ONLY"], p.env["NEURON_PARALLEL_COMPILE"],
+            p.env["NEURON_FALL_BACK_TO_NULL_NEFF"]) == ("1", "1", "1")
+    (q,) = neuron_plan(neuron_facts([[0]]))
+    assert "NEURON_EXTRACT_GRAPHS_ONLY" not in q.env and "NEURON_COMPILE_CACHE_URL" not in q.env
+
+
+def test_several_cores_per_worker_are_rejected_with_the_fix():
+    facts = [WorkerFacts(node_id="n", node_ip="10.0.0.1", pid=i,
+                         accelerator_ids={"neuron_cores": (str(2 * i), str(2 * i + 1))})
+             for i in range(2)]
+    with pytest.raises(XLAConfigError) as info:
+        neuron_plan(facts)
+    message = str(info.value)
+    assert "2 neuron_cores per worker" in message
+    assert "resources_per_worker={'neuron_cores': 1} and num_workers=4" in message
+
+
+def test_workers_without_cores_among_workers_with_cores_are_rejected():
+    facts = neuron_facts([[0]]) + [WorkerFacts(node_id="n0", node_ip="10.0.0.1", pid=9)]
+    with pytest.raises(XLAConfigError, match=r"workers \[1\] were given no neuron_cores"):
+        neuron_plan(facts)
+
+
+def test_without_ray_cores_local_ranks_are_used():
+    facts = described_facts([2])  # no accelerator ids
+    topo = Topology.from_facts(facts)
+    plans = plan(topo, TorchXLAConfig(device="neuron"), RDZV, "neuron", facts)
+    assert [p.env["NEURON_RT_VISIBLE_CORES"] for p in plans] == ["0,1", "0,1"]
+
+
+def test_xrt_plan_is_torchrun_contract_with_integer_strings():
+    facts = neuron_facts([[0, 1], [0, 1]])
+    plans = plan(Topology.from_facts(facts, "neuron_cores"),
+                 TorchXLAConfig(device="neuron", runtime="xrt"), RDZV, "neuron", facts)
+    for p in plans:
+        env = p.env
+        assert "PJRT_DEVICE" not in env  # XRT, not PJRT
+        assert env["GROUP_WORLD_SIZE"] == "2" and env["WORLD_SIZE"] == "4"
+        assert env["TORCHELASTIC_RUN_ID"] == "r"
+        assert env["NEURON_RT_VISIBLE_CORES"] == "0,1"
+        assert env["RAY_TRAIN_XLA_PG_BACKEND"] == "xla"
+        assert env["RAY_TRAIN_XLA_INIT_METHOD"] == "env://"
+    assert [p.env["GROUP_RANK"] for p in plans] == ["0", "0", "1", "1"]
+
+
+def test_cache_url_precedence():
+    assert explicit_cache_dir("--retry_failed_compilation --cache_dir=/fsx/c -O1") == "/fsx/c"
+    assert explicit_cache_dir("--cache_dir /fsx/d") == "/fsx/d"
+    assert resolve_cache_url({"NEURON_CC_FLAGS": "--cache_dir=/a",
+                              "NEURON_COMPILE_CACHE_URL": "s3://b"}) == "/a"
+    assert resolve_cache_url({"NEURON_COMPILE_CACHE_URL": "s3://b"}) == "s3://b"
+    assert resolve_cache_url({}) == DEFAULT_CACHE_URL
+
+
+def test_plan_cli_describes_neuron_topologies():
+    import contextlib
+    import io
+
+    from ray_train_xla.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--device", "neuron", "--nodes", "2", "--workers-per-node", "4",
+                     "--cores-per-worker", "1", "--json"]) == 0
+    rows = json.loads(buf.getvalue())
+    assert len(rows) == 8
+    assert [r["node_rank"] for r in rows] == [0] * 4 + [1] * 4
+    assert {r["env"]["NEURON_RT_VISIBLE_CORES"] for r in rows} == {"0,1,2,3"}
