@@ -73,7 +73,24 @@ def is_train_v2() -> bool:
     return is_v2_enabled()
 
 
-def start_cluster(nodes: int = 2, cpus_per_node: int = 3, **node_resources):
+DOUBLES_DIR = os.path.join(TESTS_DIR, "doubles")
+
+
+def with_neuron_doubles() -> dict:
+    """A job runtime_env that puts the Neuron SDK test doubles on the workers' import path."""
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]])}}
+
+
+# Workers here have no NeuronCores: these overrides (TorchXLAConfig.env, applied last) run the
+# process group on CPU/gloo, while every other variable is the Neuron plan under test.
+NEURON_ON_CPU = {
+    "PJRT_DEVICE": "CPU",
+    "RAY_TRAIN_XLA_PG_BACKEND": "gloo",
+    "RAY_TRAIN_XLA_INIT_METHOD": "env://",
+}
+
+
+def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **node_resources):
     """A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), connected.
 
     Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land per node.
@@ -92,7 +109,7 @@ def start_cluster(nodes: int = 2, cpus_per_node: int = 3, **node_resources):
                 include_dashboard=False,
             )
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env)
     except BaseException:
         cluster.shutdown()
         raise
