@@ -1,15 +1,24 @@
 """Two Ray nodes on one machine (ray.cluster_utils.Cluster), two workers per node."""
 
 import pytest
+from neuron_probe import compile_records, neuron_env_probe
 
-from conftest import fit, start_cluster, stop_cluster, write_record
+from conftest import (
+    NEURON_ON_CPU,
+    fit,
+    start_cluster,
+    stop_cluster,
+    with_neuron_doubles,
+    write_record,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = start_cluster(nodes=2)
+    # Each node: 3 CPUs, 2 "slot"s and 2 fake NeuronCores; the Neuron SDK double on the path.
+    cluster = start_cluster(nodes=2, runtime_env=with_neuron_doubles(), neuron_cores=2)
     try:
         yield cluster
     finally:
@@ -60,3 +69,33 @@ def test_ranks_on_two_nodes(two_nodes):
     rank0 = next(r for r in records if r["rank"] == 0)
     assert rank0["node_rank"] == 0 and rank0["local_rank"] == 0
     assert len({(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in records}) == 1
+
+
+def test_neuron_on_two_nodes_maps_cores_and_compiles_once_per_node(two_nodes):
+    import tempfile
+
+    from ray.train import ScalingConfig
+
+    from ray_train_xla import TorchXLAConfig
+
+    records_dir = tempfile.mkdtemp(prefix="rtx-compile-")
+    config = TorchXLAConfig(device="neuron", neuron_parallel_compile=True, timeout_s=120,
+                            env=dict(NEURON_ON_CPU, RTX_TEST_RECORD_DIR=records_dir))
+    _, records = fit(neuron_env_probe, torch_config=config, scaling_config=ScalingConfig(
+        num_workers=4, resources_per_worker={"CPU": 1, "neuron_cores": 1}))
+    assert len(records) == 4
+    nodes = {}
+    for r in records:
+        nodes.setdefault(r["node_id"], []).append(r)
+        assert r["after_init"] == r["ray_cores"][0]  # torch_xla's remap gives Ray's core
+        assert r["after_index"] == r["planned"]["RANK"]
+    assert len(nodes) == 2
+    for workers in nodes.values():
+        workers.sort(key=lambda r: int(r["planned"]["LOCAL_RANK"]))
+        expected = ",".join(w["ray_cores"][0] for w in workers)
+        assert {w["planned"]["NEURON_RT_VISIBLE_CORES"] for w in workers} == {expected}
+        assert len({w["planned"]["GROUP_RANK"] for w in workers}) == 1
+    assert len({r["planned"]["NEURON_RT_ROOT_COMM_ID"] for r in records}) == 1
+    calls = compile_records(records_dir)
+    assert sorted(c["node_id"] for c in calls) == sorted(nodes)  # exactly one per node
+    assert {c["local_rank"] for c in calls} == {"0"}
