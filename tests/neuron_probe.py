@@ -37,3 +37,17 @@ def compile_records(record_dir):
             with open(os.path.join(record_dir, name)) as f:
                 out.append(json.load(f))
     return out
+
+
+def start_fake_xrt_server(config):
+    """What torch_xla's XRT init does on local rank 0: start a server as a child process."""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, config["fake_server"], "120"])
+    write_record(config, f"xrt-rank{os.environ['RANK']}", {
+        "server": server.pid,
+        "runtime": os.environ.get("RAY_TRAIN_XLA_RUNTIME"),
+        "pjrt_device_planned": "PJRT_DEVICE" in os.environ,
+        "group_world_size": os.environ.get("GROUP_WORLD_SIZE"),
+    })

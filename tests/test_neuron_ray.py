@@ -2,11 +2,13 @@
 torch_xla's Neuron init on it, and the parallel-compile workflow with the SDK's test double."""
 
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 
 import pytest
-from neuron_probe import compile_records, neuron_env_probe
+from neuron_probe import compile_records, neuron_env_probe, start_fake_xrt_server
 
 from ray_train_xla import TorchXLAConfig
 
@@ -130,3 +132,26 @@ def test_a_missing_compile_module_fails_at_start_naming_the_worker(neuron_ray):
     assert "worker rank 0" in message
     assert "libneuronxla.neuron_parallel_compile" in message
     assert compile_records(records_dir) == []
+
+
+def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
+    from ray_train_xla import _xrt
+
+    fake_server = os.path.join(os.path.dirname(__file__), "doubles", "xrt_run_server.py")
+    other = subprocess.Popen([sys.executable, fake_server, "120"])
+    try:
+        _, records = fit(
+            start_fake_xrt_server,
+            loop_config={"fake_server": fake_server},
+            torch_config=TorchXLAConfig(device="neuron", runtime="xrt", timeout_s=60,
+                                        env=NEURON_ON_CPU),
+            scaling_config=neuron_scaling(2),
+        )
+        assert {r["runtime"] for r in records} == {"xrt"}
+        assert {r["group_world_size"] for r in records} == {"1"}
+        for r in records:
+            assert _xrt.start_time(r["server"]) is None  # stopped at shutdown
+        assert _xrt.start_time(other.pid) is not None  # not ours: untouched
+    finally:
+        other.kill()
+        other.wait()

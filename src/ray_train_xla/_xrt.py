@@ -42,12 +42,14 @@ def state_dir() -> str:
 
 
 def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (from /proc/PID/stat), None if it is gone."""
+    """The process's start time in clock ticks (from /proc/PID/stat); None if it is gone or a
+    zombie. With the pid, it identifies one process even after pids are reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return None if fields[0] == "Z" else fields[19]
 
 
 def cmdline(pid: int) -> str:
