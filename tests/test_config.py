@@ -18,7 +18,6 @@ BAD = [
     ({"timeout_s": -5}, "timeout_s=-5"),
     ({"timeout_s": "60"}, "timeout_s='60'"),
     ({"timeout_s": True}, "timeout_s=True"),
-    ({"gather_timeout_s": 0}, "gather_timeout_s=0"),
     ({"env": ["A=1"]}, "TorchXLAConfig.env=['A=1'] is not valid: expected a mapping"),
     ({"env": {"A=B": "1"}}, "variable names without '='"),
     ({"env": {"A": None}}, "TorchXLAConfig.env['A']=None is not valid: expected a string"),

@@ -39,14 +39,13 @@ class TorchXLAConfig(TorchConfig):
         neuron_parallel_compile: run a short graph-extraction pass and compile every graph into
             the Neuron cache at shutdown, so the real run starts without compiling (Neuron only).
         timeout_s: seconds that rendezvous and process-group initialisation may wait for the
-            other workers before failing; also the timeout of process-group operations.
+            other workers before failing; also the timeout of process-group operations and the
+            bound on each worker's shutdown.
         env: extra environment variables for every worker, applied last (they win).
         efa: Neuron EFA variables: None (default) sets them only where the node has EFA
             devices, True always, False never.
         compile_cache: Neuron compile cache (``NEURON_COMPILE_CACHE_URL``): a shared local path
             or an ``s3://`` URL. None keeps the Neuron default.
-        gather_timeout_s: seconds the driver waits for the workers to report their facts and
-            apply their environment at start.
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not used: the process group
     follows from the device (``xla`` through ``xla://``, or ``gloo`` for several CPU workers).
@@ -59,7 +58,6 @@ class TorchXLAConfig(TorchConfig):
     env: Mapping[str, str] = field(default_factory=dict)
     efa: bool | None = None
     compile_cache: str | None = None
-    gather_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,10 +78,9 @@ class TorchXLAConfig(TorchConfig):
             raise config_error(
                 "neuron_parallel_compile", self.neuron_parallel_compile,
                 f"False with device={self.device!r} (parallel compile is a Neuron feature)")
-        for name in ("timeout_s", "gather_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise config_error(name, value, "a positive number of seconds")
+        value = self.timeout_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise config_error("timeout_s", value, "a positive number of seconds")
         if not isinstance(self.env, Mapping):
             raise config_error("env", self.env, "a mapping of variable names to strings")
         for key, value in self.env.items():
