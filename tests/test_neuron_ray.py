@@ -155,3 +155,16 @@ def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
     finally:
         other.kill()
         other.wait()
+
+
+def test_two_cores_per_worker_are_refused_at_start_with_the_fix(neuron_ray):
+    from ray.train import ScalingConfig
+
+    with pytest.raises(Exception) as info:
+        fit(neuron_env_probe,
+            torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU),
+            scaling_config=ScalingConfig(num_workers=1,
+                                         resources_per_worker={"CPU": 1, "neuron_cores": 2}))
+    message = str(info.value)
+    assert "2 neuron_cores per worker" in message
+    assert "resources_per_worker={'neuron_cores': 1} and num_workers=2" in message

@@ -2,9 +2,9 @@
 
 import pytest
 
-from conftest import fit, is_train_v2, write_record
+from conftest import fit, write_record
 
-pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+pytestmark = pytest.mark.ray
 
 
 def raw_xla_all_reduce(config):
@@ -26,6 +26,7 @@ def raw_xla_all_reduce(config):
     })
 
 
+@pytest.mark.train_v1
 def test_one_worker_runs_raw_torch_xla(ray_local):
     _, records = fit(raw_xla_all_reduce, num_workers=1)
     (rec,) = records
@@ -65,6 +66,7 @@ def collectives_loop(config):
     })
 
 
+@pytest.mark.train_v1
 @pytest.mark.parametrize("workers", [2, 3])
 def test_several_workers_reduce_through_gloo(ray_local, workers):
     _, records = fit(collectives_loop, num_workers=workers)
@@ -86,8 +88,3 @@ def test_run_id_is_fresh_for_every_fit(ray_local):
     _, first = fit(collectives_loop, num_workers=2)
     _, second = fit(collectives_loop, num_workers=2)
     assert first[0]["run_id"] != second[0]["run_id"]
-
-
-def test_train_version_under_test_is_reported():
-    # Documents which Ray Train version this run exercised (make test runs both).
-    assert isinstance(is_train_v2(), bool)

@@ -12,7 +12,7 @@ from conftest import (
     write_record,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def where_am_i(config):
     })
 
 
+@pytest.mark.train_v1
 def test_ranks_on_two_nodes(two_nodes):
     from ray.train import ScalingConfig
 
