@@ -51,3 +51,8 @@ def start_fake_xrt_server(config):
         "pjrt_device_planned": "PJRT_DEVICE" in os.environ,
         "group_world_size": os.environ.get("GROUP_WORLD_SIZE"),
     })
+
+
+def import_torch_xla_early():
+    """A worker setup hook that imports torch_xla before the backend sets the environment."""
+    import torch_xla  # noqa: F401

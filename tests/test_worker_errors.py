@@ -1,0 +1,39 @@
+"""Errors only a worker can know are reported naming the worker, and stop the run."""
+
+import pytest
+from neuron_probe import neuron_env_probe
+
+from ray_train_xla import TorchXLAConfig
+
+from conftest import NEURON_ON_CPU, fit
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_with_early_import():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # Every worker imports torch_xla as soon as it starts, before any backend runs.
+    ray.init(address="local", num_cpus=4, resources={"neuron_cores": 2},
+             include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "neuron_probe.import_torch_xla_early"})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_torch_xla_imported_before_the_neuron_env_is_a_clear_worker_error(ray_with_early_import):
+    from ray.train import ScalingConfig
+
+    with pytest.raises(Exception) as info:
+        fit(neuron_env_probe,
+            torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU),
+            scaling_config=ScalingConfig(num_workers=1,
+                                         resources_per_worker={"CPU": 1, "neuron_cores": 1}))
+    message = str(info.value)
+    assert "worker rank 0" in message
+    assert "torch_xla was imported before ray_train_xla set the neuron environment" in message
