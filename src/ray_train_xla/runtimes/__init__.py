@@ -24,12 +24,14 @@ from ray_train_xla.runtimes.base import (
     INIT_METHOD_VAR,
     PG_BACKEND_VAR,
     RUNTIME_VAR,
+    SPMD_VAR,
     TIMEOUT_VAR,
     Rendezvous,
     Runtime,
     torchrun_env,
 )
 from ray_train_xla.runtimes.cpu import CPURuntime
+from ray_train_xla.runtimes.tpu import TPURuntime
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ _PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
 
 
 def _runtimes() -> dict[tuple[str, str], Runtime]:
-    return {("cpu", "pjrt"): CPURuntime()}
+    return {("cpu", "pjrt"): CPURuntime(), ("tpu", "pjrt"): TPURuntime()}
 
 
 def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
@@ -115,6 +117,8 @@ def plan(
         INIT_METHOD_VAR: init_method,
         TIMEOUT_VAR: str(int(config.timeout_s)),
     }
+    if config.spmd:
+        ours[SPMD_VAR] = "1"
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:
