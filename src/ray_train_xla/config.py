@@ -54,7 +54,8 @@ class TorchXLAConfig(TorchConfig):
             developed on CPU; None means 1 (CPU only).
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not used: the process group
-    follows from the device (``xla`` through ``xla://``, or ``gloo`` for several CPU workers).
+    follows from the device (``xla`` through ``xla://``, or ``gloo`` for several CPU workers)
+    and from ``spmd`` (``gloo`` through ``xla://``).
     """
 
     device: str = "auto"

@@ -81,8 +81,8 @@ class TPURuntime(Runtime):
             raise config_error("device", "tpu", f"{what} in {sorted(CHIP_GRIDS)}, got "
                                f"{per_host[0]}")
 
-    def _layout(self, topology, spmd: bool) -> tuple[list[str], dict[int, tuple[int, int]]]:
-        """Every process address in task-id order, and rank -> (task id, port); computed once
+    def _layout(self, topology, spmd: bool) -> tuple[str, dict[int, tuple[int, int]]]:
+        """Every process address in task-id order (joined), and rank -> (task id, port); computed once
         per topology, so planning stays linear in the number of workers."""
         cached = getattr(self, "_cache", None)
         if cached and cached[0] is topology and cached[1] == spmd:
@@ -102,8 +102,9 @@ class TPURuntime(Runtime):
                     host = f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip
                 addresses.append(f"{host}:{port}")
                 by_rank[w.rank] = (node_rank * per_host + slot, port)
-        self._cache = (topology, spmd, (addresses, by_rank))
-        return addresses, by_rank
+        layout = (",".join(addresses), by_rank)
+        self._cache = (topology, spmd, layout)
+        return layout
 
     def device_env(self, place, topology, rdzv, config, facts):
         spmd = config.spmd
@@ -128,5 +129,5 @@ class TPURuntime(Runtime):
             "TPU_HOST_BOUNDS": _bounds(process_grid),
             "CLOUD_TPU_TASK_ID": str(task_id),
             "TPU_PROCESS_PORT": str(port),
-            "TPU_PROCESS_ADDRESSES": ",".join(addresses),
+            "TPU_PROCESS_ADDRESSES": addresses,
         }
