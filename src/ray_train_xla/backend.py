@@ -32,6 +32,7 @@ from ray_train_xla.runtimes.base import (
     INIT_METHOD_VAR,
     PG_BACKEND_VAR,
     RUNTIME_VAR,
+    SPMD_VAR,
     TIMEOUT_VAR,
 )
 from ray_train_xla.topology import PRESET_VARS, Topology, WorkerFacts
@@ -176,6 +177,11 @@ def init_process_group() -> None:
     if dist.is_initialized():
         return
     try:
+        if os.environ.get(SPMD_VAR) == "1":
+            # Before any XLA tensor exists, and before the xla:// handler, which creates one.
+            import torch_xla.runtime as xr
+
+            xr.use_spmd()
         if backend == "xla" or init_method == "xla://":
             # Registers the "xla" backend and the "xla://" rendezvous handler.
             import torch_xla.distributed.xla_backend  # noqa: F401

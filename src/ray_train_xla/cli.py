@@ -76,7 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--cores-per-worker", type=_positive_int, default=None,
         help="accelerator ids (NeuronCores, TPU chips) Ray assigns each worker "
-        "(default: 1 on neuron/tpu, none on cpu)",
+        "(default: 1 on neuron/tpu, none on cpu). TPU: --nodes is the hosts, and "
+        "--workers-per-node x --cores-per-worker the chips per host",
+    )
+    plan.add_argument(
+        "--spmd", action="store_true",
+        help="SPMD: one worker per node owning all its devices (TorchXLAConfig.spmd); for TPU "
+        "pass --cores-per-worker <chips per host>",
+    )
+    plan.add_argument(
+        "--cpu-devices-per-worker", type=_positive_int, default=None, metavar="N",
+        help="XLA CPU devices per worker, CPU_NUM_DEVICES (TorchXLAConfig.cpu_devices_per_worker)",
     )
     plan.add_argument(
         "--efa", action="store_true",
@@ -134,6 +144,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             env=dict(args.env),
             compile_cache=args.compile_cache,
             neuron_parallel_compile=args.parallel_compile,
+            spmd=args.spmd,
+            cpu_devices_per_worker=args.cpu_devices_per_worker,
         )
         topology, facts = _describe_topology(args)
         needed = get_runtime(args.device, args.runtime).ports_needed(config)

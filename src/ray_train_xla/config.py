@@ -46,9 +46,15 @@ class TorchXLAConfig(TorchConfig):
             devices, True always, False never.
         compile_cache: Neuron compile cache (``NEURON_COMPILE_CACHE_URL``): a shared local path
             or an ``s3://`` URL. None keeps the Neuron default.
+        spmd: SPMD mode: one worker per host owns all of that host's devices, ``xr.use_spmd()``
+            runs before any XLA tensor exists and the process group is ``gloo`` (through
+            ``xla://``; the ``xla`` backend refuses SPMD). Shard with ``get_mesh()``.
+        cpu_devices_per_worker: XLA CPU devices per worker (``CPU_NUM_DEVICES``), so SPMD can be
+            developed on CPU; None means 1 (CPU only).
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not used: the process group
-    follows from the device (``xla`` through ``xla://``, or ``gloo`` for several CPU workers).
+    follows from the device (``xla`` through ``xla://``, or ``gloo`` for several CPU workers)
+    and from ``spmd`` (``gloo`` through ``xla://``).
     """
 
     device: str = "auto"
@@ -58,6 +64,8 @@ class TorchXLAConfig(TorchConfig):
     env: Mapping[str, str] = field(default_factory=dict)
     efa: bool | None = None
     compile_cache: str | None = None
+    spmd: bool = False
+    cpu_devices_per_worker: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,6 +102,21 @@ class TorchXLAConfig(TorchConfig):
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):
             raise config_error("compile_cache", self.compile_cache, "a path, an s3:// URL or None")
+        if not isinstance(self.spmd, bool):
+            raise config_error("spmd", self.spmd, "True or False")
+        if self.spmd and self.runtime == "xrt":
+            raise config_error("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
+        n = self.cpu_devices_per_worker
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise config_error("cpu_devices_per_worker", n, "a positive integer or None")
+            if self.device not in ("auto", "cpu"):
+                raise config_error("cpu_devices_per_worker", n,
+                                   f"None with device={self.device!r} (it sets CPU_NUM_DEVICES)")
+            if n > 1 and not self.spmd:
+                raise config_error(
+                    "cpu_devices_per_worker", n,
+                    "1 or None without spmd=True (a non-SPMD worker uses one XLA device)")
 
     @property
     def backend_cls(self):
@@ -114,6 +137,8 @@ class TorchXLAConfig(TorchConfig):
             "env": dict(self.env),
             "efa": self.efa,
             "compile_cache": self.compile_cache,
+            "spmd": self.spmd,
+            "cpu_devices_per_worker": self.cpu_devices_per_worker,
         }
 
 

@@ -24,6 +24,7 @@ from ray_train_xla.runtimes.base import (
     INIT_METHOD_VAR,
     PG_BACKEND_VAR,
     RUNTIME_VAR,
+    SPMD_VAR,
     TIMEOUT_VAR,
     Rendezvous,
     Runtime,
@@ -31,6 +32,7 @@ from ray_train_xla.runtimes.base import (
 )
 from ray_train_xla.runtimes.cpu import CPURuntime
 from ray_train_xla.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
+from ray_train_xla.runtimes.tpu import TPURuntime
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ def _runtimes() -> dict[tuple[str, str], Runtime]:
         ("cpu", "pjrt"): CPURuntime(),
         ("neuron", "pjrt"): NeuronRuntime(),
         ("neuron", "xrt"): NeuronXRTRuntime(),
+        ("tpu", "pjrt"): TPURuntime(),
     }
 
 
@@ -122,6 +125,8 @@ def plan(
         INIT_METHOD_VAR: init_method,
         TIMEOUT_VAR: str(int(config.timeout_s)),
     }
+    if config.spmd:
+        ours[SPMD_VAR] = "1"
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:

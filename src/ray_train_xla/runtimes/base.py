@@ -23,6 +23,8 @@ RUNTIME_VAR = "RAY_TRAIN_XLA_RUNTIME"
 PG_BACKEND_VAR = "RAY_TRAIN_XLA_PG_BACKEND"
 INIT_METHOD_VAR = "RAY_TRAIN_XLA_INIT_METHOD"
 TIMEOUT_VAR = "RAY_TRAIN_XLA_TIMEOUT_S"
+# "1" when TorchXLAConfig.spmd: the backend calls xr.use_spmd() before the process group.
+SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,28 @@ def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> di
     }
 
 
+# SPMD: the ``xla`` backend asserts it is not in SPMD; a CPU process group through the xla://
+# handler takes rank and world from PJRT (process_index, process_count), as torch_xla documents.
+SPMD_PROCESS_GROUP = ("gloo", "xla://")
+
+
+def check_spmd(config: TorchXLAConfig, topology: Topology) -> None:
+    """SPMD runs one process per host that owns all the host's devices: reject a node with
+    several workers, naming it and the fix."""
+    if not config.spmd:
+        return
+    from ray_train_xla.config import config_error
+
+    for node in topology.nodes():
+        if len(node) > 1:
+            raise config_error(
+                "spmd", True,
+                f"one worker per node, but node {node[0].node_rank} ({node[0].node_ip}) has "
+                f"{len(node)} workers: give each worker all of its node's devices (for example "
+                "ScalingConfig(num_workers=<nodes>, resources_per_worker={<device resource>: "
+                "<devices per node>})) or set spmd=False")
+
+
 class Runtime:
     """One device runtime. Subclasses override what differs; defaults suit a plain PJRT device."""
 
@@ -73,7 +97,9 @@ class Runtime:
 
     # ---- driver side (pure) ----
     def check(self, config: TorchXLAConfig, topology: Topology) -> None:
-        """Raise XLAConfigError for a config that cannot work on this topology."""
+        """Raise XLAConfigError for a config that cannot work on this topology.
+        Subclasses that override it call ``super().check`` (it checks SPMD)."""
+        check_spmd(config, topology)
 
     def ports_needed(self, config: TorchXLAConfig) -> int:
         """Free ports to take on rank 0's node beyond MASTER_PORT."""
@@ -81,6 +107,8 @@ class Runtime:
 
     def process_group(self, topology: Topology, config: TorchXLAConfig) -> tuple[str, str]:
         """(backend, init_method) for ``torch.distributed.init_process_group``."""
+        if config.spmd:
+            return SPMD_PROCESS_GROUP
         return "xla", "xla://"
 
     def device_env(
