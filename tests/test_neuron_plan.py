@@ -206,3 +206,18 @@ def test_plan_cli_describes_neuron_topologies():
     assert len(rows) == 8
     assert [r["node_rank"] for r in rows] == [0] * 4 + [1] * 4
     assert {r["env"]["NEURON_RT_VISIBLE_CORES"] for r in rows} == {"0,1,2,3"}
+
+
+def test_spmd_gives_one_worker_per_node_all_its_cores():
+    facts = [WorkerFacts(node_id=f"n{n}", node_ip=f"10.0.0.{n + 1}", pid=1,
+                         accelerator_ids={"neuron_cores": tuple(str(i) for i in range(4))})
+             for n in range(2)]
+    plans = neuron_plan(facts, spmd=True)
+    for p in plans:
+        assert p.env["NEURON_RT_VISIBLE_CORES"] == "0,1,2,3"
+        assert p.env["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == "4,4"
+        assert p.env["NEURON_PJRT_PROCESS_INDEX"] == p.env["RANK"]
+        assert p.env["RAY_TRAIN_XLA_SPMD"] == "1"
+        assert "NEURON_PJRT_WORLD_SIZE" not in p.env
+    with pytest.raises(XLAConfigError, match="one worker per node"):
+        neuron_plan(neuron_facts([[0, 1]]), spmd=True)

@@ -23,7 +23,11 @@ worker before its first import. Variables planned here, per worker:
 - ``NEURON_EXTRACT_GRAPHS_ONLY``, ``NEURON_PARALLEL_COMPILE``, ``NEURON_FALL_BACK_TO_NULL_NEFF``:
   with ``neuron_parallel_compile=True`` (see ``ray_train_xla.compile``).
 
-One NeuronCore per worker: under torchrun-style launch torch_xla's init always narrows a process
+SPMD (``spmd=True``): one worker per node owning all of the node's cores it was given;
+``NEURON_RT_VISIBLE_CORES`` is that list and ``NEURON_PJRT_PROCESSES_NUM_DEVICES`` the core count
+of every process (O(nodes), one process per node).
+
+One NeuronCore per worker otherwise: under torchrun-style launch torch_xla's init always narrows a process
 to ``cores[LOCAL_RANK]`` (``neuron_utils.remap_visible_cores``), so a worker given several cores
 would use one and strand the rest. ``check`` rejects that, naming the fix.
 """
@@ -62,6 +66,7 @@ class NeuronRuntime(Runtime):
 
     # ---- driver side ----
     def check(self, config, topology) -> None:
+        super().check(config, topology)  # SPMD: one worker per node
         counts = {len(w.accelerator_ids) for w in topology.workers}
         if counts == {0}:
             logger.warning(
@@ -76,7 +81,7 @@ class NeuronRuntime(Runtime):
                 f"Neuron workers {bare} were given no neuron_cores while others were: request "
                 "resources_per_worker={'neuron_cores': 1} for every worker."
             )
-        if counts != {1}:
+        if counts != {1} and not config.spmd:
             many = max(counts)
             raise XLAConfigError(
                 f"resources_per_worker asks for {many} neuron_cores per worker, but torch_xla's "
@@ -97,7 +102,31 @@ class NeuronRuntime(Runtime):
         return ",".join(i[0] if i else str(local) for local, i in enumerate(ids))
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
-        env = {
+        if config.spmd:
+            env = self._spmd_env(place, topology, rdzv)
+        else:
+            env = self._per_core_env(place, topology, rdzv)
+        env.update(node_network_env(config, facts))
+        if config.compile_cache:
+            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
+        if config.neuron_parallel_compile:
+            env.update(PARALLEL_COMPILE_ENV)
+        return env
+
+    def _spmd_env(self, place, topology, rdzv) -> dict[str, str]:
+        """SPMD: one process per node owning the node's cores. torch_xla's init skips its
+        torchrun mapping under SPMD; torch-neuronx wants the per-process core counts."""
+        return {
+            "PJRT_DEVICE": "NEURON",
+            "NEURON_RT_VISIBLE_CORES": ",".join(place.accelerator_ids),
+            "NEURON_RT_ROOT_COMM_ID": f"{_bracket_ipv6(rdzv.master_addr)}:{rdzv.extra_ports[0]}",
+            "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(
+                str(len(w.accelerator_ids)) for w in topology.workers),
+            "NEURON_PJRT_PROCESS_INDEX": str(place.rank),
+        }
+
+    def _per_core_env(self, place, topology, rdzv) -> dict[str, str]:
+        return {
             "PJRT_DEVICE": "NEURON",
             "NEURON_RT_VISIBLE_CORES": self._cores_for_node(topology, place.node_rank),
             "NEURON_RT_ROOT_COMM_ID": f"{_bracket_ipv6(rdzv.master_addr)}:{rdzv.extra_ports[0]}",
@@ -106,12 +135,6 @@ class NeuronRuntime(Runtime):
             "NEURON_PJRT_PROCESS_INDEX": str(place.rank),
             "PJRT_LOCAL_PROCESS_RANK": str(place.local_rank),
         }
-        env.update(node_network_env(config, facts))
-        if config.compile_cache:
-            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
-        if config.neuron_parallel_compile:
-            env.update(PARALLEL_COMPILE_ENV)
-        return env
 
     # ---- worker side ----
     def prepare_worker(self, options: Mapping[str, Any]) -> None:
