@@ -205,10 +205,11 @@ def check_node(ctx: NodeContext) -> list[Check]:
     versions = {name: installed_version(name) for name in PACKAGES}
     ctx.extra["versions"] = versions
     nc_devices, chips = neuron_devices(), tpu_chips()
-    neuron_present = bool(nc_devices)
     res = ctx.ray_resources
     ray_cores = int(res.get(NEURON_RESOURCE, 0)) if res is not None else None
     ray_tpus = int(res.get(TPU_RESOURCE, 0)) if res is not None else None
+    # A Neuron node: it has the devices, or Ray hands out NeuronCores there.
+    neuron_present = bool(nc_devices) or bool(ray_cores)
 
     # -- packages --
     torch_v, xla_v = versions["torch"], versions["torch_xla"]
@@ -232,7 +233,7 @@ def check_node(ctx: NodeContext) -> list[Check]:
     for name in ("torch-neuronx", "libneuronxla"):
         version = versions[name]
         if version is None:
-            needed = neuron_present or bool(ray_cores)
+            needed = neuron_present
             add(name, FAIL if needed else OK,
                 "not installed" + ("" if needed else " (not needed: no Neuron on this node)"),
                 "pip install torch-neuronx libneuronxla "
@@ -435,7 +436,7 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         rows.append(Check("ray cluster", "driver", OK,
                           f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
-        task = ray.remote(remote_node_check).options(num_cpus=0, max_retries=0)
+        task = ray.remote(remote_node_check)
         refs, labels = {}, {}
         for node in nodes:
             resources = dict(node.get("Resources", {}))
@@ -446,7 +447,8 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                               is_head=head, load_check=load_check, timeout_s=timeout_s * 0.8,
                               multi_node=len(nodes) > 1)
             ref = task.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+                num_cpus=0, max_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(ctx)
             refs[ref], labels[ref] = node, label
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
