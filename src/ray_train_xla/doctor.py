@@ -424,18 +424,19 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    rows = run_local(load_check=load_check, timeout_s=timeout_s)
-    rows = [r for r in rows if r.check not in ("free ports", "CPU collectives")]
+    def driver_rows() -> list[Check]:
+        rows = run_local(load_check=load_check, timeout_s=timeout_s)
+        return [r for r in rows if r.check not in ("free ports", "CPU collectives")]
+
     driver_versions = {n: installed_version(n) for n in PACKAGES}
     error = _connect(address, timeout_s)
     if error:
-        rows.append(Check("ray cluster", "driver", FAIL, error,
-                          "start Ray (ray start --head) or pass its address: --cluster HOST:6379"))
-        return rows
+        return driver_rows() + [
+            Check("ray cluster", "driver", FAIL, error,
+                  "start Ray (ray start --head) or pass its address: --cluster HOST:6379")
+        ]
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        rows.append(Check("ray cluster", "driver", OK,
-                          f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
         task = ray.remote(remote_node_check)
         refs, labels = {}, {}
         for node in nodes:
@@ -451,6 +452,10 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(ctx)
             refs[ref], labels[ref] = node, label
+        # The driver's own checks run while the nodes work.
+        rows = driver_rows()
+        rows.append(Check("ray cluster", "driver", OK,
+                          f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         answers = []
         for ref in ready:
