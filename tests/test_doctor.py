@@ -180,3 +180,29 @@ def test_cluster_one_row_set_per_node(two_node_cluster):
     assert [n for n in nodes if "free ports" in by_node[n]] == [n for n in nodes if "(head)" in n]
     assert any(r["check"] == "CPU collectives" for r in checks)
     assert code == 1 and report["ok"] is False, err
+
+
+def test_device_files_are_counted(tmp_path):
+    for name in ("neuron0", "neuron1", "neuron_monitor", "accel0", "accel1"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "vfio").mkdir()
+    assert [os.path.basename(p) for p in doctor.neuron_devices(str(tmp_path))] == [
+        "neuron0", "neuron1"]
+    assert len(doctor.tpu_chips(str(tmp_path))) == 2
+    for name in ("accel0", "accel1"):
+        (tmp_path / name).unlink()
+    for name in ("0", "1", "2", "vfio"):
+        (tmp_path / "vfio" / name).write_text("")
+    assert [os.path.basename(p) for p in doctor.tpu_chips(str(tmp_path))] == ["0", "1", "2"]
+
+
+def test_help_names_the_options(capsys):
+    from ray_train_xla.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["doctor", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--cluster [ADDRESS]", "--timeout SECONDS", "--json", "--no-load-check"):
+        assert option in text
+    assert build_parser().parse_args(["doctor", "--cluster"]).cluster == "auto"
+    assert build_parser().parse_args(["doctor"]).cluster is None
