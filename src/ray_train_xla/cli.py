@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan (and more) from the command line."""
+"""``ray-train-xla``: demo, plan, doctor from the command line."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ray-train-xla",
-        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan.",
+        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -111,7 +111,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON list, one object a worker")
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
+        description="Check package versions (torch_xla built for the installed torch), "
+        "PJRT_DEVICE and what device='auto' resolves to, Neuron devices against Ray's "
+        "neuron_cores, NEURON_RT_VISIBLE_CORES, EFA, TPU chips against Ray's TPU resource, "
+        "compile cache writability and free ports. Prints one row per check (OK, WARN, FAIL) "
+        "with a one-line fix for every non-OK row; exits 1 when any check FAILs.",
+    )
+    doctor.add_argument(
+        "--cluster", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help="also connect to a running Ray cluster (default address: auto, i.e. RAY_ADDRESS "
+        "or the local cluster started with `ray start`) and run the checks on every alive node",
+    )
+    doctor.add_argument(
+        "--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
+        help="bound on connecting, on each node's answer and on the torch_xla import "
+        "(default 60)",
+    )
+    doctor.add_argument(
+        "--no-load-check", dest="load_check", action="store_false",
+        help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
     return parser
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -207,12 +239,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ray_train_xla import doctor
+
+    if args.cluster is None:
+        rows = doctor.run_local(load_check=args.load_check, timeout_s=args.timeout)
+    else:
+        if not args.json:
+            print(f"ray-train-xla doctor: connecting to Ray at {args.cluster}...", flush=True)
+        rows = doctor.run_cluster(args.cluster, load_check=args.load_check, timeout_s=args.timeout)
+    if args.json:
+        json.dump(doctor.to_json(rows), sys.stdout, indent=2)
+        print()
+    else:
+        print(doctor.format_table(rows))
+    return 1 if doctor.failed(rows) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "demo":
         return cmd_demo(args)
+    if args.command == "doctor":
+        return cmd_doctor(args)
     raise AssertionError(args.command)
 
 

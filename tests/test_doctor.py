@@ -1,0 +1,208 @@
+"""`ray-train-xla doctor`: the CLI in a subprocess, on this machine and against a real Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ray_train_xla import doctor
+
+
+def run_doctor(*args: str, env: dict | None = None, timeout: float = 240):
+    """Run the CLI as a user would; return (exit code, stdout, stderr)."""
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("PJRT_DEVICE", "NEURON_RT_VISIBLE_CORES", "XLA_PERSISTENT_CACHE_PATH",
+                             doctor.FAKE_VERSIONS_VAR)}
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray_train_xla.cli", "doctor", *args],
+        capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def rows_of(stdout: str) -> dict[str, list[str]]:
+    """Table lines by check name (the first column), fix lines attached to the row above."""
+    out: dict[str, list[str]] = {}
+    last = None
+    for line in stdout.splitlines():
+        if line.lstrip().startswith("fix: ") and last:
+            out[last].append(line.strip())
+            continue
+        for name in sorted(CHECK_NAMES, key=len, reverse=True):
+            if line.startswith(name + " "):
+                last = name
+                out.setdefault(name, []).append(line)
+                break
+    return out
+
+
+CHECK_NAMES = ("torch/torch_xla", "torch_xla loads", "torch-neuronx", "libneuronxla", "device",
+               "neuron devices", "NEURON_RT_VISIBLE_CORES", "EFA", "TPU chips", "compile cache",
+               "free ports", "CPU collectives")
+
+
+def test_table_on_this_machine():
+    code, out, err = run_doctor()
+    assert code == 0, out + err
+    assert out.splitlines()[0].split()[:4] == ["check", "node", "status", "detail"]
+    rows = rows_of(out)
+    assert set(CHECK_NAMES) <= set(rows), out
+    assert " OK " in rows["torch/torch_xla"][0]
+    assert " OK " in rows["torch_xla loads"][0] and "import torch_xla works" in out
+    for name in ("neuron devices", "torch-neuronx", "libneuronxla", "EFA"):
+        assert " FAIL " not in rows[name][0], rows[name]
+    assert "not present" in rows["neuron devices"][0]
+    assert "device='auto' -> cpu" in rows["device"][0]
+    assert "ray_train_xla.all_reduce does" in rows["CPU collectives"][0]
+    assert "0 FAIL" in out.splitlines()[-1]
+
+
+def test_forced_mismatch_fails_with_fix():
+    code, out, _ = run_doctor("--no-load-check",
+                              env={doctor.FAKE_VERSIONS_VAR: "torch_xla=2.8.0"})
+    assert code == 1, out
+    row = rows_of(out)["torch/torch_xla"]
+    assert " FAIL " in row[0] and "torch_xla 2.8.0" in row[0]
+    assert row[1].startswith("fix: ") and "torch==2.8.*" in row[1] and "torch-xla==2.9.*" in row[1]
+
+
+def test_warnings_and_failures_from_the_environment(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    code, out, _ = run_doctor(
+        "--no-load-check", "--json",
+        env={"NEURON_RT_VISIBLE_CORES": "0-1", "XLA_PERSISTENT_CACHE_PATH": str(not_a_dir / "c"),
+             "PJRT_DEVICE": "CPU"},
+    )
+    report = json.loads(out)
+    by_check = {r["check"]: r for r in report["checks"]}
+    assert code == 1 and report["ok"] is False
+    assert by_check["NEURON_RT_VISIBLE_CORES"]["status"] == "WARN"
+    assert by_check["NEURON_RT_VISIBLE_CORES"]["fix"]
+    assert by_check["compile cache"]["status"] == "FAIL" and by_check["compile cache"]["fix"]
+    assert "PJRT_DEVICE=CPU" in by_check["device"]["detail"]
+    # A writable, not yet existing cache path is fine.
+    code, out, _ = run_doctor("--no-load-check", "--json",
+                              env={"XLA_PERSISTENT_CACHE_PATH": str(tmp_path / "a" / "b")})
+    cache = next(r for r in json.loads(out)["checks"] if r["check"] == "compile cache")
+    assert code == 0 and cache["status"] == "OK" and "does not exist yet" in cache["detail"]
+
+
+def test_json_fields():
+    code, out, _ = run_doctor("--no-load-check", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] is True
+    assert report["checks"]
+    for row in report["checks"]:
+        assert set(row) == {"check", "node", "status", "detail", "fix"}
+        assert row["status"] in ("OK", "WARN", "FAIL")
+        assert row["node"] == "driver"
+        assert bool(row["fix"]) == (row["status"] != "OK")
+
+
+def test_pairing_rules():
+    # torch_xla declares no torch pin: major.minor equality decides.
+    ok, how = doctor.pairing("torch_xla", "2.9.0", "2.9.1+cpu")
+    assert ok and "pairs with torch 2.9.x" in how
+    assert not doctor.pairing("torch_xla", "2.9.0", "2.10.0")[0]
+
+
+def test_cluster_unreachable_is_a_bounded_fail():
+    code, out, _ = run_doctor("--no-load-check", "--cluster", "127.0.0.1:1", "--timeout", "3",
+                              timeout=120)
+    assert code == 1
+    row = rows_of_cluster(out)["ray cluster"]
+    assert " FAIL " in row[0] and row[1].startswith("fix: ")
+
+
+def rows_of_cluster(stdout: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    last = None
+    for line in stdout.splitlines():
+        if line.lstrip().startswith("fix: ") and last:
+            out[last].append(line.strip())
+        elif line.startswith("ray cluster "):
+            last = "ray cluster"
+            out[last] = [line]
+        else:
+            last = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """Two Ray nodes on this machine; the second advertises 2 neuron_cores it does not have."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster()
+    try:
+        cluster.add_node(num_cpus=1, include_dashboard=False)
+        cluster.add_node(num_cpus=1, resources={"neuron_cores": 2}, include_dashboard=False)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.ray
+def test_cluster_one_row_set_per_node(two_node_cluster):
+    code, out, err = run_doctor("--cluster", two_node_cluster.address, "--json",
+                                "--timeout", "150", timeout=400)
+    assert out.startswith("{"), err[-3000:]
+    report = json.loads(out)
+    checks = report["checks"]
+    nodes = {r["node"] for r in checks} - {"driver", "cluster"}
+    assert len(nodes) == 2, checks
+    by_node = {n: {r["check"]: r for r in checks if r["node"] == n} for n in nodes}
+    for rows in by_node.values():
+        assert {"torch/torch_xla", "torch_xla loads", "device", "neuron devices", "EFA",
+                "TPU chips", "compile cache", "same as driver"} <= set(rows)
+        assert rows["torch/torch_xla"]["status"] == "OK"
+        assert rows["torch_xla loads"]["status"] == "OK"
+        assert rows["same as driver"]["status"] == "OK"
+    neuron = next(n for n in nodes if "neuron_cores=2" in by_node[n]["neuron devices"]["detail"])
+    plain = next(n for n in nodes if n != neuron)
+    # The node that advertises NeuronCores without devices is flagged; auto resolves per node.
+    assert by_node[neuron]["neuron devices"]["status"] == "FAIL"
+    assert by_node[neuron]["neuron devices"]["fix"]
+    assert "-> neuron" in by_node[neuron]["device"]["detail"]
+    assert by_node[neuron]["torch-neuronx"]["status"] == "FAIL"
+    assert by_node[neuron]["EFA"]["status"] == "WARN"  # a Neuron node of several, without EFA
+    assert "neuron-compile-cache" in by_node[neuron]["compile cache"]["detail"]
+    assert by_node[plain]["neuron devices"]["status"] == "OK"
+    assert "-> cpu" in by_node[plain]["device"]["detail"]
+    # Ports are checked once, on the head.
+    assert [n for n in nodes if "free ports" in by_node[n]] == [n for n in nodes if "(head)" in n]
+    assert any(r["check"] == "CPU collectives" for r in checks)
+    assert code == 1 and report["ok"] is False, err
+
+
+def test_device_files_are_counted(tmp_path):
+    for name in ("neuron0", "neuron1", "neuron_monitor", "accel0", "accel1"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "vfio").mkdir()
+    assert [os.path.basename(p) for p in doctor.neuron_devices(str(tmp_path))] == [
+        "neuron0", "neuron1"]
+    assert len(doctor.tpu_chips(str(tmp_path))) == 2
+    for name in ("accel0", "accel1"):
+        (tmp_path / name).unlink()
+    for name in ("0", "1", "2", "vfio"):
+        (tmp_path / "vfio" / name).write_text("")
+    assert [os.path.basename(p) for p in doctor.tpu_chips(str(tmp_path))] == ["0", "1", "2"]
+
+
+def test_help_names_the_options(capsys):
+    from ray_train_xla.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["doctor", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--cluster [ADDRESS]", "--timeout SECONDS", "--json", "--no-load-check"):
+        assert option in text
+    assert build_parser().parse_args(["doctor", "--cluster"]).cluster == "auto"
+    assert build_parser().parse_args(["doctor"]).cluster is None
