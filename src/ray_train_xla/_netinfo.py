@@ -50,3 +50,19 @@ def interface_for_ip(ip: str) -> str | None:
         if _ipv4_of(name) == ip:
             return name
     return None
+
+
+def free_ports(count: int, ipv6: bool = False) -> list[int]:
+    """``count`` distinct free TCP ports on this machine (bound together while chosen, then
+    released for the caller to use)."""
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

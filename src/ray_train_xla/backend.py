@@ -136,18 +136,8 @@ def gather_facts() -> WorkerFacts:
 
 
 def reserve_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on this node (held together while chosen)."""
-    family = socket.AF_INET6 if ":" in ray.util.get_node_ip_address() else socket.AF_INET
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``count`` distinct free TCP ports on this node."""
+    return _netinfo.free_ports(count, ipv6=":" in ray.util.get_node_ip_address())
 
 
 def apply_env(plans_by_key: Mapping[str, Mapping[str, str]], options: Mapping[str, Any]) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from ray_train_xla import _netinfo
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 FAKE_VERSIONS_VAR = "RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS"
@@ -160,20 +161,6 @@ def _writable(path: str) -> tuple[bool, str]:
     except OSError as exc:
         return False, f"cannot write in {probe}: {exc.strerror or exc}"
     return True, "writable" if probe == path else f"does not exist yet; {probe} is writable"
-
-
-def free_ports(count: int = 2) -> list[int]:
-    """Bind ``count`` ephemeral TCP ports together (as the backend does for rank 0), then release."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _load_torch_xla(timeout_s: float) -> tuple[bool, str]:
@@ -344,7 +331,7 @@ def check_node(ctx: NodeContext) -> list[Check]:
     # -- ports on the head --
     if ctx.is_head:
         try:
-            ports = free_ports(2)
+            ports = _netinfo.free_ports(2)
             add("free ports", OK, f"bound two ephemeral ports ({ports[0]}, {ports[1]})")
         except OSError as exc:
             add("free ports", FAIL, f"cannot bind ephemeral TCP ports: {exc}",
@@ -353,8 +340,6 @@ def check_node(ctx: NodeContext) -> list[Check]:
 
 
 def _has_efa() -> bool:
-    from ray_train_xla import _netinfo
-
     return _netinfo.has_efa()
 
 

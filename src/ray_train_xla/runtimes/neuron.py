@@ -106,11 +106,7 @@ class NeuronRuntime(Runtime):
             env = self._spmd_env(place, topology, rdzv)
         else:
             env = self._per_core_env(place, topology, rdzv)
-        env.update(node_network_env(config, facts))
-        if config.compile_cache:
-            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
-        if config.neuron_parallel_compile:
-            env.update(PARALLEL_COMPILE_ENV)
+        env.update(node_env(config, facts))
         return env
 
     def _spmd_env(self, place, topology, rdzv) -> dict[str, str]:
@@ -150,8 +146,9 @@ class NeuronRuntime(Runtime):
             neuron_compile.compile_extracted_graphs()
 
 
-def node_network_env(config, facts) -> dict[str, str]:
-    """EFA and socket-interface variables for a worker, from what its node reported."""
+def node_env(config, facts) -> dict[str, str]:
+    """What PJRT and XRT workers share: EFA and socket-interface variables from what the node
+    reported, the compile cache, and the graph-extraction switches."""
     env: dict[str, str] = {}
     has_efa = facts.has_efa if facts is not None else False
     if config.efa is True or (config.efa is None and has_efa):
@@ -160,6 +157,10 @@ def node_network_env(config, facts) -> dict[str, str]:
         for var in INTERFACE_VARS:
             if not facts.preset_env.get(var):
                 env[var] = facts.network_interface
+    if config.compile_cache:
+        env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
+    if config.neuron_parallel_compile:
+        env.update(PARALLEL_COMPILE_ENV)
     return env
 
 
@@ -184,11 +185,7 @@ class NeuronXRTRuntime(NeuronRuntime):
             "XLA_TRANSFER_SEED_ASYNC": "1",
             "NCCL_ASYNC_ERROR_HANDLING": "1",
         }
-        env.update(node_network_env(config, facts))
-        if config.compile_cache:
-            env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
-        if config.neuron_parallel_compile:
-            env.update(PARALLEL_COMPILE_ENV)
+        env.update(node_env(config, facts))
         return env
 
     def prepare_worker(self, options: Mapping[str, Any]) -> None:
