@@ -47,13 +47,16 @@ def train_regression(config):
     state = rtx.load_checkpoint(model, opt)
     step = start_step = state["step"] if state else 0
     loader.set_epoch(step // (SAMPLES // GLOBAL_BATCH))
-    losses = []
+    losses, transfers = [], []
     while step < STEPS:
         for xb, yb in loader:
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
-            rtx.optimizer_step(opt)
+            before = transfers_to_host()
+            # Step 1 with one bucket per parameter, then the default buckets (numerically equal).
+            rtx.optimizer_step(opt, **({"bucket_mb": 1e-9} if step == 0 else {}))
+            transfers.append(transfers_to_host() - before)
             step += 1
             marker = os.path.join(config["out_dir"], "failed_once.json")
             if config.get("fail") and step == FAIL_AT and r == 1 and not os.path.exists(marker):
@@ -67,7 +70,8 @@ def train_regression(config):
                     {"step": step, "loss": losses[-1], **m},
                 )
     record = {
-        "rank": r, "resumed": resumed, "start_step": start_step, "step": step, "losses": losses, "metrics": m,
+        "rank": r, "resumed": resumed, "start_step": start_step, "step": step, "losses": losses,
+        "transfers": transfers, "metrics": m,
         "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()],
     }
     if config.get("ray_data"):
@@ -77,6 +81,13 @@ def train_regression(config):
             for b in batches
         ]
     write_record(config, f"final_rank{r}_pid{os.getpid()}", record)
+
+
+def transfers_to_host() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0
 
 
 def finals(records):
@@ -110,6 +121,9 @@ def test_two_workers_on_half_batches_match_one_worker_on_the_whole_batch(uninter
     (one,) = finals(one_records)
     assert_params_close(two[0]["params"], one["params"])
     assert one["step"] == two[0]["step"] == STEPS
+    # Gradients cross to the host once per bucket: 4 parameters, one float32 bucket.
+    assert two[0]["transfers"][:2] == [4, 1] and set(two[0]["transfers"][1:]) == {1}
+    assert set(one["transfers"]) == {0}  # one worker: nothing to reduce
     # Loss goes down and the step graphs stopped compiling after warm-up.
     for rec in two:
         assert rec["losses"][-1] < rec["losses"][0]
