@@ -51,6 +51,9 @@ def train_loop(config: dict) -> None:
     loader.set_epoch(step // steps_per_epoch)
     skip = step % steps_per_epoch  # resuming mid-epoch: skip the batches already seen
 
+    # Running loss total, summed on the device inside the step graph (no extra graph, no
+    # transfer per step); read at each report to give the mean loss since the previous one.
+    loss_total, reported_total, reported_step = torch.zeros((), device=rtx.get_device()), 0.0, step
     while step < last:
         for i, (xb, yb) in enumerate(loader):
             if i < skip:
@@ -58,15 +61,19 @@ def train_loop(config: dict) -> None:
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
+            loss_total = loss_total + loss.detach()
             rtx.optimizer_step(optimizer)  # average gradients, step, cut the graph
             step += 1
             metrics = rtx.metrics(step)  # compile counts and times, warns on recompilation
             if step % config["report_every"] == 0 or step == last:
+                total = loss_total.item()
                 rtx.save_checkpoint(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": step},
-                    {"step": step, "loss": loss.item(), **metrics},
+                    {"step": step, "loss": (total - reported_total) / (step - reported_step),
+                     **metrics},
                 )
+                reported_total, reported_step = total, step
             if step >= last:
                 break
         skip = 0
@@ -118,7 +125,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)  # never attach to a stale cluster
     try:
         config = default_config(args.steps)
         config["more"] = args.resume
