@@ -90,6 +90,7 @@ class XLADataLoader:
         self.sampler = sampler
         self.epoch = 0
         self._to_device = to_device
+        self._device_loader = None  # one MpDeviceLoader: it closes the previous epoch's threads
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (the shuffle order depends on it)."""
@@ -104,9 +105,11 @@ class XLADataLoader:
         self.epoch += 1
         if not self._to_device:
             return iter(self.loader)
-        from torch_xla.distributed.parallel_loader import MpDeviceLoader
+        if self._device_loader is None:
+            from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
-        return iter(MpDeviceLoader(self.loader, get_device()))
+            self._device_loader = MpDeviceLoader(self.loader, get_device())
+        return iter(self._device_loader)
 
 
 def prepare_data_loader(

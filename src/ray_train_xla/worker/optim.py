@@ -103,7 +103,8 @@ def optimizer_step(
     """Average gradients across workers, run ``optimizer.step()`` and (``sync``) cut the graph.
 
     Use it in place of ``optimizer.step()``; returns what ``step()`` returns. ``bucket_mb`` bounds
-    the size of each host transfer on the CPU (gloo) path.
+    the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
+    reducing, whatever ``sync``.
     """
     import torch_xla
 
