@@ -1,21 +1,35 @@
 """PyTorch/XLA (AWS Trainium, TPU, CPU) for Ray Train's TorchTrainer.
 
 Driver side: pass ``TorchXLAConfig()`` as ``torch_config``. Inside the training function: the
-helpers below (device, ranks, collectives) run the same code on every device.
+helpers below (device, ranks, collectives, data loading, optimizer step, checkpoints, compile
+metrics) run the same code on every device.
 """
 
 from ray_train_xla.config import TorchXLAConfig, XLAConfigError
 from ray_train_xla.worker import (
+    CompileMonitor,
+    RecompilationWarning,
+    XLADataLoader,
     all_reduce,
     broadcast,
     get_device,
     get_mesh,
+    iter_xla_batches,
+    load_checkpoint,
     local_rank,
+    metrics,
     node_rank,
+    optimizer_step,
+    pad_batch,
+    prepare_data_loader,
+    prepare_model,
     rank,
+    reduce_gradients,
     rendezvous,
+    save_checkpoint,
     shard_batch,
     sharding_spec,
+    to_cpu,
     uses_host_collectives,
     world_size,
 )
@@ -25,16 +39,29 @@ __version__ = "0.1.0"
 __all__ = [
     "TorchXLAConfig",
     "XLAConfigError",
+    "CompileMonitor",
+    "RecompilationWarning",
+    "XLADataLoader",
     "all_reduce",
     "broadcast",
     "get_device",
     "get_mesh",
+    "iter_xla_batches",
+    "load_checkpoint",
     "local_rank",
+    "metrics",
     "node_rank",
+    "optimizer_step",
+    "pad_batch",
+    "prepare_data_loader",
+    "prepare_model",
     "rank",
+    "reduce_gradients",
     "rendezvous",
     "shard_batch",
     "sharding_spec",
+    "save_checkpoint",
+    "to_cpu",
     "uses_host_collectives",
     "world_size",
 ]

@@ -101,3 +101,66 @@ def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto") -> De
         seconds=seconds,
         ok=len(records) == workers,
     )
+
+
+EXAMPLE_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "examples", "train_mlp.py",
+)
+
+
+@dataclass
+class TrainSummary:
+    workers: int
+    steps: int
+    seconds: float
+    history: list  # [{"step", "loss", "xla/compiles", ...}] one per report, in step order
+    checkpoint: str
+
+    @property
+    def ok(self) -> bool:
+        return len(self.history) >= 2 and self.history[-1]["loss"] < self.history[0]["loss"]
+
+
+def load_example(path: str = EXAMPLE_PATH):
+    """Import ``examples/train_mlp.py`` (from a source checkout) so Ray ships it by value."""
+    import importlib.util
+    import sys
+
+    import ray.cloudpickle
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} not found: `demo --train` runs examples/train_mlp.py from a source checkout "
+            "of ray-train-xla (pip install -e .)"
+        )
+    spec = importlib.util.spec_from_file_location("ray_train_xla_example_train_mlp", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)  # workers cannot import it by name
+    return module
+
+
+def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto") -> TrainSummary:
+    """Start a local Ray, train the example MLP on ``workers`` workers, shut Ray down."""
+    import ray
+
+    example = load_example()
+    config = example.default_config(steps)
+    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp:
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(address="local", num_cpus=max(2, workers + 1), include_dashboard=False,
+                     log_to_driver=False)
+        try:
+            start = time.perf_counter()
+            trainer = example.build_trainer(workers, config, tmp, "train_mlp", device, keep=None)
+            result = trainer.fit()
+            seconds = time.perf_counter() - start
+        finally:
+            if started_ray:
+                ray.shutdown()
+        history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
+        checkpoint = result.checkpoint.path if result.checkpoint else ""
+    return TrainSummary(workers, steps, seconds, history, checkpoint)

@@ -1,5 +1,6 @@
 """Helpers used inside the training function (imported on workers, never by the backend)."""
 
+from ray_train_xla.worker.checkpoint import load_checkpoint, save_checkpoint, to_cpu
 from ray_train_xla.worker.collectives import (
     all_reduce,
     broadcast,
@@ -11,19 +12,35 @@ from ray_train_xla.worker.collectives import (
     uses_host_collectives,
     world_size,
 )
+from ray_train_xla.worker.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
+from ray_train_xla.worker.metrics import CompileMonitor, RecompilationWarning, metrics
+from ray_train_xla.worker.optim import optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.worker.spmd import get_mesh, shard_batch, sharding_spec
 
 __all__ = [
+    "CompileMonitor",
+    "RecompilationWarning",
+    "XLADataLoader",
     "all_reduce",
     "broadcast",
     "get_device",
     "get_mesh",
+    "iter_xla_batches",
+    "load_checkpoint",
     "local_rank",
+    "metrics",
     "node_rank",
+    "optimizer_step",
+    "pad_batch",
+    "prepare_data_loader",
+    "prepare_model",
     "rank",
+    "reduce_gradients",
     "rendezvous",
     "shard_batch",
     "sharding_spec",
+    "save_checkpoint",
+    "to_cpu",
     "uses_host_collectives",
     "world_size",
 ]

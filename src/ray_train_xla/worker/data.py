@@ -1,0 +1,202 @@
+"""Input pipelines with constant batch shapes, moved to the XLA device in the background.
+
+Every distinct input shape is a distinct XLA graph: a short last batch compiles a second step
+graph (and, on Neuron, minutes of compilation). These helpers keep every batch the same shape:
+``ragged="drop"`` drops the short last batch, ``ragged="pad"`` pads it with zero rows and yields
+``(batch, mask)`` where ``mask`` is 1.0 for real rows and 0.0 for padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ray_train_xla.worker.collectives import get_device, rank, world_size
+
+RAGGED_MODES = ("drop", "pad")
+
+
+def _check_ragged(ragged: str) -> str:
+    if ragged not in RAGGED_MODES:
+        raise ValueError(f"ragged={ragged!r} is not valid: expected one of {list(RAGGED_MODES)}")
+    return ragged
+
+
+def _rows(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, Mapping):
+        values: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        return None
+    for value in values:
+        rows = _rows(value)
+        if rows is not None:
+            return rows
+    return None
+
+
+def pad_batch(batch: Any, batch_size: int) -> tuple[Any, torch.Tensor]:
+    """Pad every tensor in ``batch`` (nested tuples, lists, dicts) with zero rows up to
+    ``batch_size``; return ``(padded, mask)`` with ``mask[i] = 1.0`` for real rows."""
+    rows = _rows(batch)
+    if rows is None:
+        raise ValueError("pad_batch: the batch holds no tensor with a batch dimension")
+    if rows > batch_size:
+        raise ValueError(f"pad_batch: batch has {rows} rows, more than batch_size={batch_size}")
+
+    def pad(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == rows:
+            if rows == batch_size:
+                return value
+            filler = value.new_zeros((batch_size - rows, *value.shape[1:]))
+            return torch.cat([value, filler])
+        if isinstance(value, Mapping):
+            return {k: pad(v) for k, v in value.items()}
+        if isinstance(value, tuple):
+            return tuple(pad(v) for v in value)
+        if isinstance(value, list):
+            return [pad(v) for v in value]
+        return value
+
+    mask = torch.zeros(batch_size)
+    mask[:rows] = 1.0
+    return pad(batch), mask
+
+
+class _PaddingCollate:
+    """Collate function wrapper that pads every batch to ``batch_size`` and adds the mask."""
+
+    def __init__(self, collate_fn: Callable, batch_size: int) -> None:
+        self.collate_fn = collate_fn
+        self.batch_size = batch_size
+
+    def __call__(self, samples: list) -> tuple[Any, torch.Tensor]:
+        return pad_batch(self.collate_fn(samples), self.batch_size)
+
+
+class XLADataLoader:
+    """This worker's shard of a DataLoader, batches on the XLA device, reshuffled every epoch.
+
+    Each ``iter()`` is one epoch; call ``set_epoch(e)`` to choose it (when resuming).
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader, sampler: Any, to_device: bool) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.epoch = 0
+        self._to_device = to_device
+        self._device_loader = None  # one MpDeviceLoader: it closes the previous epoch's threads
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration (the shuffle order depends on it)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        if not self._to_device:
+            return iter(self.loader)
+        if self._device_loader is None:
+            from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+            self._device_loader = MpDeviceLoader(self.loader, get_device())
+        return iter(self._device_loader)
+
+
+def prepare_data_loader(
+    loader: torch.utils.data.DataLoader,
+    ragged: str = "drop",
+    shuffle: bool | None = None,
+    seed: int = 0,
+    to_device: bool = True,
+) -> XLADataLoader:
+    """Rebuild ``loader`` for this worker: its shard of the dataset (``DistributedSampler``),
+    every batch of exactly ``loader.batch_size`` rows, moved to the XLA device asynchronously
+    (torch_xla's ``MpDeviceLoader``).
+
+    ``ragged``: "drop" the short last batch, or "pad" it and yield ``(batch, mask)`` for every
+    batch. ``shuffle``: default True unless ``loader`` iterates in order (a ``SequentialSampler``).
+    """
+    from torch.utils.data import DataLoader, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    _check_ragged(ragged)
+    if loader.batch_size is None:
+        raise ValueError(
+            "prepare_data_loader: the DataLoader has batch_size=None (a batch_sampler or "
+            "unbatched data); give it a fixed batch_size so every batch has the same shape"
+        )
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ValueError(
+            "prepare_data_loader: an IterableDataset cannot be sharded by a sampler; shard it "
+            "yourself by rank() and world_size(), or use Ray Data with iter_xla_batches()"
+        )
+    if shuffle is None:
+        shuffle = not isinstance(loader.sampler, SequentialSampler)
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=world_size(), rank=rank(), shuffle=shuffle, seed=seed,
+        drop_last=False,
+    )
+    collate = loader.collate_fn
+    if ragged == "pad":
+        collate = _PaddingCollate(collate, loader.batch_size)
+    rebuilt = DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=collate,
+        pin_memory=False,
+        drop_last=ragged == "drop",
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers else False,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+    )
+    return XLADataLoader(rebuilt, sampler, to_device)
+
+
+class _RayDataBatches:
+    """One epoch of a Ray Data shard as CPU batches of constant shape (an iterable)."""
+
+    def __init__(self, shard: Any, batch_size: int, ragged: str, kwargs: dict) -> None:
+        self.shard, self.batch_size, self.ragged, self.kwargs = shard, batch_size, ragged, kwargs
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.shard.iter_torch_batches(
+            batch_size=self.batch_size, drop_last=self.ragged == "drop", **self.kwargs
+        ):
+            yield pad_batch(batch, self.batch_size) if self.ragged == "pad" else batch
+
+
+def iter_xla_batches(
+    shard: Any,
+    batch_size: int,
+    ragged: str = "drop",
+    to_device: bool = True,
+    **iter_torch_batches_kwargs: Any,
+) -> Iterator[Any]:
+    """Iterate one epoch of a Ray Data shard (``ray.train.get_dataset_shard(name)``) as dicts of
+    XLA tensors with exactly ``batch_size`` rows, moved to the device in the background.
+
+    ``ragged`` as in ``prepare_data_loader``. Every worker must get the same number of batches
+    (Ray Train's default ``DataConfig`` splits datasets into equal shards).
+    """
+    _check_ragged(ragged)
+    if batch_size < 1:
+        raise ValueError(f"iter_xla_batches: batch_size={batch_size} is not valid: expected >= 1")
+    batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
+    if not to_device:
+        return iter(batches)
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    return iter(MpDeviceLoader(batches, get_device()))

@@ -1,0 +1,115 @@
+"""Model and optimizer helpers: start every worker from rank 0's parameters, average gradients.
+
+On accelerators (and a single CPU worker) gradient averaging is torch_xla's own
+(``xm.optimizer_step`` semantics: an all-reduce traced into the step graph). With several CPU
+workers torch_xla cannot reduce across processes, so the gradients are reduced through the gloo
+group in buckets: each bucket is flattened on the XLA device and crosses to the host once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ray_train_xla.worker.collectives import broadcast, get_device, uses_host_collectives, world_size
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:
+    """Group tensors of the same dtype into buckets of at most ``bucket_mb`` (one tensor may exceed)."""
+    cap = max(1, int(bucket_mb * 1024 * 1024))
+    open_buckets: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        bucket, size = open_buckets.get(t.dtype, ([], 0))
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > cap:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        open_buckets[t.dtype] = (bucket, size + nbytes)
+    for bucket, _ in open_buckets.values():
+        if bucket:
+            yield bucket
+
+
+def _flatten(bucket: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in bucket])
+
+
+def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in bucket:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+@torch.no_grad()
+def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.nn.Module:
+    """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
+    and buffers (so workers agree even when their random initialisation differed)."""
+    import torch_xla
+
+    model = model.to(get_device())
+    if world_size() > 1:
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
+        for bucket in _buckets(tensors, bucket_mb):
+            _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
+        torch_xla.sync()
+    return model
+
+
+def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        p.grad for group in optimizer.param_groups for p in group["params"]
+        if p.grad is not None and p.grad.numel() > 0
+    ]
+
+
+@torch.no_grad()
+def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+    """Average the gradients of ``optimizer``'s parameters over all workers, in place."""
+    n = world_size()
+    if n == 1:
+        return
+    if not uses_host_collectives():
+        import torch_xla.core.xla_model as xm
+
+        xm.reduce_gradients(optimizer)
+        return
+    import torch.distributed as dist
+    import torch_xla
+
+    buckets = list(_buckets(_gradients(optimizer), bucket_mb))
+    flats = [_flatten(b) for b in buckets]
+    # One execution computes the backward pass and every flattened bucket; the copies to the
+    # host below are then plain transfers, one per bucket.
+    torch_xla.sync()
+    for bucket, flat in zip(buckets, flats):
+        host = flat.cpu()
+        dist.all_reduce(host, op=dist.ReduceOp.SUM)
+        host.div_(n)
+        _unflatten_into(host.to(flat.device), bucket)
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    sync: bool = True,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    **step_kwargs,
+):
+    """Average gradients across workers, run ``optimizer.step()`` and (``sync``) cut the graph.
+
+    Use it in place of ``optimizer.step()``; returns what ``step()`` returns. ``bucket_mb`` bounds
+    the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
+    reducing, whatever ``sync``.
+    """
+    import torch_xla
+
+    reduce_gradients(optimizer, bucket_mb=bucket_mb)
+    result = optimizer.step(**step_kwargs)
+    if sync:
+        torch_xla.sync()
+    return result
