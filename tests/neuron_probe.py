@@ -21,7 +21,10 @@ def neuron_env_probe(config):
     import torch_xla._internal.neuron as neuron
 
     neuron.configure_pjrt_environment()
+    import ray_train_xla as rtx
+
     write_record(config, f"rank{planned['RANK']}-{time.time_ns()}", {
+        "graph_extraction_mark": rtx.metrics().get("xla/graph_extraction_only"),
         "node_id": ray.get_runtime_context().get_node_id(),
         "planned": planned,
         "ray_cores": list(ray_cores),

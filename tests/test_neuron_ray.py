@@ -60,6 +60,7 @@ def test_workers_get_the_core_ray_assigned_them(neuron_ray):
     by_local = sorted(records, key=lambda r: int(r["planned"]["LOCAL_RANK"]))
     assert node_list.pop() == ",".join(r["ray_cores"][0] for r in by_local)
     for r in records:
+        assert r["graph_extraction_mark"] is None  # a real run's metrics are not marked
         assert len(r["ray_cores"]) == 1 and r["ray_cores"] != held
         assert r["after_init"] == r["ray_cores"][0]  # torch_xla's remap lands on Ray's core
         assert r["after_index"] == r["planned"]["RANK"]
@@ -112,6 +113,7 @@ def test_two_trainers_at_once_compile_in_private_workdirs(neuron_ray):
         [os.path.join(records_dir, "cache-a"), "/shared/flags-cache"])  # --cache_dir wins
     for _, records in results:
         assert {r["planned"]["NEURON_EXTRACT_GRAPHS_ONLY"] for r in records} == {"1"}
+        assert {r["graph_extraction_mark"] for r in records} == {1}  # metrics are marked
 
 
 def test_a_failed_compile_fails_the_run_with_the_compiler_message(neuron_ray):

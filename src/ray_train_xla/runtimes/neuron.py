@@ -35,7 +35,6 @@ would use one and strand the rest. ``check`` rejects that, naming the fix.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -203,7 +202,3 @@ class NeuronXRTRuntime(NeuronRuntime):
         finally:
             super().cleanup_worker(options)
 
-
-def is_graph_extraction_run() -> bool:
-    """True on a worker of a ``neuron_parallel_compile`` run: outputs and losses are not real."""
-    return os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") == "1"

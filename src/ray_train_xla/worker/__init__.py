@@ -13,7 +13,12 @@ from ray_train_xla.worker.collectives import (
     world_size,
 )
 from ray_train_xla.worker.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
-from ray_train_xla.worker.metrics import CompileMonitor, RecompilationWarning, metrics
+from ray_train_xla.worker.metrics import (
+    CompileMonitor,
+    RecompilationWarning,
+    is_graph_extraction_run,
+    metrics,
+)
 from ray_train_xla.worker.optim import optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.worker.spmd import get_mesh, shard_batch, sharding_spec
 
@@ -25,6 +30,7 @@ __all__ = [
     "broadcast",
     "get_device",
     "get_mesh",
+    "is_graph_extraction_run",
     "iter_xla_batches",
     "load_checkpoint",
     "local_rank",

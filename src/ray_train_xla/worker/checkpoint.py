@@ -8,6 +8,7 @@ that only rank 0 takes. The file needs neither torch_xla nor this package to loa
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Mapping
@@ -16,6 +17,9 @@ from typing import Any
 import torch
 
 from ray_train_xla.worker.collectives import rank
+from ray_train_xla.worker.metrics import is_graph_extraction_run
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -43,12 +47,20 @@ def save_checkpoint(
     Call it on every worker (like ``ray.train.report``). ``state`` is typically
     ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``;
     rank 0's copy is written, as CPU tensors, to ``filename`` in the checkpoint directory.
+    In a Neuron graph-extraction run (``neuron_parallel_compile=True``) the state is a
+    placeholder, so only the metrics are reported, marked ``graph_extraction_only``.
     """
     import ray.train
     import torch_xla
 
     torch_xla.sync()  # on every worker: rank 0 below only transfers materialised tensors
     metrics = dict(metrics or {})
+    if is_graph_extraction_run():
+        metrics["graph_extraction_only"] = 1
+        if rank() == 0:
+            logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
+        ray.train.report(metrics, checkpoint=None)
+        return
     if rank() != 0:
         ray.train.report(metrics, checkpoint=None)
         return

@@ -8,6 +8,7 @@ them. Graphs that keep compiling after warm-up (a recompilation storm) make ever
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -15,6 +16,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WARMUP_STEPS = 3
 _NS = 1e-9
+
+
+def is_graph_extraction_run() -> bool:
+    """True on a worker of a ``neuron_parallel_compile`` run: graphs are only extracted, so
+    outputs, losses and checkpoints are placeholders."""
+    return os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY") == "1"
 
 
 class RecompilationWarning(UserWarning):
@@ -90,6 +97,8 @@ class CompileMonitor:
         out: dict[str, Any] = {f"{self.prefix}{k}": (int(v) if k in ("compiles", "executions",
                                "cache_hits") else v) for k, v in values.items()}
         out[f"{self.prefix}compiles_after_warmup"] = int(after)
+        if is_graph_extraction_run():  # the values of this run are not meaningful
+            out[f"{self.prefix}graph_extraction_only"] = 1
         return out
 
 
