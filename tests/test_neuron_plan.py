@@ -35,6 +35,8 @@ TOPOLOGIES = {
     "1x2": [[0, 1]],
     "1x32": [list(range(32))],
     "2x4": [[0, 1, 2, 3], [0, 1, 2, 3]],
+    # 2 x trn1.32xlarge, 32 workers with one neuron_cores each (the public Llama-2 example)
+    "2x32": [list(range(32)), list(range(32))],
     "non-contiguous": [[5, 2, 7], [3, 0]],
 }
 
@@ -221,3 +223,18 @@ def test_spmd_gives_one_worker_per_node_all_its_cores():
         assert "NEURON_PJRT_WORLD_SIZE" not in p.env
     with pytest.raises(XLAConfigError, match="one worker per node"):
         neuron_plan(neuron_facts([[0, 1]]), spmd=True)
+
+
+def test_trn1_llama_example_needs_no_hand_set_runtime_variables():
+    # What that example set by hand is planned; only model-level variables remain the user's.
+    plans = neuron_plan(neuron_facts([list(range(32))] * 2, has_efa=True,
+                                     network_interface="eth0"))
+    for p in plans:
+        env = p.env
+        assert env["NEURON_PJRT_WORLD_SIZE"] == "64"
+        assert env["PJRT_LOCAL_PROCESS_COUNT"] == "32"
+        assert env["CCOM_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert env["FI_PROVIDER"] == "efa"
+        assert env["GROUP_RANK"] == str(p.place.node_rank)  # not the world size
+        assert env["GROUP_WORLD_SIZE"] == "2"  # not "2.0"
+        assert env["NEURON_RT_VISIBLE_CORES"] == ",".join(str(i) for i in range(32))

@@ -88,3 +88,12 @@ def test_run_id_is_fresh_for_every_fit(ray_local):
     _, first = fit(collectives_loop, num_workers=2)
     _, second = fit(collectives_loop, num_workers=2)
     assert first[0]["run_id"] != second[0]["run_id"]
+
+
+def test_demo_seed_check(ray_local):
+    from ray_train_xla.demo import run_demo
+
+    summary = run_demo(workers=2, iterations=3, device="cpu")
+    assert summary.ok and summary.workers == 2 and summary.iterations == 3
+    assert summary.device.startswith("xla") and summary.pjrt_device == "CPU"
+    assert summary.process_group == "gloo"
