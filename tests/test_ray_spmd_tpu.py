@@ -1,6 +1,7 @@
 """Real Ray Train: SPMD on virtual XLA CPU devices, and TPU planning with Ray-assigned TPU ids
 (fake ``TPU`` resources: Ray assigns ids and sets TPU_* variables as on a TPU host)."""
 
+import multiprocessing
 import os
 
 import pytest
@@ -92,6 +93,13 @@ def spmd_train(config):
     })
 
 
+def plain_training():
+    model = make_mlp()
+    x, y = make_data()
+    losses = train_steps(model, [(x, y)] * STEPS)
+    return losses, [p.detach().flatten().tolist() for p in model.parameters()]
+
+
 def test_spmd_on_four_virtual_cpu_devices_matches_plain_training(ray_tpu):
     import torch
 
@@ -105,14 +113,15 @@ def test_spmd_on_four_virtual_cpu_devices_matches_plain_training(ray_tpu):
     assert rec["specs"] and all(s == "{devices=[4,1]0,1,2,3}" for s in rec["specs"])
     assert rec["pg"] == ["gloo", 0, 1]
 
-    # The same training without SPMD (plain PyTorch on CPU, same init and data).
-    model = make_mlp()
-    x, y = make_data()
-    losses = train_steps(model, [(x, y)] * STEPS)
+    # The same training without SPMD (plain PyTorch on CPU, same init and data), in a fresh
+    # process: a CPU backward here would size autograd's device queues before torch_xla
+    # registers its device, and later in-process XLA tests would then fail.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        losses, params = pool.apply(plain_training)
     assert losses[-1] < losses[0]  # it trains
     assert rec["losses"] == pytest.approx(losses, abs=1e-5)
-    for got, want in zip(rec["params"], model.parameters()):
-        assert torch.allclose(torch.tensor(got), want.detach().flatten(), atol=1e-5)
+    for got, want in zip(rec["params"], params):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
 
 
 TPU_KEYS = ("PJRT_DEVICE", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS", "TPU_HOST_BOUNDS",
