@@ -137,10 +137,13 @@ def throughput_ours(config: dict) -> None:
         json.dump(result, f)
 
 
-def throughput_bare(config: dict) -> dict:
-    """The same MLP, data and batch in a bare torch_xla loop (one process, no Ray)."""
+def throughput_bare(config: dict, loader_kind: str = "to") -> dict:
+    """The same MLP, data and batch in a bare torch_xla loop (one process, no Ray); batches
+    moved with ``.to(device)`` or (``loader_kind="mp"``) torch_xla's ``MpDeviceLoader``, the
+    background loader that prepare_data_loader uses."""
     import torch
     import torch_xla
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
     device = torch_xla.device()
     loader = torch.utils.data.DataLoader(
@@ -149,6 +152,9 @@ def throughput_bare(config: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
 
     def batches():
+        if loader_kind == "mp":
+            yield from MpDeviceLoader(loader, device)
+            return
         for xb, yb in loader:
             yield xb.to(device), yb.to(device)
 
@@ -375,7 +381,7 @@ def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
     from ray_train_xla import TorchXLAConfig
 
     config = mlp_config(quick)
-    ours, bare = [], []
+    ours, bare, bare_mp = [], [], []
     for rep in range(reps):
         out_dir = tempfile.mkdtemp(dir=tmp)
         fit(throughput_ours, TorchXLAConfig(device="cpu", timeout_s=120), 1,
@@ -383,13 +389,17 @@ def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
         with open(os.path.join(out_dir, "throughput.json")) as f:
             ours.append(json.load(f)["steps_per_s"])
         bare.append(in_subprocess("throughput_bare", config)["steps_per_s"])
+        bare_mp.append(in_subprocess("throughput_bare_mp", config)["steps_per_s"])
         log(f"  throughput rep {rep + 1}/{reps} ours {ours[-1]:7.1f} steps/s, "
-            f"bare {bare[-1]:7.1f} steps/s")
+            f"bare {bare[-1]:7.1f} steps/s, bare with MpDeviceLoader {bare_mp[-1]:7.1f} steps/s")
+    sizes = {"steps_timed": config["steps"], "warmup": config["warmup"],
+             "batch_size": config["batch_size"]}
     r = row("throughput", "helpers in Ray (1 worker)", "bare torch_xla loop", "steps/s", ours,
-            bare, "ratio >= 0.95", None, steps_timed=config["steps"], warmup=config["warmup"],
-            batch_size=config["batch_size"])
+            bare, "ratio >= 0.95", None, **sizes)
     r["target_met"] = r["ratio"] >= 0.95
-    return [r]
+    loader = row("throughput_mp_loader", "bare loop, MpDeviceLoader", "bare loop, .to(device)",
+                 "steps/s", bare_mp, bare, "none (reference)", None, **sizes)
+    return [r, loader]
 
 
 def bench_recompile(quick: bool) -> list[dict]:
@@ -556,8 +566,8 @@ def main() -> None:
 
     if args.task:  # a child process: one in-process measurement, JSON on the last line
         config = json.loads(args.task_config)
-        if args.task == "throughput_bare":
-            print(json.dumps(throughput_bare(config)))
+        if args.task.startswith("throughput_bare"):
+            print(json.dumps(throughput_bare(config, "mp" if args.task.endswith("_mp") else "to")))
         else:
             print(json.dumps(recompile_count(config, args.task.removeprefix("recompile_"))))
         return

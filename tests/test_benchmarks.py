@@ -14,7 +14,8 @@ import pytest
 pytestmark = [pytest.mark.ray]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIGURES = {"startup_1w_ours", "startup_1w_ray_xla", "throughput", "recompile", "grad_sync_step",
+FIGURES = {"startup_1w_ours", "startup_1w_ray_xla", "throughput", "throughput_mp_loader",
+           "recompile", "grad_sync_step",
            "grad_sync_comm"}
 
 
