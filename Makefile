@@ -1,4 +1,4 @@
-# Two entry points: `make demo` and `make test`. Both create .venv and install on first use.
+# Entry points: `make demo`, `make test` and `make bench`. All create .venv and install on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -25,6 +25,10 @@ lint: setup
 test: setup lint
 	$(PYTEST) -q tests
 	RAY_TRAIN_V2_ENABLED=0 $(PYTEST) -q -m train_v1 tests
+
+# Every figure of benchmarks/run.py (about 15 minutes here); BENCH_ARGS=--quick for a few.
+bench: setup
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
