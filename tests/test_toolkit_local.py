@@ -88,7 +88,8 @@ def test_prepared_loader_compiles_constant_naive_loop_recompiles_and_is_warned()
 
 def test_pad_mode_keeps_shape_and_masks_the_padding():
     loader = rtx.prepare_data_loader(
-        torch.utils.data.DataLoader(make_data(3), batch_size=BATCH), ragged="pad"
+        torch.utils.data.DataLoader(make_data(3), batch_size=BATCH), ragged="pad",
+        background=True,  # torch_xla's MpDeviceLoader (the default only on accelerators)
     )
     batches = list(loader)
     assert len(batches) == 3

@@ -1,4 +1,5 @@
-"""Input pipelines with constant batch shapes, moved to the XLA device in the background.
+"""Input pipelines with constant batch shapes, moved to the XLA device (in the background on
+accelerators).
 
 Every distinct input shape is a distinct XLA graph: a short last batch compiles a second step
 graph (and, on Neuron, minutes of compilation). These helpers keep every batch the same shape:
@@ -8,6 +9,7 @@ graph (and, on Neuron, minutes of compilation). These helpers keep every batch t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -85,11 +87,13 @@ class XLADataLoader:
     Each ``iter()`` is one epoch; call ``set_epoch(e)`` to choose it (when resuming).
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader, sampler: Any, to_device: bool) -> None:
+    def __init__(self, loader: torch.utils.data.DataLoader, sampler: Any, to_device: bool,
+                 background: bool | None = None) -> None:
         self.loader = loader
         self.sampler = sampler
         self.epoch = 0
         self._to_device = to_device
+        self._background = background
         self._device_loader = None  # one MpDeviceLoader: it closes the previous epoch's threads
 
     def set_epoch(self, epoch: int) -> None:
@@ -105,11 +109,43 @@ class XLADataLoader:
         self.epoch += 1
         if not self._to_device:
             return iter(self.loader)
+        if not _use_background(self._background):
+            return _on_device(self.loader)
         if self._device_loader is None:
             from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
             self._device_loader = MpDeviceLoader(self.loader, get_device())
         return iter(self._device_loader)
+
+
+def _use_background(background: bool | None) -> bool:
+    """Background transfer (MpDeviceLoader) hides host-to-device copies on accelerators; on the
+    XLA CPU device the copy stays in host memory and the loader's threads only compete with the
+    step for the cores (measured: 0.76 of a synchronous loop), so "auto" skips it there."""
+    if background is not None:
+        return background
+    device = os.environ.get("PJRT_DEVICE", "")
+    if not device:
+        import torch_xla.runtime as xr
+
+        device = xr.device_type() or ""
+    return device.upper() != "CPU"
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _move(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move(v, device) for v in value)
+    return value
+
+
+def _on_device(batches: Any) -> Iterator[Any]:
+    device = get_device()
+    for batch in batches:
+        yield _move(batch, device)
 
 
 def prepare_data_loader(
@@ -118,13 +154,16 @@ def prepare_data_loader(
     shuffle: bool | None = None,
     seed: int = 0,
     to_device: bool = True,
+    background: bool | None = None,
 ) -> XLADataLoader:
     """Rebuild ``loader`` for this worker: its shard of the dataset (``DistributedSampler``),
-    every batch of exactly ``loader.batch_size`` rows, moved to the XLA device asynchronously
-    (torch_xla's ``MpDeviceLoader``).
+    every batch of exactly ``loader.batch_size`` rows, moved to the XLA device.
 
     ``ragged``: "drop" the short last batch, or "pad" it and yield ``(batch, mask)`` for every
     batch. ``shuffle``: default True unless ``loader`` iterates in order (a ``SequentialSampler``).
+    ``background``: move batches in background threads (torch_xla's ``MpDeviceLoader``); the
+    default (None) does so on accelerators and copies synchronously on the XLA CPU device.
+    ``to_device=False`` yields CPU batches.
     """
     from torch.utils.data import DataLoader, SequentialSampler
     from torch.utils.data.distributed import DistributedSampler
@@ -162,7 +201,7 @@ def prepare_data_loader(
         persistent_workers=loader.persistent_workers if loader.num_workers else False,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
     )
-    return XLADataLoader(rebuilt, sampler, to_device)
+    return XLADataLoader(rebuilt, sampler, to_device, background)
 
 
 class _RayDataBatches:
@@ -183,13 +222,14 @@ def iter_xla_batches(
     batch_size: int,
     ragged: str = "drop",
     to_device: bool = True,
+    background: bool | None = None,
     **iter_torch_batches_kwargs: Any,
 ) -> Iterator[Any]:
     """Iterate one epoch of a Ray Data shard (``ray.train.get_dataset_shard(name)``) as dicts of
     XLA tensors with exactly ``batch_size`` rows, moved to the device in the background.
 
-    ``ragged`` as in ``prepare_data_loader``. Every worker must get the same number of batches
-    (Ray Train's default ``DataConfig`` splits datasets into equal shards).
+    ``ragged`` and ``background`` as in ``prepare_data_loader``. Every worker must get the same
+    number of batches (Ray Train's default ``DataConfig`` splits datasets into equal shards).
     """
     _check_ragged(ragged)
     if batch_size < 1:
@@ -197,6 +237,8 @@ def iter_xla_batches(
     batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
     if not to_device:
         return iter(batches)
+    if not _use_background(background):
+        return _on_device(batches)
     from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
     return iter(MpDeviceLoader(batches, get_device()))
