@@ -61,6 +61,21 @@ def fit(train_fn, num_workers: int = 1, torch_config=None, loop_config=None, **t
     return result, records
 
 
+def fit_failure(train_fn, **fit_kwargs) -> str:
+    """Run ``fit()``, which must fail; return the error message the user sees."""
+    with pytest.raises(Exception) as info:
+        fit(train_fn, **fit_kwargs)
+    return str(info.value)
+
+
+def neuron_scaling(workers: int, cores_per_worker: int = 1):
+    """ScalingConfig for workers with fake NeuronCores (``neuron_cores`` resource)."""
+    from ray.train import ScalingConfig
+
+    return ScalingConfig(num_workers=workers,
+                         resources_per_worker={"CPU": 1, "neuron_cores": cores_per_worker})
+
+
 def write_record(config: dict, name: str, record: dict) -> None:
     """Called on a worker: leave a JSON record for the test to read."""
     with open(os.path.join(config["out_dir"], f"{name}.json"), "w") as f:

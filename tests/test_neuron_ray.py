@@ -8,11 +8,18 @@ import tempfile
 import threading
 
 import pytest
-from neuron_probe import compile_records, neuron_env_probe, start_fake_xrt_server
 
 from ray_train_xla import TorchXLAConfig
 
-from conftest import NEURON_ON_CPU, fit, is_train_v2, with_neuron_doubles
+from conftest import (
+    NEURON_ON_CPU,
+    fit,
+    fit_failure,
+    is_train_v2,
+    neuron_scaling,
+    with_neuron_doubles,
+)
+from neuron_probe import compile_records, neuron_env_probe, start_fake_xrt_server
 
 pytestmark = pytest.mark.ray
 
@@ -30,12 +37,6 @@ def neuron_ray():
         yield ray
     finally:
         ray.shutdown()
-
-
-def neuron_scaling(workers):
-    from ray.train import ScalingConfig
-
-    return ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1, "neuron_cores": 1})
 
 
 @pytest.mark.train_v1
@@ -118,19 +119,18 @@ def test_two_trainers_at_once_compile_in_private_workdirs(neuron_ray):
 
 def test_a_failed_compile_fails_the_run_with_the_compiler_message(neuron_ray):
     records_dir = tempfile.mkdtemp(prefix="rtx-compile-")
-    with pytest.raises(Exception) as info:
-        fit(neuron_env_probe, torch_config=compile_config(
-            records_dir, env={"RTX_TEST_COMPILE_FAIL": "1"}), scaling_config=neuron_scaling(1))
-    assert "compilation of graph MODULE_42 failed" in str(info.value)
+    message = fit_failure(neuron_env_probe, scaling_config=neuron_scaling(1),
+                          torch_config=compile_config(records_dir,
+                                                      env={"RTX_TEST_COMPILE_FAIL": "1"}))
+    assert "compilation of graph MODULE_42 failed" in message
     assert len(compile_records(records_dir)) == 1
 
 
 def test_a_missing_compile_module_fails_at_start_naming_the_worker(neuron_ray):
     records_dir = tempfile.mkdtemp(prefix="rtx-compile-")
-    with pytest.raises(Exception) as info:
-        fit(neuron_env_probe, torch_config=compile_config(
-            records_dir, env={"RTX_TEST_HIDE_NEURON": "1"}), scaling_config=neuron_scaling(1))
-    message = str(info.value)
+    message = fit_failure(neuron_env_probe, scaling_config=neuron_scaling(1),
+                          torch_config=compile_config(records_dir,
+                                                      env={"RTX_TEST_HIDE_NEURON": "1"}))
     assert "worker rank 0" in message
     assert "libneuronxla.neuron_parallel_compile" in message
     assert compile_records(records_dir) == []
@@ -160,13 +160,8 @@ def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
 
 
 def test_two_cores_per_worker_are_refused_at_start_with_the_fix(neuron_ray):
-    from ray.train import ScalingConfig
-
-    with pytest.raises(Exception) as info:
-        fit(neuron_env_probe,
-            torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU),
-            scaling_config=ScalingConfig(num_workers=1,
-                                         resources_per_worker={"CPU": 1, "neuron_cores": 2}))
-    message = str(info.value)
+    message = fit_failure(
+        neuron_env_probe, scaling_config=neuron_scaling(1, cores_per_worker=2),
+        torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU))
     assert "2 neuron_cores per worker" in message
     assert "resources_per_worker={'neuron_cores': 1} and num_workers=2" in message

@@ -1,7 +1,6 @@
 """Two Ray nodes on one machine (ray.cluster_utils.Cluster), two workers per node."""
 
 import pytest
-from neuron_probe import compile_records, neuron_env_probe
 
 from conftest import (
     NEURON_ON_CPU,
@@ -11,6 +10,7 @@ from conftest import (
     with_neuron_doubles,
     write_record,
 )
+from neuron_probe import compile_records, neuron_env_probe
 
 pytestmark = pytest.mark.ray
 

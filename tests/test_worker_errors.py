@@ -1,11 +1,11 @@
 """Errors only a worker can know are reported naming the worker, and stop the run."""
 
 import pytest
-from neuron_probe import neuron_env_probe
 
 from ray_train_xla import TorchXLAConfig
 
-from conftest import NEURON_ON_CPU, fit
+from conftest import NEURON_ON_CPU, fit_failure, neuron_scaling
+from neuron_probe import neuron_env_probe
 
 pytestmark = pytest.mark.ray
 
@@ -27,13 +27,8 @@ def ray_with_early_import():
 
 
 def test_torch_xla_imported_before_the_neuron_env_is_a_clear_worker_error(ray_with_early_import):
-    from ray.train import ScalingConfig
-
-    with pytest.raises(Exception) as info:
-        fit(neuron_env_probe,
-            torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU),
-            scaling_config=ScalingConfig(num_workers=1,
-                                         resources_per_worker={"CPU": 1, "neuron_cores": 1}))
-    message = str(info.value)
+    message = fit_failure(
+        neuron_env_probe, scaling_config=neuron_scaling(1),
+        torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU))
     assert "worker rank 0" in message
     assert "torch_xla was imported before ray_train_xla set the neuron environment" in message
