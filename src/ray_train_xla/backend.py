@@ -71,7 +71,8 @@ class XLABackend(Backend):
             device, backend_config.runtime, topology.world_size, topology.num_nodes,
             rdzv.master_addr, rdzv.master_port,
         )
-        # One object for all workers; each takes its own entry (O(1) per worker to apply).
+        # One object in Ray's store for all workers (fetched once per node); each worker takes
+        # its own entry.
         by_key = ray.put({f.key: p.env for f, p in zip(facts, plans)})
         worker_group.execute(apply_env, by_key, runtime_options(backend_config))
 
@@ -186,29 +187,25 @@ def init_process_group() -> None:
 
 
 def shutdown_worker(options: Mapping[str, Any], timeout_s: float) -> None:
-    """Destroy the process group and run the runtime's clean-up, never waiting forever."""
-    errors: list[BaseException] = []
+    """Destroy the process group (bounded by ``timeout_s``: a dead peer must not hang it), then
+    run the runtime's clean-up (stopping XRT servers, or the Neuron parallel compile, which runs
+    to completion: it is the point of a precompile run)."""
 
-    def work() -> None:
+    def destroy() -> None:
         try:
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception as exc:  # a dead peer must not stop the runtime's clean-up
+        except Exception as exc:
             logger.warning("%s: destroy_process_group failed: %s", _who(), exc)
-        try:
-            device, kind = os.environ.get(DEVICE_VAR), os.environ.get(RUNTIME_VAR)
-            if device and kind:
-                get_runtime(device, kind).cleanup_worker(options)
-        except BaseException as exc:
-            errors.append(exc)
 
-    thread = threading.Thread(target=work, name="ray_train_xla-shutdown", daemon=True)
+    thread = threading.Thread(target=destroy, name="ray_train_xla-shutdown", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        logger.warning("%s: shutdown did not finish within %.0f s; leaving it", _who(), timeout_s)
-        return
-    if errors:
-        raise errors[0]
+        logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
+                       _who(), timeout_s)
+    device, kind = os.environ.get(DEVICE_VAR), os.environ.get(RUNTIME_VAR)
+    if device and kind:
+        get_runtime(device, kind).cleanup_worker(options)

@@ -39,8 +39,8 @@ class TorchXLAConfig(TorchConfig):
         neuron_parallel_compile: run a short graph-extraction pass and compile every graph into
             the Neuron cache at shutdown, so the real run starts without compiling (Neuron only).
         timeout_s: seconds that rendezvous and process-group initialisation may wait for the
-            other workers before failing; also the timeout of process-group operations and the
-            bound on each worker's shutdown.
+            other workers before failing; also the timeout of process-group operations and of
+            destroying the process group at shutdown.
         env: extra environment variables for every worker, applied last (they win).
         efa: Neuron EFA variables: None (default) sets them only where the node has EFA
             devices, True always, False never.
