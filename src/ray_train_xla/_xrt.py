@@ -3,8 +3,8 @@
 With legacy torch-neuronx 1.x, the ``xla`` process group makes local rank 0 start
 ``python3 -m torch_xla.distributed._xrt_run_server``, which exits only when the process it
 tracks (the worker's parent: Ray's raylet) does. A crashed worker therefore leaks its server,
-which keeps holding the NeuronCores. Ray's backend runs ``pkill -f xrt_run_server`` across the
-node, which also kills other users' and other jobs' servers. Instead:
+which keeps holding the NeuronCores. Ray's backend kills every process whose command line
+matches ``xrt_run_server`` on the node, other users' and other jobs' servers too. Instead:
 
 - while a worker runs, a watcher records each XRT server that is a descendant of the worker
   process (pid and start time, and the worker's pid and start time) in a per-user state dir;
