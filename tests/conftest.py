@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -15,19 +16,28 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A real local Ray instance with fake-able logical resources, shared by a module."""
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 6, **init_kwargs):
+    """A real local Ray instance (fake resources, runtime_env, ... in ``init_kwargs``), shut
+    down on exit even when a test fails."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     # address="local": never attach to a cluster another test or program left behind.
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             **init_kwargs)
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A real local Ray instance shared by a module."""
+    with local_ray() as ray:
+        yield ray
 
 
 def fit(train_fn, num_workers: int = 1, torch_config=None, loop_config=None, **trainer_kwargs):

@@ -16,6 +16,7 @@ from conftest import (
     fit,
     fit_failure,
     is_train_v2,
+    local_ray,
     neuron_scaling,
     with_neuron_doubles,
 )
@@ -26,17 +27,9 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def neuron_ray():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     # Ray assigns and exports NEURON_RT_VISIBLE_CORES for neuron_cores even without Neuron.
-    ray.init(address="local", num_cpus=6, resources={"neuron_cores": 4},
-             include_dashboard=False, log_to_driver=False, runtime_env=with_neuron_doubles())
-    try:
+    with local_ray(resources={"neuron_cores": 4}, runtime_env=with_neuron_doubles()) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.train_v1

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import fit, is_train_v2, write_record
+from conftest import fit, is_train_v2, local_ray, write_record
 
 pytestmark = [pytest.mark.ray]
 
@@ -17,16 +17,8 @@ BATCH, IN, HIDDEN = 16, 8, 32
 @pytest.fixture(scope="module")
 def ray_tpu():
     """A real local Ray whose node offers 4 fake TPU chips."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(address="local", num_cpus=6, resources={"TPU": 4}, include_dashboard=False,
-             log_to_driver=False)
-    try:
+    with local_ray(resources={"TPU": 4}) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def make_mlp():

@@ -4,7 +4,7 @@ import pytest
 
 from ray_train_xla import TorchXLAConfig
 
-from conftest import NEURON_ON_CPU, fit_failure, neuron_scaling
+from conftest import NEURON_ON_CPU, fit_failure, local_ray, neuron_scaling
 from neuron_probe import neuron_env_probe
 
 pytestmark = pytest.mark.ray
@@ -12,18 +12,10 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_with_early_import():
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
     # Every worker imports torch_xla as soon as it starts, before any backend runs.
-    ray.init(address="local", num_cpus=4, resources={"neuron_cores": 2},
-             include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "neuron_probe.import_torch_xla_early"})
-    try:
+    with local_ray(num_cpus=4, resources={"neuron_cores": 2}, runtime_env={
+            "worker_process_setup_hook": "neuron_probe.import_torch_xla_early"}) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def test_torch_xla_imported_before_the_neuron_env_is_a_clear_worker_error(ray_with_early_import):

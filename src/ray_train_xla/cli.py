@@ -228,15 +228,24 @@ def format_plan_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _run_job(banner: str, job, **kwargs):
+    """Print what runs, run it; a training failure is printed as FAILED (None returned)."""
+    print(banner, flush=True)
+    try:
+        return job(**kwargs)
+    except Exception as exc:  # any training failure is a failed demo, not a traceback
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 def cmd_train_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.demo import run_train_demo
 
-    print(f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
-          f"{args.steps} steps of examples/train_mlp.py on an embedded local Ray...", flush=True)
-    try:
-        summary = run_train_demo(workers=args.workers, steps=args.steps, device=args.device)
-    except Exception as exc:  # report any training failure as a failed run
-        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+    summary = _run_job(
+        f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
+        f"{args.steps} steps of examples/train_mlp.py on an embedded local Ray...",
+        run_train_demo, workers=args.workers, steps=args.steps, device=args.device)
+    if summary is None:
         return 1
     print(f"{'step':>6}  {'loss':>10}  {'compiles':>8}  {'after warm-up':>13}  {'compile s':>9}")
     for m in summary.history:
@@ -256,12 +265,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.train:
         return cmd_train_demo(args)
 
-    print(f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
-          f"{args.iterations} all-reduces each, on an embedded local Ray...", flush=True)
-    try:
-        summary = run_demo(workers=args.workers, iterations=args.iterations, device=args.device)
-    except Exception as exc:  # report any training failure as a failed check
-        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+    summary = _run_job(
+        f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
+        f"{args.iterations} all-reduces each, on an embedded local Ray...",
+        run_demo, workers=args.workers, iterations=args.iterations, device=args.device)
+    if summary is None:
         return 1
     status = "OK" if summary.ok else "FAILED"
     print(
