@@ -14,7 +14,8 @@ BAD = [
     ({"neuron_parallel_compile": "yes"}, "neuron_parallel_compile='yes' is not valid: expected "
                                          "True or False"),
     ({"neuron_parallel_compile": True, "device": "cpu"}, "parallel compile is a Neuron feature"),
-    ({"timeout_s": 0}, "TorchXLAConfig.timeout_s=0 is not valid: expected a positive number"),
+    ({"timeout_s": 0}, "TorchXLAConfig.timeout_s=0 is not valid: expected a number of seconds >= 1"),
+    ({"timeout_s": 0.5}, "TorchXLAConfig.timeout_s=0.5 is not valid"),
     ({"timeout_s": -5}, "timeout_s=-5"),
     ({"timeout_s": "60"}, "timeout_s='60'"),
     ({"timeout_s": True}, "timeout_s=True"),
@@ -22,7 +23,12 @@ BAD = [
     ({"env": {"A=B": "1"}}, "variable names without '='"),
     ({"env": {"A": None}}, "TorchXLAConfig.env['A']=None is not valid: expected a string"),
     ({"efa": "auto"}, "TorchXLAConfig.efa='auto' is not valid: expected None (detect), True or False"),
+    ({"efa": 1}, "TorchXLAConfig.efa=1 is not valid: expected None (detect), True or False"),
+    ({"efa": 0}, "TorchXLAConfig.efa=0 is not valid"),
+    ({"spmd": 1}, "TorchXLAConfig.spmd=1 is not valid"),
     ({"compile_cache": ""}, "TorchXLAConfig.compile_cache=''"),
+    ({"backend": "neuron"}, "TorchXLAConfig.backend='neuron' is not valid: expected no value"),
+    ({"init_method": "tcp"}, "TorchXLAConfig.init_method='tcp' is not valid"),
 ]
 
 
@@ -52,3 +58,44 @@ def test_importing_the_package_does_not_import_torch_xla():
     code = "import sys, ray_train_xla; print('torch_xla' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_fields_are_keyword_only():
+    # TorchXLAConfig("neuron") used to set the inherited `backend` field and keep device="auto".
+    with pytest.raises(TypeError):
+        TorchXLAConfig("neuron")
+
+
+def test_timeout_is_kept_as_given_in_the_plan():
+    from ray_train_xla.runtimes import Rendezvous, plan
+    from ray_train_xla.runtimes.base import TIMEOUT_VAR
+    from ray_train_xla.topology import Topology
+
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r")
+    for given, planned in ((2.5, "2.5"), (90, "90"), (1, "1")):
+        env = plan(Topology.uniform([1]), TorchXLAConfig(device="cpu", timeout_s=given), rdzv, "cpu")[0].env
+        assert env[TIMEOUT_VAR] == planned
+
+
+class _RecordingWorkerGroup:
+    """Stands in for Ray's worker group to show the backend validates before using it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, fn, *args):
+        self.calls.append(fn.__name__)
+        raise AssertionError("the backend reached the workers with an invalid config")
+
+    execute_single = execute
+
+
+def test_a_field_changed_after_construction_is_rejected_when_the_backend_starts():
+    from ray_train_xla.backend import XLABackend
+
+    config = TorchXLAConfig(device="cpu")
+    config.efa = "yes"
+    group = _RecordingWorkerGroup()
+    with pytest.raises(XLAConfigError, match="TorchXLAConfig.efa='yes' is not valid"):
+        XLABackend().on_start(group, config)
+    assert group.calls == []

@@ -3,67 +3,66 @@
 Driver side: pass ``TorchXLAConfig()`` as ``torch_config``. Inside the training function: the
 helpers below (device, ranks, collectives, data loading, optimizer step, checkpoints, compile
 metrics) run the same code on every device.
+
+Names are imported on first use, so ``import ray_train_xla.runtimes`` (planning) loads neither
+Ray nor torch, and the driver does not import the worker helpers.
 """
 
-from ray_train_xla.config import TorchXLAConfig, XLAConfigError
-from ray_train_xla.worker import (
-    CompileMonitor,
-    RecompilationWarning,
-    XLADataLoader,
-    all_reduce,
-    broadcast,
-    get_device,
-    get_mesh,
-    is_graph_extraction_run,
-    iter_xla_batches,
-    load_checkpoint,
-    local_rank,
-    metrics,
-    node_rank,
-    optimizer_step,
-    pad_batch,
-    prepare_data_loader,
-    prepare_model,
-    rank,
-    reduce_gradients,
-    rendezvous,
-    save_checkpoint,
-    shard_batch,
-    sharding_spec,
-    to_cpu,
-    uses_host_collectives,
-    world_size,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TorchXLAConfig",
-    "XLAConfigError",
-    "CompileMonitor",
-    "RecompilationWarning",
-    "XLADataLoader",
-    "all_reduce",
-    "broadcast",
-    "get_device",
-    "get_mesh",
-    "is_graph_extraction_run",
-    "iter_xla_batches",
-    "load_checkpoint",
-    "local_rank",
-    "metrics",
-    "node_rank",
-    "optimizer_step",
-    "pad_batch",
-    "prepare_data_loader",
-    "prepare_model",
-    "rank",
-    "reduce_gradients",
-    "rendezvous",
-    "shard_batch",
-    "sharding_spec",
-    "save_checkpoint",
-    "to_cpu",
-    "uses_host_collectives",
-    "world_size",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "TorchXLAConfig": "ray_train_xla.config",
+    "XLAOptions": "ray_train_xla.options",
+    "XLAConfigError": "ray_train_xla.errors",
+    "WorkerSetupError": "ray_train_xla.errors",
+    **{name: "ray_train_xla.worker" for name in (
+        "CompileMonitor",
+        "RecompilationWarning",
+        "XLADataLoader",
+        "all_reduce",
+        "broadcast",
+        "get_device",
+        "get_mesh",
+        "is_graph_extraction_run",
+        "iter_xla_batches",
+        "load_checkpoint",
+        "local_rank",
+        "metrics",
+        "node_rank",
+        "optimizer_step",
+        "pad_batch",
+        "prepare_data_loader",
+        "prepare_model",
+        "rank",
+        "reduce_gradients",
+        "rendezvous",
+        "save_checkpoint",
+        "shard_batch",
+        "sharding_spec",
+        "to_cpu",
+        "uses_host_collectives",
+        "world_size",
+    )},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_train_xla' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -24,9 +24,9 @@ from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
 from ray_train_xla import _netinfo
-from ray_train_xla.compile import NeuronCompileError
-from ray_train_xla.config import TorchXLAConfig
-from ray_train_xla.runtimes import Rendezvous, get_runtime, plan, resolve_device
+from ray_train_xla.errors import NeuronCompileError, WorkerSetupError
+from ray_train_xla.options import XLAOptions
+from ray_train_xla.runtimes import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
     DEVICE_VAR,
     INIT_METHOD_VAR,
@@ -40,46 +40,30 @@ from ray_train_xla.topology import PRESET_VARS, Topology, WorkerFacts
 logger = logging.getLogger(__name__)
 
 
-class WorkerSetupError(RuntimeError):
-    """A worker could not be set up; the message names the worker and what to do."""
-
-
 class XLABackend(Backend):
     """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
 
     share_cuda_visible_devices: bool = False
 
-    def on_start(self, worker_group, backend_config: TorchXLAConfig) -> None:
+    def on_start(self, worker_group, backend_config: XLAOptions) -> None:
+        backend_config.validate()  # again: a field may have been changed after construction
         facts: list[WorkerFacts] = worker_group.execute(gather_facts)
-        device = resolve_device(backend_config.device, facts, backend_config.runtime)
-        runtime = get_runtime(device, backend_config.runtime)
-        topology = Topology.from_facts(facts, runtime.resource)
-        runtime.check(backend_config, topology)
-
-        ports = worker_group.execute_single(
-            0, reserve_ports, 1 + runtime.ports_needed(backend_config)
+        plans = plan_workers(
+            facts, backend_config,
+            lambda count: worker_group.execute_single(0, reserve_ports, count),
         )
-        rdzv = Rendezvous(
-            master_addr=facts[0].node_ip,
-            master_port=ports[0],
-            extra_ports=tuple(ports[1:]),
-            run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
-        )
-        plans = plan(topology, backend_config, rdzv, device, facts)
+        env0 = plans[0].env
         logger.info(
-            "ray_train_xla: device=%s runtime=%s workers=%d nodes=%d master=%s:%d",
-            device, backend_config.runtime, topology.world_size, topology.num_nodes,
-            rdzv.master_addr, rdzv.master_port,
+            "ray_train_xla: device=%s runtime=%s workers=%d nodes=%d master=%s:%s",
+            env0[DEVICE_VAR], backend_config.runtime, len(plans), len({p.place.node_id for p in plans}),
+            env0["MASTER_ADDR"], env0["MASTER_PORT"],
         )
-        # One object in Ray's store for all workers (fetched once per node); each worker takes
-        # its own entry.
-        by_key = ray.put({f.key: p.env for f, p in zip(facts, plans)})
-        worker_group.execute(apply_env, by_key, runtime_options(backend_config))
+        worker_group.execute(apply_env, distribute(facts, plans), runtime_options(backend_config))
 
-    def on_training_start(self, worker_group, backend_config: TorchXLAConfig) -> None:
+    def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
         worker_group.execute(init_process_group)
 
-    def on_shutdown(self, worker_group, backend_config: TorchXLAConfig) -> None:
+    def on_shutdown(self, worker_group, backend_config: XLAOptions) -> None:
         try:
             worker_group.execute(
                 shutdown_worker, runtime_options(backend_config), float(backend_config.timeout_s)
@@ -92,7 +76,46 @@ class XLABackend(Backend):
             raise
 
 
-def runtime_options(config: TorchXLAConfig) -> dict[str, Any]:
+def plan_workers(
+    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int], Sequence[int]]
+) -> list[WorkerPlan]:
+    """The driver's planning step: resolve the device, derive the topology, check the config
+    against it, take the ports it needs on rank 0's node (``reserve(count)``), and plan every
+    worker's environment (rank order)."""
+    device = resolve_device(config.device, facts, config.runtime)
+    runtime = get_runtime(device, config.runtime)
+    topology = Topology.from_facts(facts, runtime.resource)
+    runtime.check(config, topology)
+    ports = reserve(1 + runtime.ports_needed(config))
+    rdzv = Rendezvous(
+        master_addr=facts[0].node_ip,
+        master_port=ports[0],
+        extra_ports=tuple(ports[1:]),
+        run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
+    )
+    return plan(topology, config, rdzv, device, facts)
+
+
+def envs_by_node(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> dict[str, dict]:
+    """Node id -> {worker key -> environment} for the workers on that node."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for f, p in zip(facts, plans):
+        out.setdefault(f.node_id, {})[f.key] = p.env
+    return out
+
+
+# How the driver puts objects into Ray's store (a benchmark counts the bytes through it).
+_put = ray.put
+
+
+def distribute(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]):
+    """One object per node holding only that node's environments, and a small index (node id ->
+    that object) that every worker receives: a node fetches the index and its own workers'
+    environments, so what it downloads grows with its workers, not with the world."""
+    return _put({node: _put(envs) for node, envs in envs_by_node(facts, plans).items()})
+
+
+def runtime_options(config: XLAOptions) -> dict[str, Any]:
     """The config options the worker-side runtime hooks need (plain data, cheap to send)."""
     return config.to_dict()
 
@@ -108,10 +131,6 @@ def _who() -> str:
         f"worker rank {rank} (local rank {os.environ.get('LOCAL_RANK', '?')}, "
         f"node {ray.util.get_node_ip_address()}, pid {os.getpid()})"
     )
-
-
-def _worker_key() -> str:
-    return f"{ray.get_runtime_context().get_node_id()}/{os.getpid()}"
 
 
 def gather_facts() -> WorkerFacts:
@@ -141,9 +160,12 @@ def reserve_ports(count: int) -> list[int]:
     return _netinfo.free_ports(count, ipv6=":" in ray.util.get_node_ip_address())
 
 
-def apply_env(plans_by_key: Mapping[str, Mapping[str, str]], options: Mapping[str, Any]) -> None:
-    """Set this worker's planned environment, then run the runtime's worker preparation."""
-    env = plans_by_key.get(_worker_key())
+def apply_env(index: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """Fetch this node's environments (see ``distribute``), set this worker's, then run the
+    runtime's worker preparation."""
+    node = ray.get_runtime_context().get_node_id()
+    envs = ray.get(index[node]) if node in index else {}
+    env = envs.get(f"{node}/{os.getpid()}")
     if env is None:
         raise WorkerSetupError(f"pid {os.getpid()}: no environment was planned for this worker")
     runtime = get_runtime(env[DEVICE_VAR], env[RUNTIME_VAR])

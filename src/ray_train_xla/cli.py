@@ -175,11 +175,13 @@ def _describe_topology(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ray_train_xla.config import TorchXLAConfig, XLAConfigError
+    # The planning core only: neither Ray nor torch is imported.
+    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.options import XLAOptions
     from ray_train_xla.runtimes import Rendezvous, get_runtime, plan
 
     try:
-        config = TorchXLAConfig(
+        config = XLAOptions(
             device=args.device,
             runtime=args.runtime,
             env=dict(args.env),
@@ -201,8 +203,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"ray-train-xla plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        json.dump([p.to_json() for p in plans], sys.stdout, indent=2)
-        print()
+        # One worker per line: readable, greppable, and fast at thousands of workers.
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
         return 0
     print(format_plan_table([p.to_json() for p in plans]))
     return 0
@@ -300,13 +302,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "plan":
-        return cmd_plan(args)
-    if args.command == "demo":
-        return cmd_demo(args)
-    if args.command == "doctor":
-        return cmd_doctor(args)
-    raise AssertionError(args.command)
+    commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor}
+    try:
+        code = commands[args.command](args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`ray-train-xla plan --json | head`): stop quietly, as Unix
+        # tools do, without a traceback when Python flushes stdout at exit.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 
+from ray_train_xla.errors import NeuronCompileError, WorkerSetupError
+
 logger = logging.getLogger(__name__)
 
 # Where parallel_compile(work_dir, cache_url, ...) lives: older SDKs, then the newer home.
@@ -30,10 +32,6 @@ COMPILE_MODULES = (
     "torch_neuronx.parallel_compile.neuron_parallel_compile",
 )
 DEFAULT_CACHE_URL = "/var/tmp/neuron-compile-cache"
-
-
-class NeuronCompileError(RuntimeError):
-    """Parallel compilation of the extracted graphs failed on a worker."""
 
 
 def _who() -> str:
@@ -80,8 +78,6 @@ def _cache_url_argument():
 
 def on_worker_start() -> None:
     """At start: say that this is a graph-extraction run, and fail now if nothing can compile."""
-    from ray_train_xla.backend import WorkerSetupError
-
     if find_compile_module() is None:
         raise WorkerSetupError(
             f"{_who()}: neuron_parallel_compile=True, but neither "

@@ -1,4 +1,4 @@
-"""Planning: from a Topology and a TorchXLAConfig, every worker's complete environment.
+"""Planning: from a Topology and the options (XLAOptions), every worker's complete environment.
 
 This is the one place where worker environment variables come from:
 
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ray_train_xla.config import config_error
+from ray_train_xla.errors import config_error
+from ray_train_xla.options import timeout_text
 from ray_train_xla.runtimes.base import (
     DEVICE_VAR,
     INIT_METHOD_VAR,
@@ -36,7 +37,7 @@ from ray_train_xla.runtimes.tpu import TPURuntime
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
 
 if TYPE_CHECKING:
-    from ray_train_xla.config import TorchXLAConfig
+    from ray_train_xla.options import XLAOptions
 
 __all__ = ["Rendezvous", "Runtime", "WorkerPlan", "get_runtime", "plan", "resolve_device"]
 
@@ -108,7 +109,7 @@ class WorkerPlan:
 
 def plan(
     topology: Topology,
-    config: TorchXLAConfig,
+    config: XLAOptions,
     rdzv: Rendezvous,
     device: str,
     facts: Sequence[WorkerFacts] | None = None,
@@ -123,7 +124,7 @@ def plan(
         RUNTIME_VAR: config.runtime,
         PG_BACKEND_VAR: pg_backend,
         INIT_METHOD_VAR: init_method,
-        TIMEOUT_VAR: str(int(config.timeout_s)),
+        TIMEOUT_VAR: timeout_text(config.timeout_s),
     }
     if config.spmd:
         ours[SPMD_VAR] = "1"

@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ray_train_xla.errors import config_error
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
 
 if TYPE_CHECKING:
-    from ray_train_xla.config import TorchXLAConfig
+    from ray_train_xla.options import XLAOptions
 
 # Our own variables: how the worker-side helpers know what the backend chose.
 DEVICE_VAR = "RAY_TRAIN_XLA_DEVICE"
@@ -67,13 +68,11 @@ def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> di
 SPMD_PROCESS_GROUP = ("gloo", "xla://")
 
 
-def check_spmd(config: TorchXLAConfig, topology: Topology) -> None:
+def check_spmd(config: XLAOptions, topology: Topology) -> None:
     """SPMD runs one process per host that owns all the host's devices: reject a node with
     several workers, naming it and the fix."""
     if not config.spmd:
         return
-    from ray_train_xla.config import config_error
-
     for node in topology.nodes():
         if len(node) > 1:
             raise config_error(
@@ -96,16 +95,16 @@ class Runtime:
     env_read_at_import: bool = False
 
     # ---- driver side (pure) ----
-    def check(self, config: TorchXLAConfig, topology: Topology) -> None:
+    def check(self, config: XLAOptions, topology: Topology) -> None:
         """Raise XLAConfigError for a config that cannot work on this topology.
         Subclasses that override it call ``super().check`` (it checks SPMD)."""
         check_spmd(config, topology)
 
-    def ports_needed(self, config: TorchXLAConfig) -> int:
+    def ports_needed(self, config: XLAOptions) -> int:
         """Free ports to take on rank 0's node beyond MASTER_PORT."""
         return 0
 
-    def process_group(self, topology: Topology, config: TorchXLAConfig) -> tuple[str, str]:
+    def process_group(self, topology: Topology, config: XLAOptions) -> tuple[str, str]:
         """(backend, init_method) for ``torch.distributed.init_process_group``."""
         if config.spmd:
             return SPMD_PROCESS_GROUP
@@ -116,7 +115,7 @@ class Runtime:
         place: WorkerPlace,
         topology: Topology,
         rdzv: Rendezvous,
-        config: TorchXLAConfig,
+        config: XLAOptions,
         facts: WorkerFacts | None,
     ) -> dict[str, str]:
         """This runtime's own variables for one worker."""

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ray_train_xla.config import XLAConfigError
+from ray_train_xla.errors import XLAConfigError
 from ray_train_xla.runtimes.base import Runtime
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ topology variable itself, from the chips Ray assigned each worker:
 
 from __future__ import annotations
 
-from ray_train_xla.config import config_error
+from ray_train_xla.errors import config_error
 from ray_train_xla.runtimes.base import Runtime
 from ray_train_xla.topology import WorkerPlace
 

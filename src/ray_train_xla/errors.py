@@ -1,0 +1,31 @@
+"""Every error type of the package, in one module that everything may import (no Ray, no torch).
+
+- ``XLAConfigError``: a configuration mistake known in the driver, raised before any worker starts.
+- ``WorkerSetupError``: a worker could not be set up; the message names the worker and the fix.
+- ``NeuronCompileError``: the Neuron parallel compile failed on a worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+class XLAConfigError(ValueError):
+    """A configuration mistake that can be named and fixed before training starts."""
+
+
+class WorkerSetupError(RuntimeError):
+    """A worker could not be set up; the message names the worker and what to do."""
+
+
+class NeuronCompileError(RuntimeError):
+    """Parallel compilation of the extracted graphs failed on a worker."""
+
+
+def config_error(field_name: str, value: Any, expected: str | Iterable[str],
+                 owner: str = "TorchXLAConfig") -> XLAConfigError:
+    """Build the one error type for bad options: the field, the bad value, the valid choices."""
+    if not isinstance(expected, str):
+        expected = "one of " + ", ".join(repr(c) for c in expected)
+    return XLAConfigError(f"{owner}.{field_name}={value!r} is not valid: expected {expected}.")

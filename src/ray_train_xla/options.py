@@ -1,0 +1,102 @@
+"""XLAOptions: the user's options and their validation, without Ray or torch.
+
+``TorchXLAConfig`` (``config.py``, what users pass to ``TorchTrainer``) is these options plus Ray's
+``TorchConfig`` hooks. Planning (``runtimes.plan``) and ``ray-train-xla plan`` use the options
+alone, so they start fast and can be reasoned about without Ray. Every field is keyword-only and
+checked by type when the object is built, and again when the backend starts (a field changed
+after construction is caught there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ray_train_xla.errors import config_error
+
+DEVICES = ("auto", "neuron", "tpu", "cpu")
+RUNTIMES = ("pjrt", "xrt")
+MIN_TIMEOUT_S = 1
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(kw_only=True)
+class XLAOptions:
+    """The options of ``TorchXLAConfig`` (see its docstring for each field's meaning)."""
+
+    device: str = "auto"
+    runtime: str = "pjrt"
+    neuron_parallel_compile: bool = False
+    timeout_s: float = 1800
+    env: Mapping[str, str] = field(default_factory=dict)
+    efa: bool | None = None
+    compile_cache: str | None = None
+    spmd: bool = False
+    cpu_devices_per_worker: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
+        err = config_error
+        if self.device not in DEVICES:
+            raise err("device", self.device, DEVICES)
+        if self.runtime not in RUNTIMES:
+            raise err("runtime", self.runtime, RUNTIMES)
+        if self.runtime == "xrt" and self.device not in ("auto", "neuron"):
+            raise err("runtime", self.runtime, "'pjrt' with device=" + repr(self.device)
+                      + " (XRT is only supported by legacy torch-neuronx 1.x on Neuron)")
+        if not _is_bool(self.neuron_parallel_compile):
+            raise err("neuron_parallel_compile", self.neuron_parallel_compile, "True or False")
+        if self.neuron_parallel_compile and self.device not in ("auto", "neuron"):
+            raise err("neuron_parallel_compile", self.neuron_parallel_compile,
+                      f"False with device={self.device!r} (parallel compile is a Neuron feature)")
+        if not _is_number(self.timeout_s) or not self.timeout_s >= MIN_TIMEOUT_S:
+            raise err("timeout_s", self.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
+        if not isinstance(self.env, Mapping):
+            raise err("env", self.env, "a mapping of variable names to strings")
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not key or "=" in key:
+                raise err("env", dict(self.env), "variable names without '='")
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise err(f"env[{key!r}]", value, "a string (or an int)")
+        if self.efa is not None and not _is_bool(self.efa):
+            raise err("efa", self.efa, "None (detect), True or False")
+        if self.compile_cache is not None and (
+            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
+        ):
+            raise err("compile_cache", self.compile_cache, "a path, an s3:// URL or None")
+        if not _is_bool(self.spmd):
+            raise err("spmd", self.spmd, "True or False")
+        if self.spmd and self.runtime == "xrt":
+            raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
+        n = self.cpu_devices_per_worker
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise err("cpu_devices_per_worker", n, "a positive integer or None")
+            if self.device not in ("auto", "cpu"):
+                raise err("cpu_devices_per_worker", n,
+                          f"None with device={self.device!r} (it sets CPU_NUM_DEVICES)")
+            if n > 1 and not self.spmd:
+                raise err("cpu_devices_per_worker", n,
+                          "1 or None without spmd=True (a non-SPMD worker uses one XLA device)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain data (what the worker-side runtime hooks receive)."""
+        out = {f.name: getattr(self, f.name) for f in fields(XLAOptions)}
+        out["env"] = dict(self.env)
+        return out
+
+
+def timeout_text(timeout_s: float) -> str:
+    """``timeout_s`` as an environment value, kept as given (``1800``, ``2.5``)."""
+    return str(int(timeout_s)) if float(timeout_s).is_integer() else repr(float(timeout_s))
