@@ -7,8 +7,12 @@ what to compare, not the absolute times):
 1. startup     TorchTrainer.fit() wall time of a one-step XLA training function: our
                TorchXLAConfig(device="cpu"), TorchConfig(backend="gloo"), and Ray's own
                ray.train.torch.xla.TorchXLAConfig (1 worker; its error is recorded if it fails).
-2. throughput  steps/s of the example MLP: our helpers in a 1-worker Ray fit against a bare
-               torch_xla loop in one process without Ray (timed after warm-up, inside the loop).
+2. throughput  steps/s of the example MLP, and of a heavier MLP (a step about 10x longer): the
+               toolkit as the example uses it (prepare_data_loader, prepare_model,
+               optimizer_step and metrics() every step, save_checkpoint every N steps) in a
+               1-worker Ray fit, against a bare torch_xla loop in one process without Ray,
+               and against the same bare loop inside the Ray worker (timed after warm-up,
+               inside the loop); plus where a step's host time goes (step_profile).
 3. recompile   XLA compilations over 3 epochs with a ragged last batch: prepare_data_loader
                against a naive DataLoader loop (in-process, no Ray).
 4. grad_sync   optimizer_step with 2 CPU workers on a ~10M-parameter MLP, split into compute
@@ -75,12 +79,15 @@ def mlp_config(quick: bool) -> dict:
 
 
 def make_mlp(config: dict):
-    """The MLP of examples/train_mlp.py (features -> hidden -> 1)."""
+    """The MLP of examples/train_mlp.py (features -> hidden -> 1), with ``depth`` more
+    hidden -> hidden layers for the heavier variant."""
     import torch
 
+    hidden = [torch.nn.Linear(config["hidden"], config["hidden"]) for _ in range(config.get("depth", 0))]
     return torch.nn.Sequential(
         torch.nn.Linear(config["features"], config["hidden"]),
         torch.nn.ReLU(),
+        *[m for layer in hidden for m in (layer, torch.nn.ReLU())],
         torch.nn.Linear(config["hidden"], 1),
     )
 
@@ -120,9 +127,10 @@ def timed_steps(batches: Callable, model, opt, step: Callable, warmup: int, step
     return {"steps": steps, "seconds": seconds, "steps_per_s": steps / seconds}
 
 
-def throughput_ours(config: dict) -> None:
-    """The MLP with the toolkit's helpers (inside Ray): prepare_data_loader, prepare_model,
-    optimizer_step."""
+def throughput_ours(config: dict) -> dict:
+    """The MLP with the toolkit as the example uses it: prepare_data_loader, prepare_model,
+    optimizer_step and metrics() every step, save_checkpoint (which reports to Ray) every
+    ``report_every`` steps. Returns steps/s and the median time of a save_checkpoint call."""
     import torch
 
     import ray_train_xla as rtx
@@ -131,10 +139,94 @@ def throughput_ours(config: dict) -> None:
         mlp_data(config), batch_size=config["batch_size"], shuffle=True))
     model = rtx.prepare_model(make_mlp(config))
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    result = timed_steps(lambda: iter(loader), model, opt, rtx.optimizer_step,
-                         config["warmup"], config["steps"])
+    done, saves = [0], []
+
+    def step(o):
+        rtx.optimizer_step(o)
+        done[0] += 1
+        metrics = rtx.metrics(done[0])
+        if done[0] % config["report_every"] == 0:
+            t = time.perf_counter()
+            rtx.save_checkpoint({"model": model.state_dict(), "optimizer": o.state_dict(),
+                                 "step": done[0]}, {"step": done[0], **metrics})
+            saves.append(time.perf_counter() - t)
+
+    result = timed_steps(lambda: iter(loader), model, opt, step, config["warmup"], config["steps"])
+    result["saves"] = len(saves)
+    result["save_ms_median"] = 1000 * statistics.median(saves) if saves else None
+    return result
+
+
+def throughput_in_ray(config: dict) -> None:
+    """On a Ray Train worker: the bare loop (same process, same Ray) then the toolkit's loop."""
+    out = {"bare_in_ray": throughput_bare(config), "ours": throughput_ours(config)}
     with open(os.path.join(config["out_dir"], "throughput.json"), "w") as f:
-        json.dump(result, f)
+        json.dump(out, f)
+
+
+def profile_step(config: dict) -> dict:
+    """Where a step's host time goes (one process, no Ray), in microseconds per step: the bare
+    loop's parts against the toolkit's (batch to device, forward and backward traced,
+    gradient averaging, optimizer update, graph cut and execution, metrics)."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import ray_train_xla as rtx
+    from ray_train_xla.worker import optim
+
+    device = torch_xla.device()
+    data = mlp_data(config)
+    n = config["steps"]
+
+    def run(kind: str) -> dict:
+        torch.manual_seed(0)
+        model = make_mlp(config).to(device) if kind == "bare" else rtx.prepare_model(make_mlp(config))
+        opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+        if kind == "bare":
+            loader = torch.utils.data.DataLoader(data, batch_size=config["batch_size"],
+                                                 shuffle=True, drop_last=True)
+            batches = lambda: ((x.to(device), y.to(device)) for x, y in loader)  # noqa: E731
+        else:
+            prepared = rtx.prepare_data_loader(torch.utils.data.DataLoader(
+                data, batch_size=config["batch_size"], shuffle=True))
+            batches = lambda: iter(prepared)  # noqa: E731
+        parts = dict.fromkeys(("batch", "forward_backward", "reduce", "update", "sync", "metrics"), 0.0)
+        steps, it = 0, batches()
+        xm.wait_device_ops()
+        while steps < config["warmup"] + n:
+            if steps == config["warmup"]:
+                parts = dict.fromkeys(parts, 0.0)
+                xm.wait_device_ops()
+            t0 = time.perf_counter()
+            try:
+                xb, yb = next(it)
+            except StopIteration:
+                it = batches()
+                continue
+            t1 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            t2 = time.perf_counter()
+            if kind == "ours":
+                optim.reduce_gradients(opt)
+            t3 = time.perf_counter()
+            opt.step()
+            t4 = time.perf_counter()
+            torch_xla.sync()
+            t5 = time.perf_counter()
+            if kind == "ours":
+                rtx.metrics(steps + 1)
+            t6 = time.perf_counter()
+            for key, a, b in (("batch", t0, t1), ("forward_backward", t1, t2), ("reduce", t2, t3),
+                              ("update", t3, t4), ("sync", t4, t5), ("metrics", t5, t6)):
+                parts[key] += b - a
+            steps += 1
+        xm.wait_device_ops()
+        return {k: 1e6 * v / n for k, v in parts.items()}
+
+    bare, ours = run("bare"), run("ours")
+    return {"bare_us": bare, "ours_us": ours, "steps": n}
 
 
 def throughput_bare(config: dict, loader_kind: str = "to") -> dict:
@@ -386,29 +478,68 @@ def bench_startup(reps: int, worker_counts: list[int], tmp: str, with_ray_xla: b
     return rows
 
 
+# The heavier model of the throughput figure: a step about 10x the MLP's on this machine.
+HEAVY = {"hidden": 512, "depth": 2, "batch_size": 128}
+# Steps between reports: Ray Train V2 takes a report when its controller polls the workers
+# (every 2 s), and ray.train.report blocks until the previous one was taken, so a loop that
+# reports more often waits for Ray, whatever the helpers cost. About 2.5 s of steps here.
+REPORT_EVERY = {"mlp": 2000, "heavy": 200}
+
+
 def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
     from ray_train_xla import TorchXLAConfig
 
-    config = mlp_config(quick)
-    ours, bare, bare_mp = [], [], []
-    for rep in range(reps):
-        out_dir = tempfile.mkdtemp(dir=tmp)
-        fit(throughput_ours, TorchXLAConfig(device="cpu", timeout_s=120), 1,
-            {**config, "out_dir": out_dir}, tmp)
-        with open(os.path.join(out_dir, "throughput.json")) as f:
-            ours.append(json.load(f)["steps_per_s"])
-        bare.append(in_subprocess("throughput_bare", config)["steps_per_s"])
-        bare_mp.append(in_subprocess("throughput_bare_mp", config)["steps_per_s"])
-        log(f"  throughput rep {rep + 1}/{reps} ours {ours[-1]:7.1f} steps/s, "
-            f"bare {bare[-1]:7.1f} steps/s, bare with MpDeviceLoader {bare_mp[-1]:7.1f} steps/s")
-    sizes = {"steps_timed": config["steps"], "warmup": config["warmup"],
-             "batch_size": config["batch_size"]}
-    r = row("throughput", "helpers in Ray (1 worker)", "bare torch_xla loop", "steps/s", ours,
-            bare, "ratio >= 0.95", None, **sizes)
-    r["target_met"] = r["ratio"] >= 0.95
-    loader = row("throughput_mp_loader", "bare loop, MpDeviceLoader", "bare loop, .to(device)",
-                 "steps/s", bare_mp, bare, "none (reference)", None, **sizes)
-    return [r, loader]
+    rows = []
+    for model in ("mlp", "heavy"):
+        config = mlp_config(quick)
+        if model == "heavy":
+            config.update(HEAVY)
+        every = REPORT_EVERY[model] // (10 if quick else 1)
+        config.update(report_every=every, steps=3 * every, warmup=20)
+        ours, bare_ray, bare, bare_mp, save_ms, saves = [], [], [], [], [], 0
+        for rep in range(reps):
+            out_dir = tempfile.mkdtemp(dir=tmp)
+            fit(throughput_in_ray, TorchXLAConfig(device="cpu", timeout_s=120), 1,
+                {**config, "out_dir": out_dir}, tmp)
+            with open(os.path.join(out_dir, "throughput.json")) as f:
+                got = json.load(f)
+            ours.append(got["ours"]["steps_per_s"])
+            bare_ray.append(got["bare_in_ray"]["steps_per_s"])
+            saves += got["ours"]["saves"]
+            if got["ours"]["save_ms_median"] is not None:
+                save_ms.append(got["ours"]["save_ms_median"])
+            bare.append(in_subprocess("throughput_bare", config)["steps_per_s"])
+            if model == "mlp":
+                bare_mp.append(in_subprocess("throughput_bare_mp", config)["steps_per_s"])
+            log(f"  throughput {model} rep {rep + 1}/{reps} ours {ours[-1]:7.1f} steps/s, "
+                f"bare in Ray {bare_ray[-1]:7.1f}, bare {bare[-1]:7.1f}"
+                + (f", bare with MpDeviceLoader {bare_mp[-1]:7.1f}" if bare_mp else ""))
+        sizes = {"steps_timed": config["steps"], "warmup": config["warmup"],
+                 "batch_size": config["batch_size"], "hidden": config["hidden"],
+                 "depth": config.get("depth", 0), "report_every": every,
+                 "checkpoints_in_timed_steps": saves, "save_checkpoint_ms_median": median(save_ms)}
+        target = 0.98 if model == "mlp" else 0.99
+        name = "throughput" if model == "mlp" else "throughput_heavy"
+        what = "MLP" if model == "mlp" else "heavier MLP"
+        r = row(name, f"helpers in Ray (1 worker), {what}", f"bare torch_xla loop, {what}",
+                "steps/s", ours, bare, f"ratio >= {target}", None, **sizes)
+        r["target_met"] = r["ratio"] >= target
+        rows.append(r)
+        rows.append(row(name + "_in_ray", f"helpers in Ray, {what}",
+                        f"bare loop in the same Ray worker, {what}", "steps/s", ours, bare_ray,
+                        "none (the helpers' own cost)", None))
+        if model == "mlp":
+            rows.append(row("throughput_mp_loader", "bare loop, MpDeviceLoader",
+                            "bare loop, .to(device)", "steps/s", bare_mp, bare, "none (reference)",
+                            None, **sizes))
+    rows[0]["step_ratio_heavy_over_mlp"] = (rows[0]["b_median"] / rows[3]["b_median"]
+                                            if rows[3]["b_median"] else None)
+    profile = in_subprocess("profile_step", {**mlp_config(quick), "warmup": 20,
+                                             "steps": 300 if quick else 2000})
+    rows.append(row("step_profile", "helpers, host us/step", "bare loop, host us/step", "us/step",
+                    [sum(profile["ours_us"].values())], [sum(profile["bare_us"].values())],
+                    "none (breakdown)", None, breakdown=profile))
+    return rows
 
 
 def bench_recompile(quick: bool) -> list[dict]:
@@ -503,6 +634,18 @@ def write_results(results: dict, out: str) -> None:
                 lines.append(f"| {side} | {fmt(s['step_ms'])} | {fmt(s['compute_ms'])} | "
                              f"{fmt(s['comm_ms'])} | {fmt(s['allreduce_ms'])} | "
                              f"{fmt(s['update_ms'])} |")
+        if r["figure"] == "step_profile":
+            b = r["breakdown"]
+            lines += ["", f"Host time per step of the MLP, one process, {b['steps']} steps "
+                      "(microseconds; `sync` includes waiting for the step's execution):", "",
+                      "| part | bare loop | helpers |", "|---|---|---|"]
+            for part in b["bare_us"]:
+                lines.append(f"| {part} | {b['bare_us'][part]:.1f} | {b['ours_us'][part]:.1f} |")
+        if r["figure"] == "throughput":
+            lines += ["", f"Throughput: checkpoint every {r['report_every']} steps "
+                      f"({r['checkpoints_in_timed_steps']} in the timed steps, median "
+                      f"save_checkpoint {fmt(r['save_checkpoint_ms_median'])} ms); the heavier "
+                      f"model's step is {fmt(r['step_ratio_heavy_over_mlp'])}x the MLP's."]
         if r["figure"] == "recompile":
             lines += ["", f"Recompilation: after warm-up (3 steps), prepare_data_loader compiled "
                       f"{r['a_after_warmup']} graph(s), the naive loop {r['b_after_warmup']}."]
@@ -577,6 +720,8 @@ def main() -> None:
         config = json.loads(args.task_config)
         if args.task.startswith("throughput_bare"):
             print(json.dumps(throughput_bare(config, "mp" if args.task.endswith("_mp") else "to")))
+        elif args.task == "profile_step":
+            print(json.dumps(profile_step(config)))
         else:
             print(json.dumps(recompile_count(config, args.task.removeprefix("recompile_"))))
         return
@@ -612,10 +757,18 @@ def main() -> None:
                     rows = bench_recompile(args.quick)
                 else:
                     rows = bench_grad_sync(reps, args.quick, tmp)
-                results["rows"] += rows
+                results["rows"] += [{**r, "group": figure} for r in rows]
         finally:
             ray.shutdown()
     results["seconds"] = time.perf_counter() - started
+    previous = os.path.join(args.out, "results.json")
+    if args.only and os.path.exists(previous):
+        # A partial run replaces its own figures and keeps the others of the last full run.
+        with open(previous) as f:
+            kept = [r for r in json.load(f)["rows"]
+                    if r.get("group", r["figure"].split("_")[0]) not in only]
+        results["rows"] = kept + results["rows"]
+        results["partial"] = only
     write_results(results, args.out)
     log(f"[{results['seconds']:6.0f} s] done; results in {args.out}")
     for r in results["rows"]:

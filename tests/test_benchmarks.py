@@ -14,9 +14,9 @@ import pytest
 pytestmark = [pytest.mark.ray]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIGURES = {"startup_1w_ours", "startup_1w_ray_xla", "throughput", "throughput_mp_loader",
-           "recompile", "grad_sync_step",
-           "grad_sync_comm"}
+FIGURES = {"startup_1w_ours", "startup_1w_ray_xla", "throughput", "throughput_in_ray",
+           "throughput_mp_loader", "throughput_heavy", "throughput_heavy_in_ray", "step_profile",
+           "recompile", "grad_sync_step", "grad_sync_comm"}
 
 
 def is_number(value) -> bool:
@@ -40,6 +40,11 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
         assert is_number(r["ratio"]) and r["ratio"] > 0, r
     assert rows["recompile"]["a_after_warmup"] >= 0 and rows["recompile"]["b_after_warmup"] >= 0
     assert set(rows["grad_sync_step"]["split"]) == {"bucketed", "per_param"}
+    # The toolkit's loop saved checkpoints inside the timed steps, as the example does.
+    assert rows["throughput"]["checkpoints_in_timed_steps"] >= 1
+    assert is_number(rows["throughput"]["save_checkpoint_ms_median"])
+    profile = rows["step_profile"]["breakdown"]
+    assert set(profile["ours_us"]) == set(profile["bare_us"]) >= {"batch", "metrics", "sync"}
     # One summary line per figure, ending with its ratio.
     summary = [line for line in proc.stdout.splitlines() if line.split(":")[0] in FIGURES]
     assert len(summary) == len(FIGURES) and all("ratio" in line for line in summary)
@@ -47,3 +52,20 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
     assert all(f"| {name} |" in table for name in FIGURES)
     png = (out / "ratios.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_scale_benchmark_each_node_fetches_only_its_own_workers():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_scale
+
+    facts = bench_scale.neuron_facts(4, 8)
+    _, store, group = bench_scale.start_once(facts)
+    index_ref, options = group.applied
+    index = store.objects[index_ref.index]
+    assert options["device"] == "neuron"
+    assert sorted(index) == sorted({f.node_id for f in facts})
+    for node, ref in index.items():
+        envs = store.objects[ref.index]
+        assert sorted(envs) == sorted(f.key for f in facts if f.node_id == node)
+        assert all(len("".join(k + v for k, v in env.items())) < 4096 for env in envs.values())
+    assert len(store.sizes) == 1 + 4  # the index and one object per node

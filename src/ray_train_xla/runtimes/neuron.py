@@ -93,12 +93,16 @@ class NeuronRuntime(Runtime):
     def ports_needed(self, config) -> int:
         return 1  # NEURON_RT_ROOT_COMM_ID
 
-    @staticmethod
-    def _cores_for_node(topology, node_rank: int) -> str:
+    def _cores_for_node(self, topology, node_rank: int) -> str:
         """This trainer's cores on one node, ordered by local rank (local ranks if Ray
-        assigned none)."""
-        ids = topology.node_accelerator_ids[node_rank]
-        return ",".join(i[0] if i else str(local) for local, i in enumerate(ids))
+        assigned none); computed once per node, so planning stays linear in the workers."""
+        cached = getattr(self, "_node_cores", None)
+        if cached is None or cached[0] is not topology:
+            cached = (topology, [
+                ",".join(i[0] if i else str(local) for local, i in enumerate(ids))
+                for ids in topology.node_accelerator_ids])
+            self._node_cores = cached
+        return cached[1][node_rank]
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
         if config.spmd:
