@@ -106,3 +106,20 @@ def test_bad_ragged_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="ragged='keep'"):
         rtx.prepare_data_loader(torch.utils.data.DataLoader(make_data(2), batch_size=4),
                                 ragged="keep")
+
+
+def test_metrics_come_from_counters_and_execute_time_only_on_request():
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    x = torch.arange(6.0, device=rtx.get_device())
+    (x * 3).sum().cpu()  # at least one compilation and execution in this process
+    cheap = rtx.metrics()
+    assert "xla/execute_time_s" not in cheap  # reading it costs ~0.2 ms: only on request
+    full = rtx.metrics(execute_time=True)
+    assert full["xla/execute_time_s"] > 0
+    # Counts since the process started, equal to torch_xla's own metrics.
+    assert full["xla/compiles"] == met.metric_data("CompileTime")[0]
+    assert full["xla/compile_time_s"] == pytest.approx(met.metric_data("CompileTime")[1] * 1e-9)
+    assert full["xla/executions"] == met.metric_data("ExecuteTime")[0]
+    torch_xla.sync()
