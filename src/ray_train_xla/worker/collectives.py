@@ -52,7 +52,7 @@ def world_size() -> int:
 
 def uses_host_collectives() -> bool:
     """True when collectives go through gloo on host copies (several CPU workers)."""
-    return os.environ.get(PG_BACKEND_VAR) == "gloo" and world_size() > 1
+    return "gloo" in os.environ.get(PG_BACKEND_VAR, "") and world_size() > 1
 
 
 def _check_op(op: str) -> str:
