@@ -91,11 +91,17 @@ def _members(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], Any]:
     if key == tuple(range(st.world)):
         return members, st.host_group
     if key not in st.subgroups:
-        import torch.distributed as dist
-
         # Only the members create (and later use) the group: the others are in their own groups.
-        st.subgroups[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
+        st.subgroups[key] = _new_group(list(key), backend="gloo", use_local_synchronization=True)
     return members, st.subgroups[key]
+
+
+def _new_group(*args: Any, **kwargs: Any) -> Any:
+    # torch's own new_group: importing torch_xla.distributed.xla_backend replaces
+    # torch.distributed.new_group with a version that lacks use_local_synchronization.
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d.new_group(*args, **kwargs)
 
 
 def _in_listed_order(values: list, members: list[int]) -> list:
@@ -464,7 +470,6 @@ def install(rank: int, world: int) -> None:
     """Make this worker's torch_xla see the Ray world and reduce across it. Call after the
     default process group (``PROCESS_GROUP_BACKEND``) is initialised, on every worker."""
     global _state
-    import torch.distributed as dist
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
@@ -472,7 +477,7 @@ def install(rank: int, world: int) -> None:
         return
     st = _State(rank, world)
     # A gloo group for torch_xla's collectives on host tensors (all ranks, collectively).
-    st.host_group = dist.new_group(backend="gloo")
+    st.host_group = _new_group(backend="gloo")
     # torch_xla caches these for Dynamo (runtime.py, "Dynamo WORLD_SIZE and ORDINAL"); every
     # reader, including the functions imported by name, returns the cached values.
     _patch(st, xr, "_WORLD_SIZE", world)
