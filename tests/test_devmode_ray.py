@@ -430,6 +430,11 @@ def test_torch_xla_code_runs_unchanged_on_cpu_workers(ray_local, workers):
         td = rec["results"]["torch_distributed"]
         assert td["backend"] == "cpu:gloo,xla:xla_host"
         assert "not available in ray_train_xla's CPU development mode" in td["all_to_all_refused"]
+    _assert_ray_helpers(records)
+
+
+def _assert_ray_helpers(records):
+    for rec in records:
         rh = rec["results"]["ray_helpers"]
         assert rh["device"] == "xla:0" and rh["devices"] == ["xla:0"]
         assert rh["ddp"] is True and rh["param_device"] == "xla" and rh["batch_device"] == "xla"
@@ -437,13 +442,15 @@ def test_torch_xla_code_runs_unchanged_on_cpu_workers(ray_local, workers):
     assert all_rows == [float(i) for i in range(8)]  # Ray's sampler shards, none repeated (8 rows)
 
 
-def test_seed_check_world_view_and_pad_masks_with_four_workers(ray_local):
+@pytest.mark.train_v1  # Ray's helpers differ between Train V1 and V2
+def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(ray_local):
     _, records = fit(run_checks, num_workers=4,
-                     loop_config={"checks": ["seed", "world", "pad_loader"]})
+                     loop_config={"checks": ["seed", "world", "ray_helpers", "pad_loader"]})
     records = _by_rank(records)
     for rec in records:
         assert rec["failures"] == {}, f"rank {rec['rank']}: {rec['failures']}"
     _assert_world(records, 4)
+    _assert_ray_helpers(records)
     assert {rec["results"]["pad_loader"]["batches"] for rec in records} == {2}
     real = sorted(v for rec in records for v in rec["results"]["pad_loader"]["real_rows"])
     assert real == [float(i) for i in range(10)]
