@@ -58,7 +58,8 @@ def test_table_on_this_machine():
         assert " FAIL " not in rows[name][0], rows[name]
     assert "not present" in rows["neuron devices"][0]
     assert "device='auto' -> cpu" in rows["device"][0]
-    assert "ray_train_xla.all_reduce does" in rows["CPU collectives"][0]
+    assert "xm collectives" in rows["CPU collectives"][0]
+    assert "xr.world_size()/global_ordinal() are Ray's" in rows["CPU collectives"][0]
     assert "0 FAIL" in out.splitlines()[-1]
 
 

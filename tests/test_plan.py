@@ -51,12 +51,38 @@ def test_ranks_and_torchrun_contract(counts, expected):
             assert env[key].isdigit(), (key, env[key])
 
 
-def test_cpu_process_group_is_xla_for_one_worker_and_gloo_for_several():
-    assert cpu_plan([1])[0].env["RAY_TRAIN_XLA_PG_BACKEND"] == "xla"
-    assert cpu_plan([1])[0].env["RAY_TRAIN_XLA_INIT_METHOD"] == "xla://"
-    for p in cpu_plan([2]):
-        assert p.env["RAY_TRAIN_XLA_PG_BACKEND"] == "gloo"
+def test_cpu_process_group_is_xla_for_one_worker_and_the_development_mode_for_several():
+    one = cpu_plan([1])[0].env
+    assert one["RAY_TRAIN_XLA_PG_BACKEND"] == "xla"
+    assert one["RAY_TRAIN_XLA_INIT_METHOD"] == "xla://"
+    assert "RAY_TRAIN_XLA_CPU_DEVMODE" not in one and "PJRT_LOCAL_PROCESS_RANK" not in one
+    for p in cpu_plan([2, 1]):
+        assert p.env["RAY_TRAIN_XLA_PG_BACKEND"] == "cpu:gloo,xla:xla_host"
         assert p.env["RAY_TRAIN_XLA_INIT_METHOD"] == "env://"
+        assert p.env["RAY_TRAIN_XLA_CPU_DEVMODE"] == "1"
+        # torch_xla's local ordinal and local process count follow the worker's place
+        assert p.env["PJRT_LOCAL_PROCESS_RANK"] == str(p.place.local_rank)
+        assert p.env["PJRT_LOCAL_PROCESS_COUNT"] == str(p.place.local_world_size)
+    # SPMD keeps the development mode off (each worker's mesh is its own)
+    for p in cpu_plan([1, 1], spmd=True, cpu_devices_per_worker=2):
+        assert "RAY_TRAIN_XLA_CPU_DEVMODE" not in p.env
+        assert p.env["RAY_TRAIN_XLA_PG_BACKEND"] == "gloo"
+
+
+@pytest.mark.parametrize("device", ["cpu", "neuron", "tpu"])
+def test_ray_torch_config_variables_on_every_device(device):
+    resource = {"cpu": None, "neuron": "neuron_cores", "tpu": "TPU"}[device]
+    facts = [WorkerFacts(node_id=f"n{i // 2}", node_ip=f"10.0.0.{i // 2 + 1}", pid=100 + i,
+                         accelerator_ids={resource: (str(i % 2),)} if resource else {})
+             for i in range(4)]
+    topology = Topology.from_facts(facts, resource)
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(29501,))
+    plans = plan(topology, TorchXLAConfig(device=device), rdzv, device, facts)
+    for p in plans:
+        assert p.env["NODE_RANK"] == p.env["GROUP_RANK"] == str(p.place.node_rank)
+        assert p.env["ACCELERATE_TORCH_DEVICE"] == "xla:0"
+        # the development mode is for CPU workers only, never on an accelerator
+        assert ("RAY_TRAIN_XLA_CPU_DEVMODE" in p.env) is (device == "cpu")
 
 
 def test_user_env_is_applied_last_and_timeout_travels():

@@ -75,7 +75,7 @@ def test_several_workers_reduce_through_gloo(ray_local, workers):
     for rec in records:
         assert rec["world"] == rec["dist_world"] == workers
         assert rec["dist_rank"] == rec["rank"] == rec["ray_rank"]
-        assert rec["pg_backend"] == "gloo"
+        assert rec["pg_backend"] == "cpu:gloo,xla:xla_host"  # the CPU development mode
         assert rec["result_device"] == "xla"
         assert rec["sum"] == [[float(workers)] * 3] * 2
         assert rec["mean"] == pytest.approx([expected_mean] * 2)
@@ -96,4 +96,4 @@ def test_demo_seed_check(ray_local):
     summary = run_demo(workers=2, iterations=3, device="cpu")
     assert summary.ok and summary.workers == 2 and summary.iterations == 3
     assert summary.device.startswith("xla") and summary.pjrt_device == "CPU"
-    assert summary.process_group == "gloo"
+    assert summary.process_group == "cpu:gloo,xla:xla_host"

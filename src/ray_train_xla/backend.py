@@ -29,6 +29,7 @@ from ray_train_xla.options import XLAOptions
 from ray_train_xla.runtimes import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
     DEVICE_VAR,
+    DEVMODE_VAR,
     INIT_METHOD_VAR,
     PG_BACKEND_VAR,
     RUNTIME_VAR,
@@ -189,6 +190,7 @@ def init_process_group() -> None:
     timeout = timedelta(seconds=float(os.environ[TIMEOUT_VAR]))
     if dist.is_initialized():
         return
+    devmode = os.environ.get(DEVMODE_VAR) == "1"
     try:
         if os.environ.get(SPMD_VAR) == "1":
             # Before any XLA tensor exists, and before the xla:// handler, which creates one.
@@ -198,7 +200,16 @@ def init_process_group() -> None:
         if backend == "xla" or init_method == "xla://":
             # Registers the "xla" backend and the "xla://" rendezvous handler.
             import torch_xla.distributed.xla_backend  # noqa: F401
+        if devmode:
+            from ray_train_xla.worker import devmode as cpu_devmode
+
+            cpu_devmode.register_backend()
         dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        if devmode:
+            cpu_devmode.install(dist.get_rank(), dist.get_world_size())
+        from ray_train_xla.worker import ray_compat
+
+        ray_compat.install()
     except Exception as exc:
         raise WorkerSetupError(
             f"{_who()}: init_process_group({backend!r}, init_method={init_method!r}) failed "
@@ -228,6 +239,11 @@ def shutdown_worker(options: Mapping[str, Any], timeout_s: float) -> None:
     if thread.is_alive():
         logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
                        _who(), timeout_s)
+    if "ray_train_xla.worker.ray_compat" in sys.modules:
+        from ray_train_xla.worker import devmode, ray_compat
+
+        ray_compat.uninstall()
+        devmode.uninstall()
     device, kind = os.environ.get(DEVICE_VAR), os.environ.get(RUNTIME_VAR)
     if device and kind:
         get_runtime(device, kind).cleanup_worker(options)

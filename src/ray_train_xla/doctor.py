@@ -363,8 +363,11 @@ def remote_node_check(ctx: NodeContext) -> dict:
 
 def cpu_note(node: str) -> Check:
     return Check("CPU collectives", node, OK,
-                 "with several CPU workers, raw xm.all_reduce does not cross processes (each "
-                 "worker gets its local value); ray_train_xla.all_reduce does")
+                 "several CPU workers run in the development mode: xm collectives "
+                 "(all_reduce, all_gather, reduce_scatter, broadcast, rendezvous, mesh_reduce, "
+                 "optimizer_step), torch.distributed and DDP on XLA tensors cross workers over "
+                 "gloo on host copies, and xr.world_size()/global_ordinal() are Ray's; eager, "
+                 "every collective cuts the graph (see README, CPU development mode)")
 
 
 def run_local(load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:

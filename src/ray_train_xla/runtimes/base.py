@@ -26,6 +26,11 @@ INIT_METHOD_VAR = "RAY_TRAIN_XLA_INIT_METHOD"
 TIMEOUT_VAR = "RAY_TRAIN_XLA_TIMEOUT_S"
 # "1" when TorchXLAConfig.spmd: the backend calls xr.use_spmd() before the process group.
 SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
+# "1" for several CPU workers (not SPMD): the backend installs the CPU development mode
+# (ray_train_xla.worker.devmode) at process-group initialisation.
+DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
+# Every worker drives one XLA device, xla:0 (Accelerate reads this, as Ray's TorchConfig sets it).
+XLA_TORCH_DEVICE = "xla:0"
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,9 @@ class Rendezvous:
 def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> dict[str, str]:
     """The variables torchrun (``torch/distributed/run.py``) gives each worker; every runtime
     reads these. ``TORCHELASTIC_RUN_ID`` makes torch_xla treat the process as torchrun-launched
-    (``dist.is_torchelastic_launched``), which the ``xla://`` handler and Neuron's init need."""
+    (``dist.is_torchelastic_launched``), which the ``xla://`` handler and Neuron's init need.
+    ``NODE_RANK`` and ``ACCELERATE_TORCH_DEVICE`` are what Ray's ``TorchConfig`` adds
+    (``ray/train/torch/config.py``, ``_set_torch_distributed_env_vars``)."""
     world = str(topology.world_size)
     return {
         "RANK": str(place.rank),
@@ -49,6 +56,8 @@ def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> di
         "WORLD_SIZE": world,
         "LOCAL_WORLD_SIZE": str(place.local_world_size),
         "GROUP_RANK": str(place.node_rank),
+        "NODE_RANK": str(place.node_rank),
+        "ACCELERATE_TORCH_DEVICE": XLA_TORCH_DEVICE,
         "GROUP_WORLD_SIZE": str(topology.num_nodes),
         "ROLE_NAME": "default",
         "ROLE_RANK": str(place.rank),

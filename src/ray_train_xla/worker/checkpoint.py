@@ -94,7 +94,9 @@ def load_checkpoint(
                 f"rank {rank()}: checkpoint {checkpoint.path} has no {filename!r} "
                 f"(found {sorted(os.listdir(path))}); was it written by save_checkpoint()?"
             )
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        # weights_only: the file comes from shared storage; plain tensors, containers and
+        # numbers (what save_checkpoint writes) load without unpickling arbitrary objects.
+        state = torch.load(file, map_location="cpu", weights_only=True)
     if model is not None:
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
     if optimizer is not None:

@@ -4,12 +4,12 @@ Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEN
 
 - ``xla`` (Neuron, TPU, or a single CPU worker): torch_xla's own collectives, traced into the
   graph; use them as you would ``xm.all_reduce``.
-- ``gloo`` (several CPU workers): torch_xla 2.9 on CPU cannot reduce across processes, so the
-  tensor is copied to the host, reduced through the gloo group, and copied back to the XLA
-  device. Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
+- a ``gloo`` group (several CPU workers): torch_xla 2.9 on CPU cannot reduce across processes,
+  so the tensor is copied to the host, reduced through gloo, and copied back to the XLA device.
+  Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
 
-Raw ``xm.all_reduce`` silently returns the local value with several CPU workers; these helpers
-do not.
+With several CPU workers the backend also bridges torch_xla's own collectives (the CPU
+development mode, ``worker/devmode.py``), so raw ``xm.all_reduce`` agrees with these helpers.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def world_size() -> int:
 
 def uses_host_collectives() -> bool:
     """True when collectives go through gloo on host copies (several CPU workers)."""
-    return os.environ.get(PG_BACKEND_VAR) == "gloo" and world_size() > 1
+    return "gloo" in os.environ.get(PG_BACKEND_VAR, "") and world_size() > 1
 
 
 def _check_op(op: str) -> str:
