@@ -142,6 +142,7 @@ def gather_facts() -> WorkerFacts:
         for name, ids in ctx.get_accelerator_ids().items()
         if ids
     }
+    tpu_worker_id, tpu_name = _tpu_host_identity() if accelerators.get("TPU") else (None, "")
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -152,7 +153,18 @@ def gather_facts() -> WorkerFacts:
         has_efa=_netinfo.has_efa(),
         network_interface=_netinfo.interface_for_ip(ip) or "",
         preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
+        tpu_worker_id=tpu_worker_id,
+        tpu_name=tpu_name,
     )
+
+
+def _tpu_host_identity() -> tuple[int | None, str]:
+    """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
+    else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    return (TPUAcceleratorManager.get_current_node_tpu_worker_id(),
+            TPUAcceleratorManager.get_current_node_tpu_name() or "")
 
 
 def reserve_ports(count: int) -> list[int]:

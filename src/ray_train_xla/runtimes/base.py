@@ -26,6 +26,8 @@ INIT_METHOD_VAR = "RAY_TRAIN_XLA_INIT_METHOD"
 TIMEOUT_VAR = "RAY_TRAIN_XLA_TIMEOUT_S"
 # "1" when TorchXLAConfig.spmd: the backend calls xr.use_spmd() before the process group.
 SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
+# torch_xla's own SPMD switch, read at ``import torch_xla`` (planned with SPMD_VAR).
+XLA_SPMD_VAR = "XLA_USE_SPMD"
 
 
 @dataclass(frozen=True)
