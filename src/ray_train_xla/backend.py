@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -23,8 +24,13 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
-from ray_train_xla import _netinfo
-from ray_train_xla.errors import NeuronCompileError, WorkerSetupError
+from ray_train_xla import _netinfo, rendezvous_store
+from ray_train_xla.errors import (
+    NeuronCompileError,
+    RendezvousTimeoutError,
+    WorkerSetupError,
+    XLAInitError,
+)
 from ray_train_xla.options import XLAOptions
 from ray_train_xla.runtimes import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
@@ -193,7 +199,12 @@ def apply_env(index: Mapping[str, Any], options: Mapping[str, Any]) -> None:
 
 
 def init_process_group() -> None:
-    """Initialise torch.distributed as planned, bounded by the configured timeout."""
+    """Initialise torch.distributed as planned, bounded by the configured timeout.
+
+    Three steps, each reported as what it is when it fails: torch_xla's initialisation
+    (``import torch_xla``, which reads the planned environment, and SPMD), the rendezvous on a
+    store we own (bounded by ``timeout_s``, naming ranks that did not arrive), and the process
+    group itself."""
     import torch.distributed as dist
 
     backend = os.environ[PG_BACKEND_VAR]
@@ -201,23 +212,67 @@ def init_process_group() -> None:
     timeout = timedelta(seconds=float(os.environ[TIMEOUT_VAR]))
     if dist.is_initialized():
         return
+    xla_pg = backend == "xla" or init_method == "xla://"
     try:
-        if os.environ.get(SPMD_VAR) == "1":
-            # Before any XLA tensor exists, and before the xla:// handler, which creates one.
-            import torch_xla.runtime as xr
-
-            xr.use_spmd()
-        if backend == "xla" or init_method == "xla://":
-            # Registers the "xla" backend and the "xla://" rendezvous handler.
-            import torch_xla.distributed.xla_backend  # noqa: F401
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        if xla_pg or os.environ.get(SPMD_VAR) == "1":
+            _init_torch_xla(xla_pg)
+    except Exception as exc:
+        raise XLAInitError(f"{_who()}: {describe_xla_init_error(exc)}") from exc
+    try:
+        store = rendezvous_store.join(timeout)
+    except RendezvousTimeoutError as exc:
+        raise RendezvousTimeoutError(f"{_who()}: {exc}") from exc.__cause__
+    try:
+        if init_method == "xla://" and rendezvous_store.install_for_xla_handler(store):
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     except Exception as exc:
         raise WorkerSetupError(
-            f"{_who()}: init_process_group({backend!r}, init_method={init_method!r}) failed "
-            f"within timeout_s={timeout.total_seconds():.0f}: {type(exc).__name__}: {exc}. "
-            "If another worker failed first, its error is the cause; otherwise check that "
-            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} is reachable from this node."
+            f"{_who()}: every rank arrived at the rendezvous, then init_process_group("
+            f"{backend!r}, init_method={init_method!r}) failed within timeout_s="
+            f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
+            "first, its error is the cause."
         ) from exc
+
+
+def _init_torch_xla(xla_pg: bool) -> None:
+    """Import torch_xla (it reads the planned environment now), enable SPMD where planned, and
+    register the ``xla`` backend and ``xla://`` handler."""
+    import torch_xla  # noqa: F401
+
+    if os.environ.get(SPMD_VAR) == "1":
+        import warnings
+
+        import torch_xla.runtime as xr
+
+        # The plan sets XLA_USE_SPMD (read at import); use_spmd() still does what the running
+        # device needs (Neuron re-initialises for SPMD) and only warns that the variable is set.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="XLA_USE_SPMD is being deprecated")
+            xr.use_spmd()
+    if xla_pg:
+        import torch_xla.distributed.xla_backend  # noqa: F401
+
+
+_VAR_NAME = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+
+
+def describe_xla_init_error(exc: BaseException) -> str:
+    """Say that torch_xla's initialisation rejected this worker's environment, with the value of
+    every variable the error names (the one at fault is among them)."""
+    text = f"{type(exc).__name__}: {exc}"
+    named = list(dict.fromkeys(_VAR_NAME.findall(str(exc))))
+    values = ", ".join(f"{k}={os.environ[k]!r}" if k in os.environ else f"{k} unset"
+                       for k in named)
+    where = f" Variables it names, as this worker has them: {values}." if values else ""
+    return (
+        f"torch_xla's initialisation failed (import torch_xla / SPMD set-up, before any "
+        f"rendezvous): {text}.{where} They come from the plan (see `ray-train-xla plan`) or "
+        "from TorchXLAConfig.env; a variable set before ray_train_xla applied the plan (or "
+        "torch_xla imported too early) also ends here."
+    )
 
 
 def shutdown_worker(options: Mapping[str, Any], timeout_s: float) -> None:
