@@ -2,8 +2,9 @@
 
 The environment (the planned torchrun contract and ``RAY_TRAIN_XLA_*``) comes from the test.
 With ``--preimport``, torch_xla is imported before the clock starts (CPU only: on Neuron the
-import is what is under test). Prints one JSON line: whether it worked, the error type and message, the seconds spent in
-``init_process_group``, and (on success) the timeout of the store the process group uses.
+import is what is under test). Prints one JSON line: whether it worked, the error type and
+message, the seconds spent in ``init_process_group``, and (on success) the timeout of the store
+the process group uses.
 """
 
 import json

@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from conftest import DOUBLES_DIR
 from ray_train_xla import TorchXLAConfig
 from ray_train_xla.runtimes import Rendezvous, plan
 from ray_train_xla.topology import Topology, WorkerFacts
+
+from conftest import DOUBLES_DIR
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 5
