@@ -45,6 +45,8 @@ _EXPORTS = {
         "save_checkpoint",
         "shard_batch",
         "sharding_spec",
+        "spmd_global",
+        "sync",
         "to_cpu",
         "uses_host_collectives",
         "world_size",
