@@ -73,3 +73,27 @@ def test_spmd_global_tensors_are_not_reduced_again(probes):
     # Global values: no host round trip (there is no process group), no hosts x value.
     assert res["sum"] == res["mean"] == res["broadcast"] == res["x"]
     assert res["grad"] == res["expected_grad"]
+
+
+def test_device_and_sync_fall_back_to_torch_xla_1_x_api(monkeypatch):
+    # torch_xla 1.13 (XRT, torch-neuronx 1.x) has no torch_xla.device() or torch_xla.sync():
+    # the helpers fall back to xm.xla_device() and xm.mark_step(). The attributes are removed
+    # from the real module for this test only.
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import ray_train_xla as rtx
+
+    calls = []
+    xla0 = torch_xla.device()
+    monkeypatch.delattr(torch_xla, "device")
+    monkeypatch.delattr(torch_xla, "sync")
+    # torch_xla 2.9's own xm functions call the removed ones: record the fallbacks' calls.
+    monkeypatch.setattr(xm, "xla_device", lambda *a, **k: calls.append("xla_device") or xla0)
+    monkeypatch.setattr(xm, "mark_step", lambda *a, **k: calls.append("mark_step"))
+    assert rtx.get_device() == xla0
+    rtx.sync()
+    assert calls == ["xla_device", "mark_step"]
+    assert torch.ones(2, device=xla0).sum().item() == 2.0
