@@ -281,3 +281,13 @@ def test_xrt_uneven_nodes_are_refused():
     facts = facts_for([[(0,), (1,), (2,)], [(0,), (1,)], [(0,)]], "neuron_cores")
     with pytest.raises(XLAConfigError, match=r"runtime='xrt' needs the same number of workers"):
         planned(facts, "neuron_cores", "neuron", runtime="xrt")
+
+
+def test_tpu_host_identity_is_read_as_ray_reads_it(monkeypatch):
+    # GKE sets TPU_WORKER_ID and TPU_NAME on each TPU pod; Ray's TPU support reads them first
+    # (then the GCE metadata server), and so does gather_facts on a worker given TPU chips.
+    from ray_train_xla.backend import _tpu_host_identity
+
+    monkeypatch.setenv("TPU_WORKER_ID", "3")
+    monkeypatch.setenv("TPU_NAME", "slice-a")
+    assert _tpu_host_identity() == (3, "slice-a")
