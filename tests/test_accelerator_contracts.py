@@ -55,7 +55,7 @@ def planned(facts, resource, device, **config) -> list[dict]:
     return [p.to_json() for p in plans]
 
 
-def _run(script: str, payload) -> list[dict]:
+def _run(script: str, payload):
     out = subprocess.run([sys.executable, os.path.join(HERE, "contracts", script)],
                          input=json.dumps(payload), capture_output=True, text=True, timeout=300,
                          env={"PATH": os.environ.get("PATH", "/usr/bin"),
@@ -84,13 +84,17 @@ NEURON = {
 }
 
 
-@pytest.fixture(scope="module")
-def neuron_results():
+def _neuron_payload():
     rows = {name: make() for name, make in NEURON.items()}
     # Plus the 2x4 SPMD plan's rank 0 without XLA_USE_SPMD: the environment before the fix.
     unfixed = {k: v for k, v in rows["spmd-2x4"][0]["env"].items() if k != "XLA_USE_SPMD"}
-    envs = [r["env"] for name in NEURON for r in rows[name]] + [unfixed]
-    results = iter(_run("neuron_configure.py", envs))
+    return rows, [r["env"] for name in NEURON for r in rows[name]] + [unfixed]
+
+
+@pytest.fixture(scope="module")
+def neuron_results(contract_runs):
+    rows, _ = contract_runs["neuron-payload"]
+    results = iter(contract_runs["neuron"])
     out = {name: [(r, next(results)) for r in rows[name]] for name in NEURON}
     out["unfixed"] = next(results)
     return out
@@ -166,8 +170,7 @@ def _slice_metadata(num_hosts: int, worker_id: int) -> dict:
             "TPU_WORKER_ID": str(worker_id)}
 
 
-@pytest.fixture(scope="module")
-def tpu_results():
+def _tpu_payload():
     cases = _tpu_cases()
     payload, index = [], []
     for name, (rows, worker_ids, _) in cases.items():
@@ -187,7 +190,24 @@ def tpu_results():
                        "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
                 payload.append([own, *local])
                 index.append(name + "/own")
-    results = _run("tpu_configure.py", payload)
+    return cases, index, payload
+
+
+@pytest.fixture(scope="module")
+def contract_runs():
+    """Every Neuron and TPU case through one interpreter (forked per case)."""
+    neuron_rows, neuron_envs = _neuron_payload()
+    tpu_cases, tpu_index, tpu_payload = _tpu_payload()
+    out = _run("configure_all.py", {"neuron": neuron_envs, "tpu": tpu_payload})
+    out["neuron-payload"] = (neuron_rows, neuron_envs)
+    out["tpu-payload"] = (tpu_cases, tpu_index)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tpu_results(contract_runs):
+    cases, index = contract_runs["tpu-payload"]
+    results = contract_runs["tpu"]
     out: dict[str, list] = {}
     for name, res in zip(index, results):
         out.setdefault(name, []).append(res)
