@@ -125,3 +125,10 @@ def test_neuron_spmd_plan_passes_torch_xla_import_then_waits_bounded(runs):
     (res,) = runs["neuron-spmd"]
     assert res["error_type"] == "RendezvousTimeoutError", res
     assert "rank 1 (of 2) did not arrive" in res["error"]
+
+
+def test_missing_torch_xla_is_named_as_such():
+    from ray_train_xla.backend import describe_xla_init_error
+
+    exc = ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla")
+    assert "torch_xla cannot be imported on this worker" in describe_xla_init_error(exc)

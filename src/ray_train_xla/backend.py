@@ -263,6 +263,8 @@ def describe_xla_init_error(exc: BaseException) -> str:
     """Say that torch_xla's initialisation rejected this worker's environment, with the value of
     every variable the error names (the one at fault is among them)."""
     text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch_xla":
+        return f"torch_xla cannot be imported on this worker ({text}): install torch-xla there."
     named = list(dict.fromkeys(_VAR_NAME.findall(str(exc))))
     values = ", ".join(f"{k}={os.environ[k]!r}" if k in os.environ else f"{k} unset"
                        for k in named)
