@@ -94,23 +94,24 @@ def _is_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type != "xla"
 
 
-_pg_ranks: dict[int, int] | None = None
+_pg_ranks: tuple[object, dict[int, int]] | None = None
 
 
 def pg_rank(ray_rank: int) -> int:
     """The torch.distributed rank of the worker with Ray Train rank ``ray_rank``. The same with
     ``env://``; through ``xla://`` (SPMD) the group numbers processes by PJRT process index,
-    so the map is gathered once over the group."""
+    so the map is gathered once per process group."""
     global _pg_ranks
     if os.environ.get(INIT_METHOD_VAR) != "xla://":
         return ray_rank
-    if _pg_ranks is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    group = dist.group.WORLD
+    if _pg_ranks is None or _pg_ranks[0] is not group:
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, rank())
-        _pg_ranks = {r: i for i, r in enumerate(ranks)}
-    return _pg_ranks[ray_rank]
+        _pg_ranks = (group, {r: i for i, r in enumerate(ranks)})
+    return _pg_ranks[1][ray_rank]
 
 
 def _check_op(op: str) -> str:
@@ -137,24 +138,20 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if spmd_global() and not _is_host(tensor):
         return tensor.clone()
     if uses_host_collectives() or spmd_global():
-        return _host_all_reduce(tensor, op, n)
+        import torch.distributed as dist
+
+        gloo_op = {
+            "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
+        }[op]
+        host = tensor.detach().to("cpu", copy=True)
+        dist.all_reduce(host, op=gloo_op)
+        if op == "mean":
+            host = host / n
+        return host.to(tensor.device)
     import torch_xla.core.xla_model as xm
 
     return xm.all_reduce(_XM_OPS[op], tensor, scale=1.0 / n if op == "mean" else 1.0)
-
-
-def _host_all_reduce(tensor: torch.Tensor, op: str, n: int) -> torch.Tensor:
-    import torch.distributed as dist
-
-    gloo_op = {
-        "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
-    }[op]
-    host = tensor.detach().to("cpu", copy=True)
-    dist.all_reduce(host, op=gloo_op)
-    if op == "mean":
-        host = host / n
-    return host.to(tensor.device)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
