@@ -164,13 +164,29 @@ def gather_facts() -> WorkerFacts:
     )
 
 
+TPU_METADATA_TIMEOUT_S = 10.0
+
+
 def _tpu_host_identity() -> tuple[int | None, str]:
     """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
     else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
     from ray._private.accelerators.tpu import TPUAcceleratorManager
 
-    return (TPUAcceleratorManager.get_current_node_tpu_worker_id(),
-            TPUAcceleratorManager.get_current_node_tpu_name() or "")
+    found: list = []
+
+    def read() -> None:
+        found.append((TPUAcceleratorManager.get_current_node_tpu_worker_id(),
+                      TPUAcceleratorManager.get_current_node_tpu_name() or ""))
+
+    # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
+    thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
+    thread.start()
+    thread.join(TPU_METADATA_TIMEOUT_S)
+    if not found:
+        logger.warning("%s: no TPU worker id within %.0f s (TPU_WORKER_ID or GCE metadata); "
+                       "hosts are ordered as Ray orders nodes", _who(), TPU_METADATA_TIMEOUT_S)
+        return None, ""
+    return found[0]
 
 
 def reserve_ports(count: int) -> list[int]:
