@@ -21,6 +21,8 @@ _EXPORTS = {
     "XLAOptions": "ray_train_xla.options",
     "XLAConfigError": "ray_train_xla.errors",
     "WorkerSetupError": "ray_train_xla.errors",
+    "XLAInitError": "ray_train_xla.errors",
+    "RendezvousTimeoutError": "ray_train_xla.errors",
     **{name: "ray_train_xla.worker" for name in (
         "CompileMonitor",
         "RecompilationWarning",
@@ -45,6 +47,8 @@ _EXPORTS = {
         "save_checkpoint",
         "shard_batch",
         "sharding_spec",
+        "spmd_global",
+        "sync",
         "to_cpu",
         "uses_host_collectives",
         "world_size",

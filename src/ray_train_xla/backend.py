@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -23,8 +24,13 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
-from ray_train_xla import _netinfo
-from ray_train_xla.errors import NeuronCompileError, WorkerSetupError
+from ray_train_xla import _netinfo, rendezvous_store
+from ray_train_xla.errors import (
+    NeuronCompileError,
+    RendezvousTimeoutError,
+    WorkerSetupError,
+    XLAInitError,
+)
 from ray_train_xla.options import XLAOptions
 from ray_train_xla.runtimes import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
@@ -143,6 +149,7 @@ def gather_facts() -> WorkerFacts:
         for name, ids in ctx.get_accelerator_ids().items()
         if ids
     }
+    tpu_worker_id, tpu_name = _tpu_host_identity() if accelerators.get("TPU") else (None, "")
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -153,7 +160,34 @@ def gather_facts() -> WorkerFacts:
         has_efa=_netinfo.has_efa(),
         network_interface=_netinfo.interface_for_ip(ip) or "",
         preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
+        tpu_worker_id=tpu_worker_id,
+        tpu_name=tpu_name,
     )
+
+
+TPU_METADATA_TIMEOUT_S = 10.0
+
+
+def _tpu_host_identity() -> tuple[int | None, str]:
+    """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
+    else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    found: list = []
+
+    def read() -> None:
+        found.append((TPUAcceleratorManager.get_current_node_tpu_worker_id(),
+                      TPUAcceleratorManager.get_current_node_tpu_name() or ""))
+
+    # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
+    thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
+    thread.start()
+    thread.join(TPU_METADATA_TIMEOUT_S)
+    if not found:
+        logger.warning("%s: no TPU worker id within %.0f s (TPU_WORKER_ID or GCE metadata); "
+                       "hosts are ordered as Ray orders nodes", _who(), TPU_METADATA_TIMEOUT_S)
+        return None, ""
+    return found[0]
 
 
 def reserve_ports(count: int) -> list[int]:
@@ -182,7 +216,12 @@ def apply_env(index: Mapping[str, Any], options: Mapping[str, Any]) -> None:
 
 
 def init_process_group() -> None:
-    """Initialise torch.distributed as planned, bounded by the configured timeout."""
+    """Initialise torch.distributed as planned, bounded by the configured timeout.
+
+    Three steps, each reported as what it is when it fails: torch_xla's initialisation
+    (``import torch_xla``, which reads the planned environment, and SPMD), the rendezvous on a
+    store we own (bounded by ``timeout_s``, naming ranks that did not arrive), and the process
+    group itself."""
     import torch.distributed as dist
 
     backend = os.environ[PG_BACKEND_VAR]
@@ -190,33 +229,79 @@ def init_process_group() -> None:
     timeout = timedelta(seconds=float(os.environ[TIMEOUT_VAR]))
     if dist.is_initialized():
         return
+    xla_pg = backend == "xla" or init_method == "xla://"
     devmode = os.environ.get(DEVMODE_VAR) == "1"
     try:
-        if os.environ.get(SPMD_VAR) == "1":
-            # Before any XLA tensor exists, and before the xla:// handler, which creates one.
-            import torch_xla.runtime as xr
-
-            xr.use_spmd()
-        if backend == "xla" or init_method == "xla://":
-            # Registers the "xla" backend and the "xla://" rendezvous handler.
-            import torch_xla.distributed.xla_backend  # noqa: F401
+        if xla_pg or os.environ.get(SPMD_VAR) == "1":
+            _init_torch_xla(xla_pg)
+    except Exception as exc:
+        raise XLAInitError(f"{_who()}: {describe_xla_init_error(exc)}") from exc
+    try:
+        store = rendezvous_store.join(timeout)
+    except RendezvousTimeoutError as exc:
+        raise RendezvousTimeoutError(f"{_who()}: {exc}") from exc.__cause__
+    try:
         if devmode:
             from ray_train_xla.worker import devmode as cpu_devmode
 
             cpu_devmode.register_backend()
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
-        if devmode:
-            cpu_devmode.install(dist.get_rank(), dist.get_world_size())
-        from ray_train_xla.worker import ray_compat
-
-        ray_compat.install()
+        if init_method == "xla://" and rendezvous_store.install_for_xla_handler(store):
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     except Exception as exc:
         raise WorkerSetupError(
-            f"{_who()}: init_process_group({backend!r}, init_method={init_method!r}) failed "
-            f"within timeout_s={timeout.total_seconds():.0f}: {type(exc).__name__}: {exc}. "
-            "If another worker failed first, its error is the cause; otherwise check that "
-            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} is reachable from this node."
+            f"{_who()}: every rank arrived at the rendezvous, then init_process_group("
+            f"{backend!r}, init_method={init_method!r}) failed within timeout_s="
+            f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
+            "first, its error is the cause."
         ) from exc
+    if devmode:
+        cpu_devmode.install(dist.get_rank(), dist.get_world_size())
+    from ray_train_xla.worker import ray_compat
+
+    ray_compat.install()
+
+
+def _init_torch_xla(xla_pg: bool) -> None:
+    """Import torch_xla (it reads the planned environment now), enable SPMD where planned, and
+    register the ``xla`` backend and ``xla://`` handler."""
+    import torch_xla  # noqa: F401
+
+    if os.environ.get(SPMD_VAR) == "1":
+        import warnings
+
+        import torch_xla.runtime as xr
+
+        # The plan sets XLA_USE_SPMD (read at import); use_spmd() still does what the running
+        # device needs (Neuron re-initialises for SPMD) and only warns that the variable is set.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="XLA_USE_SPMD is being deprecated")
+            xr.use_spmd()
+    if xla_pg:
+        import torch_xla.distributed.xla_backend  # noqa: F401
+
+
+_VAR_NAME = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+
+
+def describe_xla_init_error(exc: BaseException) -> str:
+    """Say that torch_xla's initialisation rejected this worker's environment, with the value of
+    every variable the error names (the one at fault is among them)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch_xla":
+        return f"torch_xla cannot be imported on this worker ({text}): install torch-xla there."
+    named = list(dict.fromkeys(_VAR_NAME.findall(str(exc))))
+    values = ", ".join(f"{k}={os.environ[k]!r}" if k in os.environ else f"{k} unset"
+                       for k in named)
+    where = f" Variables it names, as this worker has them: {values}." if values else ""
+    return (
+        f"torch_xla's initialisation failed (import torch_xla / SPMD set-up, before any "
+        f"rendezvous): {text}.{where} They come from the plan (see `ray-train-xla plan`) or "
+        "from TorchXLAConfig.env; a variable set before ray_train_xla applied the plan (or "
+        "torch_xla imported too early) also ends here."
+    )
 
 
 def shutdown_worker(options: Mapping[str, Any], timeout_s: float) -> None:

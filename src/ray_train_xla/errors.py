@@ -2,6 +2,8 @@
 
 - ``XLAConfigError``: a configuration mistake known in the driver, raised before any worker starts.
 - ``WorkerSetupError``: a worker could not be set up; the message names the worker and the fix.
+  Two kinds say what happened in ``init_process_group``: ``XLAInitError`` (torch_xla's
+  initialisation rejected the environment) and ``RendezvousTimeoutError`` (ranks missing).
 - ``NeuronCompileError``: the Neuron parallel compile failed on a worker.
 """
 
@@ -17,6 +19,14 @@ class XLAConfigError(ValueError):
 
 class WorkerSetupError(RuntimeError):
     """A worker could not be set up; the message names the worker and what to do."""
+
+
+class XLAInitError(WorkerSetupError):
+    """torch_xla's own initialisation (at import, or enabling SPMD) failed on a worker."""
+
+
+class RendezvousTimeoutError(WorkerSetupError):
+    """Not every rank reached the rendezvous within ``timeout_s``."""
 
 
 class NeuronCompileError(RuntimeError):

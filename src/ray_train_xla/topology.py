@@ -32,6 +32,11 @@ class WorkerFacts:
     network_interface: str = ""
     # Variables among PRESET_VARS that the worker already had (the user's choice wins).
     preset_env: Mapping[str, str] = field(default_factory=dict)
+    # TPU hosts only: the host's TPU worker id (GKE ``TPU_WORKER_ID`` or the GCE metadata
+    # ``agent-worker-number``, read as Ray reads it) and the name of its TPU slice. torch_xla and
+    # libtpu number a slice's hosts by this id, which need not follow Ray's node order.
+    tpu_worker_id: int | None = None
+    tpu_name: str = ""
 
     @property
     def key(self) -> str:
@@ -51,6 +56,9 @@ class WorkerPlace:
     node_ip: str
     # This worker's accelerator ids for the job's device resource (as Ray assigned them).
     accelerator_ids: tuple[str, ...] = ()
+    # From WorkerFacts (TPU hosts only): see there.
+    tpu_worker_id: int | None = None
+    tpu_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,8 @@ class Topology:
                     node_id=f.node_id,
                     node_ip=f.node_ip,
                     accelerator_ids=ids,
+                    tpu_worker_id=f.tpu_worker_id,
+                    tpu_name=f.tpu_name,
                 )
             )
         return cls(workers=tuple(places))

@@ -27,6 +27,7 @@ from ray_train_xla.runtimes.base import (
     RUNTIME_VAR,
     SPMD_VAR,
     TIMEOUT_VAR,
+    XLA_SPMD_VAR,
     Rendezvous,
     Runtime,
     torchrun_env,
@@ -128,6 +129,9 @@ def plan(
     }
     if config.spmd:
         ours[SPMD_VAR] = "1"
+        # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process
+        # core mapping only if it is already set); xr.use_spmd() after the import is too late.
+        ours[XLA_SPMD_VAR] = "1"
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:

@@ -31,6 +31,8 @@ SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
 DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
 # Every worker drives one XLA device, xla:0 (Accelerate reads this, as Ray's TorchConfig sets it).
 XLA_TORCH_DEVICE = "xla:0"
+# torch_xla's own SPMD switch, read at ``import torch_xla`` (planned with SPMD_VAR).
+XLA_SPMD_VAR = "XLA_USE_SPMD"
 
 
 @dataclass(frozen=True)

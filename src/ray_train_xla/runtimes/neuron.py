@@ -176,6 +176,17 @@ class NeuronXRTRuntime(NeuronRuntime):
     name = "neuron-xrt"
     pjrt_device = ""
 
+    def check(self, config, topology) -> None:
+        super().check(config, topology)
+        # init_xrt_context counts nodes as WORLD_SIZE // LOCAL_WORLD_SIZE (one XRT config entry
+        # per node): with uneven nodes it would miscount them and wait for a node that is not there.
+        sizes = [len(node) for node in topology.nodes()]
+        if len(set(sizes)) > 1:
+            raise XLAConfigError(
+                f"runtime='xrt' needs the same number of workers on every node (torch_xla's XRT "
+                f"init counts nodes as WORLD_SIZE // LOCAL_WORLD_SIZE), got {sizes} per node: "
+                "use the same neuron_cores on every node, or runtime='pjrt'.")
+
     def ports_needed(self, config) -> int:
         return 0  # XRT takes its own root-comm port through the store
 

@@ -14,8 +14,10 @@ topology variable itself, from the chips Ray assigned each worker:
   ``TorchXLAConfig.env``, which is applied last;
 - ``TPU_HOST_BOUNDS``/``TPU_CHIPS_PER_HOST_BOUNDS``: the same values under the older names Ray
   sets, so that Ray's values for a partial host do not contradict ours;
-- ``CLOUD_TPU_TASK_ID``: ``node_rank * processes_per_host + slot``, where ``slot`` orders a
-  host's workers by chip id: torch_xla's ``worker_id * n + local_rank``;
+- ``CLOUD_TPU_TASK_ID``: ``host * processes_per_host + slot``, where ``host`` is the host's place
+  in TPU worker-id order (the id each host reports, as Ray reads it: ``TPU_WORKER_ID`` or the
+  GCE metadata; Ray's node order only when no host reports one) and ``slot`` orders a host's
+  workers by chip id: torch_xla's ``worker_id * n + local_rank``;
 - ``TPU_PROCESS_PORT``: ``8476 + first chip id``. That is torch_xla's ``8476 + local_rank`` when
   a job owns whole hosts, and two jobs sharing a host (on different chips, which Ray keeps
   exclusive) never collide. No port is reserved: like torch_xla, we rely on the 8476+ range
@@ -23,6 +25,10 @@ topology variable itself, from the chips Ray assigned each worker:
 - ``TPU_PROCESS_ADDRESSES``: ``host:port`` of every process in task-id order (``localhost`` on
   one host, as torch_xla does). This is the one variable whose size grows with the world
   (O(processes)): torch_xla's contract needs the full list in every process.
+- ``XLA_USE_SPMD=1`` with ``spmd=True`` (planned for every device, see ``runtimes.plan``).
+
+Multislice (hosts of several TPU slices, which Ray's JAX support joins with ``MEGASCALE_*``
+variables) is refused before start: torch_xla 2.9's PJRT TPU path has no multislice support.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class TPURuntime(Runtime):
                         "device", "tpu", f"one TPU chip per worker (one process per chip), but "
                         f"worker rank {w.rank} was given {len(chips)} ({','.join(chips)}): use "
                         "resources_per_worker={'TPU': 1}, or spmd=True for one process per host")
+        self._check_hosts(nodes)
         per_host = [len(_chips(n[0], True)) if config.spmd else len(n) for n in nodes]
         what = "chips per SPMD worker" if config.spmd else "workers (chips) per host"
         if len(set(per_host)) != 1:
@@ -80,6 +87,37 @@ class TPURuntime(Runtime):
         if per_host[0] not in CHIP_GRIDS:
             raise config_error("device", "tpu", f"{what} in {sorted(CHIP_GRIDS)}, got "
                                f"{per_host[0]}")
+
+    @staticmethod
+    def _check_hosts(nodes) -> None:
+        """One slice, and TPU worker ids known for every host or none, each id once."""
+        names = sorted({w.tpu_name for node in nodes for w in node if w.tpu_name})
+        if len(names) > 1:
+            raise config_error(
+                "device", "tpu", f"hosts of one TPU slice, but the workers run on {len(names)} "
+                f"slices ({', '.join(names[:4])}): multislice (MEGASCALE_*) is not supported by "
+                "torch_xla's PJRT TPU runtime here; run one job per slice, or use Ray's JAX "
+                "trainer for multislice")
+        if len(nodes) < 2:
+            return
+        ids = [node[0].tpu_worker_id for node in nodes]
+        if all(i is None for i in ids):
+            return
+        if any(i is None for i in ids) or len(set(ids)) != len(ids):
+            shown = ", ".join(f"node {n} ({node[0].node_ip}): {i}"
+                              for n, (node, i) in enumerate(zip(nodes, ids)))
+            raise config_error(
+                "device", "tpu", "one distinct TPU worker id per host (TPU_WORKER_ID or the GCE "
+                f"metadata agent-worker-number), got {shown}")
+
+    @staticmethod
+    def host_order(nodes) -> list[int]:
+        """Node ranks in the order torch_xla numbers the hosts: by TPU worker id where the hosts
+        report one, else Ray's node order."""
+        ids = [node[0].tpu_worker_id for node in nodes]
+        if len(nodes) < 2 or any(i is None for i in ids):
+            return list(range(len(nodes)))
+        return sorted(range(len(nodes)), key=lambda n: ids[n])
 
     def _layout(self, topology, spmd: bool) -> tuple[str, dict[int, tuple[int, int]]]:
         """Every process address in task-id order (joined), and rank -> (task id, port); computed once
@@ -91,7 +129,8 @@ class TPURuntime(Runtime):
         per_host = len(nodes[0])
         addresses: list[str] = []
         by_rank: dict[int, tuple[int, int]] = {}
-        for node_rank, node in enumerate(nodes):
+        for host_index, node_rank in enumerate(self.host_order(nodes)):
+            node = nodes[node_rank]
             ordered = sorted(node, key=lambda w: _chip_key(min(_chips(w, spmd), key=_chip_key)))
             for slot, w in enumerate(ordered):
                 first = min(_chips(w, spmd), key=_chip_key)
@@ -101,7 +140,7 @@ class TPURuntime(Runtime):
                 else:
                     host = f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip
                 addresses.append(f"{host}:{port}")
-                by_rank[w.rank] = (node_rank * per_host + slot, port)
+                by_rank[w.rank] = (host_index * per_host + slot, port)
         layout = (",".join(addresses), by_rank)
         self._cache = (topology, spmd, layout)
         return layout

@@ -9,6 +9,8 @@ from ray_train_xla.worker.collectives import (
     node_rank,
     rank,
     rendezvous,
+    spmd_global,
+    sync,
     uses_host_collectives,
     world_size,
 )
@@ -46,6 +48,8 @@ __all__ = [
     "shard_batch",
     "sharding_spec",
     "save_checkpoint",
+    "spmd_global",
+    "sync",
     "to_cpu",
     "uses_host_collectives",
     "world_size",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.worker.collectives import rank
+from ray_train_xla.worker.collectives import rank, sync
 from ray_train_xla.worker.metrics import is_graph_extraction_run
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,8 @@ def save_checkpoint(
     placeholder, so only the metrics are reported, marked ``graph_extraction_only``.
     """
     import ray.train
-    import torch_xla
 
-    torch_xla.sync()  # on every worker: rank 0 below only transfers materialised tensors
+    sync()  # on every worker: rank 0 below only transfers materialised tensors
     metrics = dict(metrics or {})
     if is_graph_extraction_run():
         metrics["graph_extraction_only"] = 1
@@ -82,7 +81,6 @@ def load_checkpoint(
     on the XLA device. Returns the whole state (CPU tensors) for the rest (step, epoch, ...).
     """
     import ray.train
-    import torch_xla
 
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
@@ -102,5 +100,5 @@ def load_checkpoint(
     if optimizer is not None:
         # Optimizer.load_state_dict moves the state onto each parameter's (XLA) device.
         optimizer.load_state_dict(state["optimizer"])
-    torch_xla.sync()
+    sync()
     return state

@@ -10,6 +10,18 @@ Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEN
 
 With several CPU workers the backend also bridges torch_xla's own collectives (the CPU
 development mode, ``worker/devmode.py``), so raw ``xm.all_reduce`` agrees with these helpers.
+
+Ranks: every helper that takes a rank takes the **Ray Train rank** (``RANK``, what
+``ray.train.get_context().get_world_rank()`` returns), on every device. XLA numbers processes
+by its own ordinals, which need not follow Ray's ranks (on TPU the task id follows chip and host
+order), so no rank is ever passed to torch_xla as an ordinal.
+
+SPMD on an accelerator (``spmd=True`` on TPU or Neuron): the mesh spans every worker, and an XLA
+tensor is one **global** value that all processes share; see :func:`all_reduce`.
+
+torch_xla 1.13 (XRT, torch-neuronx 1.x) has neither ``torch_xla.device()`` nor
+``torch_xla.sync()``: :func:`get_device` and :func:`sync` fall back to ``xm.xla_device()`` and
+``xm.mark_step()``.
 """
 
 from __future__ import annotations
@@ -18,16 +30,32 @@ import os
 
 import torch
 
-from ray_train_xla.runtimes.base import PG_BACKEND_VAR
+from ray_train_xla.runtimes.base import DEVICE_VAR, INIT_METHOD_VAR, PG_BACKEND_VAR, SPMD_VAR
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
 
 def get_device() -> torch.device:
-    """This worker's XLA device."""
+    """This worker's XLA device (``torch_xla.device()``; ``xm.xla_device()`` on torch_xla 1.x)."""
     import torch_xla
 
-    return torch_xla.device()
+    if hasattr(torch_xla, "device"):
+        return torch_xla.device()
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device()
+
+
+def sync() -> None:
+    """Cut the lazy graph and run it (``torch_xla.sync()``; ``xm.mark_step()`` on torch_xla 1.x)."""
+    import torch_xla
+
+    if hasattr(torch_xla, "sync"):
+        torch_xla.sync()
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.mark_step()
 
 
 def rank() -> int:
@@ -50,9 +78,40 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def spmd_global() -> bool:
+    """True under SPMD on an accelerator: one mesh over every worker, so XLA tensors are global
+    values. (CPU SPMD workers each have their own mesh: their tensors are local.)"""
+    return os.environ.get(SPMD_VAR) == "1" and os.environ.get(DEVICE_VAR, "cpu") != "cpu"
+
+
 def uses_host_collectives() -> bool:
-    """True when collectives go through gloo on host copies (several CPU workers)."""
-    return "gloo" in os.environ.get(PG_BACKEND_VAR, "") and world_size() > 1
+    """True when collectives go through gloo on host copies (several CPU workers). False under
+    SPMD on an accelerator, where XLA tensors are already global."""
+    return "gloo" in os.environ.get(PG_BACKEND_VAR, "") and world_size() > 1 and not spmd_global()
+
+
+def _is_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "xla"
+
+
+_pg_ranks: tuple[object, dict[int, int]] | None = None
+
+
+def pg_rank(ray_rank: int) -> int:
+    """The torch.distributed rank of the worker with Ray Train rank ``ray_rank``. The same with
+    ``env://``; through ``xla://`` (SPMD) the group numbers processes by PJRT process index,
+    so the map is gathered once per process group."""
+    global _pg_ranks
+    if os.environ.get(INIT_METHOD_VAR) != "xla://":
+        return ray_rank
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    if _pg_ranks is None or _pg_ranks[0] is not group:
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, rank())
+        _pg_ranks = (group, {r: i for i, r in enumerate(ranks)})
+    return _pg_ranks[1][ray_rank]
 
 
 def _check_op(op: str) -> str:
@@ -65,12 +124,20 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` over all workers and return the result on ``tensor``'s device.
 
     ``op`` is "sum", "mean", "max", "min" or "product". The input is not modified.
+
+    Under SPMD on an accelerator an XLA tensor is one global value (each worker holds the same
+    logical tensor, XLA has already combined the devices' shards), so there is nothing to
+    reduce: the result is a copy of it, for every op, with no host round trip and no scaling
+    (``sum`` does not multiply it by the number of hosts). A CPU tensor there is a host-local
+    value and is reduced over the workers through the gloo group.
     """
     _check_op(op)
     n = world_size()
     if n == 1:
         return tensor.clone()
-    if uses_host_collectives():
+    if spmd_global() and not _is_host(tensor):
+        return tensor.clone()
+    if uses_host_collectives() or spmd_global():
         import torch.distributed as dist
 
         gloo_op = {
@@ -88,23 +155,30 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Return worker ``src``'s value of ``tensor`` on every worker (on ``tensor``'s device)."""
+    """Return worker ``src``'s value of ``tensor`` on every worker (on ``tensor``'s device).
+
+    ``src`` is a Ray Train rank. Under SPMD on an accelerator an XLA tensor is already the same
+    global value on every worker: the result is a copy of it.
+    """
     n = world_size()
     if not 0 <= src < n:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
-    if n == 1:
+    if n == 1 or (spmd_global() and not _is_host(tensor)):
         return tensor.clone()
-    if uses_host_collectives():
+    if uses_host_collectives() or spmd_global():
         import torch.distributed as dist
 
         host = tensor.detach().to("cpu", copy=True)
-        dist.broadcast(host, src=src)
+        dist.broadcast(host, src=pg_rank(src))
         return host.to(tensor.device)
     import torch_xla.core.xla_model as xm
 
-    out = tensor.clone()
-    xm.collective_broadcast([out], root_ordinal=src)
-    return out
+    # xm.collective_broadcast takes an XLA ordinal, which need not be the Ray rank: keep the
+    # value on Ray rank src, zero elsewhere, and sum. The zeroing is a select on device data,
+    # so every worker runs the same graph (and a NaN elsewhere cannot leak in, as with a 0 *).
+    keep = torch.tensor(rank() == src).to(tensor.device)
+    out = torch.where(keep, tensor.detach(), torch.zeros_like(tensor))
+    return xm.all_reduce("sum", out)
 
 
 def rendezvous(tag: str) -> None:

@@ -4,6 +4,9 @@ On accelerators (and a single CPU worker) gradient averaging is torch_xla's own
 (``xm.optimizer_step`` semantics: an all-reduce traced into the step graph). With several CPU
 workers torch_xla cannot reduce across processes, so the gradients are reduced through the gloo
 group in buckets: each bucket is flattened on the XLA device and crosses to the host once.
+
+Under SPMD on an accelerator the gradients are global tensors that XLA has already reduced over
+the mesh: nothing is averaged again and nothing crosses to the host.
 """
 
 from __future__ import annotations
@@ -12,7 +15,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ray_train_xla.worker.collectives import broadcast, get_device, uses_host_collectives, world_size
+from ray_train_xla.worker.collectives import (
+    broadcast,
+    get_device,
+    spmd_global,
+    uses_host_collectives,
+    world_size,
+)
+from ray_train_xla.worker.collectives import sync as _sync  # optimizer_step has a `sync` argument
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -49,15 +59,23 @@ def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
 @torch.no_grad()
 def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.nn.Module:
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
-    and buffers (so workers agree even when their random initialisation differed)."""
-    import torch_xla
+    and buffers (so workers agree even when their random initialisation differed).
 
-    model = model.to(get_device())
-    if world_size() > 1:
+    Under SPMD on an accelerator each host feeds its own copy into the global tensors, so the
+    copies are made equal on the host (through the gloo group) before the move."""
+    many = world_size() > 1
+    if many and spmd_global():
+        model = model.cpu()
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
         for bucket in _buckets(tensors, bucket_mb):
             _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
-        torch_xla.sync()
+        return model.to(get_device())
+    model = model.to(get_device())
+    if many:
+        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
+        for bucket in _buckets(tensors, bucket_mb):
+            _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
+        _sync()
     return model
 
 
@@ -72,7 +90,7 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
     """Average the gradients of ``optimizer``'s parameters over all workers, in place."""
     n = world_size()
-    if n == 1:
+    if n == 1 or spmd_global():
         return
     if not uses_host_collectives():
         import torch_xla.core.xla_model as xm
@@ -80,13 +98,12 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
         xm.reduce_gradients(optimizer)
         return
     import torch.distributed as dist
-    import torch_xla
 
     buckets = list(_buckets(_gradients(optimizer), bucket_mb))
     flats = [_flatten(b) for b in buckets]
     # One execution computes the backward pass and every flattened bucket; the copies to the
     # host below are then plain transfers, one per bucket.
-    torch_xla.sync()
+    _sync()
     for bucket, flat in zip(buckets, flats):
         host = flat.cpu()
         dist.all_reduce(host, op=dist.ReduceOp.SUM)
@@ -106,10 +123,8 @@ def optimizer_step(
     the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
     reducing, whatever ``sync``.
     """
-    import torch_xla
-
     reduce_gradients(optimizer, bucket_mb=bucket_mb)
     result = optimizer.step(**step_kwargs)
     if sync:
-        torch_xla.sync()
+        _sync()
     return result

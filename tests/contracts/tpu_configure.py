@@ -1,0 +1,41 @@
+"""Run torch_xla's own TPU topology code on planned environments.
+
+Reads a JSON list of ``[env, local_rank, local_world_size]`` on stdin. Imports torch_xla once,
+then for each case forks a fresh child whose environment is exactly ``env``, calls
+``torch_xla._internal.tpu.configure_topology(local_rank, local_world_size)`` (what ``xmp.spawn``
+runs per process; every value is a ``setdefault``, so what the plan set must survive it) and
+reads back what torch_xla and libtpu take from the environment: the worker id and task id as
+``torch_xla._internal.tpu`` reads them, the process-bounds size, the worker IPs and whether the
+process is in SPMD mode. Prints a JSON list, one result per case.
+"""
+
+import json
+import os
+import sys
+
+import torch_xla._internal.tpu as tpu
+import torch_xla.runtime as xr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fork import run_forked  # noqa: E402
+
+WATCHED = ("TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS",
+           "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID", "XLA_USE_SPMD")
+
+
+def case(local_rank: int, local_world: int):
+    def body() -> dict:
+        tpu.configure_topology(local_rank, local_world, base_port=8476)
+        return {
+            "env": {k: os.environ.get(k) for k in WATCHED},
+            "task_id": tpu.task_id(),
+            "process_bounds_size": tpu.process_bounds_size(),
+            "worker_ips": tpu.get_worker_ips(),
+            "is_spmd": xr.is_spmd(),
+        }
+    return body
+
+
+if __name__ == "__main__":
+    cases = json.load(sys.stdin)
+    json.dump([run_forked(env, case(lr, lw)) for env, lr, lw in cases], sys.stdout)

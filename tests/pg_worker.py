@@ -1,0 +1,38 @@
+"""One worker's ``init_process_group`` outside Ray, for the rendezvous tests.
+
+The environment (the planned torchrun contract and ``RAY_TRAIN_XLA_*``) comes from the test.
+With ``--preimport``, torch_xla is imported before the clock starts (CPU only: on Neuron the
+import is what is under test). Prints one JSON line: whether it worked, the error type and
+message, the seconds spent in ``init_process_group``, and (on success) the timeout of the store
+the process group uses.
+"""
+
+import json
+import sys
+import time
+
+from ray_train_xla.backend import init_process_group
+
+if "--preimport" in sys.argv:  # CPU: take the import's time out of the measured wait
+    import torch_xla  # noqa: F401
+    import torch_xla.distributed.xla_backend  # noqa: F401
+
+start = time.monotonic()
+out: dict = {}
+try:
+    init_process_group()
+    import torch.distributed as dist
+
+    out.update(ok=True, world=dist.get_world_size(), rank=dist.get_rank())
+    try:
+        from torch_xla._internal import rendezvous as xla_rendezvous
+
+        store = xla_rendezvous._store
+        out["xla_store_timeout_s"] = store.timeout.total_seconds() if store else None
+    except ImportError:
+        pass
+    dist.destroy_process_group()
+except Exception as exc:
+    out.update(ok=False, error_type=type(exc).__name__, error=str(exc))
+out["elapsed_s"] = time.monotonic() - start
+print(json.dumps(out), flush=True)
