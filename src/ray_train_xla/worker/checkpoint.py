@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.worker.collectives import rank
 from ray_train_xla.worker.metrics import is_graph_extraction_run
 
@@ -51,9 +52,8 @@ def save_checkpoint(
     placeholder, so only the metrics are reported, marked ``graph_extraction_only``.
     """
     import ray.train
-    import torch_xla
 
-    torch_xla.sync()  # on every worker: rank 0 below only transfers materialised tensors
+    _device.sync()  # on every worker: rank 0 below only transfers materialised tensors
     metrics = dict(metrics or {})
     if is_graph_extraction_run():
         metrics["graph_extraction_only"] = 1
@@ -82,7 +82,6 @@ def load_checkpoint(
     on the XLA device. Returns the whole state (CPU tensors) for the rest (step, epoch, ...).
     """
     import ray.train
-    import torch_xla
 
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
@@ -100,5 +99,5 @@ def load_checkpoint(
     if optimizer is not None:
         # Optimizer.load_state_dict moves the state onto each parameter's (XLA) device.
         optimizer.load_state_dict(state["optimizer"])
-    torch_xla.sync()
+    _device.sync()
     return state

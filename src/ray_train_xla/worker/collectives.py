@@ -8,6 +8,9 @@ Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEN
   tensor is copied to the host, reduced through the gloo group, and copied back to the XLA
   device. Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
 
+- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
+  on the tensor's own device; torch_xla is not imported.
+
 Raw ``xm.all_reduce`` silently returns the local value with several CPU workers; these helpers
 do not.
 """
@@ -18,16 +21,15 @@ import os
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.runtimes.base import PG_BACKEND_VAR
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
 
 def get_device() -> torch.device:
-    """This worker's XLA device."""
-    import torch_xla
-
-    return torch_xla.device()
+    """This worker's device (XLA; native ``neuron`` or ``cpu`` under TorchNeuronConfig)."""
+    return _device.get_device()
 
 
 def rank() -> int:
@@ -70,14 +72,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     n = world_size()
     if n == 1:
         return tensor.clone()
-    if uses_host_collectives():
+    if uses_host_collectives() or _device.is_native():
         import torch.distributed as dist
 
         gloo_op = {
             "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
         }[op]
-        host = tensor.detach().to("cpu", copy=True)
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
         dist.all_reduce(host, op=gloo_op)
         if op == "mean":
             host = host / n
@@ -94,10 +96,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
     if n == 1:
         return tensor.clone()
-    if uses_host_collectives():
+    if uses_host_collectives() or _device.is_native():
         import torch.distributed as dist
 
-        host = tensor.detach().to("cpu", copy=True)
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
         dist.broadcast(host, src=src)
         return host.to(tensor.device)
     import torch_xla.core.xla_model as xm
@@ -114,7 +116,7 @@ def rendezvous(tag: str) -> None:
     """
     if world_size() == 1:
         return
-    if uses_host_collectives():
+    if uses_host_collectives() or _device.is_native():
         import torch.distributed as dist
 
         dist.barrier()

@@ -29,6 +29,10 @@ class RecompilationWarning(UserWarning):
 
 
 def _read() -> dict[str, float]:
+    import ray_train_xla.worker.device as _device
+
+    if _device.is_native():
+        return _read_native()
     import torch_xla.debug.metrics as met
 
     def metric(name: str) -> tuple[float, float]:
@@ -43,6 +47,21 @@ def _read() -> dict[str, float]:
         "executions": executions,
         "execute_time_s": execute_ns * _NS,
         "cache_hits": float(met.counter_value("CachedCompile") or 0),
+    }
+
+
+def _read_native() -> dict[str, float]:
+    """The native path's compiles are ``torch.compile``'s: graphs Dynamo compiled (each new
+    shape or guard failure is one more) and the time spent compiling; executions are eager and
+    not counted."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "compiles": float(counters["stats"]["unique_graphs"]),
+        "compile_time_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
+        "executions": 0.0,
+        "execute_time_s": 0.0,
+        "cache_hits": 0.0,
     }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.worker.collectives import broadcast, get_device, uses_host_collectives, world_size
 
 DEFAULT_BUCKET_MB = 25.0
@@ -50,14 +51,12 @@ def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
 def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.nn.Module:
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
     and buffers (so workers agree even when their random initialisation differed)."""
-    import torch_xla
-
     model = model.to(get_device())
     if world_size() > 1:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
         for bucket in _buckets(tensors, bucket_mb):
             _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
-        torch_xla.sync()
+        _device.sync()
     return model
 
 
@@ -74,21 +73,20 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
     n = world_size()
     if n == 1:
         return
-    if not uses_host_collectives():
+    if not (uses_host_collectives() or _device.is_native()):
         import torch_xla.core.xla_model as xm
 
         xm.reduce_gradients(optimizer)
         return
     import torch.distributed as dist
-    import torch_xla
 
     buckets = list(_buckets(_gradients(optimizer), bucket_mb))
     flats = [_flatten(b) for b in buckets]
     # One execution computes the backward pass and every flattened bucket; the copies to the
     # host below are then plain transfers, one per bucket.
-    torch_xla.sync()
+    _device.sync()
     for bucket, flat in zip(buckets, flats):
-        host = flat.cpu()
+        host = flat.to(_device.comm_device(flat))
         dist.all_reduce(host, op=dist.ReduceOp.SUM)
         host.div_(n)
         _unflatten_into(host.to(flat.device), bucket)
@@ -106,10 +104,8 @@ def optimizer_step(
     the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
     reducing, whatever ``sync``.
     """
-    import torch_xla
-
     reduce_gradients(optimizer, bucket_mb=bucket_mb)
     result = optimizer.step(**step_kwargs)
     if sync:
-        torch_xla.sync()
+        _device.sync()
     return result
