@@ -125,6 +125,7 @@ def _create_neuron_process_group(store, rank: int, size: int, timeout):
     if error:
         raise AssertionError(ONE_DEVICE)
     _state.update(initialized=True, device=view["local_rank"], setups=_state["setups"] + 1)
+    _register_device()
     store.set(f"rtx_view_{rank}", json.dumps(view))
     views = [json.loads(_get(store, f"rtx_view_{i}")) for i in range(size)]
     view["problems"] = world_problems(views)
@@ -134,8 +135,15 @@ def _create_neuron_process_group(store, rank: int, size: int, timeout):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def _register_device() -> None:
+    """The ``neuron`` device name and ``torch.neuron``. The real package does this at import;
+    the double waits for its process group, because without the real C++ hooks a renamed
+    PrivateUse1 breaks torch.distributed's device lookup (``barrier``) in every other process
+    that autoloads it (the CPU tests)."""
+    if torch._C._get_privateuse1_backend_name() != "neuron":
+        torch.utils.rename_privateuse1_backend("neuron")
+    torch.neuron = types.SimpleNamespace(current_device=current_device, synchronize=lambda: None,
+                                         is_available=lambda: True)
+
+
 dist.Backend.register_backend("neuron", _create_neuron_process_group, devices=["cpu"])
-if torch._C._get_privateuse1_backend_name() != "neuron":
-    torch.utils.rename_privateuse1_backend("neuron")
-torch.neuron = types.SimpleNamespace(current_device=current_device, synchronize=lambda: None,
-                                     is_available=lambda: True)
