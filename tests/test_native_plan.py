@@ -218,3 +218,36 @@ def test_worker_errors_name_the_worker_and_the_fix():
     assert "names 2 NeuronCores" in lines[1] and "{'neuron_cores': 1}" in lines[1]
     assert lines[2] == "ok"
     assert "already initialised" in lines[3] and "inside the training function" in lines[3]
+
+
+def fake_native_neuronx(tmp_path, torch_spec):
+    """An installed-looking native torch-neuronx (metadata only: no torch-xla requirement)."""
+    info = tmp_path / "torch_neuronx-2.13.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-neuronx\nVersion: 2.13.0\n"
+                                   f"Requires-Dist: torch{torch_spec}\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("torch_spec, cache, status", [
+    ("~=2.10", "writable", "FAIL"),   # built for torch 2.10; 2.9 is installed here
+    (">=2.9", "writable", "OK"),
+    (">=2.9", "/proc/neff", "FAIL"),  # the cache directory cannot be written
+])
+def test_doctor_checks_native_package_pin_and_cache(tmp_path, torch_spec, cache, status):
+    site = fake_native_neuronx(tmp_path, torch_spec)
+    cache_dir = str(tmp_path / "neff") if cache == "writable" else cache
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]),
+               TORCH_NEURONX_NEFF_CACHE_DIR=cache_dir)
+    env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
+    out = subprocess.run([sys.executable, "-m", "ray_train_xla.cli", "doctor", "--no-load-check",
+                          "--json"], capture_output=True, text=True, timeout=120, env=env)
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    native, neff = rows["native TorchNeuron"], rows["NEFF cache"]
+    if cache == "writable":
+        assert native["status"] == status, native
+        assert f"torch-neuronx requires torch{torch_spec}" in native["detail"]
+        assert neff["status"] == "OK" and cache_dir in neff["detail"]
+    else:
+        assert neff["status"] == "FAIL" and "compile_cache" in neff["fix"]
+    assert rows["libneuronxla"]["status"] == "OK"  # not needed by native TorchNeuron
