@@ -251,3 +251,25 @@ def test_doctor_checks_native_package_pin_and_cache(tmp_path, torch_spec, cache,
     else:
         assert neff["status"] == "FAIL" and "compile_cache" in neff["fix"]
     assert rows["libneuronxla"]["status"] == "OK"  # not needed by native TorchNeuron
+
+
+NATIVE_CORE = r"""
+import contextlib, io, json, sys
+from ray_train_xla import NeuronOptions
+from ray_train_xla.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    assert main(["plan", "--device", "neuron", "--runtime", "native", "--nodes", "2",
+                 "--workers-per-node", "2", "--json"]) == 0
+print("cores", [r["env"]["NEURON_RT_VISIBLE_CORES"] for r in json.loads(out.getvalue())])
+print("loaded", sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "torch", "torch_xla")))
+"""
+
+
+def test_native_planning_needs_neither_ray_nor_torch():
+    from test_core_imports import BLOCKED
+
+    out = subprocess.run([sys.executable, "-c", BLOCKED + NATIVE_CORE], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "cores ['0', '1', '0', '1']" in out.stdout and "loaded []" in out.stdout
