@@ -19,7 +19,6 @@ from ray_train_xla import TorchNeuronConfig
 from conftest import (
     DOUBLES_DIR,
     fit,
-    fit_failure,
     is_train_v2,
     neuron_scaling,
     start_cluster,
@@ -63,6 +62,15 @@ def double_records():
 def clear_records():
     shutil.rmtree(RECORDS, ignore_errors=True)
     os.makedirs(RECORDS)
+
+
+def causes(exc: BaseException) -> str:
+    """The messages of an exception and of its causes."""
+    texts = []
+    while exc is not None and len(texts) < 10:
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
 
 
 def neuron_probe(config):
@@ -131,7 +139,9 @@ def test_plain_torch_config_neuron_fails_the_double(two_nodes):
     clear_records()
     config = TorchConfig(backend="neuron", timeout_s=60)
     if not is_train_v2():  # V1 shares the node's cores and sets LOCAL_RANK only afterwards
-        message = fit_failure(neuron_probe, scaling_config=neuron_scaling(4), torch_config=config)
+        with pytest.raises(Exception) as info:
+            fit(neuron_probe, scaling_config=neuron_scaling(4), torch_config=config)
+        message = causes(info.value)  # V1's TrainingFailedError keeps the worker's in its cause
         assert ("more than one device per process" in message
                 or "Failed to initialize Neuron Runtime" in message), message
         return
