@@ -1,6 +1,7 @@
 """PyTorch/XLA (AWS Trainium, TPU, CPU) for Ray Train's TorchTrainer.
 
-Driver side: pass ``TorchXLAConfig()`` as ``torch_config``. Inside the training function: the
+Driver side: pass ``TorchXLAConfig()`` as ``torch_config`` (``TorchNeuronConfig()`` for native
+TorchNeuron, Neuron SDK 2.30+). Inside the training function: the
 helpers below (device, ranks, collectives, data loading, optimizer step, checkpoints, compile
 metrics) run the same code on every device.
 
@@ -18,6 +19,8 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "TorchXLAConfig": "ray_train_xla.config",
+    "TorchNeuronConfig": "ray_train_xla.neuron_config",
+    "NeuronOptions": "ray_train_xla.neuron_options",
     "XLAOptions": "ray_train_xla.options",
     "XLAConfigError": "ray_train_xla.errors",
     "WorkerSetupError": "ray_train_xla.errors",

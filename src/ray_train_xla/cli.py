@@ -76,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
     )
-    plan.add_argument("--runtime", default="pjrt", choices=["pjrt", "xrt"], help="default pjrt")
+    plan.add_argument(
+        "--runtime", default="pjrt", choices=["pjrt", "xrt", "native"],
+        help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+; "
+        "--device neuron or cpu)",
+    )
     plan.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
     plan.add_argument(
         "--workers-per-node", type=_workers_per_node, default=[1], metavar="N[,N...]",
@@ -108,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--compile-cache", default=None, metavar="URL",
-        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL",
+        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL; with "
+        "--runtime native, TorchNeuronConfig.compile_cache (TORCH_NEURONX_NEFF_CACHE_DIR)",
     )
     plan.add_argument(
         "--parallel-compile", action="store_true",
@@ -181,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ray_train_xla.runtimes import Rendezvous, get_runtime, plan
 
     try:
-        config = XLAOptions(
+        config = _native_options(args) if args.runtime == "native" else XLAOptions(
             device=args.device,
             runtime=args.runtime,
             env=dict(args.env),
@@ -208,6 +213,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(format_plan_table([p.to_json() for p in plans]))
     return 0
+
+
+def _native_options(args: argparse.Namespace):
+    """TorchNeuronConfig's options from the plan flags (XLA-only flags are refused)."""
+    from ray_train_xla.errors import config_error
+    from ray_train_xla.neuron_options import OWNER, NeuronOptions
+
+    for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
+                        ("cpu_devices_per_worker", args.cpu_devices_per_worker)):
+        if value:
+            raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=OWNER)
+    return NeuronOptions(device=args.device, env=dict(args.env), compile_cache=args.compile_cache)
 
 
 def format_plan_table(rows: Sequence[dict]) -> str:

@@ -27,6 +27,7 @@ from ray_train_xla import _netinfo
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 FAKE_VERSIONS_VAR = "RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS"
 NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
+NEFF_CACHE_VAR, NEFF_CACHE_DEFAULT = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
 PACKAGES = ("torch", "torch_xla", "torch-neuronx", "libneuronxla")
 # Ray resource names for the accelerators we map (see ray_train_xla.runtimes).
 NEURON_RESOURCE, TPU_RESOURCE = "neuron_cores", "TPU"
@@ -132,6 +133,45 @@ def pairing(dist: str, dist_version: str, torch_version: str) -> tuple[bool, str
     return ok, f"{dist} {dist_version} pairs with torch {mm}.x"
 
 
+def is_native_neuronx(version: str | None) -> bool:
+    """Whether the installed torch-neuronx is native TorchNeuron (Neuron SDK 2.30+): the XLA
+    builds require torch-xla, the native one does not."""
+    if version is None:
+        return False
+    try:
+        requires = importlib.metadata.requires("torch-neuronx") or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not any(_norm(line).startswith("torch-xla") for line in requires)
+
+
+def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tuple[str, str, str, str]]:
+    """(check, status, detail, fix) rows for native TorchNeuron: the package and its torch pin,
+    and the NEFF cache directory (``TorchNeuronConfig.compile_cache``)."""
+    rows = []
+    if torch_v is None:
+        rows.append(("native TorchNeuron", FAIL, f"torch-neuronx {version}; torch not installed",
+                     "pip install torch-neuronx (it pulls the torch it was built for)"))
+    else:
+        ok, how = pairing("torch-neuronx", version, torch_v)
+        rows.append(("native TorchNeuron", OK if ok else FAIL,
+                     f"torch-neuronx {version} ({how}; torch {torch_v}); use TorchNeuronConfig",
+                     "install the torch the native torch-neuronx requires, in this environment"))
+    path = os.environ.get(NEFF_CACHE_VAR, "")
+    where = f"{NEFF_CACHE_VAR}={path}" if path else f"{NEFF_CACHE_DEFAULT} (default; {NEFF_CACHE_VAR} unset)"
+    ok, detail = _writable(path or NEFF_CACHE_DEFAULT)
+    if not ok:
+        rows.append(("NEFF cache", FAIL, f"{where}: {detail}",
+                     "make it writable for the user running Ray, or pass "
+                     "TorchNeuronConfig(compile_cache=<shared directory>)"))
+    elif not path and multi_node:
+        rows.append(("NEFF cache", WARN, f"{where}: per node, so every node compiles every graph",
+                     "pass TorchNeuronConfig(compile_cache=<directory shared by all nodes>)"))
+    else:
+        rows.append(("NEFF cache", OK, f"{where}: {detail}", ""))
+    return rows
+
+
 def neuron_devices(dev: str = "/dev") -> list[str]:
     """The Neuron device files (``/dev/neuron0`` ...)."""
     return sorted(p for p in glob.glob(os.path.join(dev, "neuron*")) if p[len(dev) + 7:].isdigit())
@@ -200,9 +240,12 @@ def check_node(ctx: NodeContext) -> list[Check]:
 
     # -- packages --
     torch_v, xla_v = versions["torch"], versions["torch_xla"]
+    native = is_native_neuronx(versions["torch-neuronx"])
     if torch_v is None:
         add("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")
-    if xla_v is None:
+    if xla_v is None and native:
+        add("torch/torch_xla", OK, "torch_xla not installed (not needed with native TorchNeuron)")
+    elif xla_v is None:
         add("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
             f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")
     elif torch_v is not None:
@@ -219,8 +262,11 @@ def check_node(ctx: NodeContext) -> list[Check]:
                 f"({sys.executable})")
     for name in ("torch-neuronx", "libneuronxla"):
         version = versions[name]
-        if version is None:
-            needed = neuron_present
+        if name == "torch-neuronx" and native:
+            for row in native_rows(version, torch_v, ctx.multi_node):
+                add(*row)
+        elif version is None:
+            needed = neuron_present and not native
             add(name, FAIL if needed else OK,
                 "not installed" + ("" if needed else " (not needed: no Neuron on this node)"),
                 "pip install torch-neuronx libneuronxla "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ray_train_xla.errors import config_error
+from ray_train_xla.neuron_options import NATIVE
 from ray_train_xla.options import timeout_text
 from ray_train_xla.runtimes.base import (
     DEVICE_VAR,
@@ -33,6 +34,8 @@ from ray_train_xla.runtimes.base import (
     torchrun_env,
 )
 from ray_train_xla.runtimes.cpu import CPURuntime
+from ray_train_xla.runtimes.native_neuron import RUNTIMES as NATIVE_RUNTIMES
+from ray_train_xla.runtimes.native_neuron import resolve_native_device
 from ray_train_xla.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
 from ray_train_xla.runtimes.tpu import TPURuntime
 from ray_train_xla.topology import Topology, WorkerFacts, WorkerPlace
@@ -53,6 +56,7 @@ def _runtimes() -> dict[tuple[str, str], Runtime]:
         ("neuron", "pjrt"): NeuronRuntime(),
         ("neuron", "xrt"): NeuronXRTRuntime(),
         ("tpu", "pjrt"): TPURuntime(),
+        **{key: cls() for key, cls in NATIVE_RUNTIMES.items()},  # TorchNeuronConfig
     }
 
 
@@ -71,6 +75,8 @@ def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = 
     else CPU (XRT exists only on Neuron). An explicit device is returned as is."""
     if requested != "auto":
         return requested
+    if runtime == NATIVE:
+        return resolve_native_device(requested, [f.accelerator_ids for f in facts])
     if runtime == "xrt":
         return "neuron"
     for resource, device in _RESOURCE_DEVICES.items():

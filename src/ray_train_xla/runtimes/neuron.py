@@ -152,6 +152,16 @@ class NeuronRuntime(Runtime):
 def node_env(config, facts) -> dict[str, str]:
     """What PJRT and XRT workers share: EFA and socket-interface variables from what the node
     reported, the compile cache, and the graph-extraction switches."""
+    env = network_env(config, facts)
+    if config.compile_cache:
+        env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
+    if config.neuron_parallel_compile:
+        env.update(PARALLEL_COMPILE_ENV)
+    return env
+
+
+def network_env(config, facts) -> dict[str, str]:
+    """EFA and socket-interface variables from what the node reported (every Neuron runtime)."""
     env: dict[str, str] = {}
     has_efa = facts.has_efa if facts is not None else False
     if config.efa is True or (config.efa is None and has_efa):
@@ -160,10 +170,6 @@ def node_env(config, facts) -> dict[str, str]:
         for var in INTERFACE_VARS:
             if not facts.preset_env.get(var):
                 env[var] = facts.network_interface
-    if config.compile_cache:
-        env["NEURON_COMPILE_CACHE_URL"] = config.compile_cache
-    if config.neuron_parallel_compile:
-        env.update(PARALLEL_COMPILE_ENV)
     return env
 
 

@@ -22,6 +22,9 @@ tensor is one **global** value that all processes share; see :func:`all_reduce`.
 torch_xla 1.13 (XRT, torch-neuronx 1.x) has neither ``torch_xla.device()`` nor
 ``torch_xla.sync()``: :func:`get_device` and :func:`sync` fall back to ``xm.xla_device()`` and
 ``xm.mark_step()``.
+
+- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
+  on the tensor's own device; torch_xla is not imported.
 """
 
 from __future__ import annotations
@@ -30,32 +33,22 @@ import os
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.runtimes.base import DEVICE_VAR, INIT_METHOD_VAR, PG_BACKEND_VAR, SPMD_VAR
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
 
 def get_device() -> torch.device:
-    """This worker's XLA device (``torch_xla.device()``; ``xm.xla_device()`` on torch_xla 1.x)."""
-    import torch_xla
-
-    if hasattr(torch_xla, "device"):
-        return torch_xla.device()
-    import torch_xla.core.xla_model as xm
-
-    return xm.xla_device()
+    """This worker's device: XLA (``xm.xla_device()`` on torch_xla 1.x), or the native
+    ``neuron``/``cpu`` device under TorchNeuronConfig."""
+    return _device.get_device()
 
 
 def sync() -> None:
-    """Cut the lazy graph and run it (``torch_xla.sync()``; ``xm.mark_step()`` on torch_xla 1.x)."""
-    import torch_xla
-
-    if hasattr(torch_xla, "sync"):
-        torch_xla.sync()
-        return
-    import torch_xla.core.xla_model as xm
-
-    xm.mark_step()
+    """Cut the lazy graph and run it (``xm.mark_step()`` on torch_xla 1.x); nothing on a native
+    (eager) device."""
+    _device.sync()
 
 
 def rank() -> int:
@@ -137,14 +130,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor.clone()
     if spmd_global() and not _is_host(tensor):
         return tensor.clone()
-    if uses_host_collectives() or spmd_global():
+    if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist
 
         gloo_op = {
             "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
             "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
         }[op]
-        host = tensor.detach().to("cpu", copy=True)
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
         dist.all_reduce(host, op=gloo_op)
         if op == "mean":
             host = host / n
@@ -165,10 +158,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
     if n == 1 or (spmd_global() and not _is_host(tensor)):
         return tensor.clone()
-    if uses_host_collectives() or spmd_global():
+    if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist
 
-        host = tensor.detach().to("cpu", copy=True)
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
         dist.broadcast(host, src=pg_rank(src))
         return host.to(tensor.device)
     import torch_xla.core.xla_model as xm
@@ -188,7 +181,7 @@ def rendezvous(tag: str) -> None:
     """
     if world_size() == 1:
         return
-    if uses_host_collectives():
+    if uses_host_collectives() or _device.is_native():
         import torch.distributed as dist
 
         dist.barrier()

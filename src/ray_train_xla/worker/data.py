@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.worker.collectives import get_device, rank, world_size
 
 RAGGED_MODES = ("drop", "pad")
@@ -236,6 +237,8 @@ def _use_background(background: bool | None) -> bool:
     """Background transfer (MpDeviceLoader) hides host-to-device copies on accelerators; on the
     XLA CPU device the copy stays in host memory and the loader's threads only compete with the
     step for the cores (measured: 0.76 of a synchronous loop), so "auto" skips it there."""
+    if _device.is_native():
+        return False  # MpDeviceLoader is torch_xla's; native batches are copied in the loop
     if background is not None:
         return background
     device = os.environ.get("PJRT_DEVICE", "")

@@ -38,6 +38,11 @@ class _Reader:
     """
 
     def __init__(self) -> None:
+        import ray_train_xla.worker.device as _device
+
+        self._native = _device.is_native()
+        if self._native:
+            return
         import torch_xla
 
         self._counter = torch_xla._XLAC._xla_counter_value
@@ -53,6 +58,11 @@ class _Reader:
         return float(data[1]) * _NS if data else 0.0
 
     def read(self, execute_time: bool = False) -> dict[str, float]:
+        if self._native:
+            values = _read_native()
+            if not execute_time:
+                del values["execute_time_s"]
+            return values
         compiles = self._count("UncachedCompile")
         if compiles != self._compiles:
             self._compiles, self._compile_s = compiles, self._seconds("CompileTime")
@@ -65,6 +75,21 @@ class _Reader:
         if execute_time:
             values["execute_time_s"] = self._seconds("ExecuteTime")
         return values
+
+
+def _read_native() -> dict[str, float]:
+    """The native path's compiles are ``torch.compile``'s: graphs Dynamo compiled (each new
+    shape or guard failure is one more) and the time spent compiling; executions are eager and
+    not counted."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "compiles": float(counters["stats"]["unique_graphs"]),
+        "compile_time_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
+        "executions": 0.0,
+        "execute_time_s": 0.0,
+        "cache_hits": 0.0,
+    }
 
 
 class CompileMonitor:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+import ray_train_xla.worker.device as _device
 from ray_train_xla.worker.collectives import (
     broadcast,
     get_device,
@@ -92,7 +93,7 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
     n = world_size()
     if n == 1 or spmd_global():
         return
-    if not uses_host_collectives():
+    if not (uses_host_collectives() or _device.is_native()):
         import torch_xla.core.xla_model as xm
 
         xm.reduce_gradients(optimizer)
@@ -105,7 +106,7 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
     # host below are then plain transfers, one per bucket.
     _sync()
     for bucket, flat in zip(buckets, flats):
-        host = flat.cpu()
+        host = flat.to(_device.comm_device(flat))
         dist.all_reduce(host, op=dist.ReduceOp.SUM)
         host.div_(n)
         _unflatten_into(host.to(flat.device), bucket)

@@ -1,0 +1,149 @@
+"""Test double of native torch-neuronx (Neuron SDK 2.30+), which cannot be installed here.
+
+Written from the documented process-group init (``torch_neuronx/distributed/backend.py``,
+``_neuron_runtime_setup``; see docs/native-neuron-spec.md §1.1). Importing it registers a
+``neuron`` c10d backend whose creator replays that init on the real environment, in order:
+
+1. asserts the Neuron runtime is not initialised yet;
+2. takes the local rank from ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, else groups ranks by host
+   IP through the store; sets ``NEURON_RT_VISIBLE_CORES`` to the local rank only if unset;
+3. sets ``NEURON_RT_ROOT_COMM_ID`` to ``$MASTER_ADDR:<port rank 0 chose>`` only if unset (a rank
+   with it preset while others lack it makes them block on the store);
+4. initialises the "runtime": claims every visible core of the node exclusively (a core held by
+   another process fails like ``nrt_init``), then asserts exactly one visible core.
+
+The actual communication is delegated to gloo on CPU. Beyond what the real package enforces, it
+checks the whole world (``world_problems``: distinct cores per node, one root comm id, not
+``localhost`` on several nodes, a shared cache directory, the Accelerate device) and records what
+every rank saw as ``$RTX_TEST_RECORD_DIR/neuron_pg_rank<r>.json``. ``runtime_view`` and
+``world_problems`` are pure (``tests/neuron_contract.py``), so tests apply the same checks to
+planned environments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+from neuron_contract import (  # tests/neuron_contract.py: the checks, also used on plans
+    NOT_BEFORE,
+    ONE_DEVICE,
+    ROOT,
+    VISIBLE,
+    process_error,
+    runtime_view,
+    world_problems,
+)
+
+RECORD_VAR = "RTX_TEST_RECORD_DIR"
+_state = {"initialized": False, "device": 0, "setups": 0}
+
+
+def is_neuron_runtime_initialized() -> bool:
+    return _state["initialized"]
+
+
+def current_device() -> int:
+    return _state["device"]
+
+
+def _lazy_init() -> None:
+    """What any neuron tensor or ``torch.neuron`` call does first: initialise the runtime."""
+    _state["initialized"] = True
+
+
+def _autoload() -> None:
+    """torch's ``torch.backends`` entry point (autoload); also usable as a Ray setup hook."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The process group.
+# ---------------------------------------------------------------------------------------------
+
+
+def _node() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:
+        pass
+    return socket.gethostname()
+
+
+def _claim_cores(record_dir: str | None, node: str, cores: list[str]) -> None:
+    """``nrt_init`` takes the visible cores exclusively; a core another process holds fails."""
+    if not record_dir:
+        return
+    folder = os.path.join(record_dir, "cores", node)
+    os.makedirs(folder, exist_ok=True)
+    for core in cores:
+        try:
+            fd = os.open(os.path.join(folder, core), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise RuntimeError(f"Failed to initialize Neuron Runtime: status code 1 (NeuronCore "
+                               f"{core} on node {node} is held by another process)") from None
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+
+
+def _get(store, key: str) -> str:
+    return store.get(key).decode()
+
+
+def _create_neuron_process_group(store, rank: int, size: int, timeout):
+    if _state["initialized"]:
+        raise AssertionError(NOT_BEFORE)
+    record_dir = os.environ.get(RECORD_VAR)
+    node = _node()
+    host = socket.gethostbyname(socket.gethostname())
+    store.set(f"rtx_host_{rank}", host)
+    hosts = [_get(store, f"rtx_host_{i}") for i in range(size)]
+    root_port = 0
+    if os.environ.get(ROOT) is None:
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                root_port = s.getsockname()[1]
+            store.set("NEURON_RT_PORT", str(root_port))
+        else:
+            root_port = int(_get(store, "NEURON_RT_PORT"))
+    view = runtime_view(os.environ, rank, node, [i for i, h in enumerate(hosts) if h == host],
+                        root_port)
+    os.environ[VISIBLE] = view["visible_cores_text"]
+    os.environ[ROOT] = view["root_comm_id"]
+    view.update(pid=os.getpid(), setups_before=_state["setups"])
+    _claim_cores(record_dir, node, view["visible_cores"])
+    error = process_error(view)
+    if error:
+        raise AssertionError(ONE_DEVICE)
+    _state.update(initialized=True, device=view["local_rank"], setups=_state["setups"] + 1)
+    _register_device()
+    store.set(f"rtx_view_{rank}", json.dumps(view))
+    views = [json.loads(_get(store, f"rtx_view_{i}")) for i in range(size)]
+    view["problems"] = world_problems(views)
+    if record_dir:
+        with open(os.path.join(record_dir, f"neuron_pg_rank{rank}-{time.time_ns()}.json"), "w") as f:
+            json.dump(view, f)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _register_device() -> None:
+    """The ``neuron`` device name and ``torch.neuron``. The real package does this at import;
+    the double waits for its process group, because without the real C++ hooks a renamed
+    PrivateUse1 breaks torch.distributed's device lookup (``barrier``) in every other process
+    that autoloads it (the CPU tests)."""
+    if torch._C._get_privateuse1_backend_name() != "neuron":
+        torch.utils.rename_privateuse1_backend("neuron")
+    torch.neuron = types.SimpleNamespace(current_device=current_device, synchronize=lambda: None,
+                                         is_available=lambda: True)
+
+
+dist.Backend.register_backend("neuron", _create_neuron_process_group, devices=["cpu"])

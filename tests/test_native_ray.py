@@ -1,0 +1,223 @@
+"""Native TorchNeuron on real Ray (Train V2, and V1 under ``make test``): two nodes x two
+workers with fake ``neuron_cores`` and the torch-neuronx double, next to Ray's plain
+``TorchConfig(backend="neuron")``; and the same training code on CPU workers without torch_xla.
+
+The double is autoloaded on every worker (a setup hook standing in for torch's
+``torch.backends`` entry point, which the real package uses), so the plain config gets as far as
+it would on Trainium. Three fits per Train version.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from ray_train_xla import TorchNeuronConfig
+
+from conftest import (
+    DOUBLES_DIR,
+    fit,
+    is_train_v2,
+    neuron_scaling,
+    start_cluster,
+    stop_cluster,
+    write_record,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+
+RECORDS = tempfile.mkdtemp(prefix="rtx-native-double-")
+VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "ACCELERATE_TORCH_DEVICE",
+        "TORCH_NEURONX_NEFF_CACHE_DIR", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    runtime_env = {
+        "env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]]),
+                     "RTX_TEST_RECORD_DIR": RECORDS},
+        "worker_process_setup_hook": "torch_neuronx._autoload",
+    }
+    cluster = start_cluster(nodes=2, runtime_env=runtime_env, neuron_cores=2)
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+        shutil.rmtree(RECORDS, ignore_errors=True)
+
+
+def double_records():
+    """What the double's process group saw on each rank (latest fit only: cleared before)."""
+    out = []
+    for name in sorted(os.listdir(RECORDS)):
+        if name.startswith("neuron_pg_rank"):
+            with open(os.path.join(RECORDS, name)) as f:
+                out.append(json.load(f))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def clear_records():
+    shutil.rmtree(RECORDS, ignore_errors=True)
+    os.makedirs(RECORDS)
+
+
+def causes(exc: BaseException) -> str:
+    """The messages of an exception and of its causes."""
+    texts = []
+    while exc is not None and len(texts) < 10:
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
+def neuron_probe(config):
+    """Record the device, the process group and the variables each worker trains with."""
+    import sys
+
+    import ray
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+
+    native = os.environ.get("RAY_TRAIN_XLA_RUNTIME") == "native"
+    ones = torch.ones(1)
+    if native:
+        total = rtx.all_reduce(ones).item()
+    else:
+        dist.all_reduce(ones)
+        total = ones.item()
+    rank = dist.get_rank()
+    write_record(config, f"rank{rank}", {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ray_cores": list(ray.get_runtime_context().get_accelerator_ids()["neuron_cores"]),
+        "env": {k: os.environ.get(k) for k in VARS},
+        "rtx_device": str(rtx.get_device()) if native else None,
+        "ray_device": str(ray.train.torch.get_device()),
+        "backend": dist.get_backend(),
+        "total": total,
+        "torch_xla_loaded": "torch_xla" in sys.modules,
+    })
+
+
+def test_native_neuron_on_two_nodes_passes_the_double(two_nodes):
+    clear_records()
+    cache = os.path.join(RECORDS, "neff-cache")
+    _, records = fit(neuron_probe, scaling_config=neuron_scaling(4),
+                     torch_config=TorchNeuronConfig(device="neuron", timeout_s=60,
+                                                    compile_cache=cache))
+    seen = double_records()
+    assert [s["rank"] for s in seen] == [0, 1, 2, 3]
+    for s in seen:
+        assert s["problems"] == []
+        assert s["local_rank_source"] == "env" and s["root_comm_preset"]
+        assert s["setups_before"] == 0
+    assert len({s["node"] for s in seen}) == 2
+    assert len({s["root_comm_id"] for s in seen}) == 1
+    records = sorted(records, key=lambda r: r["rank"])
+    assert len(records) == 4
+    for r, s in zip(records, seen):
+        env, local = r["env"], int(r["env"]["LOCAL_RANK"])
+        assert s["visible_cores"] == r["ray_cores"]  # the one core Ray assigned, V1 too
+        assert env["NEURON_RT_VISIBLE_CORES"] == r["ray_cores"][0]
+        assert r["rtx_device"] == r["ray_device"] == env["ACCELERATE_TORCH_DEVICE"] == f"neuron:{local}"
+        assert r["backend"] == "neuron" and r["total"] == 4.0
+        assert env["TORCH_NEURONX_NEFF_CACHE_DIR"] == cache
+        addr, port = env["NEURON_RT_ROOT_COMM_ID"].rsplit(":", 1)
+        assert addr == env["MASTER_ADDR"] and port != env["MASTER_PORT"]
+        assert not r["torch_xla_loaded"]
+
+
+def test_plain_torch_config_neuron_fails_the_double(two_nodes):
+    from ray.train.torch import TorchConfig
+
+    clear_records()
+    config = TorchConfig(backend="neuron", timeout_s=60)
+    if not is_train_v2():  # V1 shares the node's cores and sets LOCAL_RANK only afterwards
+        with pytest.raises(Exception) as info:
+            fit(neuron_probe, scaling_config=neuron_scaling(4), torch_config=config)
+        message = causes(info.value)  # V1's TrainingFailedError keeps the worker's in its cause
+        assert ("more than one device per process" in message
+                or "Failed to initialize Neuron Runtime" in message), message
+        return
+    _, records = fit(neuron_probe, scaling_config=neuron_scaling(4), torch_config=config)
+    problems = "\n".join(p for s in double_records() for p in s["problems"])
+    assert "TORCH_NEURONX_NEFF_CACHE_DIR is not one shared directory on 2 nodes" in problems
+    assert "ACCELERATE_TORCH_DEVICE='cpu' is not a neuron device" in problems
+    assert {r["ray_device"] for r in records} == {"cpu"}  # prepare_model would stay on the CPU
+
+
+def train_halves(config):
+    """The same loop as on Trainium: helpers only; each worker trains on its half of the batch."""
+    import sys
+
+    import ray.train.torch
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ray_train_xla as rtx
+
+    torch.manual_seed(rtx.rank())  # different on every worker: prepare_model takes rank 0's
+    model = rtx.prepare_model(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    x, y = torch.tensor(config["x"]), torch.tensor(config["y"])
+    loader = rtx.prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=len(x) // 2,
+                                                shuffle=False))
+    for _ in range(config["steps"]):
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            rtx.optimizer_step(opt)
+    compiled = torch.compile(lambda t: t * 2 + 1, backend="eager", dynamic=False)
+    before = rtx.metrics()["xla/compiles"]
+    compiled(torch.ones(2))
+    compiled(torch.ones(3))  # a new shape: one more graph
+    rtx.rendezvous("after-compile")
+    state = {"model": model.state_dict(), "step": config["steps"]}
+    rtx.save_checkpoint(state, metrics={"step": config["steps"]})
+    write_record(config, f"rank{rtx.rank()}", {
+        "weight": model.weight.detach().flatten().tolist(),
+        "bias": model.bias.detach().tolist(),
+        "compiles": rtx.metrics()["xla/compiles"] - before,
+        "broadcast": rtx.broadcast(torch.tensor([float(rtx.rank())]), src=1).item(),
+        "mean": rtx.all_reduce(torch.tensor([float(rtx.rank())]), op="mean").item(),
+        "devices": [str(rtx.get_device()), str(ray.train.torch.get_device()), str(xb.device)],
+        "backend": torch.distributed.get_backend(),
+        "torch_xla_loaded": sorted(m for m in sys.modules if m.startswith("torch_xla")),
+    })
+
+
+def test_cpu_twin_two_workers_equal_one_process(two_nodes):
+    import torch
+    from ray.train import ScalingConfig
+
+    torch.manual_seed(123)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    loop = {"x": x.tolist(), "y": y.tolist(), "lr": 0.1, "steps": 3}
+    result, records = fit(train_halves, loop_config=loop,
+                          scaling_config=ScalingConfig(num_workers=2,
+                                                       resources_per_worker={"CPU": 1}),
+                          torch_config=TorchNeuronConfig(device="cpu", timeout_s=60))
+    torch.manual_seed(0)  # rank 0's initialisation
+    ref = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):  # one process, the whole batch
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    assert len(records) == 2
+    for r in records:
+        assert r["torch_xla_loaded"] == []
+        assert r["devices"] == ["cpu", "cpu", "cpu"] and r["backend"] == "gloo"
+        assert torch.allclose(torch.tensor(r["weight"]), ref.weight.detach().flatten(), atol=1e-5)
+        assert torch.allclose(torch.tensor(r["bias"]), ref.bias.detach(), atol=1e-5)
+        assert r["compiles"] == 2 and r["broadcast"] == 1.0 and r["mean"] == 0.5
+    with result.checkpoint.as_directory() as path:
+        saved = torch.load(os.path.join(path, "checkpoint.pt"), weights_only=False)
+    assert saved["step"] == 3
+    assert torch.allclose(saved["model"]["weight"].flatten(), torch.tensor(records[0]["weight"]))
