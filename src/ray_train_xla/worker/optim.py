@@ -13,8 +13,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ray_train_xla.worker.collectives import broadcast, get_device, uses_host_collectives, world_size
+from ray_train_xla.worker.sharding import refuse_sharded
 
 DEFAULT_BUCKET_MB = 25.0
+SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
+                "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
+                "backward")
 
 
 def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:
@@ -49,9 +53,12 @@ def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
 @torch.no_grad()
 def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.nn.Module:
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
-    and buffers (so workers agree even when their random initialisation differed)."""
+    and buffers (so workers agree even when their random initialisation differed).
+
+    Raises ShardedStateError for a sharded model (see ``prepare_sharded_model``)."""
     import torch_xla
 
+    refuse_sharded(model, "prepare_model", "copies rank 0's parameters and buffers into every worker")
     model = model.to(get_device())
     if world_size() > 1:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
@@ -70,7 +77,11 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
-    """Average the gradients of ``optimizer``'s parameters over all workers, in place."""
+    """Average the gradients of ``optimizer``'s parameters over all workers, in place.
+
+    Raises ShardedStateError when a parameter is sharded (XLA reduces those gradients itself)."""
+    params = {f"param_groups[{g}].params": group["params"] for g, group in enumerate(optimizer.param_groups)}
+    refuse_sharded(params, "optimizer_step", "averages every gradient over all workers", use=SHARDED_STEP)
     n = world_size()
     if n == 1:
         return
@@ -102,9 +113,9 @@ def optimizer_step(
 ):
     """Average gradients across workers, run ``optimizer.step()`` and (``sync``) cut the graph.
 
-    Use it in place of ``optimizer.step()``; returns what ``step()`` returns. ``bucket_mb`` bounds
-    the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
-    reducing, whatever ``sync``.
+    Use it in place of ``optimizer.step()`` for replicated models; returns what ``step()``
+    returns. ``bucket_mb`` bounds the size of each host transfer on the CPU (gloo) path, which
+    always cuts the graph before reducing, whatever ``sync``.
     """
     import torch_xla
 
