@@ -94,3 +94,42 @@ def test_every_helper_refuses_fsdp_v1_and_dtensors(tmp_path):
     assert prepare.startswith("ShardedStateError: prepare_model: weight is a DTensor")
     assert save.startswith("ShardedStateError: save_checkpoint: model.w is a DTensor")
     assert load.startswith("ShardedStateError: load_checkpoint: weight is a DTensor")
+
+
+CHECK_CONSOLIDATED = """
+import sys, torch
+from safetensors.torch import load_file
+import sharded_worker as w
+full = load_file(sys.argv[1])
+model = w.make_model()
+model.load_state_dict(full)  # the unwrapped model's names
+expected = torch.load(sys.argv[2], weights_only=False)["model"]
+assert sorted(full) == sorted(expected), (sorted(full), sorted(expected))
+assert all(torch.equal(full[k], expected[k]) for k in full)
+pt = torch.load(sys.argv[3])
+assert all(torch.equal(pt[k], full[k]) for k in full)
+assert "torch_xla" not in sys.modules
+print("ok", len(full))
+"""
+
+
+def test_consolidate_writes_the_full_model_for_plain_torch(saved, capsys):
+    from ray_train_xla.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["consolidate", "--help"])
+    assert "safetensors" in capsys.readouterr().out
+
+    out, _ = saved
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC_DIR, TESTS_DIR]))
+    proc = subprocess.run([sys.executable, "-m", "ray_train_xla.cli", "consolidate", str(out / "ckpt"),
+                           str(out / "full.safetensors"), "--torch", str(out / "full.pt"), "--json"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["sharded"] is True and summary["tensors"] == 6
+    check = subprocess.run([sys.executable, "-c", CHECK_CONSOLIDATED, str(out / "full.safetensors"),
+                            str(out / "expected.pt"), str(out / "full.pt")],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.split() == ["ok", "6"]

@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan, doctor from the command line."""
+"""``ray-train-xla``: demo, plan, doctor, consolidate from the command line."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _env_pair(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ray-train-xla",
-        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor.",
+        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
+        "consolidate.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -145,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+
+    consolidate = sub.add_parser(
+        "consolidate",
+        help="write one file of the full model from a (sharded or replicated) checkpoint",
+        description="Read a checkpoint written by save_checkpoint (sharded: every rank's "
+        "torch.distributed.checkpoint files; or replicated: checkpoint.pt) on the CPU, without "
+        "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
+        "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
+        "safetensors.torch.load_file(OUT) and model.load_state_dict(...). The whole model must "
+        "fit in this machine's memory.",
+    )
+    consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
+                             help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
+    consolidate.add_argument("out", metavar="OUT", help="safetensors file to write")
+    consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
+                             help="also write the same tensors with torch.save to FILE")
+    consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -298,6 +316,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if doctor.failed(rows) else 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from ray_train_xla.consolidate import consolidate
+
+    summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kind = "sharded" if summary["sharded"] else "replicated"
+        print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
+              f"{summary['bytes']} bytes (from a {kind} checkpoint)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plan":
@@ -306,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_demo(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "consolidate":
+        return cmd_consolidate(args)
     raise AssertionError(args.command)
 
 
