@@ -38,7 +38,7 @@ def unsupported_sharding(state: Any) -> tuple[str, str] | None:
     """The first sharded thing that is not an SPMD tensor (DTensor, torch_xla FSDP v1 shards):
     the sharded checkpoint cannot restore those onto another layout."""
     for path, desc in _walk(state, ""):
-        if not desc.startswith(("an SPMD tensor", "an XLAShardedTensor")):
+        if not desc.startswith(("an SPMD tensor", "an XLAShardedTensor", "a torch_xla FSDPv2 module")):
             return path, desc
     return None
 
