@@ -25,11 +25,11 @@ def two_nodes():
 
 def sharded_train(config):
     import ray.train
+    import sharded_worker as w
     import torch
     import torch_xla.runtime as xr
 
     import ray_train_xla as rtx
-    import sharded_worker as w
 
     mesh, model, opt, to_device, sync = w.sharded_setup(tuple(config["mesh"]) or None)
     r = rtx.rank()

@@ -32,8 +32,9 @@ from ray_train_xla.worker.collectives import rank
 from ray_train_xla.worker.distributed_checkpoint import (
     is_sharded_checkpoint,
     load_sharded,
-    save_sharded,
+    stage_sharded,
     unsupported_sharding,
+    write_staged,
 )
 from ray_train_xla.worker.metrics import is_graph_extraction_run
 from ray_train_xla.worker.sharding import ShardedStateError, find_sharded
@@ -66,23 +67,39 @@ def _refuse_unsupported(value: Any, helper: str) -> None:
             "TorchXLAConfig(spmd=True)), or save this state with its own library's per-rank checkpoint.")
 
 
-def _report(metrics: dict, directory: str | None, upload: str) -> None:
-    """``ray.train.report`` of ``directory`` (None: metrics only); ``upload="async"`` lets
-    training go on while Ray uploads it (Ray Train V2 ``CheckpointUploadMode.ASYNC``), and Ray
-    deletes the local directory afterwards."""
+_CHECKPOINT_GROUP: Any = None
+
+
+def _checkpoint_group():
+    """A gloo group of its own for background writes (created once, on every rank in the same
+    order): they never share a communicator with the training thread."""
+    global _CHECKPOINT_GROUP
+    import torch.distributed as dist
+
+    if _CHECKPOINT_GROUP is None and dist.is_available() and dist.is_initialized():
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
+
+
+def _report_async(metrics: dict, directory: str, write) -> None:
+    """Report a checkpoint that ``write(directory)`` produces in Ray Train V2's upload thread
+    (one per worker, so writes run in report order), then upload it; training goes on meanwhile."""
     import ray.train
 
-    if directory is None:
-        ray.train.report(metrics, checkpoint=None)
-        return
-    checkpoint = ray.train.Checkpoint.from_directory(directory)
-    if upload == "async":
+    try:
         from ray.train import CheckpointUploadMode
+    except ImportError:
+        raise ValueError("save_checkpoint(upload='async') needs Ray Train V2 "
+                         "(RAY_TRAIN_V2_ENABLED=1)") from None
 
-        ray.train.report(metrics, checkpoint=checkpoint,
-                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC)
-    else:
-        ray.train.report(metrics, checkpoint=checkpoint)
+    def write_then_upload(checkpoint, checkpoint_dir_name):
+        write(directory)
+        storage = ray.train.get_context().get_storage()
+        return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
+
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                     checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                     checkpoint_upload_fn=write_then_upload, delete_local_checkpoint_after_upload=True)
 
 
 def save_checkpoint(
@@ -100,12 +117,14 @@ def save_checkpoint(
     with ``torch.distributed.checkpoint`` and reports its files; rank 0 adds the rest of
     ``state``. Returns what this rank wrote then (``{"files", "bytes"}``), else None.
 
-    ``upload="async"`` (Ray Train V2) returns as soon as the files are written locally; Ray
-    uploads them while training goes on. In a Neuron graph-extraction run
+    ``upload="async"`` (Ray Train V2) returns once the state is copied to host memory (None):
+    the files are written and uploaded in Ray's checkpoint-upload thread while training goes
+    on (Ray runs one per worker, so checkpoints complete in order). In a Neuron graph-extraction run
     (``neuron_parallel_compile=True``) the state is a placeholder, so only the metrics are
     reported, marked ``graph_extraction_only``. Raises ShardedStateError for sharded state that
     neither format restores (torch_xla FSDP v1 shards, DTensors).
     """
+    import ray.train
     import torch_xla
 
     if upload not in ("sync", "async"):
@@ -117,24 +136,32 @@ def save_checkpoint(
         metrics["graph_extraction_only"] = 1
         if rank() == 0:
             logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
-        _report(metrics, None, upload)
+        ray.train.report(metrics, checkpoint=None)
         return None
+
     if find_sharded(state) is not None:
-        tmp = tempfile.mkdtemp(prefix="ray-train-xla-dcp-")
-        written = save_sharded(state, tmp)
-        _report(metrics, tmp, upload)
-        if upload == "sync":
-            shutil.rmtree(tmp, ignore_errors=True)
-        return written
-    if rank() != 0:
-        _report(metrics, None, upload)
+        staged = stage_sharded(state)  # device -> host now; the files are written below
+        group = _checkpoint_group() if upload == "async" else None
+
+        def write(directory: str) -> dict[str, Any]:
+            return write_staged(staged, directory, group)
+    elif rank() != 0:
+        ray.train.report(metrics, checkpoint=None)
         return None
+    else:
+        cpu_state = to_cpu(dict(state))
+
+        def write(directory: str) -> dict[str, Any]:
+            torch.save(cpu_state, os.path.join(directory, filename))
+            return {"files": [filename], "bytes": os.path.getsize(os.path.join(directory, filename))}
     tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
-    file = os.path.join(tmp, filename)
-    torch.save(to_cpu(dict(state)), file)
-    written = {"files": [filename], "bytes": os.path.getsize(file)}
-    _report(metrics, tmp, upload)
-    if upload == "sync":
+    if upload == "async":
+        _report_async(metrics, tmp, write)
+        return None
+    try:
+        written = write(tmp)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
 

@@ -84,15 +84,12 @@ def _planner():
     return BalancedSPMDSavePlanner()
 
 
-def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
-    """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
-    (and, on rank 0, the rest of ``state`` and the metadata). Call it on every rank.
-
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
-    """
-    import torch.distributed.checkpoint as dcp
+def stage_sharded(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
+    sharded save that must happen before training goes on. Returns what :func:`write_staged`
+    writes."""
     import torch_xla
-    import torch_xla.runtime as xr
+    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
     from ray_train_xla.worker.checkpoint import to_cpu
 
@@ -103,14 +100,27 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
             "tensors (prepare_sharded_model / FSDPv2); save this state with its own library's "
             "per-rank checkpoint, or train with rtx.prepare_sharded_model(model).")
     dist_state, extra = _split(state)
+    torch_xla.sync()
+    # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
+    return _sharded_cpu_state_dict(dist_state), to_cpu(extra)
+
+
+def write_staged(staged: tuple[dict[str, Any], dict[str, Any]], directory: str,
+                 process_group=None) -> dict[str, Any]:
+    """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
+    every rank calls it, in the same order; ``process_group`` defaults to the default group).
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``."""
+    import torch.distributed.checkpoint as dcp
+    import torch_xla.runtime as xr
+
+    dist_state, extra = staged
     distributed, rank, world = _dist()
     os.makedirs(directory, exist_ok=True)
     before = set(os.listdir(directory))
-    torch_xla.sync()
     dcp.save(dist_state, storage_writer=dcp.FileSystemWriter(directory), planner=_planner(),
-             no_dist=not distributed)
+             process_group=process_group, no_dist=not distributed)
     if rank == 0:
-        torch.save(to_cpu(extra), os.path.join(directory, EXTRA_FILE))
+        torch.save(extra, os.path.join(directory, EXTRA_FILE))
         with open(os.path.join(directory, SHARDED_MARKER), "w") as f:
             json.dump({
                 "format": "torch.distributed.checkpoint",
@@ -122,6 +132,15 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     files = sorted(set(os.listdir(directory)) - before)
     return {"files": files,
             "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in files)}
+
+
+def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
+    """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
+    (and, on rank 0, the rest of ``state`` and the metadata). Call it on every rank.
+
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
+    """
+    return write_staged(stage_sharded(state), directory)
 
 
 def _saved_keys(reader) -> set[str]:
