@@ -48,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Ray, run TorchTrainer with TorchXLAConfig, and have every "
         "worker all-reduce torch.ones(2, 3) on its XLA device N times, checking the result "
         "equals ones * world_size. With --train, train the MLP of examples/train_mlp.py "
-        "instead and print the loss and XLA compile counts as it goes down. Exits non-zero on "
-        "failure.",
+        "instead and print the loss and XLA compile counts as it goes down. With --sharded, "
+        "train the transformer LM of examples/train_lm.py sharded (FSDPv2) over --devices "
+        "virtual XLA CPU devices of one SPMD worker, with Ray Data batches and sharded "
+        "checkpoints, and print loss, compile counts and checkpoint sizes (about 2 minutes). "
+        "Exits non-zero on failure.",
     )
     demo.add_argument("--workers", type=_positive_int, default=2, help="workers (default 2)")
     demo.add_argument(
@@ -60,7 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the example MLP (examples/train_mlp.py, from a source checkout) instead",
     )
     demo.add_argument(
-        "--steps", type=_positive_int, default=40, help="training steps with --train (default 40)"
+        "--sharded", action="store_true",
+        help="train the example transformer LM sharded (examples/train_lm.py) instead",
+    )
+    demo.add_argument(
+        "--devices", type=_positive_int, default=4,
+        help="virtual XLA CPU devices of the SPMD worker with --sharded (default 4)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=40,
+        help="training steps with --train or --sharded (default 40)",
     )
     demo.add_argument(
         "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
@@ -277,9 +289,33 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def cmd_sharded_demo(args: argparse.Namespace) -> int:
+    from ray_train_xla.demo import run_sharded_demo
+
+    summary = _run_job(
+        f"ray-train-xla demo --sharded: 1 SPMD worker, {args.devices} virtual XLA CPU devices, "
+        f"{args.steps} steps of examples/train_lm.py on an embedded local Ray...",
+        run_sharded_demo, devices=args.devices, steps=args.steps)
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
+    for m in summary.history:
+        size = f"{m['checkpoint_bytes'] / 1e6:.2f} MB in {m['checkpoint_files']} files"
+        print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
+          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
+          f"devices; time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.demo import run_demo
 
+    if args.sharded:
+        return cmd_sharded_demo(args)
     if args.train:
         return cmd_train_demo(args)
 
