@@ -76,7 +76,8 @@ def start_spmd():
     import torch_xla.runtime as xr
 
     os.environ["RAY_TRAIN_XLA_SPMD"] = "1"
-    xr.use_spmd()
+    if not xr.is_spmd():
+        xr.use_spmd()
     return xr.global_runtime_device_count()
 
 
@@ -188,7 +189,13 @@ def scenario_refuse(out_dir: str) -> dict:
     }
 
 
-SCENARIOS = {"train": scenario_train, "load": scenario_load, "refuse": scenario_refuse}
+def scenario_train_load(out_dir: str, ckpt: str) -> dict:
+    """Both in one process (one XLA start-up): train on all devices, then restore ``ckpt``."""
+    return {"train": scenario_train(out_dir), "load": scenario_load(out_dir, ckpt)}
+
+
+SCENARIOS = {"train": scenario_train, "load": scenario_load, "refuse": scenario_refuse,
+             "train_load": scenario_train_load}
 
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]
