@@ -119,6 +119,10 @@ def test_consolidate_writes_the_full_model_for_plain_torch(saved, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["consolidate", "--help"])
     assert "safetensors" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    demo_help = capsys.readouterr().out
+    assert "--sharded" in demo_help and "--devices" in demo_help
 
     out, _ = saved
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC_DIR, TESTS_DIR]))
