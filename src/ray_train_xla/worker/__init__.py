@@ -20,6 +20,7 @@ from ray_train_xla.worker.metrics import (
     metrics,
 )
 from ray_train_xla.worker.optim import optimizer_step, prepare_model, reduce_gradients
+from ray_train_xla.worker.preemption import checkpoint_if_preempted
 from ray_train_xla.worker.sharding import (
     ShardedStateError,
     get_sharded_mesh,
@@ -35,6 +36,7 @@ __all__ = [
     "XLADataLoader",
     "all_reduce",
     "broadcast",
+    "checkpoint_if_preempted",
     "get_device",
     "get_mesh",
     "get_sharded_mesh",
