@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan, doctor from the command line."""
+"""``ray-train-xla``: demo, plan, doctor, consolidate from the command line."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def _env_pair(text: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ray-train-xla",
-        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor.",
+        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
+        "consolidate.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -47,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Ray, run TorchTrainer with TorchXLAConfig, and have every "
         "worker all-reduce torch.ones(2, 3) on its XLA device N times, checking the result "
         "equals ones * world_size. With --train, train the MLP of examples/train_mlp.py "
-        "instead and print the loss and XLA compile counts as it goes down. Exits non-zero on "
-        "failure.",
+        "instead and print the loss and XLA compile counts as it goes down. With --sharded, "
+        "train the transformer LM of examples/train_lm.py sharded (FSDPv2) over --devices "
+        "virtual XLA CPU devices of one SPMD worker, with Ray Data batches and sharded "
+        "checkpoints, and print loss, compile counts and checkpoint sizes (about 2 minutes). "
+        "Exits non-zero on failure.",
     )
     demo.add_argument("--workers", type=_positive_int, default=2, help="workers (default 2)")
     demo.add_argument(
@@ -59,7 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train the example MLP (examples/train_mlp.py, from a source checkout) instead",
     )
     demo.add_argument(
-        "--steps", type=_positive_int, default=40, help="training steps with --train (default 40)"
+        "--sharded", action="store_true",
+        help="train the example transformer LM sharded (examples/train_lm.py) instead",
+    )
+    demo.add_argument(
+        "--devices", type=_positive_int, default=4,
+        help="virtual XLA CPU devices of the SPMD worker with --sharded (default 4)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=40,
+        help="training steps with --train or --sharded (default 40)",
     )
     demo.add_argument(
         "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
@@ -150,6 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+
+    consolidate = sub.add_parser(
+        "consolidate",
+        help="write one file of the full model from a (sharded or replicated) checkpoint",
+        description="Read a checkpoint written by save_checkpoint (sharded: every rank's "
+        "torch.distributed.checkpoint files; or replicated: checkpoint.pt) on the CPU, without "
+        "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
+        "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
+        "safetensors.torch.load_file(OUT) and model.load_state_dict(...). The whole model must "
+        "fit in this machine's memory.",
+    )
+    consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
+                             help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
+    consolidate.add_argument("out", metavar="OUT", help="safetensors file to write")
+    consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
+                             help="also write the same tensors with torch.save to FILE")
+    consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -278,9 +308,33 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def cmd_sharded_demo(args: argparse.Namespace) -> int:
+    from ray_train_xla.demo import run_sharded_demo
+
+    summary = _run_job(
+        f"ray-train-xla demo --sharded: 1 SPMD worker, {args.devices} virtual XLA CPU devices, "
+        f"{args.steps} steps of examples/train_lm.py on an embedded local Ray...",
+        run_sharded_demo, devices=args.devices, steps=args.steps)
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
+    for m in summary.history:
+        size = f"{m['checkpoint_bytes'] / 1e6:.2f} MB in {m['checkpoint_files']} files"
+        print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
+          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
+          f"devices; time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.demo import run_demo
 
+    if args.sharded:
+        return cmd_sharded_demo(args)
     if args.train:
         return cmd_train_demo(args)
 
@@ -317,9 +371,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if doctor.failed(rows) else 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from ray_train_xla.consolidate import consolidate
+
+    summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kind = "sharded" if summary["sharded"] else "replicated"
+        print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
+              f"{summary['bytes']} bytes (from a {kind} checkpoint)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor}
+    commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
+                "consolidate": cmd_consolidate}
     try:
         code = commands[args.command](args)
         sys.stdout.flush()

@@ -123,7 +123,8 @@ class TrainSummary:
 
 
 def load_example(path: str = EXAMPLE_PATH):
-    """Import ``examples/train_mlp.py`` (from a source checkout) so Ray ships it by value."""
+    """Import an example (``examples/train_mlp.py`` by default, from a source checkout) so Ray
+    ships it by value."""
     import importlib.util
     import sys
 
@@ -131,10 +132,11 @@ def load_example(path: str = EXAMPLE_PATH):
 
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"{path} not found: `demo --train` runs examples/train_mlp.py from a source checkout "
-            "of ray-train-xla (pip install -e .)"
+            f"{path} not found: `demo --train` and `demo --sharded` run examples/ from a source "
+            "checkout of ray-train-xla (pip install -e .)"
         )
-    spec = importlib.util.spec_from_file_location("ray_train_xla_example_train_mlp", path)
+    name = "ray_train_xla_example_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -164,3 +166,46 @@ def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto") -> T
         history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
         checkpoint = result.checkpoint.path if result.checkpoint else ""
     return TrainSummary(workers, steps, seconds, history, checkpoint)
+
+
+@dataclass
+class ShardedSummary:
+    devices: int
+    steps: int
+    seconds: float
+    parameters: int
+    # [{"step", "loss", "xla/compiles", ..., "checkpoint_bytes", "checkpoint_files"}], in step order
+    history: list
+
+    @property
+    def ok(self) -> bool:
+        return len(self.history) >= 2 and self.history[-1]["loss"] < self.history[0]["loss"]
+
+
+def run_sharded_demo(devices: int = 4, steps: int = 40) -> ShardedSummary:
+    """Start a local Ray, train examples/train_lm.py sharded over ``devices`` virtual XLA CPU
+    devices of one SPMD worker, shut Ray down."""
+    import ray
+
+    example = load_example(os.path.join(os.path.dirname(EXAMPLE_PATH), "train_lm.py"))
+    config = example.lm_config(steps=steps)
+    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp:
+        started_ray = not ray.is_initialized()
+        if started_ray:
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        try:
+            start = time.perf_counter()
+            trainer = example.build_trainer(config, devices, tmp, "train_lm", keep=None)
+            result = trainer.fit()
+            seconds = time.perf_counter() - start
+        finally:
+            if started_ray:
+                ray.shutdown()
+        history = []
+        for checkpoint, metrics in result.best_checkpoints:
+            files = os.listdir(checkpoint.path)
+            history.append({**metrics, "checkpoint_files": len(files), "checkpoint_bytes": sum(
+                os.path.getsize(os.path.join(checkpoint.path, f)) for f in files)})
+        history.sort(key=lambda m: m["step"])
+    parameters = sum(p.numel() for p in example.make_model(config).parameters())
+    return ShardedSummary(devices, steps, seconds, parameters, history)

@@ -5,6 +5,7 @@
   Two kinds say what happened in ``init_process_group``: ``XLAInitError`` (torch_xla's
   initialisation rejected the environment) and ``RendezvousTimeoutError`` (ranks missing).
 - ``NeuronCompileError``: the Neuron parallel compile failed on a worker.
+- ``ShardedStateError``: sharded state given to a helper for replicated state (or the reverse).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class XLAInitError(WorkerSetupError):
 
 class RendezvousTimeoutError(WorkerSetupError):
     """Not every rank reached the rendezvous within ``timeout_s``."""
+
+
+class ShardedStateError(ValueError):
+    """Sharded state was given to a helper that would silently get it wrong."""
 
 
 class NeuronCompileError(RuntimeError):

@@ -22,16 +22,27 @@ from ray_train_xla.worker.metrics import (
     metrics,
 )
 from ray_train_xla.worker.optim import optimizer_step, prepare_model, reduce_gradients
+from ray_train_xla.worker.preemption import checkpoint_if_preempted
+from ray_train_xla.worker.sharding import (
+    ShardedStateError,
+    get_sharded_mesh,
+    is_sharded,
+    prepare_sharded_model,
+)
 from ray_train_xla.worker.spmd import get_mesh, shard_batch, sharding_spec
 
 __all__ = [
     "CompileMonitor",
     "RecompilationWarning",
+    "ShardedStateError",
     "XLADataLoader",
     "all_reduce",
     "broadcast",
+    "checkpoint_if_preempted",
     "get_device",
     "get_mesh",
+    "get_sharded_mesh",
+    "is_sharded",
     "is_graph_extraction_run",
     "iter_xla_batches",
     "load_checkpoint",
@@ -42,6 +53,7 @@ __all__ = [
     "pad_batch",
     "prepare_data_loader",
     "prepare_model",
+    "prepare_sharded_model",
     "rank",
     "reduce_gradients",
     "rendezvous",

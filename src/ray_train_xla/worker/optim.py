@@ -11,6 +11,7 @@ the mesh: nothing is averaged again and nothing crosses to the host.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -24,8 +25,12 @@ from ray_train_xla.worker.collectives import (
     world_size,
 )
 from ray_train_xla.worker.collectives import sync as _sync  # optimizer_step has a `sync` argument
+from ray_train_xla.worker.sharding import refuse_sharded
 
 DEFAULT_BUCKET_MB = 25.0
+SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
+                "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
+                "backward")
 
 
 def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:
@@ -62,8 +67,12 @@ def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) 
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
     and buffers (so workers agree even when their random initialisation differed).
 
+
     Under SPMD on an accelerator each host feeds its own copy into the global tensors, so the
-    copies are made equal on the host (through the gloo group) before the move."""
+    copies are made equal on the host (through the gloo group) before the move.
+
+    Raises ShardedStateError for a sharded model (see ``prepare_sharded_model``)."""
+    refuse_sharded(model, "prepare_model", "copies rank 0's parameters and buffers into every worker")
     many = world_size() > 1
     if many and spmd_global():
         model = model.cpu()
@@ -87,9 +96,26 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
+# Optimizers whose parameters were checked for sharding, with their parameter count then: the
+# check walks every parameter, so it runs again only when the parameters change, not every step.
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> None:
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    if _checked.get(optimizer) == count:
+        return
+    params = {f"param_groups[{g}].params": group["params"] for g, group in enumerate(optimizer.param_groups)}
+    refuse_sharded(params, "optimizer_step", "averages every gradient over all workers", use=SHARDED_STEP)
+    _checked[optimizer] = count
+
+
 @torch.no_grad()
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
-    """Average the gradients of ``optimizer``'s parameters over all workers, in place."""
+    """Average the gradients of ``optimizer``'s parameters over all workers, in place.
+
+    Raises ShardedStateError when a parameter is sharded (XLA reduces those gradients itself)."""
+    _refuse_sharded_params(optimizer)
     n = world_size()
     if n == 1 or spmd_global():
         return
@@ -120,9 +146,9 @@ def optimizer_step(
 ):
     """Average gradients across workers, run ``optimizer.step()`` and (``sync``) cut the graph.
 
-    Use it in place of ``optimizer.step()``; returns what ``step()`` returns. ``bucket_mb`` bounds
-    the size of each host transfer on the CPU (gloo) path, which always cuts the graph before
-    reducing, whatever ``sync``.
+    Use it in place of ``optimizer.step()`` for replicated models; returns what ``step()``
+    returns. ``bucket_mb`` bounds the size of each host transfer on the CPU (gloo) path, which
+    always cuts the graph before reducing, whatever ``sync``.
     """
     reduce_gradients(optimizer, bucket_mb=bucket_mb)
     result = optimizer.step(**step_kwargs)

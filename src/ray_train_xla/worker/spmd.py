@@ -47,14 +47,17 @@ def get_mesh(shape: Sequence[int] | None = None, axis_names: Sequence[str] = ("d
     return xs.Mesh(np.arange(devices), shape, axis_names)
 
 
-def shard_batch(batch: Any, mesh=None, axis: str = "data") -> Any:
+def shard_batch(batch: Any, mesh=None, axis: str | None = None) -> Any:
     """Move a batch (tensor, or a dict/list/tuple of tensors) to the XLA device and shard dim 0
-    of every tensor along the mesh's ``axis``; other dims are replicated."""
+    of every tensor along the mesh's ``axis`` (default: ``data``, or ``fsdp`` on a mesh without
+    ``data`` such as ``get_sharded_mesh()``'s); other dims are replicated."""
     import torch
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
     mesh = mesh if mesh is not None else get_mesh()
+    if axis is None:
+        axis = "fsdp" if "data" not in mesh.axis_names and "fsdp" in mesh.axis_names else "data"
     if axis not in mesh.axis_names:
         raise ValueError(f"shard_batch: axis {axis!r} is not in the mesh axes {mesh.axis_names}")
 

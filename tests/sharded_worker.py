@@ -1,0 +1,204 @@
+"""Sharded-state scenarios, each run by test_sharded_local.py in a fresh process with its own
+number of XLA CPU devices (torch_xla fixes the device count and SPMD mode per process).
+
+    python sharded_worker.py SCENARIO OUT_DIR [ARGS...]   (writes OUT_DIR/<SCENARIO>.json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+IN, HIDDEN, OUT, BATCH, STEPS, LR = 16, 32, 8, 16, 3, 0.01
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH, IN, generator=g)
+    return x, torch.sin(x[:, :OUT]) + x[:, OUT:].cos()
+
+
+def train(model, opt, steps, to_device=None, sync=None):
+    for step in range(steps):
+        x, y = batch(step)
+        if to_device is not None:
+            x, y = to_device((x, y))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if sync is not None:
+            sync()
+
+
+def reference(steps: int) -> dict[str, torch.Tensor]:
+    """The same training on one (plain CPU) device."""
+    model = make_model()
+    train(model, torch.optim.Adam(model.parameters(), lr=LR), steps)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def plain_keys(state: dict) -> dict:
+    return {k.replace("_orig_module.", ""): v for k, v in state.items()}
+
+
+def cpu_state(model, opt) -> dict:
+    from ray_train_xla import to_cpu
+
+    return {"model": to_cpu(plain_keys(model.state_dict())), "optimizer": to_cpu(opt.state_dict()["state"])}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def exact(a, b) -> bool:
+    """Bit-exact equality of nested tensors."""
+    if isinstance(a, dict):
+        return sorted(a) == sorted(b) and all(exact(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def start_spmd():
+    import torch_xla.runtime as xr
+
+    os.environ["RAY_TRAIN_XLA_SPMD"] = "1"
+    if not xr.is_spmd():
+        xr.use_spmd()
+    return xr.global_runtime_device_count()
+
+
+def sharded_setup(mesh_shape=None):
+    import torch_xla
+
+    import ray_train_xla as rtx
+
+    mesh = rtx.get_sharded_mesh(mesh_shape)
+    model = rtx.prepare_sharded_model(make_model(), mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def to_device(b):
+        return rtx.shard_batch(b, mesh)
+
+    return mesh, model, opt, to_device, torch_xla.sync
+
+
+def errors(*calls) -> list[str]:
+    """The message each call raises ("" when it does not raise)."""
+    out = []
+    for call in calls:
+        try:
+            call()
+            out.append("")
+        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def scenario_train(out_dir: str, save: str = "") -> dict:
+    """FSDPv2 on all devices vs one device; the replicated helpers refuse it; optionally save."""
+    import ray_train_xla as rtx
+    from ray_train_xla.worker.distributed_checkpoint import save_sharded
+
+    devices = start_spmd()
+    mesh, model, opt, to_device, sync = sharded_setup()
+    refused = errors(lambda: rtx.prepare_model(model), lambda: rtx.optimizer_step(opt))
+    train(model, opt, STEPS, to_device, sync)
+    got = plain_keys({k: v.cpu() for k, v in model.state_dict().items()})
+    record = {
+        "devices": devices,
+        "mesh": dict(mesh.shape()),
+        "spec": rtx.sharding_spec(next(model.parameters())),
+        "refused": refused,
+        "max_diff": max_diff(got, reference(STEPS)),
+        "diff_to_untrained": max_diff(got, reference(0)),
+    }
+    if save:
+        record["saved"] = save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                        "step": STEPS}, save)
+        torch.save(cpu_state(model, opt), os.path.join(out_dir, "expected.pt"))
+    return record
+
+
+def scenario_load(out_dir: str, ckpt: str, *mesh_shape: str) -> dict:
+    """Restore the checkpoint onto this process's devices and mesh; compare with what was saved."""
+    import ray_train_xla as rtx
+    from ray_train_xla.worker.distributed_checkpoint import load_sharded
+
+    devices = start_spmd()
+    mesh, model, opt, to_device, sync = sharded_setup(tuple(int(d) for d in mesh_shape) or None)
+    extra = load_sharded(ckpt, model, opt)
+    expected = torch.load(os.path.join(out_dir, "expected.pt"), weights_only=False)
+    got = cpu_state(model, opt)
+    record = {
+        "devices": devices,
+        "mesh": dict(mesh.shape()),
+        "spec": rtx.sharding_spec(next(model.parameters())),
+        "extra": extra,
+        "model_exact": exact(got["model"], expected["model"]),
+        "optimizer_exact": exact(got["optimizer"], expected["optimizer"]),
+    }
+    return record
+
+
+def scenario_refuse(out_dir: str) -> dict:
+    """Without SPMD: torch_xla FSDP (v1) modules and DTensors in every helper."""
+    import torch.distributed as dist
+    import torch_xla
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+
+    import ray_train_xla as rtx
+
+    fsdp = XlaFullyShardedDataParallel(make_model().to(torch_xla.device()))
+    opt = torch.optim.Adam(fsdp.parameters(), lr=LR)
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(fsdp(x.to(torch_xla.device())), y.to(torch_xla.device())).backward()
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/pg", rank=0, world_size=1)
+    dtensor = distribute_tensor(torch.ones(4, 4), DeviceMesh("cpu", [0]), [Shard(0)])
+    dmodel = torch.nn.Linear(4, 4)
+    dmodel.weight = torch.nn.Parameter(distribute_tensor(dmodel.weight.detach(), DeviceMesh("cpu", [0]),
+                                                         [Shard(0)]))
+    fsdp_state = {"model": fsdp.state_dict(), "step": 1}
+    return {
+        "fsdp_v1": errors(
+            lambda: rtx.prepare_model(fsdp),
+            lambda: rtx.optimizer_step(opt),
+            lambda: rtx.save_checkpoint(fsdp_state),
+            lambda: rtx.load_checkpoint(fsdp, opt, checkpoint="unused"),
+        ),
+        "dtensor": errors(
+            lambda: rtx.prepare_model(dmodel),
+            lambda: rtx.save_checkpoint({"model": {"w": dtensor}}),
+            lambda: rtx.load_checkpoint(dmodel, checkpoint="unused"),
+        ),
+        "fsdp_v1_keys": sorted(fsdp_state["model"])[:2],
+    }
+
+
+def scenario_train_load(out_dir: str, ckpt: str) -> dict:
+    """Both in one process (one XLA start-up): train on all devices, then restore ``ckpt``."""
+    return {"train": scenario_train(out_dir), "load": scenario_load(out_dir, ckpt)}
+
+
+SCENARIOS = {"train": scenario_train, "load": scenario_load, "refuse": scenario_refuse,
+             "train_load": scenario_train_load}
+
+if __name__ == "__main__":
+    name, out = sys.argv[1], sys.argv[2]
+    result = SCENARIOS[name](out, *sys.argv[3:])
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f)
