@@ -1,6 +1,6 @@
 """Helpers used inside the training function (imported on workers, never by the backend)."""
 
-from ray_train_xla.worker.checkpoint import load_checkpoint, save_checkpoint, to_cpu
+from ray_train_xla.worker.checkpoint import load_checkpoint, save_checkpoint
 from ray_train_xla.worker.collectives import (
     all_reduce,
     broadcast,
@@ -15,6 +15,7 @@ from ray_train_xla.worker.collectives import (
     world_size,
 )
 from ray_train_xla.worker.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
+from ray_train_xla.worker.device import to_cpu
 from ray_train_xla.worker.metrics import (
     CompileMonitor,
     RecompilationWarning,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ray_train_xla.worker.collectives import rank, sync
+from ray_train_xla.worker.device import to_cpu
 from ray_train_xla.worker.distributed_checkpoint import (
     is_sharded_checkpoint,
     load_sharded,
@@ -42,19 +43,6 @@ from ray_train_xla.worker.sharding import ShardedStateError, find_sharded
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
-
-
-def to_cpu(value: Any) -> Any:
-    """A copy of ``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, Mapping):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(to_cpu(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
 
 
 def _refuse_unsupported(value: Any, helper: str) -> None:

@@ -12,6 +12,8 @@ The family comes from the environment the backend planned (``RAY_TRAIN_XLA_RUNTI
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -74,3 +76,16 @@ def comm_device(tensor: torch.Tensor) -> torch.device:
     """Where a torch.distributed collective on ``tensor`` runs: on its own device on the native
     path (``neuron`` or ``gloo`` on CPU), on a host copy on the XLA path (gloo)."""
     return tensor.device if is_native() else torch.device("cpu")
+
+
+def to_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value

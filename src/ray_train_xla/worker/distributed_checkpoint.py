@@ -91,7 +91,7 @@ def stage_sharded(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
     import torch_xla
     from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
-    from ray_train_xla.worker.checkpoint import to_cpu
+    from ray_train_xla.worker.device import to_cpu
 
     found = unsupported_sharding(state)
     if found is not None:
