@@ -50,11 +50,13 @@ def train_hf(config):
         # which the Trainer calls every step, or in the optimizer step).
         local.append(param.grad.detach().reshape(-1)[:16].clone())
 
-    model.lm_head.weight.register_post_accumulate_grad_hook(keep_local)
-
     class GradientProbe(TrainerCallback):
         """The lm_head gradient of this worker's backward pass and the one the optimizer applied
         (averaged across workers)."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            # On the parameter the Trainer trains: moving to XLA made new Parameter objects.
+            model.lm_head.weight.register_post_accumulate_grad_hook(keep_local)
 
         def on_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads["before"].append(local.pop().cpu().tolist())
