@@ -43,20 +43,24 @@ def train_hf(config):
             return {"input_ids": ids, "labels": ids.clone()}
 
     grads: dict[str, list] = {"before": [], "after": []}
+    local: list = []
+
+    def keep_local(param):
+        # Right after backward, before Accelerate reduces the gradients (in clip_grad_norm_,
+        # which the Trainer calls every step, or in the optimizer step).
+        local.append(param.grad.detach().reshape(-1)[:16].clone())
 
     class GradientProbe(TrainerCallback):
-        """The lm_head gradient before the optimizer step (this worker's) and after it (what the
-        step applied: averaged across workers inside the step)."""
+        """The lm_head gradient of this worker's backward pass and the one the optimizer applied
+        (averaged across workers)."""
 
-        def _take(self, key, model):
-            grad = model.lm_head.weight.grad
-            grads[key].append(grad.detach().cpu().reshape(-1)[:16].tolist())
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self._take("before", model)
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            # On the parameter the Trainer trains: moving to XLA made new Parameter objects.
+            model.lm_head.weight.register_post_accumulate_grad_hook(keep_local)
 
         def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self._take("after", model)
+            grads["before"].append(local.pop().cpu().tolist())
+            grads["after"].append(model.lm_head.weight.grad.detach().cpu().reshape(-1)[:16].tolist())
 
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="rtx-hf-"), per_device_train_batch_size=4,
@@ -89,7 +93,7 @@ def test_transformers_trainer_on_xla_cpu_workers(ray_local, workers):
         losses = rec["losses"]
         assert len(losses) == STEPS and losses[-1] < 0.8 * losses[0], losses
         assert len(rec["grads"]["before"]) == len(rec["grads"]["after"]) == STEPS
-    # The optimizer applied the mean of the workers' gradients, identical on every worker.
+    # The optimizer applied the mean of the workers' own gradients, identical on every worker.
     import numpy as np
 
     for step in range(STEPS):

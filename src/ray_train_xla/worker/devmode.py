@@ -182,6 +182,17 @@ def _copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
             t.copy_(v)
 
 
+def _write_out(outputs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """``output=`` of torch_xla's collectives: the result replaces the output tensor's value,
+    whatever its shape was (as the ``_xla_*_out`` ops do)."""
+    with torch.no_grad():
+        for t, v in zip(outputs, values):
+            if t.shape == v.shape:
+                t.copy_(v)
+            else:
+                t.data = v.to(t.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch_xla's collectives, over the host (same signatures as torch_xla.core.xla_model)
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +253,7 @@ def all_gather(value: torch.Tensor | list[torch.Tensor], dim: int = 0,
     results = [gathered[i] for i in range(len(tensors))]
     if output is not None:
         outputs = [output] if single else list(output)
-        _copy_into(outputs, results)
+        _write_out(outputs, results)
         return output
     return results[0] if single else results
 
@@ -263,7 +274,7 @@ def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], s
     results = [torch.chunk(r, shard_count, dim=scatter_dim)[index] for r in reduced]
     if output is not None:
         outputs = [output] if single else list(output)
-        _copy_into(outputs, results)
+        _write_out(outputs, results)
         return output
     return results[0] if single else results
 
