@@ -31,6 +31,7 @@ from ray_train_xla.errors import (
     WorkerSetupError,
     XLAInitError,
 )
+from ray_train_xla.neuron_options import NATIVE
 from ray_train_xla.options import XLAOptions
 from ray_train_xla.runtimes import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.runtimes.base import (
@@ -259,9 +260,10 @@ def init_process_group() -> None:
         ) from exc
     if devmode:
         cpu_devmode.install(dist.get_rank(), dist.get_world_size())
-    from ray_train_xla.worker import ray_compat
+    if os.environ.get(RUNTIME_VAR) != NATIVE:  # native TorchNeuron points Ray at its own device
+        from ray_train_xla.worker import ray_compat
 
-    ray_compat.install()
+        ray_compat.install()
 
 
 def _init_torch_xla(xla_pg: bool) -> None:
