@@ -118,7 +118,9 @@ def train_loop(config: dict) -> None:
     crash_marker = os.path.join(config.get("marker_dir") or tempfile.gettempdir(), "train_lm_crashed")
     while step < config["steps"]:
         skip = step % steps_per_epoch  # resuming mid-epoch: skip the batches already trained on
-        batches = shard.iter_torch_batches(batch_size=config["batch_size"], drop_last=True)
+        # CPU batches: shard_batch moves each one to the devices and splits it over the mesh.
+        batches = shard.iter_torch_batches(batch_size=config["batch_size"], drop_last=True,
+                                           device="cpu")
         for i, batch in enumerate(batches):
             if i < skip:
                 continue

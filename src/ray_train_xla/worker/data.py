@@ -360,6 +360,9 @@ def iter_xla_batches(
     _check_ragged(ragged)
     if batch_size < 1:
         raise ValueError(f"iter_xla_batches: batch_size={batch_size} is not valid: expected >= 1")
+    # CPU batches from Ray Data (its "auto" device follows ray.train.torch.get_device(), the XLA
+    # device on our workers); they are moved here, in the background on accelerators.
+    iter_torch_batches_kwargs.setdefault("device", "cpu")
     batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
     if not to_device:
         return iter(batches)
