@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,31 @@ def _checkpoint_group():
     return _CHECKPOINT_GROUP
 
 
+# Ray Train V2 takes one report each time its controller polls the workers (every 2 s by
+# default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and ray.train.report waits until the previous one
+# was taken: reports more frequent than that stall training. Say so once, when it happens.
+REPORT_WAIT_WARN_S = 1.0
+_report_wait_warned = False
+
+
+def _report(metrics: dict, checkpoint: Any = None, **kwargs: Any) -> None:
+    """``ray.train.report``, timed: a report that waited longer than ``REPORT_WAIT_WARN_S`` is
+    reported once as a warning, with the fix."""
+    global _report_wait_warned
+    import ray.train
+
+    start = time.perf_counter()
+    ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+    waited = time.perf_counter() - start
+    if waited > REPORT_WAIT_WARN_S and not _report_wait_warned:
+        _report_wait_warned = True
+        logger.warning(
+            "rank %d: ray.train.report waited %.1f s. Ray Train takes one report each time its "
+            "controller polls the workers (every 2 s by default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), "
+            "so reporting more often than that stalls training: call save_checkpoint less often "
+            "(every few seconds of steps at least).", rank(), waited)
+
+
 def _report_async(metrics: dict, directory: str, write) -> None:
     """Report a checkpoint that ``write(directory)`` produces in Ray Train V2's upload thread
     (one per worker, so writes run in report order), then upload it; training goes on meanwhile."""
@@ -85,9 +111,9 @@ def _report_async(metrics: dict, directory: str, write) -> None:
         storage = ray.train.get_context().get_storage()
         return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
 
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                     checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-                     checkpoint_upload_fn=write_then_upload, delete_local_checkpoint_after_upload=True)
+    _report(metrics, ray.train.Checkpoint.from_directory(directory),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=write_then_upload, delete_local_checkpoint_after_upload=True)
 
 
 def save_checkpoint(
@@ -123,7 +149,7 @@ def save_checkpoint(
         metrics["graph_extraction_only"] = 1
         if rank() == 0:
             logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
-        ray.train.report(metrics, checkpoint=None)
+        _report(metrics, None)
         return None
 
     if find_sharded(state) is not None:
@@ -133,7 +159,7 @@ def save_checkpoint(
         def write(directory: str) -> dict[str, Any]:
             return write_staged(staged, directory, group)
     elif rank() != 0:
-        ray.train.report(metrics, checkpoint=None)
+        _report(metrics, None)
         return None
     else:
         cpu_state = to_cpu(dict(state))
@@ -147,7 +173,7 @@ def save_checkpoint(
         return None
     try:
         written = write(tmp)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        _report(metrics, ray.train.Checkpoint.from_directory(tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
