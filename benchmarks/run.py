@@ -483,7 +483,7 @@ HEAVY = {"hidden": 512, "depth": 2, "batch_size": 128}
 # Steps between reports: Ray Train V2 takes a report when its controller polls the workers
 # (every 2 s), and ray.train.report blocks until the previous one was taken, so a loop that
 # reports more often waits for Ray, whatever the helpers cost. About 2.5 s of steps here.
-REPORT_EVERY = {"mlp": 2000, "heavy": 200}
+REPORT_EVERY = {"mlp": 600, "heavy": 60}
 
 
 def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
