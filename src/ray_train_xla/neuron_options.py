@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ray_train_xla.errors import config_error
-from ray_train_xla.options import MIN_TIMEOUT_S, _is_bool, _is_number
+from ray_train_xla.options import check_shared_options
 
 NATIVE = "native"
 NATIVE_DEVICES = ("auto", "neuron", "cpu")
@@ -48,17 +48,7 @@ class NeuronOptions:
 
         if self.device not in NATIVE_DEVICES:
             raise err("device", self.device, NATIVE_DEVICES)
-        if not _is_number(self.timeout_s) or not self.timeout_s >= MIN_TIMEOUT_S:
-            raise err("timeout_s", self.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
-        if not isinstance(self.env, Mapping):
-            raise err("env", self.env, "a mapping of variable names to strings")
-        for key, value in self.env.items():
-            if not isinstance(key, str) or not key or "=" in key:
-                raise err("env", dict(self.env), "variable names without '='")
-            if not isinstance(value, (str, int)) or isinstance(value, bool):
-                raise err(f"env[{key!r}]", value, "a string (or an int)")
-        if self.efa is not None and not _is_bool(self.efa):
-            raise err("efa", self.efa, "None (detect), True or False")
+        check_shared_options(self, err)
         if self.compile_cache is not None and (
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
             or "://" in self.compile_cache

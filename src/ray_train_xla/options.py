@@ -9,7 +9,7 @@ after construction is caught there).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -26,6 +26,22 @@ def _is_bool(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]) -> None:
+    """The checks every config shares (``TorchXLAConfig`` and ``TorchNeuronConfig``):
+    ``timeout_s``, ``env`` and ``efa``; ``err`` builds the error naming the config."""
+    if not _is_number(options.timeout_s) or not options.timeout_s >= MIN_TIMEOUT_S:
+        raise err("timeout_s", options.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
+    if not isinstance(options.env, Mapping):
+        raise err("env", options.env, "a mapping of variable names to strings")
+    for key, value in options.env.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise err("env", dict(options.env), "variable names without '='")
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise err(f"env[{key!r}]", value, "a string (or an int)")
+    if options.efa is not None and not _is_bool(options.efa):
+        raise err("efa", options.efa, "None (detect), True or False")
 
 
 @dataclass(kw_only=True)
@@ -60,17 +76,7 @@ class XLAOptions:
         if self.neuron_parallel_compile and self.device not in ("auto", "neuron"):
             raise err("neuron_parallel_compile", self.neuron_parallel_compile,
                       f"False with device={self.device!r} (parallel compile is a Neuron feature)")
-        if not _is_number(self.timeout_s) or not self.timeout_s >= MIN_TIMEOUT_S:
-            raise err("timeout_s", self.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
-        if not isinstance(self.env, Mapping):
-            raise err("env", self.env, "a mapping of variable names to strings")
-        for key, value in self.env.items():
-            if not isinstance(key, str) or not key or "=" in key:
-                raise err("env", dict(self.env), "variable names without '='")
-            if not isinstance(value, (str, int)) or isinstance(value, bool):
-                raise err(f"env[{key!r}]", value, "a string (or an int)")
-        if self.efa is not None and not _is_bool(self.efa):
-            raise err("efa", self.efa, "None (detect), True or False")
+        check_shared_options(self, err)
         if self.compile_cache is not None and (
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):
