@@ -4,7 +4,7 @@ workers on 128 nodes and 32,768 on 512 nodes, without starting a process.
 A recording worker group stands in for Ray's: ``execute(gather_facts)`` returns the facts the
 workers would report (Neuron, one NeuronCore each, EFA), ``execute_single(0, reserve_ports, n)``
 returns ports, and ``execute(apply_env, index, options)`` records what every worker receives.
-``backend._put`` (the backend's ``ray.put``) is replaced by a recorder that pickles each object
+``backend.put`` (the backend's ``ray.put``) is replaced by a recorder that pickles each object
 as Ray would, so the bytes each node fetches are counted: the per-node index plus that node's
 own object. Also measured: every worker's environment size, ``ray-train-xla plan --json`` for
 8,192 workers beyond the CLI's start-up, and the CLI's start-up for ``plan``.
@@ -65,7 +65,7 @@ class _WorkerGroup:
 
 
 def neuron_facts(nodes: int, per_node: int):
-    from ray_train_xla.topology import WorkerFacts
+    from ray_train_xla.planning.topology import WorkerFacts
 
     return [
         WorkerFacts(node_id=f"{n:056x}", node_ip=f"10.{n // 250}.{n % 250}.1", pid=10000 + w,
@@ -77,18 +77,18 @@ def neuron_facts(nodes: int, per_node: int):
 
 def start_once(facts):
     """One on_start; returns (seconds, store, group)."""
-    from ray_train_xla import backend
-    from ray_train_xla.config import TorchXLAConfig
+    from ray_train_xla.driver import backend
+    from ray_train_xla.driver.config import TorchXLAConfig
 
     store, group = _Store(), _WorkerGroup(facts)
     config = TorchXLAConfig(device="neuron", compile_cache="/fsx/neuron-cache")
-    backend._put = store.put
+    backend.put = store.put
     try:
         t = time.perf_counter()
         backend.XLABackend().on_start(group, config)
         seconds = time.perf_counter() - t
     finally:
-        backend._put = backend.ray.put
+        backend.put = backend.ray.put
     return seconds, store, group
 
 
@@ -124,7 +124,7 @@ def cli_seconds(args: list[str], reps: int) -> float:
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "ray_train_xla.cli", *args], check=True,
+        subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", *args], check=True,
                        stdout=subprocess.DEVNULL)
         times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -173,7 +173,7 @@ def profile_step(config: dict) -> dict:
     import torch_xla.core.xla_model as xm
 
     import ray_train_xla as rtx
-    from ray_train_xla.worker import optim
+    from ray_train_xla.toolkit import optim
 
     device = torch_xla.device()
     data = mlp_data(config)
@@ -314,7 +314,7 @@ def grad_sync_loop(config: dict) -> None:
     import torch_xla.core.xla_model as xm
 
     import ray_train_xla as rtx
-    from ray_train_xla.worker import optim
+    from ray_train_xla.toolkit import optim
 
     buckets = [config["bucket_mb"], PER_PARAMETER_MB]
     bench_optimizer_step.bench_loop({**config, "bucket_mbs": buckets})  # writes bench.json

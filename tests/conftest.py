@@ -102,17 +102,16 @@ DOUBLES_DIR = os.path.join(TESTS_DIR, "doubles")
 
 
 def with_neuron_doubles() -> dict:
-    """A job runtime_env that puts the Neuron SDK test doubles on the workers' import path."""
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]])}}
+    """A job runtime_env that puts the Neuron SDK test doubles on the workers' import path, and
+    lets a run ask for its Neuron plan to run on CPU (``NEURON_ON_CPU``)."""
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]])},
+            "worker_process_setup_hook": "neuron_on_cpu.install"}
 
 
-# Workers here have no NeuronCores: these overrides (TorchXLAConfig.env, applied last) run the
-# process group on CPU/gloo, while every other variable is the Neuron plan under test.
-NEURON_ON_CPU = {
-    "PJRT_DEVICE": "CPU",
-    "RAY_TRAIN_XLA_PG_BACKEND": "gloo",
-    "RAY_TRAIN_XLA_INIT_METHOD": "env://",
-}
+# Workers here have no NeuronCores: with this in TorchXLAConfig.env (and a job started with
+# with_neuron_doubles()), the process group runs on CPU/gloo while every other variable is the
+# Neuron plan under test (see neuron_on_cpu.py).
+NEURON_ON_CPU = {"RTX_TEST_NEURON_ON_CPU": "1"}
 
 
 def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **node_resources):

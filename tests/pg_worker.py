@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from ray_train_xla.backend import init_process_group
+from ray_train_xla.startup.process_group import init_process_group
 
 if "--preimport" in sys.argv:  # CPU: take the import's time out of the measured wait
     import torch_xla  # noqa: F401

@@ -21,9 +21,9 @@ import pytest
 from contracts import xrt_init_model
 
 from ray_train_xla import TorchXLAConfig, XLAConfigError
-from ray_train_xla.cli import main as cli_main
-from ray_train_xla.runtimes import Rendezvous, plan
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.planning import Rendezvous, plan
+from ray_train_xla.planning.topology import Topology, WorkerFacts
+from ray_train_xla.tools.cli import main as cli_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(29611,))
@@ -306,7 +306,7 @@ def test_xrt_uneven_nodes_are_refused():
 def test_tpu_host_identity_is_read_as_ray_reads_it(monkeypatch):
     # GKE sets TPU_WORKER_ID and TPU_NAME on each TPU pod; Ray's TPU support reads them first
     # (then the GCE metadata server), and so does gather_facts on a worker given TPU chips.
-    from ray_train_xla.backend import _tpu_host_identity
+    from ray_train_xla.startup.facts import tpu_host_identity as _tpu_host_identity
 
     monkeypatch.setenv("TPU_WORKER_ID", "3")
     monkeypatch.setenv("TPU_NAME", "slice-a")

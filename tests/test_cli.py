@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ray_train_xla.cli import build_parser, format_plan_table, main
+from ray_train_xla.tools.cli import build_parser, format_plan_table, main
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"]])
@@ -44,12 +44,12 @@ def test_plan_table_lists_shared_variables_once_and_the_rest_per_worker(capsys):
 
 def test_plan_reports_bad_input_without_a_traceback():
     out = subprocess.run(
-        [sys.executable, "-m", "ray_train_xla.cli", "plan", "--device", "neuron",
+        [sys.executable, "-m", "ray_train_xla.tools.cli", "plan", "--device", "neuron",
          "--cores-per-worker", "2", "--workers-per-node", "2"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert "num_workers=4" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "ray_train_xla.cli", "plan",
+    bad = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "plan",
                           "--workers-per-node", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "every node needs at least one worker" in bad.stderr

@@ -43,7 +43,7 @@ def test_bad_config_is_rejected_with_a_clear_message(kwargs, message):
 def test_good_config_is_a_torch_config_with_our_backend():
     from ray.train.torch import TorchConfig
 
-    from ray_train_xla.backend import XLABackend
+    from ray_train_xla.driver.backend import XLABackend
 
     config = TorchXLAConfig(device="cpu", timeout_s=30, env={"FOO": "1", "N": 3})
     assert isinstance(config, TorchConfig)
@@ -67,9 +67,9 @@ def test_fields_are_keyword_only():
 
 
 def test_timeout_is_kept_as_given_in_the_plan():
-    from ray_train_xla.runtimes import Rendezvous, plan
-    from ray_train_xla.runtimes.base import TIMEOUT_VAR
-    from ray_train_xla.topology import Topology
+    from ray_train_xla.planning import Rendezvous, plan
+    from ray_train_xla.planning.contract import TIMEOUT_VAR
+    from ray_train_xla.planning.topology import Topology
 
     rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r")
     for given, planned in ((2.5, "2.5"), (90, "90"), (1, "1")):
@@ -91,7 +91,7 @@ class _RecordingWorkerGroup:
 
 
 def test_a_field_changed_after_construction_is_rejected_when_the_backend_starts():
-    from ray_train_xla.backend import XLABackend
+    from ray_train_xla.driver.backend import XLABackend
 
     config = TorchXLAConfig(device="cpu")
     config.efa = "yes"

@@ -1,4 +1,5 @@
-"""The planning core imports neither Ray nor torch, and the package has no import cycle."""
+"""The planning core imports neither Ray nor torch; the package's folders import one way (down
+``LAYERS``), no private name crosses modules, and there is no import cycle."""
 
 import ast
 import os
@@ -24,9 +25,9 @@ sys.meta_path.insert(0, Block())
 
 CORE = r"""
 import io, contextlib, json
-import ray_train_xla.errors, ray_train_xla.options, ray_train_xla.topology, ray_train_xla.runtimes
+import ray_train_xla.errors, ray_train_xla.planning
 from ray_train_xla import XLAOptions, XLAConfigError
-from ray_train_xla.cli import main
+from ray_train_xla.tools.cli import main
 
 try:
     XLAOptions(device="gpu")
@@ -61,42 +62,107 @@ def test_blocking_works():
     assert out.returncode != 0 and "blocked in this test" in out.stderr
 
 
-def _package_imports(path: str, module: str) -> set[str]:
-    """Package modules that ``module`` imports anywhere (module level or inside functions),
-    leaving out ``if TYPE_CHECKING:`` blocks."""
+def _modules() -> dict[str, str]:
+    """Every module of the package: dotted name -> file."""
+    modules: dict[str, str] = {}
+    for root, _, files in os.walk(PACKAGE_DIR):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(root, name), os.path.dirname(PACKAGE_DIR))
+                modules[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(root, name)
+    return modules
+
+
+def _tree(path: str) -> ast.AST:
+    """The module's syntax tree without its ``if TYPE_CHECKING:`` blocks."""
     tree = ast.parse(open(path).read())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             node.body = []
+    return tree
+
+
+def _package_imports(path: str, module: str, modules) -> set[str]:
+    """Package modules that ``module`` imports anywhere (module level or inside functions):
+    ``from pkg import sub`` counts as an import of ``pkg.sub`` when that is a module, else of
+    ``pkg``."""
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             base = node.module
             if node.level:
                 base = f"{module.rsplit('.', node.level)[0]}.{node.module}"
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            found.update(subs)
+            if len(subs) < len(node.names):
+                found.add(base)
     return {m for m in found if m.startswith("ray_train_xla")}
 
 
-# The one place where the config names the backend: Ray's ``backend_cls`` hook.
-ALLOWED = {("ray_train_xla.config", "ray_train_xla.backend")}
+# The package's folders, lowest first: a module may import its own folder and the ones before
+# it, never one after it. ``errors`` is below them all.
+LAYERS = ("errors", "planning", "toolkit", "startup", "driver", "tools")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return LAYERS.index("tools")  # the public root (lazy names): only the tools use it
+    return LAYERS.index(parts[1])
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {mod: {d for d in _package_imports(path, mod, modules) if d in modules and d != mod}
+            for mod, path in modules.items()}
+
+
+def test_every_module_is_in_a_layer_and_imports_go_down():
+    wrong = []
+    for mod, deps in _graph().items():
+        assert len(mod.split(".")) == 1 or mod.split(".")[1] in LAYERS, f"{mod}: not in {LAYERS}"
+        wrong += [f"{mod} -> {d}" for d in deps if _layer(d) > _layer(mod)]
+    assert not wrong, "imports that go up the layers " + str(LAYERS) + ":\n" + "\n".join(wrong)
+
+
+def test_no_private_name_crosses_modules():
+    modules = _modules()
+    crossings = []
+    for mod, path in modules.items():
+        tree = _tree(path)
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ray_train_xla"):
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in modules:
+                        aliases.add(a.asname or a.name)
+                    elif a.name.startswith("_"):
+                        crossings.append(f"{mod}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                aliases.update(a.asname for a in node.names
+                               if a.name.startswith("ray_train_xla") and a.asname)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                crossings.append(f"{mod}: {node.value.id}.{node.attr}")
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    # The guard itself: a planning module importing the driver is reported.
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    from ray_train_xla.driver import backend\n")
+    deps = _package_imports(str(path), "ray_train_xla.planning.bad", _modules())
+    assert deps == {"ray_train_xla.driver.backend"}
+    assert _layer("ray_train_xla.driver.backend") > _layer("ray_train_xla.planning.bad")
 
 
 def test_no_import_cycle_in_the_package():
-    modules: dict[str, str] = {}
-    for root, _, files in os.walk(PACKAGE_DIR):
-        for name in files:
-            if name.endswith(".py"):
-                rel = os.path.relpath(os.path.join(root, name), os.path.dirname(PACKAGE_DIR))
-                mod = rel[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                modules[mod] = os.path.join(root, name)
-    graph = {}
-    for mod, path in modules.items():
-        deps = {d for d in _package_imports(path, mod) if d in modules and d != mod}
-        graph[mod] = {d for d in deps if (mod, d) not in ALLOWED}
+    modules = _modules()
+    graph = _graph()
     # Depth-first search for a back edge.
     state: dict[str, int] = {}
     cycle: list[str] = []

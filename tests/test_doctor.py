@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ray_train_xla import doctor
+from ray_train_xla.tools import doctor
 
 
 def run_doctor(*args: str, env: dict | None = None, timeout: float = 240):
@@ -19,7 +19,7 @@ def run_doctor(*args: str, env: dict | None = None, timeout: float = 240):
                              doctor.FAKE_VERSIONS_VAR)}
     full_env.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "ray_train_xla.cli", "doctor", *args],
+        [sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", *args],
         capture_output=True, text=True, timeout=timeout, env=full_env,
     )
     return proc.returncode, proc.stdout, proc.stderr
@@ -198,7 +198,7 @@ def test_device_files_are_counted(tmp_path):
 
 
 def test_help_names_the_options(capsys):
-    from ray_train_xla.cli import build_parser
+    from ray_train_xla.tools.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["doctor", "--help"])

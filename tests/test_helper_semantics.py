@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from ray_train_xla import TorchXLAConfig
-from ray_train_xla.runtimes import Rendezvous, plan
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.planning import Rendezvous, plan
+from ray_train_xla.planning.topology import Topology, WorkerFacts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RDZV = Rendezvous(master_addr="127.0.0.1", master_port=1, run_id="r")
@@ -21,10 +21,8 @@ RDZV = Rendezvous(master_addr="127.0.0.1", master_port=1, run_id="r")
 def rank_mapping_env() -> dict:
     """Ray rank 1 of 2 on the xla process-group path; its XLA ordinal is 0 (alone in its
     process), so rank and ordinal differ as they do on TPU when task ids follow chip order."""
-    env = plan(Topology.uniform([2]), TorchXLAConfig(device="cpu", env={
-        "RAY_TRAIN_XLA_PG_BACKEND": "xla", "RAY_TRAIN_XLA_INIT_METHOD": "xla://"}),
-        RDZV, "cpu")[1].env
-    return env
+    env = plan(Topology.uniform([2]), TorchXLAConfig(device="cpu"), RDZV, "cpu")[1].env
+    return {**env, "RAY_TRAIN_XLA_PG_BACKEND": "xla", "RAY_TRAIN_XLA_INIT_METHOD": "xla://"}
 
 
 def tpu_spmd_on_cpu_env() -> dict:

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from ray_train_xla import TorchNeuronConfig, XLAConfigError
-from ray_train_xla.cli import main
-from ray_train_xla.neuron_options import NeuronOptions
-from ray_train_xla.runtimes import Rendezvous, plan, resolve_device
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.planning import Rendezvous, plan, resolve_device
+from ray_train_xla.planning.options import NeuronOptions
+from ray_train_xla.planning.topology import Topology, WorkerFacts
+from ray_train_xla.tools.cli import main
 
 from neuron_contract import process_error, runtime_view, world_problems
 
@@ -186,7 +186,7 @@ def test_plan_command_prints_the_native_plan(capsys):
 
 WORKER_CHECKS = r"""
 import os, sys
-from ray_train_xla import _native_worker as w
+from ray_train_xla.startup import native_neuron as w
 from ray_train_xla.errors import WorkerSetupError
 os.environ.update(RANK="3", LOCAL_RANK="1", NEURON_RT_VISIBLE_CORES="0,1")
 def run(step):
@@ -240,7 +240,7 @@ def test_doctor_checks_native_package_pin_and_cache(tmp_path, torch_spec, cache,
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]),
                TORCH_NEURONX_NEFF_CACHE_DIR=cache_dir)
     env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
-    out = subprocess.run([sys.executable, "-m", "ray_train_xla.cli", "doctor", "--no-load-check",
+    out = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", "--no-load-check",
                           "--json"], capture_output=True, text=True, timeout=120, env=env)
     rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
     native, neff = rows["native TorchNeuron"], rows["NEFF cache"]
@@ -256,7 +256,7 @@ def test_doctor_checks_native_package_pin_and_cache(tmp_path, torch_spec, cache,
 NATIVE_CORE = r"""
 import contextlib, io, json, sys
 from ray_train_xla import NeuronOptions
-from ray_train_xla.cli import main
+from ray_train_xla.tools.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     assert main(["plan", "--device", "neuron", "--runtime", "native", "--nodes", "2",

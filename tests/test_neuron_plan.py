@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from ray_train_xla import TorchXLAConfig, XLAConfigError
-from ray_train_xla.compile import DEFAULT_CACHE_URL, explicit_cache_dir, resolve_cache_url
-from ray_train_xla.runtimes import Rendezvous, plan
-from ray_train_xla.topology import Topology, WorkerFacts, described_facts
+from ray_train_xla.planning import Rendezvous, plan
+from ray_train_xla.planning.topology import Topology, WorkerFacts, described_facts
+from ray_train_xla.startup.neuron_compile import DEFAULT_CACHE_URL, explicit_cache_dir, resolve_cache_url
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(29611,))
@@ -198,7 +198,7 @@ def test_plan_cli_describes_neuron_topologies():
     import contextlib
     import io
 
-    from ray_train_xla.cli import main
+    from ray_train_xla.tools.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -130,7 +130,7 @@ def test_a_missing_compile_module_fails_at_start_naming_the_worker(neuron_ray):
 
 
 def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
-    from ray_train_xla import _xrt
+    from ray_train_xla.startup import xrt as _xrt
 
     fake_server = os.path.join(os.path.dirname(__file__), "doubles", "xrt_run_server.py")
     other = subprocess.Popen([sys.executable, fake_server, "120"])

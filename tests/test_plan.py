@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from ray_train_xla import TorchXLAConfig
-from ray_train_xla.runtimes import Rendezvous, plan, resolve_device
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla import TorchNeuronConfig, TorchXLAConfig, XLAConfigError
+from ray_train_xla.planning import Rendezvous, plan, resolve_device
+from ray_train_xla.planning.topology import Topology, WorkerFacts
 
 RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="run-1")
 TORCHRUN = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -85,12 +85,68 @@ def test_ray_torch_config_variables_on_every_device(device):
         assert ("RAY_TRAIN_XLA_CPU_DEVMODE" in p.env) is (device == "cpu")
 
 
-def test_user_env_is_applied_last_and_timeout_travels():
-    plans = cpu_plan([2], env={"PJRT_DEVICE": "CPU", "MY_FLAG": 7}, timeout_s=42)
+def test_user_env_is_applied_and_timeout_travels():
+    plans = cpu_plan([2], env={"MY_FLAG": 7}, timeout_s=42)
     assert all(p.env["MY_FLAG"] == "7" for p in plans)
     assert all(p.env["RAY_TRAIN_XLA_TIMEOUT_S"] == "42" for p in plans)
-    overridden = cpu_plan([1], env={"MASTER_PORT": "1234"})
-    assert overridden[0].env["MASTER_PORT"] == "1234"
+
+
+@pytest.mark.parametrize("var,owner", [
+    ("MASTER_PORT", "reserves free ports"),
+    ("WORLD_SIZE", "ScalingConfig"),
+    ("PJRT_DEVICE", "the device option"),
+    ("NEURON_RT_VISIBLE_CORES", "neuron_cores"),
+    ("NEURON_RT_ROOT_COMM_ID", "reserves free ports"),
+    ("CLOUD_TPU_TASK_ID", "ScalingConfig"),
+    ("TPU_PROCESS_BOUNDS", "tpu_process_bounds"),
+    ("XLA_USE_SPMD", "the spmd option"),
+    ("RAY_TRAIN_XLA_PG_BACKEND", "our own variable"),
+    ("RAY_TRAIN_XLA_SOMETHING_NEW", "ray_train_xla's own"),
+])
+def test_user_env_may_not_override_a_planned_variable(var, owner):
+    with pytest.raises(XLAConfigError, match=f"env\\['{var}'\\]") as info:
+        TorchXLAConfig(device="cpu", env={var: "1"})
+    assert owner in str(info.value)
+    with pytest.raises(XLAConfigError, match=var):
+        TorchNeuronConfig(env={var: "1"})
+
+
+def test_every_planned_variable_has_an_owner():
+    # The refusal above covers the whole plan: every variable any plan sets is in the contract
+    # (or is one of the few a user may also set, such as the compile cache and interfaces).
+    from ray_train_xla.planning.contract import PLANNED_BY_OPTION
+    from ray_train_xla.planning.topology import described_facts
+
+    user_settable = {"ACCELERATE_TORCH_DEVICE", "NEURON_COMPILE_CACHE_URL", "FI_PROVIDER",
+                     "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "CCOM_SOCKET_IFNAME",
+                     "NCCL_SOCKET_IFNAME", "XLA_TRANSFER_SEED_ASYNC", "NCCL_ASYNC_ERROR_HANDLING",
+                     "TORCH_NEURONX_NEFF_CACHE_DIR"}
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=1, run_id="r", extra_ports=(2,))
+    seen: set[str] = set()
+    for device, kwargs, per_worker in (
+            ("cpu", {}, 0), ("cpu", dict(spmd=True, cpu_devices_per_worker=4), 0),
+            ("neuron", dict(neuron_parallel_compile=True, efa=True, compile_cache="/c"), 1),
+            ("neuron", dict(runtime="xrt"), 1), ("tpu", {}, 1)):
+        facts = described_facts([2, 2] if not kwargs.get("spmd") else [1], per_worker,
+                                network_interface="eth0")
+        topology = Topology.from_facts(facts, "accelerator")
+        if device == "tpu":
+            facts = [WorkerFacts(**{**f.__dict__, "accelerator_ids": {"TPU": f.accelerator_ids[
+                "accelerator"]}}) for f in facts]
+            topology = Topology.from_facts(facts, "TPU")
+        elif device == "neuron":
+            facts = [WorkerFacts(**{**f.__dict__, "accelerator_ids": {"neuron_cores": f.accelerator_ids[
+                "accelerator"]}}) for f in facts]
+            topology = Topology.from_facts(facts, "neuron_cores")
+        for p in plan(topology, TorchXLAConfig(device=device, **kwargs), rdzv, device, facts):
+            seen.update(p.env)
+    for native_device in ("neuron", "cpu"):
+        facts = [WorkerFacts(node_id="n", node_ip="10.0.0.1", pid=i,
+                             accelerator_ids={"neuron_cores": (str(i),)}) for i in range(2)]
+        config = TorchNeuronConfig(device=native_device, compile_cache="/fsx")
+        seen.update(plan(Topology.from_facts(facts, "neuron_cores"), config, rdzv,
+                         native_device, facts)[0].env)
+    assert seen - user_settable - set(PLANNED_BY_OPTION) == set()
 
 
 def test_ranks_follow_node_ids_not_ips():

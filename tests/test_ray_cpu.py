@@ -91,7 +91,7 @@ def test_run_id_is_fresh_for_every_fit(ray_local):
 
 
 def test_demo_seed_check(ray_local):
-    from ray_train_xla.demo import run_demo
+    from ray_train_xla.tools.demo import run_demo
 
     summary = run_demo(workers=2, iterations=3, device="cpu")
     assert summary.ok and summary.workers == 2 and summary.iterations == 3

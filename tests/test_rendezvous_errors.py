@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from ray_train_xla import TorchXLAConfig
-from ray_train_xla.runtimes import Rendezvous, plan
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.planning import Rendezvous, plan
+from ray_train_xla.planning.topology import Topology, WorkerFacts
 
 from conftest import DOUBLES_DIR
 
@@ -36,8 +36,8 @@ def cpu_envs(world: int, **env) -> list[dict]:
     """The CPU plan of ``world`` workers on one node, rendezvous on this host, through xla://
     (not the gloo env:// the CPU runtime picks for several workers)."""
     rdzv = Rendezvous(master_addr="127.0.0.1", master_port=_free_port(), run_id=f"t{world}")
-    config = TorchXLAConfig(device="cpu", timeout_s=TIMEOUT_S, env={**XLA_PG, **env})
-    return [p.env for p in plan(Topology.uniform([world]), config, rdzv, "cpu")]
+    config = TorchXLAConfig(device="cpu", timeout_s=TIMEOUT_S)
+    return [{**p.env, **XLA_PG, **env} for p in plan(Topology.uniform([world]), config, rdzv, "cpu")]
 
 
 def neuron_spmd_envs() -> list[dict]:
@@ -128,7 +128,7 @@ def test_neuron_spmd_plan_passes_torch_xla_import_then_waits_bounded(runs):
 
 
 def test_missing_torch_xla_is_named_as_such():
-    from ray_train_xla.backend import describe_xla_init_error
+    from ray_train_xla.startup.process_group import describe_xla_init_error
 
     exc = ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla")
     assert "torch_xla cannot be imported on this worker" in describe_xla_init_error(exc)

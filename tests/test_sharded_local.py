@@ -114,7 +114,7 @@ print("ok", len(full))
 
 
 def test_consolidate_writes_the_full_model_for_plain_torch(saved, capsys):
-    from ray_train_xla.cli import build_parser
+    from ray_train_xla.tools.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["consolidate", "--help"])
@@ -126,7 +126,7 @@ def test_consolidate_writes_the_full_model_for_plain_torch(saved, capsys):
 
     out, _ = saved
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC_DIR, TESTS_DIR]))
-    proc = subprocess.run([sys.executable, "-m", "ray_train_xla.cli", "consolidate", str(out / "ckpt"),
+    proc = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "consolidate", str(out / "ckpt"),
                            str(out / "full.safetensors"), "--torch", str(out / "full.pt"), "--json"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -93,7 +93,7 @@ import os, sys, torch
 import torch_xla.runtime as xr
 os.environ["RAY_TRAIN_XLA_SPMD"] = "1"
 xr.use_spmd()
-from ray_train_xla.demo import load_example
+from ray_train_xla.tools.demo import load_example
 lm = load_example(sys.argv[1])
 torch.save(lm.train_without_ray(lm.lm_config(steps=int(sys.argv[2]))), sys.argv[3])
 """
@@ -108,7 +108,7 @@ def test_lm_crashes_resumes_and_ends_like_an_uninterrupted_run(two_nodes, tmp_pa
 
     import torch
 
-    from ray_train_xla.demo import EXAMPLE_PATH, load_example
+    from ray_train_xla.tools.demo import EXAMPLE_PATH, load_example
 
     path = os.path.join(os.path.dirname(EXAMPLE_PATH), "train_lm.py")
     lm = load_example(path)

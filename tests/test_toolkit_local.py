@@ -130,12 +130,12 @@ def test_a_report_that_waits_for_ray_is_named_once(monkeypatch, caplog):
 
     import ray.train
 
-    from ray_train_xla.worker import checkpoint
+    from ray_train_xla.toolkit import checkpoint
 
     waits = iter([1.2, 0.0, 1.2])
     monkeypatch.setattr(ray.train, "report", lambda *a, **k: time.sleep(next(waits)))
     monkeypatch.setattr(checkpoint, "_report_wait_warned", False)
-    with caplog.at_level("WARNING", logger="ray_train_xla.worker.checkpoint"):
+    with caplog.at_level("WARNING", logger="ray_train_xla.toolkit.checkpoint"):
         for _ in range(3):
             checkpoint._report({"step": 1})
     warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from ray_train_xla import TorchXLAConfig, XLAConfigError
-from ray_train_xla.cli import main as cli_main
-from ray_train_xla.runtimes import Rendezvous, plan, resolve_device
-from ray_train_xla.topology import Topology, WorkerFacts
+from ray_train_xla.planning import Rendezvous, plan, resolve_device
+from ray_train_xla.planning.topology import Topology, WorkerFacts
+from ray_train_xla.tools.cli import main as cli_main
 
 RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="run-1")
 TPU_VARS = ["TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_PROCESS_BOUNDS",
@@ -91,10 +91,16 @@ def test_cpu_spmd_plan():
     assert (env["RAY_TRAIN_XLA_PG_BACKEND"], env["RAY_TRAIN_XLA_INIT_METHOD"]) == ("gloo", "xla://")
 
 
-def test_user_env_overrides_tpu_bounds():
+def test_tpu_process_bounds_option_sets_the_process_grid():
     facts = tpu_facts([[str(c)] for c in range(4)], [0] * 4)
-    env = tpu_plan(facts, env={"TPU_PROCESS_BOUNDS": "4,1,1"})[0].env
-    assert env["TPU_PROCESS_BOUNDS"] == "4,1,1"
+    env = tpu_plan(facts, tpu_process_bounds="4,1,1")[0].env
+    assert env["TPU_PROCESS_BOUNDS"] == env["TPU_HOST_BOUNDS"] == "4,1,1"
+    with pytest.raises(XLAConfigError, match="a grid of 4 processes"):
+        tpu_plan(facts, tpu_process_bounds="2,1,1")
+    with pytest.raises(XLAConfigError, match="positive integers"):
+        TorchXLAConfig(device="tpu", tpu_process_bounds="4x1x1")
+    with pytest.raises(XLAConfigError, match="device='cpu'"):
+        TorchXLAConfig(device="cpu", tpu_process_bounds="4,1,1")
 
 
 @pytest.mark.parametrize(

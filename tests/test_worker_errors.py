@@ -4,7 +4,7 @@ import pytest
 
 from ray_train_xla import TorchXLAConfig
 
-from conftest import NEURON_ON_CPU, fit_failure, local_ray, neuron_scaling
+from conftest import fit_failure, local_ray, neuron_scaling
 from neuron_probe import neuron_env_probe
 
 pytestmark = pytest.mark.ray
@@ -21,6 +21,6 @@ def ray_with_early_import():
 def test_torch_xla_imported_before_the_neuron_env_is_a_clear_worker_error(ray_with_early_import):
     message = fit_failure(
         neuron_env_probe, scaling_config=neuron_scaling(1),
-        torch_config=TorchXLAConfig(device="neuron", timeout_s=60, env=NEURON_ON_CPU))
+        torch_config=TorchXLAConfig(device="neuron", timeout_s=60))
     assert "worker rank 0" in message
     assert "torch_xla was imported before ray_train_xla set the neuron environment" in message

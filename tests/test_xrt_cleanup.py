@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ray_train_xla import _xrt
+from ray_train_xla.startup import xrt as _xrt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE_SERVER = os.path.join(HERE, "doubles", "xrt_run_server.py")
@@ -18,7 +18,7 @@ FAKE_SERVER = os.path.join(HERE, "doubles", "xrt_run_server.py")
 # either waits to be killed or stops its own servers, as the test asks.
 WORKER = textwrap.dedent(f"""
     import subprocess, sys, time
-    from ray_train_xla import _xrt
+    from ray_train_xla.startup import xrt as _xrt
     server = subprocess.Popen([sys.executable, {FAKE_SERVER!r}, "120"])
     deadline = time.monotonic() + 30
     while server.pid not in _xrt.record_own_servers() and time.monotonic() < deadline:

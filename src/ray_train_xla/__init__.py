@@ -1,12 +1,22 @@
 """PyTorch/XLA (AWS Trainium, TPU, CPU) for Ray Train's TorchTrainer.
 
 Driver side: pass ``TorchXLAConfig()`` as ``torch_config`` (``TorchNeuronConfig()`` for native
-TorchNeuron, Neuron SDK 2.30+). Inside the training function: the
-helpers below (device, ranks, collectives, data loading, optimizer step, checkpoints, compile
-metrics) run the same code on every device.
+TorchNeuron, Neuron SDK 2.30+). Inside the training function: the toolkit helpers below (device,
+ranks, collectives, data loading, optimizer step, checkpoints, compile metrics) run the same
+code on every device.
 
-Names are imported on first use, so ``import ray_train_xla.runtimes`` (planning) loads neither
-Ray nor torch, and the driver does not import the worker helpers.
+The package, by role (imports go down this list, never up):
+
+- ``errors``: every error type;
+- ``planning/``: options, topology, the environment contract, one module per runtime (no Ray,
+  no torch);
+- ``toolkit/``: what the training function calls;
+- ``startup/``: what runs on every worker at start-up and shutdown;
+- ``driver/``: the config classes and Ray's Backend classes;
+- ``tools/``: the ``ray-train-xla`` command (plan, doctor, demo, consolidate).
+
+Names are imported on first use, so ``import ray_train_xla.planning`` loads neither Ray nor
+torch, and the driver does not import the toolkit.
 """
 
 from __future__ import annotations
@@ -18,16 +28,16 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "TorchXLAConfig": "ray_train_xla.config",
-    "TorchNeuronConfig": "ray_train_xla.neuron_config",
-    "NeuronOptions": "ray_train_xla.neuron_options",
-    "XLAOptions": "ray_train_xla.options",
+    "TorchXLAConfig": "ray_train_xla.driver.config",
+    "TorchNeuronConfig": "ray_train_xla.driver.config",
+    "NeuronOptions": "ray_train_xla.planning.options",
+    "XLAOptions": "ray_train_xla.planning.options",
     "XLAConfigError": "ray_train_xla.errors",
     "WorkerSetupError": "ray_train_xla.errors",
     "XLAInitError": "ray_train_xla.errors",
     "RendezvousTimeoutError": "ray_train_xla.errors",
     "ShardedStateError": "ray_train_xla.errors",
-    **{name: "ray_train_xla.worker" for name in (
+    **{name: "ray_train_xla.toolkit" for name in (
         "CompileMonitor",
         "RecompilationWarning",
         "XLADataLoader",

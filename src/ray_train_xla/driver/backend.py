@@ -1,0 +1,114 @@
+"""The Ray Train backends: gather facts from the workers, plan every environment, apply it.
+
+Each backend is a short story (``on_start``, ``on_training_start``, ``on_shutdown``) and keeps no
+per-run state: everything a worker needs later travels in its planned environment (read there
+as ``WorkerContext``), the one channel from the config to the workers. The work done on the
+workers is in ``startup/`` (module-level functions sent with ``worker_group.execute``), each
+bounded in time on the worker, so no driver-side wait can hang. Works with Ray Train V2
+(default) and V1: only ``execute``/``execute_single`` are used.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+
+import ray
+from ray.exceptions import RayTaskError
+from ray.train.backend import Backend
+
+from ray_train_xla.errors import NeuronCompileError
+from ray_train_xla.planning.contract import DEVICE_VAR
+from ray_train_xla.planning.options import XLAOptions
+from ray_train_xla.planning.planner import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
+from ray_train_xla.planning.topology import Topology, WorkerFacts
+from ray_train_xla.startup.environment import apply_env
+from ray_train_xla.startup.facts import gather_facts, reserve_ports
+from ray_train_xla.startup.process_group import init_native_process_group, init_process_group
+from ray_train_xla.startup.shutdown import shutdown_worker
+
+logger = logging.getLogger(__name__)
+
+
+class XLABackend(Backend):
+    """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
+
+    share_cuda_visible_devices: bool = False
+
+    def on_start(self, worker_group, backend_config: XLAOptions) -> None:
+        backend_config.validate()  # again: a field may have been changed after construction
+        facts: list[WorkerFacts] = worker_group.execute(gather_facts)
+        plans = plan_workers(
+            facts, backend_config,
+            lambda count: worker_group.execute_single(0, reserve_ports, count),
+        )
+        env0 = plans[0].env
+        logger.info(
+            "ray_train_xla: device=%s runtime=%s workers=%d nodes=%d master=%s:%s",
+            env0[DEVICE_VAR], backend_config.runtime, len(plans), len({p.place.node_id for p in plans}),
+            env0["MASTER_ADDR"], env0["MASTER_PORT"],
+        )
+        worker_group.execute(apply_env, distribute(facts, plans))
+
+    def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
+        worker_group.execute(init_process_group)
+
+    def on_shutdown(self, worker_group, backend_config: XLAOptions) -> None:
+        try:
+            worker_group.execute(shutdown_worker)
+        except RayTaskError as exc:
+            # Ray Train logs and drops worker errors raised at shutdown (they usually follow a
+            # crash). A failed Neuron compile is the run's result, so it must fail the run.
+            if isinstance(exc, NeuronCompileError) or isinstance(exc.cause, NeuronCompileError):
+                raise NeuronCompileError(str(exc.cause)) from None
+            raise
+
+
+class NativeNeuronBackend(XLABackend):
+    """Native TorchNeuron: XLABackend's gather -> plan -> apply steps (the plan comes from
+    ``planning/runtimes/native_neuron.py``), then the ``neuron`` process group created after
+    ``torch_neuronx`` is imported (or ``gloo`` on CPU). Selected by
+    ``TorchNeuronConfig.backend_cls``."""
+
+    def on_training_start(self, worker_group, backend_config) -> None:
+        worker_group.execute(init_native_process_group)
+
+
+def plan_workers(
+    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int], Sequence[int]]
+) -> list[WorkerPlan]:
+    """The driver's planning step: resolve the device, derive the topology, check the config
+    against it, take the ports it needs on rank 0's node (``reserve(count)``), and plan every
+    worker's environment (rank order)."""
+    device = resolve_device(config.device, facts, config.runtime)
+    runtime = get_runtime(device, config.runtime)
+    topology = Topology.from_facts(facts, runtime.resource)
+    runtime.check(config, topology)
+    ports = reserve(1 + runtime.ports_needed(config))
+    rdzv = Rendezvous(
+        master_addr=facts[0].node_ip,
+        master_port=ports[0],
+        extra_ports=tuple(ports[1:]),
+        run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
+    )
+    return plan(topology, config, rdzv, device, facts)
+
+
+def envs_by_node(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> dict[str, dict]:
+    """Node id -> {worker key -> environment} for the workers on that node."""
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for f, p in zip(facts, plans):
+        out.setdefault(f.node_id, {})[f.key] = p.env
+    return out
+
+
+# How the driver puts objects into Ray's store (a benchmark counts the bytes through it).
+put = ray.put
+
+
+def distribute(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]):
+    """One object per node holding only that node's environments, and a small index (node id ->
+    that object) that every worker receives: a node fetches the index and its own workers'
+    environments, so what it downloads grows with its workers, not with the world."""
+    return put({node: put(envs) for node, envs in envs_by_node(facts, plans).items()})

@@ -1,0 +1,152 @@
+"""The configs users pass to ``TorchTrainer(torch_config=...)``.
+
+- ``TorchXLAConfig``: PyTorch/XLA on Trainium, TPU or CPU;
+- ``TorchNeuronConfig``: native TorchNeuron (Neuron SDK 2.30+, no XLA).
+
+Each is its options class (``planning/options.py``: the options and their validation, no Ray)
+plus Ray's ``TorchConfig`` hooks. Options are validated when the config is built, so a bad value
+fails before any worker starts, with a message that names the field and the valid choices; the
+backend validates again at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.train.torch import TorchConfig
+
+from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.planning.options import NEURON_OWNER, NeuronOptions, XLAOptions
+
+__all__ = ["TorchNeuronConfig", "TorchXLAConfig", "XLAConfigError"]
+
+# TorchConfig's own fields, which this config does not use: the process group follows from the
+# device and spmd. They keep these values (Ray's V2 TorchTrainer fills in an empty backend).
+_UNUSED = {"backend": "xla", "init_method": "env"}
+
+
+@dataclass(kw_only=True)
+class TorchXLAConfig(XLAOptions, TorchConfig):
+    """Configure every Ray Train worker for PyTorch/XLA: environment, process group, clean-up.
+
+    Every argument is keyword-only:
+
+    Args:
+        device: "auto" (default), "neuron", "tpu" or "cpu". "auto" picks "neuron" when workers
+            are given ``neuron_cores``, "tpu" when they are given ``TPU``, else the
+            ``PJRT_DEVICE`` already set on the workers, else "cpu".
+        runtime: "pjrt" (default) or "xrt" (legacy torch-neuronx 1.x; Neuron only).
+        neuron_parallel_compile: run a short graph-extraction pass and compile every graph into
+            the Neuron cache at shutdown, so the real run starts without compiling (Neuron only).
+        timeout_s: seconds (at least 1; kept as given) that rendezvous and process-group
+            initialisation may wait for the other workers before failing; also the timeout of
+            process-group operations and of destroying the process group at shutdown.
+        env: extra environment variables for every worker. A variable the plan owns (ranks,
+            world sizes, master address and port, PJRT, Neuron cores and root comm, TPU task
+            and bounds, ``RAY_TRAIN_XLA_*``) is refused, naming the option that controls it.
+        efa: Neuron EFA variables: None (default) sets them only where the node has EFA
+            devices, True always, False never.
+        compile_cache: Neuron compile cache (``NEURON_COMPILE_CACHE_URL``): a shared local path
+            or an ``s3://`` URL. None keeps the Neuron default.
+        spmd: SPMD mode: one worker per host owns all of that host's devices, ``XLA_USE_SPMD=1``
+            is set before torch_xla is imported, and the process group is ``gloo`` (through
+            ``xla://``; the ``xla`` backend refuses SPMD). Shard with ``get_mesh()``.
+        cpu_devices_per_worker: XLA CPU devices per worker (``CPU_NUM_DEVICES``), so SPMD can be
+            developed on CPU; None means 1 (CPU only).
+        tpu_process_bounds: ``TPU_PROCESS_BOUNDS`` (and ``TPU_HOST_BOUNDS``) as "x,y,z", for
+            TPU slices not laid out as TPU v4 (v5e/v6e pods; v7 takes a fourth entry); None
+            plans the v4 layout (hosts stacked along z). TPU only.
+
+    ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here: the
+    process group follows from the device and ``spmd``; setting them is an error.
+    """
+
+    backend: str | None = field(default=_UNUSED["backend"], repr=False)
+    init_method: str = field(default=_UNUSED["init_method"], repr=False)
+
+    def validate(self) -> None:
+        for name, value in _UNUSED.items():
+            if getattr(self, name) != value:
+                raise config_error(
+                    name, getattr(self, name),
+                    "no value: TorchXLAConfig chooses the process group from device and spmd "
+                    "(for native TorchNeuron use ray_train_xla.TorchNeuronConfig)")
+        super().validate()
+
+    @property
+    def backend_cls(self):
+        from ray_train_xla.driver.backend import XLABackend  # the one place config names the backend
+
+        return XLABackend
+
+    @property
+    def train_func_context(self):
+        return NoDeviceContext
+
+    def to_dict(self) -> dict[str, Any]:
+        return XLAOptions.to_dict(self)
+
+
+class NoDeviceContext:
+    """Train-function context: XLA needs none (TorchConfig's default selects a CUDA device)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# TorchConfig's own fields: the process group follows from the device.
+_NEURON_UNUSED = {"backend": "neuron", "init_method": "env"}
+
+
+@dataclass(kw_only=True)
+class TorchNeuronConfig(NeuronOptions, TorchConfig):
+    """Configure every Ray Train worker for native TorchNeuron (``torch-neuronx`` 2.13+, no XLA).
+
+    Every argument is keyword-only:
+
+    Args:
+        device: "auto" (default), "neuron" or "cpu". "auto" picks "neuron" when workers are
+            given ``neuron_cores``, else "cpu". "cpu" runs the same training function with
+            ``gloo`` on CPU workers (development without Trainium; torch_xla not needed).
+        timeout_s: seconds (at least 1) that process-group initialisation may wait for the
+            other workers; also the timeout of process-group operations and of its shutdown.
+        env: extra environment variables for every worker; a variable the plan owns is
+            refused, naming what controls it.
+        efa: EFA variables (``FI_PROVIDER=efa``, ...): None (default) sets them only where the
+            node has EFA devices, True always, False never.
+        compile_cache: ``TORCH_NEURONX_NEFF_CACHE_DIR``, a directory every node shares (FSx,
+            NFS) so graphs compiled once are reused by every worker and later runs. None keeps
+            the native default, ``/tmp/neff_cache``, which is per node.
+
+    Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
+    ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
+    """
+
+    backend: str | None = field(default=_NEURON_UNUSED["backend"], repr=False)
+    init_method: str = field(default=_NEURON_UNUSED["init_method"], repr=False)
+
+    def validate(self) -> None:
+        for name, value in _NEURON_UNUSED.items():
+            if getattr(self, name) != value:
+                raise config_error(
+                    name, getattr(self, name),
+                    "no value: TorchNeuronConfig uses the 'neuron' process group through "
+                    "env:// on Neuron and 'gloo' on CPU", owner=NEURON_OWNER)
+        super().validate()
+
+    @property
+    def backend_cls(self):
+        from ray_train_xla.driver.backend import NativeNeuronBackend
+
+        return NativeNeuronBackend
+
+    @property
+    def train_func_context(self):
+        return NoDeviceContext
+
+    def to_dict(self) -> dict[str, Any]:
+        return NeuronOptions.to_dict(self)

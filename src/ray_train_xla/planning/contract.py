@@ -1,0 +1,221 @@
+"""The environment contract between the driver and the workers, in one place.
+
+The driver plans every worker's environment (``planning.planner.plan``); the workers read it.
+This module names every variable of that contract:
+
+- the torchrun variables (``TORCHRUN_VARS``), the same for every device;
+- our own ``RAY_TRAIN_XLA_*`` variables, through which the options reach the workers (there is no
+  other channel: the worker-side code reads :class:`WorkerContext`, nothing else);
+- the device variables each runtime plans (``PLANNED_BY_OPTION`` says which option controls each).
+
+``check_user_env`` refuses a ``TorchXLAConfig.env`` (or ``plan --env``) entry that would override
+a planned variable, naming the option that controls it. :class:`WorkerContext` is the typed view
+of the planned environment on a worker, read once per planned environment.
+
+Pure: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# ---- runtime kinds and process-group names -------------------------------------------------
+# The runtime kind of TorchNeuronConfig (native TorchNeuron, no XLA).
+NATIVE = "native"
+# The torch.distributed backend string of the CPU development mode (registered by
+# ``startup/devmode.py``): gloo for CPU tensors, host-bridged gloo for XLA tensors.
+DEVMODE_BACKEND = "cpu:gloo,xla:xla_host"
+# SPMD: the ``xla`` backend asserts it is not in SPMD; a CPU process group through the xla://
+# handler takes rank and world from PJRT (process_index, process_count), as torch_xla documents.
+SPMD_PROCESS_GROUP = ("gloo", "xla://")
+# Every XLA worker drives one XLA device, xla:0 (Accelerate reads this, as Ray's TorchConfig sets it).
+XLA_TORCH_DEVICE = "xla:0"
+
+# ---- our own variables: the options as the workers see them ---------------------------------
+DEVICE_VAR = "RAY_TRAIN_XLA_DEVICE"
+RUNTIME_VAR = "RAY_TRAIN_XLA_RUNTIME"
+PG_BACKEND_VAR = "RAY_TRAIN_XLA_PG_BACKEND"
+INIT_METHOD_VAR = "RAY_TRAIN_XLA_INIT_METHOD"
+TIMEOUT_VAR = "RAY_TRAIN_XLA_TIMEOUT_S"
+# "1" with spmd=True: the backend calls xr.use_spmd() before the process group.
+SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
+# "1" for several CPU workers outside SPMD: the backend installs the CPU development mode.
+DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
+# "1" with neuron_parallel_compile=True: the worker compiles the extracted graphs at shutdown.
+PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
+OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR)
+# Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
+STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
+
+# ---- torch_xla and device variables the plan owns -------------------------------------------
+XLA_SPMD_VAR = "XLA_USE_SPMD"  # torch_xla's own SPMD switch, read at ``import torch_xla``
+RUN_ID_VAR = "TORCHELASTIC_RUN_ID"
+NEURON_VISIBLE_CORES_VAR = "NEURON_RT_VISIBLE_CORES"
+NEURON_ROOT_COMM_VAR = "NEURON_RT_ROOT_COMM_ID"
+# The graph-extraction switches of a Neuron parallel-compile run (Neuron's own variables).
+PARALLEL_COMPILE_ENV = {
+    "NEURON_EXTRACT_GRAPHS_ONLY": "1",
+    "NEURON_PARALLEL_COMPILE": "1",
+    "NEURON_FALL_BACK_TO_NULL_NEFF": "1",
+}
+
+TORCHRUN_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+    "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    RUN_ID_VAR, "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+_RANKS = "Ray's ScalingConfig (ranks and world sizes follow the worker group Ray starts)"
+_PORTS = "the backend (it reserves free ports on rank 0's node at every start)"
+# Planned variable -> what controls it (the message of a refused ``env`` entry).
+PLANNED_BY_OPTION: dict[str, str] = {
+    **{var: _RANKS for var in TORCHRUN_VARS},
+    "MASTER_ADDR": "the backend (rank 0's node address)",
+    "MASTER_PORT": _PORTS,
+    **{var: "the backend (one id per worker-group start)" for var in TORCHRUN_VARS
+       if var.startswith("TORCHELASTIC_")},
+    "PJRT_DEVICE": "the device option",
+    "PJRT_LOCAL_PROCESS_RANK": _RANKS,
+    "PJRT_LOCAL_PROCESS_COUNT": _RANKS,
+    XLA_SPMD_VAR: "the spmd option",
+    "CPU_NUM_DEVICES": "the cpu_devices_per_worker option",
+    NEURON_VISIBLE_CORES_VAR: "ScalingConfig(resources_per_worker={'neuron_cores': ...})",
+    NEURON_ROOT_COMM_VAR: _PORTS,
+    "NEURON_PJRT_WORLD_SIZE": _RANKS,
+    "NEURON_PJRT_PROCESS_INDEX": _RANKS,
+    "NEURON_PJRT_PROCESSES_NUM_DEVICES": "ScalingConfig(resources_per_worker={'neuron_cores': ...})",
+    **{var: "the neuron_parallel_compile option" for var in PARALLEL_COMPILE_ENV},
+    "TPU_VISIBLE_CHIPS": "ScalingConfig(resources_per_worker={'TPU': ...})",
+    "TPU_CHIPS_PER_PROCESS_BOUNDS": "ScalingConfig(resources_per_worker={'TPU': ...}) and spmd",
+    "TPU_CHIPS_PER_HOST_BOUNDS": "ScalingConfig(resources_per_worker={'TPU': ...}) and spmd",
+    "TPU_PROCESS_BOUNDS": "the tpu_process_bounds option",
+    "TPU_HOST_BOUNDS": "the tpu_process_bounds option",
+    "CLOUD_TPU_TASK_ID": _RANKS,
+    "TPU_PROCESS_PORT": "the chips Ray assigns (8476 + the first chip id)",
+    "TPU_PROCESS_ADDRESSES": _RANKS,
+    **{var: "the config itself (our own variable)" for var in OUR_VARS},
+}
+
+
+def check_user_env(env: Mapping[str, Any], err) -> None:
+    """Refuse an ``env`` entry that would override a planned variable: ``err(field, value,
+    expected)`` builds the error, naming the variable and what controls it."""
+    for key in env:
+        if not isinstance(key, str):
+            continue
+        owner = PLANNED_BY_OPTION.get(key)
+        if owner is None and key.startswith("RAY_TRAIN_XLA_") and key != STATE_DIR_VAR:
+            owner = "the config itself (RAY_TRAIN_XLA_* variables are ray_train_xla's own)"
+        if owner is not None:
+            raise err(f"env[{key!r}]", env[key],
+                      f"no entry: {key} is planned for every worker and set by {owner}; "
+                      "env may only add variables the plan does not own")
+
+
+def timeout_text(timeout_s: float) -> str:
+    """``timeout_s`` as an environment value, kept as given (``1800``, ``2.5``)."""
+    return str(int(timeout_s)) if float(timeout_s).is_integer() else repr(float(timeout_s))
+
+
+# ---- the worker's view ----------------------------------------------------------------------
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else default
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """The planned environment of one worker, typed. Outside a planned worker (a plain process,
+    a unit test) every field has the value of a single-worker run."""
+
+    rank: int = 0
+    local_rank: int = 0
+    node_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: str = ""  # "" when no plan was applied to this process
+    runtime: str = ""
+    pg_backend: str = ""
+    init_method: str = ""
+    timeout_s: float = 1800.0
+    spmd: bool = False
+    devmode: bool = False
+    parallel_compile: bool = False
+    graph_extraction: bool = False
+    master_addr: str = ""
+    master_port: int = 0
+    run_id: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
+        e = os.environ if environ is None else environ
+        timeout = e.get(TIMEOUT_VAR, "")
+        return cls(
+            rank=_int(e, "RANK", 0),
+            local_rank=_int(e, "LOCAL_RANK", 0),
+            node_rank=_int(e, "GROUP_RANK", 0),
+            world_size=_int(e, "WORLD_SIZE", 1),
+            local_world_size=_int(e, "LOCAL_WORLD_SIZE", 1),
+            device=e.get(DEVICE_VAR, ""),
+            runtime=e.get(RUNTIME_VAR, ""),
+            pg_backend=e.get(PG_BACKEND_VAR, ""),
+            init_method=e.get(INIT_METHOD_VAR, ""),
+            timeout_s=float(timeout) if timeout else cls.timeout_s,
+            spmd=e.get(SPMD_VAR) == "1",
+            devmode=e.get(DEVMODE_VAR) == "1",
+            parallel_compile=e.get(PARALLEL_COMPILE_VAR) == "1",
+            graph_extraction=e.get("NEURON_EXTRACT_GRAPHS_ONLY") == "1",
+            master_addr=e.get("MASTER_ADDR", ""),
+            master_port=_int(e, "MASTER_PORT", 0),
+            run_id=e.get(RUN_ID_VAR, ""),
+        )
+
+    @property
+    def planned(self) -> bool:
+        """True once the backend applied a plan to this process."""
+        return bool(self.device)
+
+    @property
+    def native(self) -> bool:
+        """True on a ``TorchNeuronConfig`` worker (native neuron, or its CPU twin)."""
+        return self.runtime == NATIVE
+
+    @property
+    def spmd_global(self) -> bool:
+        """SPMD on an accelerator: one mesh over every worker, XLA tensors are global values."""
+        return self.spmd and self.device not in ("", "cpu")
+
+    def who(self, node: str | None = None) -> str:
+        """This worker, named for an error message."""
+        return (f"worker rank {self.rank} (local rank {self.local_rank}, node "
+                f"{node or socket.gethostname()}, pid {os.getpid()})")
+
+
+_cached: tuple[tuple, WorkerContext] | None = None
+
+
+def worker_context() -> WorkerContext:
+    """This process's :class:`WorkerContext`, read again only when a new plan was applied (a new
+    run id, rank or world size: a restarted or resized worker group) or after :func:`reload`."""
+    global _cached
+    environ = os.environ
+    key = (environ.get(RUN_ID_VAR), environ.get("RANK"), environ.get("WORLD_SIZE"))
+    cached = _cached
+    if cached is None or cached[0] != key:
+        cached = _cached = (key, WorkerContext.from_env(environ))
+    return cached[1]
+
+
+def reload() -> WorkerContext:
+    """Read the environment again (the backend calls it after applying a plan)."""
+    global _cached
+    _cached = None
+    return worker_context()

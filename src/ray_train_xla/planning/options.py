@@ -1,0 +1,170 @@
+"""The user's options and their validation, without Ray or torch.
+
+- ``XLAOptions``: the options of ``TorchXLAConfig`` (torch_xla on Neuron, TPU, CPU);
+- ``NeuronOptions``: the options of ``TorchNeuronConfig`` (native TorchNeuron, Neuron SDK 2.30+).
+
+The configs users pass to ``TorchTrainer`` (``driver/config.py``) are these options plus Ray's
+``TorchConfig`` hooks. Planning (``planning.planner.plan``) and ``ray-train-xla plan`` use the
+options alone, so they start fast and can be reasoned about without Ray. Every field is
+keyword-only and checked by type when the object is built, and again when the backend starts (a
+field changed after construction is caught there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from ray_train_xla.errors import config_error
+from ray_train_xla.planning.contract import NATIVE, check_user_env
+
+DEVICES = ("auto", "neuron", "tpu", "cpu")
+RUNTIMES = ("pjrt", "xrt")
+MIN_TIMEOUT_S = 1
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]) -> None:
+    """The checks every config shares (``TorchXLAConfig`` and ``TorchNeuronConfig``):
+    ``timeout_s``, ``env`` and ``efa``; ``err`` builds the error naming the config."""
+    if not _is_number(options.timeout_s) or not options.timeout_s >= MIN_TIMEOUT_S:
+        raise err("timeout_s", options.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
+    if not isinstance(options.env, Mapping):
+        raise err("env", options.env, "a mapping of variable names to strings")
+    for key, value in options.env.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise err("env", dict(options.env), "variable names without '='")
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise err(f"env[{key!r}]", value, "a string (or an int)")
+    check_user_env(options.env, err)
+    if options.efa is not None and not _is_bool(options.efa):
+        raise err("efa", options.efa, "None (detect), True or False")
+
+
+@dataclass(kw_only=True)
+class XLAOptions:
+    """The options of ``TorchXLAConfig`` (see its docstring for each field's meaning)."""
+
+    device: str = "auto"
+    runtime: str = "pjrt"
+    neuron_parallel_compile: bool = False
+    timeout_s: float = 1800
+    env: Mapping[str, str] = field(default_factory=dict)
+    efa: bool | None = None
+    compile_cache: str | None = None
+    spmd: bool = False
+    cpu_devices_per_worker: int | None = None
+    tpu_process_bounds: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
+        err = config_error
+        if self.device not in DEVICES:
+            raise err("device", self.device, DEVICES)
+        if self.runtime not in RUNTIMES:
+            raise err("runtime", self.runtime, RUNTIMES)
+        if self.runtime == "xrt" and self.device not in ("auto", "neuron"):
+            raise err("runtime", self.runtime, "'pjrt' with device=" + repr(self.device)
+                      + " (XRT is only supported by legacy torch-neuronx 1.x on Neuron)")
+        if not _is_bool(self.neuron_parallel_compile):
+            raise err("neuron_parallel_compile", self.neuron_parallel_compile, "True or False")
+        if self.neuron_parallel_compile and self.device not in ("auto", "neuron"):
+            raise err("neuron_parallel_compile", self.neuron_parallel_compile,
+                      f"False with device={self.device!r} (parallel compile is a Neuron feature)")
+        check_shared_options(self, err)
+        if self.compile_cache is not None and (
+            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
+        ):
+            raise err("compile_cache", self.compile_cache, "a path, an s3:// URL or None")
+        if not _is_bool(self.spmd):
+            raise err("spmd", self.spmd, "True or False")
+        if self.spmd and self.runtime == "xrt":
+            raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
+        n = self.cpu_devices_per_worker
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise err("cpu_devices_per_worker", n, "a positive integer or None")
+            if self.device not in ("auto", "cpu"):
+                raise err("cpu_devices_per_worker", n,
+                          f"None with device={self.device!r} (it sets CPU_NUM_DEVICES)")
+            if n > 1 and not self.spmd:
+                raise err("cpu_devices_per_worker", n,
+                          "1 or None without spmd=True (a non-SPMD worker uses one XLA device)")
+        bounds = self.tpu_process_bounds
+        if bounds is not None:
+            parts = bounds.split(",") if isinstance(bounds, str) else []
+            if len(parts) not in (3, 4) or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                raise err("tpu_process_bounds", bounds,
+                          "None or 3 (or 4) positive integers separated by commas, e.g. '4,1,1'")
+            if self.device not in ("auto", "tpu"):
+                raise err("tpu_process_bounds", bounds,
+                          f"None with device={self.device!r} (it sets TPU_PROCESS_BOUNDS)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain data."""
+        out = {f.name: getattr(self, f.name) for f in fields(XLAOptions)}
+        out["env"] = dict(self.env)
+        return out
+
+
+NATIVE_DEVICES = ("auto", "neuron", "cpu")
+NEURON_OWNER = "TorchNeuronConfig"
+
+
+@dataclass(kw_only=True)
+class NeuronOptions:
+    """The options of ``TorchNeuronConfig`` (see its docstring for each field's meaning).
+
+    Planning reuses the XLA planner with the runtime kind ``"native"``: the class-level constants
+    below give it the answers it asks every config (no SPMD, no parallel compile)."""
+
+    device: str = "auto"
+    timeout_s: float = 1800
+    env: Mapping[str, str] = field(default_factory=dict)
+    efa: bool | None = None
+    compile_cache: str | None = None
+
+    # What the shared planner asks every config; fixed for native TorchNeuron.
+    runtime: ClassVar[str] = NATIVE
+    spmd: ClassVar[bool] = False
+    neuron_parallel_compile: ClassVar[bool] = False  # XLA-only; native compiles just in time
+    cpu_devices_per_worker: ClassVar[None] = None
+    tpu_process_bounds: ClassVar[None] = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
+
+        def err(name: str, value: Any, expected: Any):
+            return config_error(name, value, expected, owner=NEURON_OWNER)
+
+        if self.device not in NATIVE_DEVICES:
+            raise err("device", self.device, NATIVE_DEVICES)
+        check_shared_options(self, err)
+        if self.compile_cache is not None and (
+            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
+            or "://" in self.compile_cache
+        ):
+            raise err("compile_cache", self.compile_cache,
+                      "a directory path shared by every node (TORCH_NEURONX_NEFF_CACHE_DIR; "
+                      "no URLs) or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain data."""
+        out = {f.name: getattr(self, f.name) for f in fields(NeuronOptions)}
+        out["env"] = dict(self.env)
+        out["runtime"] = NATIVE
+        return out

@@ -1,0 +1,149 @@
+"""Planning: from a Topology and the options (XLAOptions), every worker's complete environment.
+
+This is the one place where worker environment variables come from (their names and owners are
+listed in ``planning/contract.py``):
+
+- ``runtimes/base.torchrun_env``: the torchrun contract (RANK, LOCAL_RANK, WORLD_SIZE, ...,
+  MASTER_*, TORCHELASTIC_*), the same for every device;
+- ``runtimes/<device>.py``: each runtime's own variables (PJRT_DEVICE, NEURON_*, TPU_*, ...);
+- ``RAY_TRAIN_XLA_*`` (below): the options as the workers read them (``WorkerContext``);
+- ``TorchXLAConfig.env``: the user's extra variables, applied last (it may not name a planned
+  variable: the options validate that).
+
+Nothing here imports Ray or torch_xla, so ``ray-train-xla plan`` can print and tests can check
+any variable without hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ray_train_xla.errors import config_error
+from ray_train_xla.planning.contract import (
+    DEVICE_VAR,
+    INIT_METHOD_VAR,
+    NATIVE,
+    PG_BACKEND_VAR,
+    RUNTIME_VAR,
+    SPMD_VAR,
+    TIMEOUT_VAR,
+    XLA_SPMD_VAR,
+    timeout_text,
+)
+from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_env
+from ray_train_xla.planning.runtimes.cpu import CPURuntime
+from ray_train_xla.planning.runtimes.native_neuron import RUNTIMES as NATIVE_RUNTIMES
+from ray_train_xla.planning.runtimes.native_neuron import resolve_native_device
+from ray_train_xla.planning.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
+from ray_train_xla.planning.runtimes.tpu import TPURuntime
+from ray_train_xla.planning.topology import Topology, WorkerFacts, WorkerPlace
+
+if TYPE_CHECKING:
+    from ray_train_xla.planning.options import XLAOptions
+
+__all__ = ["Rendezvous", "Runtime", "WorkerPlan", "get_runtime", "plan", "resolve_device"]
+
+# Ray resource name -> device, for device="auto".
+_RESOURCE_DEVICES = {"neuron_cores": "neuron", "TPU": "tpu"}
+_PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
+
+
+def _runtimes() -> dict[tuple[str, str], Runtime]:
+    return {
+        ("cpu", "pjrt"): CPURuntime(),
+        ("neuron", "pjrt"): NeuronRuntime(),
+        ("neuron", "xrt"): NeuronXRTRuntime(),
+        ("tpu", "pjrt"): TPURuntime(),
+        **{key: cls() for key, cls in NATIVE_RUNTIMES.items()},  # TorchNeuronConfig
+    }
+
+
+def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
+    """The runtime object for a resolved device and runtime kind."""
+    table = _runtimes()
+    try:
+        return table[(device, runtime)]
+    except KeyError:
+        valid = sorted(f"{d}/{r}" for d, r in table)
+        raise config_error("device", f"{device}/{runtime}", valid) from None
+
+
+def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = "pjrt") -> str:
+    """Resolve device="auto": accelerators Ray gave the workers, else the workers' PJRT_DEVICE,
+    else CPU (XRT exists only on Neuron). An explicit device is returned as is."""
+    if requested != "auto":
+        return requested
+    if runtime == NATIVE:
+        return resolve_native_device(requested, [f.accelerator_ids for f in facts])
+    if runtime == "xrt":
+        return "neuron"
+    for resource, device in _RESOURCE_DEVICES.items():
+        if any(f.accelerator_ids.get(resource) for f in facts):
+            return device
+    found = {f.pjrt_device.upper() for f in facts if f.pjrt_device}
+    if len(found) == 1:
+        value = found.pop()
+        if value in _PJRT_DEVICES:
+            return _PJRT_DEVICES[value]
+        raise config_error("device", "auto", f"an explicit device: workers have PJRT_DEVICE={value!r}")
+    if len(found) > 1:
+        raise config_error("device", "auto", f"an explicit device: workers disagree on PJRT_DEVICE "
+                           f"({', '.join(sorted(found))})")
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker's place and the complete environment planned for it."""
+
+    place: WorkerPlace
+    env: dict[str, str]
+
+    def to_json(self) -> dict:
+        p = self.place
+        return {
+            "rank": p.rank,
+            "local_rank": p.local_rank,
+            "node_rank": p.node_rank,
+            "local_world_size": p.local_world_size,
+            "node_ip": p.node_ip,
+            "accelerator_ids": list(p.accelerator_ids),
+            "env": self.env,
+        }
+
+
+def plan(
+    topology: Topology,
+    config: XLAOptions,
+    rdzv: Rendezvous,
+    device: str,
+    facts: Sequence[WorkerFacts] | None = None,
+) -> list[WorkerPlan]:
+    """Every worker's environment, in rank order. ``device`` is already resolved (no "auto");
+    ``facts`` (one per worker, rank order) carry node details such as EFA, when known."""
+    runtime = get_runtime(device, config.runtime)
+    runtime.check(config, topology)
+    pg_backend, init_method = runtime.process_group(topology, config)
+    ours = {
+        DEVICE_VAR: device,
+        RUNTIME_VAR: config.runtime,
+        PG_BACKEND_VAR: pg_backend,
+        INIT_METHOD_VAR: init_method,
+        TIMEOUT_VAR: timeout_text(config.timeout_s),
+    }
+    if config.spmd:
+        ours[SPMD_VAR] = "1"
+        # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process
+        # core mapping only if it is already set); xr.use_spmd() after the import is too late.
+        ours[XLA_SPMD_VAR] = "1"
+    user = {k: str(v) for k, v in config.env.items()}
+    plans = []
+    for place in topology.workers:
+        env = torchrun_env(place, topology, rdzv)
+        env.update(runtime.device_env(place, topology, rdzv, config, facts[place.rank] if facts else None))
+        env.update(ours)
+        env.update(user)
+        plans.append(WorkerPlan(place=place, env=env))
+    return plans

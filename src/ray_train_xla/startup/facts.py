@@ -1,0 +1,84 @@
+"""Start-up step 1, on every worker: report where this worker runs and what Ray gave it, and
+take free ports on rank 0's node."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+import ray
+
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.planning.topology import PRESET_VARS, WorkerFacts
+from ray_train_xla.startup import netinfo
+
+logger = logging.getLogger(__name__)
+
+TPU_METADATA_TIMEOUT_S = 10.0
+
+
+def node_ip() -> str:
+    """This node's Ray address (the host name outside Ray)."""
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests): the host name still names the machine
+        return socket.gethostname()
+
+
+def who() -> str:
+    """This worker, named for an error message (rank, local rank, node, pid)."""
+    return worker_context().who(node_ip())
+
+
+def gather_facts() -> WorkerFacts:
+    """Report where this worker runs and what Ray gave it."""
+    ctx = ray.get_runtime_context()
+    ip = ray.util.get_node_ip_address()
+    accelerators = {
+        name: tuple(str(i) for i in ids)
+        for name, ids in ctx.get_accelerator_ids().items()
+        if ids
+    }
+    tpu_worker_id, tpu_name = tpu_host_identity() if accelerators.get("TPU") else (None, "")
+    return WorkerFacts(
+        node_id=ctx.get_node_id(),
+        node_ip=ip,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        accelerator_ids=accelerators,
+        pjrt_device=os.environ.get("PJRT_DEVICE", ""),
+        has_efa=netinfo.has_efa(),
+        network_interface=netinfo.interface_for_ip(ip) or "",
+        preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
+        tpu_worker_id=tpu_worker_id,
+        tpu_name=tpu_name,
+    )
+
+
+def tpu_host_identity() -> tuple[int | None, str]:
+    """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
+    else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    found: list = []
+
+    def read() -> None:
+        found.append((TPUAcceleratorManager.get_current_node_tpu_worker_id(),
+                      TPUAcceleratorManager.get_current_node_tpu_name() or ""))
+
+    # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
+    thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
+    thread.start()
+    thread.join(TPU_METADATA_TIMEOUT_S)
+    if not found:
+        logger.warning("pid %d: no TPU worker id within %.0f s (TPU_WORKER_ID or GCE metadata); "
+                       "hosts are ordered as Ray orders nodes", os.getpid(), TPU_METADATA_TIMEOUT_S)
+        return None, ""
+    return found[0]
+
+
+def reserve_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on this node."""
+    return netinfo.free_ports(count, ipv6=":" in ray.util.get_node_ip_address())

@@ -1,0 +1,116 @@
+"""Start-up step 3, on every worker: initialise torch.distributed as planned, bounded by
+``timeout_s``, then install the worker-side patches (CPU development mode, Ray's helpers).
+
+Three steps, each reported as what it is when it fails: torch_xla's initialisation
+(``import torch_xla``, which reads the planned environment, and SPMD), the rendezvous on a store
+we own (``rendezvous.join``, bounded by ``timeout_s``, naming ranks that did not arrive), and the
+process group itself.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+from ray_train_xla.errors import RendezvousTimeoutError, WorkerSetupError, XLAInitError
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.startup import rendezvous
+from ray_train_xla.startup.facts import who
+
+
+def init_process_group() -> None:
+    """Initialise the default process group as planned (``TorchXLAConfig``)."""
+    import os
+
+    import torch.distributed as dist
+
+    ctx = worker_context()
+    backend, init_method = ctx.pg_backend, ctx.init_method
+    timeout = timedelta(seconds=ctx.timeout_s)
+    if dist.is_initialized():
+        return
+    xla_pg = backend == "xla" or init_method == "xla://"
+    try:
+        if xla_pg or ctx.spmd:
+            _init_torch_xla(xla_pg, ctx.spmd)
+    except Exception as exc:
+        raise XLAInitError(f"{who()}: {describe_xla_init_error(exc, os.environ)}") from exc
+    try:
+        store = rendezvous.join(ctx, timeout)
+    except RendezvousTimeoutError as exc:
+        raise RendezvousTimeoutError(f"{who()}: {exc}") from exc.__cause__
+    try:
+        if ctx.devmode:
+            from ray_train_xla.startup import devmode
+
+            devmode.register_backend()
+        if init_method == "xla://" and rendezvous.install_for_xla_handler(store):
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=timeout)
+    except Exception as exc:
+        raise WorkerSetupError(
+            f"{who()}: every rank arrived at the rendezvous, then init_process_group("
+            f"{backend!r}, init_method={init_method!r}) failed within timeout_s="
+            f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
+            "first, its error is the cause."
+        ) from exc
+    if ctx.devmode:
+        devmode.install(dist.get_rank(), dist.get_world_size())
+    if not ctx.native:  # native TorchNeuron points Ray at its own device (native_neuron.py)
+        from ray_train_xla.startup import ray_helpers
+
+        ray_helpers.install(spmd=ctx.spmd)
+
+
+def init_native_process_group() -> None:
+    """``TorchNeuronConfig``: the native Neuron steps on Neuron, then the planned group."""
+    if worker_context().device == "neuron":
+        from ray_train_xla.startup import native_neuron
+
+        native_neuron.before_process_group()
+    init_process_group()
+
+
+def _init_torch_xla(xla_pg: bool, spmd: bool) -> None:
+    """Import torch_xla (it reads the planned environment now), enable SPMD where planned, and
+    register the ``xla`` backend and ``xla://`` handler."""
+    import torch_xla  # noqa: F401
+
+    if spmd:
+        import warnings
+
+        import torch_xla.runtime as xr
+
+        # The plan sets XLA_USE_SPMD (read at import); use_spmd() still does what the running
+        # device needs (Neuron re-initialises for SPMD) and only warns that the variable is set.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="XLA_USE_SPMD is being deprecated")
+            xr.use_spmd()
+    if xla_pg:
+        import torch_xla.distributed.xla_backend  # noqa: F401
+
+
+_VAR_NAME = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
+
+
+def describe_xla_init_error(exc: BaseException, environ=None) -> str:
+    """Say that torch_xla's initialisation rejected this worker's environment, with the value of
+    every variable the error names (the one at fault is among them)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch_xla":
+        return f"torch_xla cannot be imported on this worker ({text}): install torch-xla there."
+    named = list(dict.fromkeys(_VAR_NAME.findall(str(exc))))
+    values = ", ".join(f"{k}={environ[k]!r}" if k in environ else f"{k} unset"
+                       for k in named)
+    where = f" Variables it names, as this worker has them: {values}." if values else ""
+    return (
+        f"torch_xla's initialisation failed (import torch_xla / SPMD set-up, before any "
+        f"rendezvous): {text}.{where} They come from the plan (see `ray-train-xla plan`) or "
+        "from TorchXLAConfig.env; a variable set before ray_train_xla applied the plan (or "
+        "torch_xla imported too early) also ends here."
+    )

@@ -1,0 +1,154 @@
+"""Ray's own torch helpers, and a repeated ``init_process_group``, on XLA workers.
+
+Installed by the backend on every XLA worker (all devices), after the process group exists:
+
+- ``ray.train.torch.get_device()`` / ``get_devices()`` return the worker's XLA device (Ray's
+  versions know only CUDA and CPU, so models silently trained on the CPU).
+- ``ray.train.torch.prepare_model`` then moves the model to the XLA device and wraps it in DDP
+  over the default process group (which carries XLA tensors); ``prepare_data_loader`` shards as
+  Ray does and moves batches to the XLA device. Under SPMD both raise and name
+  ``rtx.prepare_model`` / ``rtx.prepare_data_loader``.
+- ``torch.distributed.init_process_group`` called again by the training function (the torchrun
+  recipe ``init_process_group("xla", init_method="xla://")``) returns without doing anything when
+  the call agrees with the group the backend made, instead of torch's "initialize the default
+  process group twice" error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ray_train_xla.startup.patching import Patches
+from ray_train_xla.toolkit.data import move_to_device
+from ray_train_xla.toolkit.device import get_device
+
+logger = logging.getLogger(__name__)
+
+_patches = Patches()
+
+
+def get_devices() -> list[torch.device]:
+    """``ray.train.torch.get_devices`` on an XLA worker: its XLA device."""
+    return [get_device()]
+
+
+def _spmd_refusal(name: str, ours: str) -> RuntimeError:
+    return RuntimeError(
+        f"ray.train.torch.{name} does not apply under TorchXLAConfig(spmd=True): one process "
+        f"drives all of its node's devices and XLA shards the work. Use rtx.{ours} (import "
+        "ray_train_xla as rtx) and rtx.shard_batch instead.")
+
+
+class _OnXLADevice:
+    """A prepared DataLoader whose batches are moved to the XLA device (nested containers,
+    namedtuples and dataclasses keep their type)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        device = get_device()
+        for batch in self._loader:
+            yield move_to_device(batch, device)
+
+
+def install(spmd: bool) -> None:
+    """Point Ray's torch helpers at the XLA device; tolerate a repeated init_process_group.
+    Under SPMD (``spmd``) Ray's prepare_model and prepare_data_loader raise, naming ours."""
+    if _patches:
+        return
+
+    def _patch(owner: Any, name: str, value: Any) -> None:
+        _patches.set(owner, name, value, only_if_present=True)
+
+    import ray.train.torch as rtt
+    import ray.train.torch.train_loop_utils as v1
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    modules = [rtt, v1]
+    try:
+        import ray.train.v2.torch.train_loop_utils as v2
+
+        modules.append(v2)
+    except ImportError:  # pragma: no cover - Ray without Train V2
+        v2 = None
+    originals = {m: (getattr(m, "prepare_model", None), getattr(m, "prepare_data_loader", None))
+                 for m in modules}
+
+    def make_prepare_model(original):
+        def prepare_model(model, *args, **kwargs):
+            if spmd:
+                raise _spmd_refusal("prepare_model", "prepare_model")
+            return original(model, *args, **kwargs)
+
+        prepare_model.__doc__ = original.__doc__
+        return prepare_model
+
+    def make_prepare_data_loader(original):
+        def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
+                                auto_transfer=True):
+            if spmd:
+                raise _spmd_refusal("prepare_data_loader", "prepare_data_loader")
+            # Ray's device move knows CUDA/CPU devices only ("Device type xla cannot be
+            # recognized"): shard with Ray, move here.
+            loader = original(data_loader, add_dist_sampler=add_dist_sampler,
+                              move_to_device=False, auto_transfer=False)
+            return _OnXLADevice(loader) if move_to_device else loader
+
+        prepare_data_loader.__doc__ = original.__doc__
+        return prepare_data_loader
+
+    for m in modules:
+        _patch(m, "get_device", get_device)
+        _patch(m, "get_devices", get_devices)
+        model_fn, loader_fn = originals[m]
+        if model_fn is not None:
+            _patch(m, "prepare_model", make_prepare_model(model_fn))
+        if loader_fn is not None:
+            _patch(m, "prepare_data_loader", make_prepare_data_loader(loader_fn))
+    # Where Ray's originals resolve the device (V1: air's torch_utils; V2: this module global),
+    # so that functions imported by name before the backend ran agree too.
+    from ray.air._internal import torch_utils
+
+    _patch(torch_utils, "get_devices", get_devices)
+    if v2 is not None:
+        _patch(v2, "get_devices_distributed", get_devices)
+
+    original_init = dist.init_process_group
+
+    def init_process_group(backend: Any = None, init_method: Any = None, *args: Any, **kwargs: Any):
+        if not dist.is_initialized():
+            return original_init(backend, init_method, *args, **kwargs)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        asked_world, asked_rank = kwargs.get("world_size", -1), kwargs.get("rank", -1)
+        if asked_world not in (-1, None, world) or asked_rank not in (-1, None, rank):
+            raise RuntimeError(
+                f"init_process_group(world_size={asked_world}, rank={asked_rank}) on worker rank "
+                f"{rank} (pid {os.getpid()}): ray_train_xla's backend already initialised the "
+                f"process group with world_size={world}, rank={rank} from Ray's ranks. Remove "
+                "the call or pass no world_size/rank.")
+        logger.info("init_process_group(%r, init_method=%r): the default process group already "
+                    "exists (%s, set up by ray_train_xla); nothing to do", backend, init_method,
+                    dist.get_backend_config())
+        return None
+
+    init_process_group.__doc__ = original_init.__doc__
+    _patch(dist, "init_process_group", init_process_group)
+    _patch(c10d, "init_process_group", init_process_group)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    _patches.undo()

@@ -1,0 +1,44 @@
+"""Shutdown, on every worker: destroy the process group (bounded by ``timeout_s``: a dead peer
+must not hang it), undo the worker-side patches, then run the runtime's clean-up."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.startup import runtime_steps
+from ray_train_xla.startup.facts import who
+
+logger = logging.getLogger(__name__)
+
+
+def shutdown_worker() -> None:
+    ctx = worker_context()
+
+    def destroy() -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:
+            logger.warning("%s: destroy_process_group failed: %s", who(), exc)
+
+    thread = threading.Thread(target=destroy, name="ray_train_xla-shutdown", daemon=True)
+    thread.start()
+    thread.join(ctx.timeout_s)
+    if thread.is_alive():
+        logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
+                       who(), ctx.timeout_s)
+    if "ray_train_xla.startup.ray_helpers" in sys.modules:
+        from ray_train_xla.startup import ray_helpers
+
+        ray_helpers.uninstall()
+    if "ray_train_xla.startup.devmode" in sys.modules:
+        from ray_train_xla.startup import devmode
+
+        devmode.uninstall()
+    if ctx.planned:
+        runtime_steps.cleanup(ctx)

@@ -1,0 +1,77 @@
+"""The toolkit: helpers used inside the training function (imported on workers, never by the
+backend). Each module is one concern:
+
+- ``device``: the worker's device and the device layer (XLA, native Neuron, CPU);
+- ``ranks``: ranks and world sizes from the planned environment;
+- ``collectives``: all_reduce, broadcast, rendezvous on every device;
+- ``data``: data loaders and Ray Data batches on the device, sharded per worker;
+- ``optim``: the replicated model and optimizer step (gradient reduction);
+- ``metrics``: compile and execution metrics, the recompilation warning;
+- ``spmd`` and ``sharding``: meshes, sharded batches, FSDPv2 models (sharded state);
+- ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
+- ``preemption``: a checkpoint before a drained node goes away.
+"""
+
+from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
+from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
+from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
+from ray_train_xla.toolkit.device import get_device, sync, to_cpu
+from ray_train_xla.toolkit.metrics import (
+    CompileMonitor,
+    RecompilationWarning,
+    is_graph_extraction_run,
+    metrics,
+)
+from ray_train_xla.toolkit.optim import optimizer_step, prepare_model, reduce_gradients
+from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
+from ray_train_xla.toolkit.ranks import (
+    local_rank,
+    node_rank,
+    rank,
+    spmd_global,
+    uses_host_collectives,
+    world_size,
+)
+from ray_train_xla.toolkit.sharding import (
+    ShardedStateError,
+    get_sharded_mesh,
+    is_sharded,
+    prepare_sharded_model,
+)
+from ray_train_xla.toolkit.spmd import get_mesh, shard_batch, sharding_spec
+
+__all__ = [
+    "CompileMonitor",
+    "RecompilationWarning",
+    "ShardedStateError",
+    "XLADataLoader",
+    "all_reduce",
+    "broadcast",
+    "checkpoint_if_preempted",
+    "get_device",
+    "get_mesh",
+    "get_sharded_mesh",
+    "is_sharded",
+    "is_graph_extraction_run",
+    "iter_xla_batches",
+    "load_checkpoint",
+    "local_rank",
+    "metrics",
+    "node_rank",
+    "optimizer_step",
+    "pad_batch",
+    "prepare_data_loader",
+    "prepare_model",
+    "prepare_sharded_model",
+    "rank",
+    "reduce_gradients",
+    "rendezvous",
+    "shard_batch",
+    "sharding_spec",
+    "save_checkpoint",
+    "spmd_global",
+    "sync",
+    "to_cpu",
+    "uses_host_collectives",
+    "world_size",
+]

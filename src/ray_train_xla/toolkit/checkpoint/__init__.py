@@ -1,0 +1,212 @@
+"""Checkpoints through Ray Train, saved and restored the same way on every device.
+
+One seam, two implementations, picked from the state given:
+
+- replicated state (every worker holds the whole model): rank 0 writes one plain torch file,
+  ``checkpoint.pt``, that loads without torch_xla or this package (``replicated.py``);
+- sharded state (SPMD tensors split over devices, e.g. ``prepare_sharded_model``): every rank
+  writes only its own shards with ``torch.distributed.checkpoint`` into the same Ray checkpoint;
+  loading restores onto any mesh shape, device count and worker count (``sharded.py``).
+
+This module is the seam: it picks the implementation from the state given (``find_sharded``)
+and reports through Ray Train. State neither can restore (torch_xla FSDP v1 flat shards,
+DTensors) is refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in
+``format.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ray_train_xla.toolkit.checkpoint.format import CHECKPOINT_FILE, is_sharded_checkpoint
+from ray_train_xla.toolkit.checkpoint.replicated import (
+    load_replicated,
+    stage_replicated,
+    write_replicated,
+)
+from ray_train_xla.toolkit.checkpoint.sharded import (
+    load_sharded,
+    stage_sharded,
+    unsupported_sharding,
+    write_staged,
+)
+from ray_train_xla.toolkit.device import sync
+from ray_train_xla.toolkit.metrics import is_graph_extraction_run
+from ray_train_xla.toolkit.ranks import rank
+from ray_train_xla.toolkit.sharding import ShardedStateError, find_sharded
+
+logger = logging.getLogger(__name__)
+
+
+def _refuse_unsupported(value: Any, helper: str) -> None:
+    found = unsupported_sharding(value)
+    if found is not None:
+        raise ShardedStateError(
+            f"{helper}: {found[0]} is {found[1]}. {helper} restores replicated state (one file) and "
+            "SPMD shards (torch.distributed.checkpoint); other sharded state would be silently "
+            "wrong. Train with rtx.prepare_sharded_model(model) (FSDPv2 under "
+            "TorchXLAConfig(spmd=True)), or save this state with its own library's per-rank checkpoint.")
+
+
+_CHECKPOINT_GROUP: Any = None
+
+
+def _checkpoint_group():
+    """A gloo group of its own for background writes (created once, on every rank in the same
+    order): they never share a communicator with the training thread."""
+    global _CHECKPOINT_GROUP
+    import torch.distributed as dist
+
+    if _CHECKPOINT_GROUP is None and dist.is_available() and dist.is_initialized():
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
+
+
+# Ray Train V2 takes one report each time its controller polls the workers (every 2 s by
+# default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and ray.train.report waits until the previous one
+# was taken: reports more frequent than that stall training. Say so once, when it happens.
+REPORT_WAIT_WARN_S = 1.0
+_report_wait_warned = False
+
+
+def _report(metrics: dict, checkpoint: Any = None, **kwargs: Any) -> None:
+    """``ray.train.report``, timed: a report that waited longer than ``REPORT_WAIT_WARN_S`` is
+    reported once as a warning, with the fix."""
+    global _report_wait_warned
+    import ray.train
+
+    start = time.perf_counter()
+    ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
+    waited = time.perf_counter() - start
+    if waited > REPORT_WAIT_WARN_S and not _report_wait_warned:
+        _report_wait_warned = True
+        logger.warning(
+            "rank %d: ray.train.report waited %.1f s. Ray Train takes one report each time its "
+            "controller polls the workers (every 2 s by default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), "
+            "so reporting more often than that stalls training: call save_checkpoint less often "
+            "(every few seconds of steps at least).", rank(), waited)
+
+
+def _report_async(metrics: dict, directory: str, write) -> None:
+    """Report a checkpoint that ``write(directory)`` produces in Ray Train V2's upload thread
+    (one per worker, so writes run in report order), then upload it; training goes on meanwhile."""
+    import ray.train
+
+    try:
+        from ray.train import CheckpointUploadMode
+    except ImportError:
+        raise ValueError("save_checkpoint(upload='async') needs Ray Train V2 "
+                         "(RAY_TRAIN_V2_ENABLED=1)") from None
+
+    def write_then_upload(checkpoint, checkpoint_dir_name):
+        write(directory)
+        storage = ray.train.get_context().get_storage()
+        return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
+
+    _report(metrics, ray.train.Checkpoint.from_directory(directory),
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=write_then_upload, delete_local_checkpoint_after_upload=True)
+
+
+def save_checkpoint(
+    state: Mapping[str, Any],
+    metrics: Mapping[str, Any] | None = None,
+    filename: str = CHECKPOINT_FILE,
+    upload: str = "sync",
+) -> dict[str, Any] | None:
+    """Report ``metrics`` and a checkpoint holding ``state`` with ``ray.train.report``.
+
+    Call it on every worker (like ``ray.train.report``). ``state`` is typically
+    ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``.
+    Replicated state: rank 0's copy is written, as CPU tensors, to ``filename``. Sharded (SPMD)
+    state: every rank writes its own shards of ``state["model"]`` and ``state["optimizer"]``
+    with ``torch.distributed.checkpoint`` and reports its files; rank 0 adds the rest of
+    ``state``. Returns what this rank wrote then (``{"files", "bytes"}``), else None.
+
+    ``upload="async"`` (Ray Train V2) returns once the state is copied to host memory (None):
+    the files are written and uploaded in Ray's checkpoint-upload thread while training goes
+    on (Ray runs one per worker, so checkpoints complete in order). In a Neuron graph-extraction run
+    (``neuron_parallel_compile=True``) the state is a placeholder, so only the metrics are
+    reported, marked ``graph_extraction_only``. Raises ShardedStateError for sharded state that
+    neither format restores (torch_xla FSDP v1 shards, DTensors).
+    """
+    import ray.train
+
+    if upload not in ("sync", "async"):
+        raise ValueError(f"save_checkpoint: upload={upload!r} is not valid: expected 'sync' or 'async'")
+    _refuse_unsupported(state, "save_checkpoint")
+    sync()  # on every worker: rank 0 below only transfers materialised tensors
+    metrics = dict(metrics or {})
+    if is_graph_extraction_run():
+        metrics["graph_extraction_only"] = 1
+        if rank() == 0:
+            logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
+        _report(metrics, None)
+        return None
+
+    if find_sharded(state) is not None:
+        staged = stage_sharded(state)  # device -> host now; the files are written below
+        group = _checkpoint_group() if upload == "async" else None
+
+        def write(directory: str) -> dict[str, Any]:
+            return write_staged(staged, directory, group)
+    elif rank() != 0:
+        _report(metrics, None)
+        return None
+    else:
+        cpu_state = stage_replicated(state)
+
+        def write(directory: str) -> dict[str, Any]:
+            return write_replicated(cpu_state, directory, filename)
+    tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
+    if upload == "async":
+        _report_async(metrics, tmp, write)
+        return None
+    try:
+        written = write(tmp)
+        _report(metrics, ray.train.Checkpoint.from_directory(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def load_checkpoint(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    checkpoint: Any = None,
+    filename: str = CHECKPOINT_FILE,
+) -> dict[str, Any] | None:
+    """Load the state saved by ``save_checkpoint`` from ``checkpoint`` (default: the run's latest,
+    ``ray.train.get_checkpoint()``); None when there is none (a fresh start). Call it on every
+    worker.
+
+    When given, ``model`` gets ``state["model"]`` and ``optimizer`` gets ``state["optimizer"]``,
+    on the XLA device. A replicated checkpoint returns the whole state (CPU tensors) for the rest
+    (step, epoch, ...). A sharded checkpoint is restored in place onto the shards ``model`` and
+    ``optimizer`` have now (any mesh, device or worker count) and returns the rest of the state.
+    Raises ShardedStateError for a sharded model a replicated file cannot fill (FSDP v1, DTensor).
+    """
+    import ray.train
+
+    _refuse_unsupported(model, "load_checkpoint")
+    checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as path:
+        if is_sharded_checkpoint(path):
+            return load_sharded(path, model, optimizer)
+        state = load_replicated(path, filename, f"rank {rank()}: checkpoint {checkpoint.path}")
+    if model is not None:
+        model.load_state_dict(state["model"])  # copies into the parameters, on their device
+    if optimizer is not None:
+        # Optimizer.load_state_dict moves the state onto each parameter's (XLA) device.
+        optimizer.load_state_dict(state["optimizer"])
+    sync()
+    return state

@@ -1,0 +1,142 @@
+"""Collectives inside the training function, the same on every device.
+
+Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEND``):
+
+- ``xla`` (Neuron, TPU, or a single CPU worker): torch_xla's own collectives, traced into the
+  graph; use them as you would ``xm.all_reduce``.
+- a ``gloo`` group (several CPU workers): torch_xla 2.9 on CPU cannot reduce across processes,
+  so the tensor is copied to the host, reduced through gloo, and copied back to the XLA device.
+  Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
+
+With several CPU workers the backend also bridges torch_xla's own collectives (the CPU
+development mode, ``startup/devmode.py``), so raw ``xm.all_reduce`` agrees with these helpers.
+
+Ranks: every helper that takes a rank takes the **Ray Train rank** (``RANK``, what
+``ray.train.get_context().get_world_rank()`` returns), on every device. XLA numbers processes
+by its own ordinals, which need not follow Ray's ranks (on TPU the task id follows chip and host
+order), so no rank is ever passed to torch_xla as an ordinal.
+
+SPMD on an accelerator (``spmd=True`` on TPU or Neuron): the mesh spans every worker, and an XLA
+tensor is one **global** value that all processes share; see :func:`all_reduce`.
+
+- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
+  on the tensor's own device; torch_xla is not imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit import device as _device
+from ray_train_xla.toolkit.ranks import rank, spmd_global, uses_host_collectives, world_size
+
+_XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
+
+
+def _is_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type != "xla"
+
+
+_pg_ranks: tuple[object, dict[int, int]] | None = None
+
+
+def pg_rank(ray_rank: int) -> int:
+    """The torch.distributed rank of the worker with Ray Train rank ``ray_rank``. The same with
+    ``env://``; through ``xla://`` (SPMD) the group numbers processes by PJRT process index,
+    so the map is gathered once per process group."""
+    global _pg_ranks
+    if worker_context().init_method != "xla://":
+        return ray_rank
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    if _pg_ranks is None or _pg_ranks[0] is not group:
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, rank())
+        _pg_ranks = (group, {r: i for i, r in enumerate(ranks)})
+    return _pg_ranks[1][ray_rank]
+
+
+def _check_op(op: str) -> str:
+    if op not in _XM_OPS:
+        raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
+    return op
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over all workers and return the result on ``tensor``'s device.
+
+    ``op`` is "sum", "mean", "max", "min" or "product". The input is not modified.
+
+    Under SPMD on an accelerator an XLA tensor is one global value (each worker holds the same
+    logical tensor, XLA has already combined the devices' shards), so there is nothing to
+    reduce: the result is a copy of it, for every op, with no host round trip and no scaling
+    (``sum`` does not multiply it by the number of hosts). A CPU tensor there is a host-local
+    value and is reduced over the workers through the gloo group.
+    """
+    _check_op(op)
+    n = world_size()
+    if n == 1:
+        return tensor.clone()
+    if spmd_global() and not _is_host(tensor):
+        return tensor.clone()
+    if uses_host_collectives() or spmd_global() or _device.is_native():
+        import torch.distributed as dist
+
+        gloo_op = {
+            "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
+        }[op]
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+        dist.all_reduce(host, op=gloo_op)
+        if op == "mean":
+            host = host / n
+        return host.to(tensor.device)
+    import torch_xla.core.xla_model as xm
+
+    return xm.all_reduce(_XM_OPS[op], tensor, scale=1.0 / n if op == "mean" else 1.0)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Return worker ``src``'s value of ``tensor`` on every worker (on ``tensor``'s device).
+
+    ``src`` is a Ray Train rank. Under SPMD on an accelerator an XLA tensor is already the same
+    global value on every worker: the result is a copy of it.
+    """
+    n = world_size()
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
+    if n == 1 or (spmd_global() and not _is_host(tensor)):
+        return tensor.clone()
+    if uses_host_collectives() or spmd_global() or _device.is_native():
+        import torch.distributed as dist
+
+        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+        dist.broadcast(host, src=pg_rank(src))
+        return host.to(tensor.device)
+    import torch_xla.core.xla_model as xm
+
+    # xm.collective_broadcast takes an XLA ordinal, which need not be the Ray rank: keep the
+    # value on Ray rank src, zero elsewhere, and sum. The zeroing is a select on device data,
+    # so every worker runs the same graph (and a NaN elsewhere cannot leak in, as with a 0 *).
+    keep = torch.tensor(rank() == src).to(tensor.device)
+    out = torch.where(keep, tensor.detach(), torch.zeros_like(tensor))
+    return xm.all_reduce("sum", out)
+
+
+def rendezvous(tag: str) -> None:
+    """Block until every worker reaches the rendezvous named ``tag``.
+
+    Bounded by ``TorchXLAConfig.timeout_s`` on the gloo path (the process group's timeout).
+    """
+    if world_size() == 1:
+        return
+    if uses_host_collectives() or _device.is_native():
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous(tag)

@@ -1,0 +1,92 @@
+"""The device layer of the worker helpers: which device family this worker runs, and the few
+operations that differ between them.
+
+- ``xla`` (``TorchXLAConfig``): torch_xla's device; ``sync`` cuts the lazy graph.
+- ``native`` (``TorchNeuronConfig``): the native ``neuron`` device, or the CPU on a development
+  machine; eager, so ``sync`` has nothing to cut, and collectives are plain torch.distributed on
+  the tensor's own device. torch_xla is never imported on this path.
+
+The family comes from the environment the backend planned (``WorkerContext.runtime``).
+
+torch_xla 1.13 (XRT, torch-neuronx 1.x) has neither ``torch_xla.device()`` nor
+``torch_xla.sync()``: :func:`get_device` and :func:`sync` fall back to ``xm.xla_device()`` and
+``xm.mark_step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ray_train_xla.planning.contract import worker_context
+
+
+def is_native() -> bool:
+    """True on a ``TorchNeuronConfig`` worker (native neuron, or its CPU twin)."""
+    return worker_context().native
+
+
+def get_device() -> torch.device:
+    """This worker's device: the XLA device (``torch_xla.device()``; ``xm.xla_device()`` on
+    torch_xla 1.x, XRT), ``neuron:<local rank>``, or ``cpu``."""
+    if not is_native():
+        import torch_xla
+
+        if hasattr(torch_xla, "device"):
+            return torch_xla.device()
+        import torch_xla.core.xla_model as xm
+
+        return xm.xla_device()
+    if worker_context().device == "neuron":
+        import torch_neuronx
+
+        return torch.device("neuron", torch_neuronx.current_device())
+    return torch.device("cpu")
+
+
+def sync() -> None:
+    """Cut and run the pending XLA graph (``torch_xla.sync()``; ``xm.mark_step()`` on torch_xla
+    1.x); nothing to do on an eager (native) device."""
+    if is_native():
+        return
+    import torch_xla
+
+    if hasattr(torch_xla, "sync"):
+        torch_xla.sync()
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.mark_step()
+
+
+def wait() -> None:
+    """Block until the device has finished the work queued so far."""
+    if not is_native():
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+    elif worker_context().device == "neuron":
+        neuron = getattr(torch, "neuron", None)
+        if neuron is not None and hasattr(neuron, "synchronize"):
+            neuron.synchronize()
+
+
+def comm_device(tensor: torch.Tensor) -> torch.device:
+    """Where a torch.distributed collective on ``tensor`` runs: on its own device on the native
+    path (``neuron`` or ``gloo`` on CPU), on a host copy on the XLA path (gloo)."""
+    return tensor.device if is_native() else torch.device("cpu")
+
+
+def to_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor (in nested dicts, lists, tuples) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value

@@ -1,0 +1,170 @@
+"""Compile and execution metrics from ``torch_xla.debug.metrics``, ready for ``ray.train.report``.
+
+A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
+them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
+``CompileMonitor`` counts them and warns once, naming the step and the usual causes.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from ray_train_xla.planning.contract import worker_context
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WARMUP_STEPS = 3
+_NS = 1e-9
+
+
+def is_graph_extraction_run() -> bool:
+    """True on a worker of a ``neuron_parallel_compile`` run: graphs are only extracted, so
+    outputs, losses and checkpoints are placeholders."""
+    return worker_context().graph_extraction
+
+
+class RecompilationWarning(UserWarning):
+    """XLA graphs keep compiling after warm-up."""
+
+
+class _Reader:
+    """Reads torch_xla's counters and metrics at a host cost of a few microseconds a call.
+
+    Counts come from counters (``UncachedCompile``, ``ExecuteComputation``, ``CachedCompile``);
+    ``CompileTime`` is read again only when the compile count changed. ``ExecuteTime`` is read
+    only when asked for: torch_xla returns its last 1,024 samples with it (about 0.2 ms once the
+    buffer is full), which would cost a fast step 10% or more if read every step.
+    """
+
+    def __init__(self) -> None:
+        from ray_train_xla.toolkit import device as _device
+
+        self._native = _device.is_native()
+        if self._native:
+            return
+        import torch_xla
+
+        self._counter = torch_xla._XLAC._xla_counter_value
+        self._metric = torch_xla._XLAC._xla_metric_data
+        self._compiles = -1.0
+        self._compile_s = 0.0
+
+    def _count(self, name: str) -> float:
+        return float(self._counter(name) or 0)
+
+    def _seconds(self, name: str) -> float:
+        data = self._metric(name)
+        return float(data[1]) * _NS if data else 0.0
+
+    def read(self, execute_time: bool = False) -> dict[str, float]:
+        if self._native:
+            values = _read_native()
+            if not execute_time:
+                del values["execute_time_s"]
+            return values
+        compiles = self._count("UncachedCompile")
+        if compiles != self._compiles:
+            self._compiles, self._compile_s = compiles, self._seconds("CompileTime")
+        values = {
+            "compiles": compiles,
+            "compile_time_s": self._compile_s,
+            "executions": self._count("ExecuteComputation"),
+            "cache_hits": self._count("CachedCompile"),
+        }
+        if execute_time:
+            values["execute_time_s"] = self._seconds("ExecuteTime")
+        return values
+
+
+def _read_native() -> dict[str, float]:
+    """The native path's compiles are ``torch.compile``'s: graphs Dynamo compiled (each new
+    shape or guard failure is one more) and the time spent compiling; executions are eager and
+    not counted."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "compiles": float(counters["stats"]["unique_graphs"]),
+        "compile_time_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
+        "executions": 0.0,
+        "execute_time_s": 0.0,
+        "cache_hits": 0.0,
+    }
+
+
+class CompileMonitor:
+    """Counts compilations and executions since it was created (``since_start``: since the
+    process started); warns on recompilation storms.
+
+    Call ``metrics(step)`` once per step (or every few steps). Compilations after step
+    ``warmup_steps`` count as recompilations; when they reach ``warn_after``, one
+    ``RecompilationWarning`` is issued with the step number.
+    """
+
+    def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, warn_after: int = 1,
+                 prefix: str = "xla/", since_start: bool = False) -> None:
+        if warmup_steps < 0 or warn_after < 1:
+            raise ValueError(
+                f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) is not "
+                "valid: expected warmup_steps >= 0 and warn_after >= 1"
+            )
+        self.warmup_steps = warmup_steps
+        self.warn_after = warn_after
+        self.prefix = prefix
+        self._reader = _Reader()
+        self._baseline = (dict.fromkeys(self._reader.read(True), 0.0) if since_start
+                          else self._reader.read(True))
+        self._at_warmup: float | None = None if warmup_steps else 0.0
+        self._steps = 0
+        self.warned_at_step: int | None = None
+
+    def metrics(self, step: int | None = None, execute_time: bool = False) -> dict[str, Any]:
+        """A flat dict of this worker's compile/execution counts and times (seconds) so far.
+
+        ``step``: the current step (1-based, finished); default: one more than the last call.
+        ``execute_time``: also ``execute_time_s`` (about 0.2 ms to read: ask for it on the steps
+        you report, not every step).
+        """
+        step = self._steps + 1 if step is None else step
+        self._steps = step
+        now = self._reader.read(execute_time)
+        values = {k: now[k] - self._baseline[k] for k in now}
+        if self._at_warmup is None and step >= self.warmup_steps:
+            self._at_warmup = values["compiles"]
+        after = 0.0 if self._at_warmup is None else values["compiles"] - self._at_warmup
+        if after >= self.warn_after and self.warned_at_step is None:
+            self.warned_at_step = step
+            message = (
+                f"XLA compiled {int(after)} new graph(s) after warm-up ({self.warmup_steps} "
+                f"steps), by step {step}: every new input shape or constant is a new graph. "
+                "Usual causes: changing input shapes (a short last batch: use "
+                "prepare_data_loader/iter_xla_batches, which keep batch shapes constant), "
+                "Python scalars that change every step baked into the graph (pass them as "
+                "tensors), and reading values (.item(), print) in the middle of the step."
+            )
+            logger.warning(message)
+            warnings.warn(message, RecompilationWarning, stacklevel=2)
+        out: dict[str, Any] = {f"{self.prefix}{k}": (int(v) if k in ("compiles", "executions",
+                               "cache_hits") else v) for k, v in values.items()}
+        out[f"{self.prefix}compiles_after_warmup"] = int(after)
+        if is_graph_extraction_run():  # the values of this run are not meaningful
+            out[f"{self.prefix}graph_extraction_only"] = 1
+        return out
+
+
+_default: CompileMonitor | None = None
+
+
+def metrics(step: int | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+            execute_time: bool = False) -> dict[str, Any]:
+    """This worker's XLA compile/execution metrics as a flat dict for ``ray.train.report``.
+
+    Counts since the process started; warns once on recompilations after
+    ``warmup_steps`` (see ``CompileMonitor``). Cheap enough for every step; ``execute_time=True``
+    adds ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
+    """
+    global _default
+    if _default is None:
+        _default = CompileMonitor(warmup_steps=warmup_steps, since_start=True)
+    return _default.metrics(step, execute_time)

@@ -1,0 +1,183 @@
+"""Sharded state: find it, keep it out of the replicated helpers, train it with FSDPv2.
+
+The replicated helpers (``prepare_model``, ``optimizer_step``, the single-file checkpoint) assume
+every worker holds the whole model. With sharded state that is silently wrong: rank 0's values
+would overwrite the other ranks' shards, gradients that XLA already reduced would be averaged
+again, and rank 0 alone would pull a sharded tensor to the host. So they call
+:func:`refuse_sharded` first, which names the first sharded thing it finds and the path to use.
+
+Sharded means here: an XLA tensor with an SPMD sharding that is not fully replicated, an
+``XLAShardedTensor``, a ``DTensor``, a torch_xla FSDP (v1) flat parameter or state-dict key, or a
+module wrapped in torch_xla's FSDP or FSDPv2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ray_train_xla.errors import ShardedStateError
+
+FSDP_AXES = ("fsdp", "model")
+FSDP_V2_CLASS = "SpmdFullyShardedDataParallel"
+FSDP_V1_CLASS = "XlaFullyShardedDataParallel"
+# Keys of a torch_xla FSDP (v1) state dict: per-rank flat shards, not the model's parameters.
+FSDP_V1_KEYS = ("_fsdp_wrapped_module", "flat_param")
+
+SHARDED_PATH = (
+    "rtx.prepare_sharded_model(model) (torch_xla FSDPv2 over get_mesh()) with "
+    "TorchXLAConfig(spmd=True); save and load its state with rtx.save_checkpoint / "
+    "rtx.load_checkpoint, which write every rank's own shards"
+)
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def spmd_sharding(tensor: torch.Tensor) -> str:
+    """The SPMD sharding of an XLA tensor when it is split over devices, else ""."""
+    if "torch_xla" not in sys.modules or tensor.device.type != "xla":
+        return ""
+    import torch_xla
+
+    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    if not spec or "replicated" in spec or "maximal" in spec:
+        return ""
+    return spec
+
+
+def describe_tensor(value: Any) -> str:
+    """How ``value`` is sharded ("" for a tensor every rank holds whole, or a non-tensor)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return f"a DTensor with placements {tuple(value.placements)}"
+    if type(value).__name__ == "XLAShardedTensor":
+        return f"an XLAShardedTensor ({value.sharding_spec})"
+    if not isinstance(value, torch.Tensor):
+        return ""
+    if getattr(value, "_is_sharded", False):
+        return "a torch_xla FSDP flat parameter shard"
+    spec = spmd_sharding(value)
+    return f"an SPMD tensor sharded {spec}" if spec else ""
+
+
+def walk_sharded(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, description) of every sharded thing in nested modules/optimizers/containers."""
+    if isinstance(value, torch.nn.Module):
+        for name, module in value.named_modules(prefix=path):
+            kind = type(module).__name__
+            if kind == FSDP_V2_CLASS:
+                yield name or "model", "a torch_xla FSDPv2 module (SpmdFullyShardedDataParallel)"
+            elif kind == FSDP_V1_CLASS:
+                yield name or "model", "a torch_xla FSDP module (XlaFullyShardedDataParallel)"
+        for name, tensor in (*value.named_parameters(prefix=path), *value.named_buffers(prefix=path)):
+            desc = describe_tensor(tensor)
+            if desc:
+                yield name, desc
+        return
+    if isinstance(value, torch.optim.Optimizer):
+        for g, group in enumerate(value.param_groups):
+            for i, param in enumerate(group["params"]):
+                desc = describe_tensor(param)
+                if desc:
+                    yield f"{path}param_groups[{g}].params[{i}]", desc
+        for s, state in enumerate(value.state.values()):
+            yield from walk_sharded(state, f"{path}state[{s}].")
+        return
+    desc = describe_tensor(value)
+    if desc:
+        yield path.rstrip("."), desc
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and any(k in key for k in FSDP_V1_KEYS):
+                yield f"{path}{key}", "a torch_xla FSDP (v1) state-dict entry (a per-rank flat shard)"
+                continue
+            yield from walk_sharded(item, f"{path}{key}.")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from walk_sharded(item, f"{path}{i}.")
+
+
+def find_sharded(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first sharded thing in ``value`` as (path, description), or None."""
+    return next(walk_sharded(value, path), None)
+
+
+def is_sharded(value: Any) -> bool:
+    """True when ``value`` (a module, optimizer, tensor or nested state) holds sharded state."""
+    return find_sharded(value) is not None
+
+
+def refuse_sharded(value: Any, helper: str, why: str, use: str = SHARDED_PATH, path: str = "") -> None:
+    """Raise ShardedStateError when ``value`` holds sharded state that ``helper`` cannot handle."""
+    found = find_sharded(value, path)
+    if found is not None:
+        where, desc = found
+        raise ShardedStateError(
+            f"{helper}: {where} is {desc}. {helper} {why}, which would silently be wrong for "
+            f"sharded state. Use {use}."
+        )
+
+
+def get_sharded_mesh(shape=None):
+    """The mesh for FSDPv2: axes ("fsdp", "model") over every device of the job; by default
+    every device is on ``fsdp`` (parameters, gradients and optimizer state split N ways)."""
+    from ray_train_xla.toolkit.spmd import get_mesh
+
+    if shape is None:
+        from ray_train_xla.toolkit.spmd import require_spmd
+
+        require_spmd()
+        import torch_xla.runtime as xr
+
+        shape = (xr.global_runtime_device_count(), 1)
+    return get_mesh(shape, FSDP_AXES)
+
+
+def prepare_sharded_model(
+    model: torch.nn.Module,
+    mesh=None,
+    *,
+    auto_wrap_policy=None,
+    shard_output=None,
+) -> torch.nn.Module:
+    """Shard ``model`` with torch_xla's FSDPv2 (``SpmdFullyShardedDataParallel``) on ``mesh``.
+
+    Needs ``TorchXLAConfig(spmd=True)``. ``mesh`` defaults to :func:`get_sharded_mesh` (every
+    device on the ``fsdp`` axis); a mesh of your own needs an ``fsdp`` axis. Every parameter is
+    split along its largest dimension over ``fsdp``; XLA gathers them for the forward pass and
+    reduce-scatters the gradients, so step with plain ``optimizer.step()`` and
+    ``torch_xla.sync()`` (not :func:`optimizer_step`), and shard the batch with
+    ``shard_batch(batch, mesh)`` (on the ``fsdp`` axis). ``auto_wrap_policy`` and
+    ``shard_output`` are passed to FSDPv2 (wrap each transformer block; shard a non-tensor
+    output). The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; ``consolidate``
+    removes it again.
+    """
+    from ray_train_xla.toolkit.spmd import require_spmd
+
+    require_spmd()
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+    for name, module in model.named_modules():
+        if type(module).__name__ == FSDP_V1_CLASS:
+            raise ShardedStateError(
+                f"prepare_sharded_model: {name or 'model'} is a torch_xla FSDP (v1) module, which "
+                "does not run under SPMD; pass the unwrapped model.")
+    if isinstance(model, SpmdFullyShardedDataParallel):
+        return model
+    mesh = mesh if mesh is not None else get_sharded_mesh()
+    if "fsdp" not in mesh.axis_names:
+        raise ValueError(f"prepare_sharded_model: the mesh axes {mesh.axis_names} have no 'fsdp' axis; "
+                         "build it with get_sharded_mesh(shape)")
+    return SpmdFullyShardedDataParallel(
+        model, mesh=mesh, auto_wrap_policy=auto_wrap_policy, shard_output=shard_output
+    )

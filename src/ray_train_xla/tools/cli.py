@@ -1,0 +1,406 @@
+"""``ray-train-xla``: demo, plan, doctor, consolidate from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _workers_per_node(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a count or a comma-separated count per node, got {text!r}"
+        ) from None
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"every node needs at least one worker, got {text!r}")
+    return counts
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ray-train-xla",
+        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
+        "consolidate.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the seed check (or, with --train, a training run) on an embedded local Ray",
+        description="Start a local Ray, run TorchTrainer with TorchXLAConfig, and have every "
+        "worker all-reduce torch.ones(2, 3) on its XLA device N times, checking the result "
+        "equals ones * world_size. With --train, train the MLP of examples/train_mlp.py "
+        "instead and print the loss and XLA compile counts as it goes down. With --sharded, "
+        "train the transformer LM of examples/train_lm.py sharded (FSDPv2) over --devices "
+        "virtual XLA CPU devices of one SPMD worker, with Ray Data batches and sharded "
+        "checkpoints, and print loss, compile counts and checkpoint sizes (about 2 minutes). "
+        "Exits non-zero on failure.",
+    )
+    demo.add_argument("--workers", type=_positive_int, default=2, help="workers (default 2)")
+    demo.add_argument(
+        "--iterations", type=_positive_int, default=10, help="all-reduces per worker (default 10)"
+    )
+    demo.add_argument(
+        "--train", action="store_true",
+        help="train the example MLP (examples/train_mlp.py, from a source checkout) instead",
+    )
+    demo.add_argument(
+        "--sharded", action="store_true",
+        help="train the example transformer LM sharded (examples/train_lm.py) instead",
+    )
+    demo.add_argument(
+        "--devices", type=_positive_int, default=4,
+        help="virtual XLA CPU devices of the SPMD worker with --sharded (default 4)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=40,
+        help="training steps with --train or --sharded (default 40)",
+    )
+    demo.add_argument(
+        "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
+        help="TorchXLAConfig.device (default cpu)",
+    )
+
+    plan = sub.add_parser(
+        "plan",
+        help="print the environment each worker would get",
+        description="Plan every worker's environment for a described topology, exactly as the "
+        "backend would, without Ray or hardware. Rendezvous values (MASTER_PORT, run id) are "
+        "examples: the backend takes free ports and a fresh id at every fit().",
+    )
+    plan.add_argument(
+        "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
+    )
+    plan.add_argument(
+        "--runtime", default="pjrt", choices=["pjrt", "xrt", "native"],
+        help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+; "
+        "--device neuron or cpu)",
+    )
+    plan.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
+    plan.add_argument(
+        "--workers-per-node", type=_workers_per_node, default=[1], metavar="N[,N...]",
+        help="workers on each node: one count for all nodes, or one per node (default 1)",
+    )
+    plan.add_argument(
+        "--cores-per-worker", type=_positive_int, default=None,
+        help="accelerator ids (NeuronCores, TPU chips) Ray assigns each worker "
+        "(default: 1 on neuron/tpu, none on cpu). TPU: --nodes is the hosts, and "
+        "--workers-per-node x --cores-per-worker the chips per host",
+    )
+    plan.add_argument(
+        "--spmd", action="store_true",
+        help="SPMD: one worker per node owning all its devices (TorchXLAConfig.spmd); for TPU "
+        "pass --cores-per-worker <chips per host>",
+    )
+    plan.add_argument(
+        "--cpu-devices-per-worker", type=_positive_int, default=None, metavar="N",
+        help="XLA CPU devices per worker, CPU_NUM_DEVICES (TorchXLAConfig.cpu_devices_per_worker)",
+    )
+    plan.add_argument(
+        "--efa", action="store_true",
+        help="describe nodes with EFA devices (Neuron: plans the FI_* variables)",
+    )
+    plan.add_argument(
+        "--interface", default="", metavar="NAME",
+        help="network interface carrying the node IP, as workers detect it (Neuron: "
+        "CCOM_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
+    )
+    plan.add_argument(
+        "--compile-cache", default=None, metavar="URL",
+        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL; with "
+        "--runtime native, TorchNeuronConfig.compile_cache (TORCH_NEURONX_NEFF_CACHE_DIR)",
+    )
+    plan.add_argument(
+        "--parallel-compile", action="store_true",
+        help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
+    )
+    plan.add_argument("--master-port", type=int, default=29500, help="example MASTER_PORT")
+    plan.add_argument(
+        "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+        help="extra variable for every worker (TorchXLAConfig.env); repeatable",
+    )
+    plan.add_argument("--json", action="store_true", help="print a JSON list, one object a worker")
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
+        description="Check package versions (torch_xla built for the installed torch), "
+        "PJRT_DEVICE and what device='auto' resolves to, Neuron devices against Ray's "
+        "neuron_cores, NEURON_RT_VISIBLE_CORES, EFA, TPU chips against Ray's TPU resource, "
+        "compile cache writability and free ports. Prints one row per check (OK, WARN, FAIL) "
+        "with a one-line fix for every non-OK row; exits 1 when any check FAILs.",
+    )
+    doctor.add_argument(
+        "--cluster", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help="also connect to a running Ray cluster (default address: auto, i.e. RAY_ADDRESS "
+        "or the local cluster started with `ray start`) and run the checks on every alive node",
+    )
+    doctor.add_argument(
+        "--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
+        help="bound on connecting, on each node's answer and on the torch_xla import "
+        "(default 60)",
+    )
+    doctor.add_argument(
+        "--no-load-check", dest="load_check", action="store_false",
+        help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+
+    consolidate = sub.add_parser(
+        "consolidate",
+        help="write one file of the full model from a (sharded or replicated) checkpoint",
+        description="Read a checkpoint written by save_checkpoint (sharded: every rank's "
+        "torch.distributed.checkpoint files; or replicated: checkpoint.pt) on the CPU, without "
+        "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
+        "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
+        "safetensors.torch.load_file(OUT) and model.load_state_dict(...). The whole model must "
+        "fit in this machine's memory.",
+    )
+    consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
+                             help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
+    consolidate.add_argument("out", metavar="OUT", help="safetensors file to write")
+    consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
+                             help="also write the same tensors with torch.save to FILE")
+    consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _describe_topology(args: argparse.Namespace):
+    """(Topology, facts) for the cluster the flags describe."""
+    from ray_train_xla.planning.topology import DESCRIBED_RESOURCE, Topology, described_facts
+
+    counts = args.workers_per_node
+    if len(counts) == 1:
+        counts = counts * args.nodes
+    elif len(counts) != args.nodes:
+        raise SystemExit(
+            f"ray-train-xla plan: --workers-per-node lists {len(counts)} nodes but "
+            f"--nodes is {args.nodes}"
+        )
+    cores = args.cores_per_worker
+    if cores is None:
+        cores = 0 if args.device == "cpu" else 1
+    facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
+    return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    # The planning core only: neither Ray nor torch is imported.
+    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.planning.options import XLAOptions
+    from ray_train_xla.planning.planner import Rendezvous, get_runtime, plan
+
+    try:
+        config = _native_options(args) if args.runtime == "native" else XLAOptions(
+            device=args.device,
+            runtime=args.runtime,
+            env=dict(args.env),
+            compile_cache=args.compile_cache,
+            neuron_parallel_compile=args.parallel_compile,
+            spmd=args.spmd,
+            cpu_devices_per_worker=args.cpu_devices_per_worker,
+        )
+        topology, facts = _describe_topology(args)
+        needed = get_runtime(args.device, args.runtime).ports_needed(config)
+        rdzv = Rendezvous(
+            master_addr=topology.workers[0].node_ip,
+            master_port=args.master_port,
+            extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
+            run_id="example-run-id",
+        )
+        plans = plan(topology, config, rdzv, args.device, facts)
+    except XLAConfigError as exc:
+        print(f"ray-train-xla plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        # One worker per line: readable, greppable, and fast at thousands of workers.
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
+        return 0
+    print(format_plan_table([p.to_json() for p in plans]))
+    return 0
+
+
+def _native_options(args: argparse.Namespace):
+    """TorchNeuronConfig's options from the plan flags (XLA-only flags are refused)."""
+    from ray_train_xla.errors import config_error
+    from ray_train_xla.planning.options import NEURON_OWNER as OWNER
+    from ray_train_xla.planning.options import NeuronOptions
+
+    for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
+                        ("cpu_devices_per_worker", args.cpu_devices_per_worker)):
+        if value:
+            raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=OWNER)
+    return NeuronOptions(device=args.device, env=dict(args.env), compile_cache=args.compile_cache)
+
+
+def format_plan_table(rows: Sequence[dict]) -> str:
+    """Variables shared by all workers once, then one row per worker with the rest."""
+    keys = sorted({k for r in rows for k in r["env"]})
+    shared = [k for k in keys if len({r["env"].get(k) for r in rows}) == 1
+              and all(k in r["env"] for r in rows)]
+    varying = [k for k in keys if k not in shared]
+    lines = [f"{len(rows)} workers. Shared by every worker:"]
+    lines += [f"  {k}={rows[0]['env'][k]}" for k in shared]
+    header = ["rank", "local", "node", *varying]
+    table = [header] + [
+        [str(r["rank"]), str(r["local_rank"]), str(r["node_rank"]),
+         *(r["env"].get(k, "-") for k in varying)]
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("Per worker:")
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    return "\n".join(lines)
+
+
+def _run_job(banner: str, job, **kwargs):
+    """Print what runs, run it; a training failure is printed as FAILED (None returned)."""
+    print(banner, flush=True)
+    try:
+        return job(**kwargs)
+    except Exception as exc:  # any training failure is a failed demo, not a traceback
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools.demo import run_train_demo
+
+    summary = _run_job(
+        f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
+        f"{args.steps} steps of examples/train_mlp.py on an embedded local Ray...",
+        run_train_demo, workers=args.workers, steps=args.steps, device=args.device)
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>10}  {'compiles':>8}  {'after warm-up':>13}  {'compile s':>9}")
+    for m in summary.history:
+        print(f"{m['step']:>6}  {m['loss']:>10.5f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {m['xla/compile_time_s']:>9.2f}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.5f} -> "
+          f"{last.get('loss', float('nan')):.5f} in {summary.steps} steps, "
+          f"{len(summary.history)} checkpoints reported, time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1
+
+
+def cmd_sharded_demo(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools.demo import run_sharded_demo
+
+    summary = _run_job(
+        f"ray-train-xla demo --sharded: 1 SPMD worker, {args.devices} virtual XLA CPU devices, "
+        f"{args.steps} steps of examples/train_lm.py on an embedded local Ray...",
+        run_sharded_demo, devices=args.devices, steps=args.steps)
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
+    for m in summary.history:
+        size = f"{m['checkpoint_bytes'] / 1e6:.2f} MB in {m['checkpoint_files']} files"
+        print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
+          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
+          f"devices; time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools.demo import run_demo
+
+    if args.sharded:
+        return cmd_sharded_demo(args)
+    if args.train:
+        return cmd_train_demo(args)
+
+    summary = _run_job(
+        f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
+        f"{args.iterations} all-reduces each, on an embedded local Ray...",
+        run_demo, workers=args.workers, iterations=args.iterations, device=args.device)
+    if summary is None:
+        return 1
+    status = "OK" if summary.ok else "FAILED"
+    print(
+        f"{status}: workers={summary.workers} device={summary.device} "
+        f"(PJRT_DEVICE={summary.pjrt_device}, process group={summary.process_group}) "
+        f"iterations={summary.iterations} all_reduce(ones(2,3)) == ones*{summary.workers} "
+        f"time={summary.seconds:.1f}s"
+    )
+    return 0 if summary.ok else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools import doctor
+
+    if args.cluster is None:
+        rows = doctor.run_local(load_check=args.load_check, timeout_s=args.timeout)
+    else:
+        if not args.json:
+            print(f"ray-train-xla doctor: connecting to Ray at {args.cluster}...", flush=True)
+        rows = doctor.run_cluster(args.cluster, load_check=args.load_check, timeout_s=args.timeout)
+    if args.json:
+        json.dump(doctor.to_json(rows), sys.stdout, indent=2)
+        print()
+    else:
+        print(doctor.format_table(rows))
+    return 1 if doctor.failed(rows) else 0
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools.consolidate import consolidate
+
+    summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kind = "sharded" if summary["sharded"] else "replicated"
+        print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
+              f"{summary['bytes']} bytes (from a {kind} checkpoint)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
+                "consolidate": cmd_consolidate}
+    try:
+        code = commands[args.command](args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`ray-train-xla plan --json | head`): stop quietly, as Unix
+        # tools do, without a traceback when Python flushes stdout at exit.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

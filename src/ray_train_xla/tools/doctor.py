@@ -1,0 +1,551 @@
+"""``ray-train-xla doctor``: check the driver (and, with ``--cluster``, every node) before training.
+
+Each check yields a row: check, node, status (OK, WARN, FAIL), a detail, and for every non-OK
+status a one-line fix. Checks read package metadata (never importing torch_xla in this process),
+the environment, ``/dev`` and ``/sys``, and the resources Ray advertises for each node; one check
+imports torch_xla in a subprocess to prove it loads. In cluster mode one small task runs on each
+alive node (``NodeAffinitySchedulingStrategy``), and every wait is bounded by ``timeout_s``.
+
+Test-only override: ``RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS`` (for example ``torch_xla=2.8.0`` or
+``torch=2.9.0,libneuronxla=-``; ``-`` means "not installed") replaces the installed versions the
+checks see. It exists so tests can force a mismatch; do not set it otherwise.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from ray_train_xla.startup import netinfo
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+FAKE_VERSIONS_VAR = "RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS"
+NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
+NEFF_CACHE_VAR, NEFF_CACHE_DEFAULT = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
+PACKAGES = ("torch", "torch_xla", "torch-neuronx", "libneuronxla")
+# Ray resource names for the accelerators we map (see planning/runtimes/).
+NEURON_RESOURCE, TPU_RESOURCE = "neuron_cores", "TPU"
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the report."""
+
+    check: str
+    node: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class NodeContext:
+    """What one node's checks know beyond the machine itself."""
+
+    node: str  # label shown in the report
+    node_id: str = ""
+    node_ip: str = ""
+    # Resources Ray advertises for the node; None when not connected to Ray.
+    ray_resources: Mapping[str, float] | None = None
+    is_head: bool = True
+    load_check: bool = True
+    timeout_s: float = 60.0
+    multi_node: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts about this machine.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_versions() -> dict[str, str | None]:
+    text = os.environ.get(FAKE_VERSIONS_VAR, "")
+    out: dict[str, str | None] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, version = part.partition("=")
+        out[_norm(name)] = None if version in ("", "-") else version
+    return out
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution (from metadata, nothing imported); None if absent."""
+    fake = _fake_versions()
+    if _norm(dist) in fake:
+        return fake[_norm(dist)]
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def torch_pin(dist: str) -> str | None:
+    """The torch version specifier ``dist`` declares in its Requires-Dist (outside extras), if any."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requires = importlib.metadata.requires(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if _norm(req.name) == "torch" and str(req.specifier) and (
+            req.marker is None or req.marker.evaluate({"extra": ""})
+        ):
+            return str(req.specifier)
+    return None
+
+
+def pairing(dist: str, dist_version: str, torch_version: str) -> tuple[bool, str]:
+    """Whether ``dist`` (torch_xla, torch-neuronx) was built for the installed torch, and how
+    that was decided. A torch pin in the package's Requires-Dist wins; torch_xla 2.9 declares
+    none, so then the rule is major.minor equality (torch_xla 2.9.0 pairs with torch 2.9.x)."""
+    spec = torch_pin(dist)
+    if spec:
+        from packaging.specifiers import SpecifierSet
+
+        ok = SpecifierSet(spec).contains(torch_version.split("+")[0], prereleases=True)
+        return ok, f"{dist} requires torch{spec}"
+    ok = _major_minor(dist_version) == _major_minor(torch_version)
+    mm = ".".join(map(str, _major_minor(dist_version)))
+    return ok, f"{dist} {dist_version} pairs with torch {mm}.x"
+
+
+def is_native_neuronx(version: str | None) -> bool:
+    """Whether the installed torch-neuronx is native TorchNeuron (Neuron SDK 2.30+): the XLA
+    builds require torch-xla, the native one does not."""
+    if version is None:
+        return False
+    try:
+        requires = importlib.metadata.requires("torch-neuronx") or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not any(_norm(line).startswith("torch-xla") for line in requires)
+
+
+def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tuple[str, str, str, str]]:
+    """(check, status, detail, fix) rows for native TorchNeuron: the package and its torch pin,
+    and the NEFF cache directory (``TorchNeuronConfig.compile_cache``)."""
+    rows = []
+    if torch_v is None:
+        rows.append(("native TorchNeuron", FAIL, f"torch-neuronx {version}; torch not installed",
+                     "pip install torch-neuronx (it pulls the torch it was built for)"))
+    else:
+        ok, how = pairing("torch-neuronx", version, torch_v)
+        rows.append(("native TorchNeuron", OK if ok else FAIL,
+                     f"torch-neuronx {version} ({how}; torch {torch_v}); use TorchNeuronConfig",
+                     "install the torch the native torch-neuronx requires, in this environment"))
+    path = os.environ.get(NEFF_CACHE_VAR, "")
+    where = f"{NEFF_CACHE_VAR}={path}" if path else f"{NEFF_CACHE_DEFAULT} (default; {NEFF_CACHE_VAR} unset)"
+    ok, detail = _writable(path or NEFF_CACHE_DEFAULT)
+    if not ok:
+        rows.append(("NEFF cache", FAIL, f"{where}: {detail}",
+                     "make it writable for the user running Ray, or pass "
+                     "TorchNeuronConfig(compile_cache=<shared directory>)"))
+    elif not path and multi_node:
+        rows.append(("NEFF cache", WARN, f"{where}: per node, so every node compiles every graph",
+                     "pass TorchNeuronConfig(compile_cache=<directory shared by all nodes>)"))
+    else:
+        rows.append(("NEFF cache", OK, f"{where}: {detail}", ""))
+    return rows
+
+
+def neuron_devices(dev: str = "/dev") -> list[str]:
+    """The Neuron device files (``/dev/neuron0`` ...)."""
+    return sorted(p for p in glob.glob(os.path.join(dev, "neuron*")) if p[len(dev) + 7:].isdigit())
+
+
+def tpu_chips(dev: str = "/dev") -> list[str]:
+    """TPU chips: ``/dev/accel*`` (TPU v4/v5p) or ``/dev/vfio/<n>`` groups (v5e, v6e)."""
+    accel = sorted(glob.glob(os.path.join(dev, "accel*")))
+    if accel:
+        return accel
+    return sorted(p for p in glob.glob(os.path.join(dev, "vfio", "*")) if os.path.basename(p).isdigit())
+
+
+def _writable(path: str) -> tuple[bool, str]:
+    """Whether ``path`` (or, if it does not exist yet, its nearest existing parent) accepts a file."""
+    probe = path
+    while probe and not os.path.exists(probe):
+        parent = os.path.dirname(probe.rstrip("/"))
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return False, f"{probe} is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".rtx-doctor-"):
+            pass
+    except OSError as exc:
+        return False, f"cannot write in {probe}: {exc.strerror or exc}"
+    return True, "writable" if probe == path else f"does not exist yet; {probe} is writable"
+
+
+def _load_torch_xla(timeout_s: float) -> tuple[bool, str]:
+    code = "import torch_xla, torch_xla.runtime; print(torch_xla.__version__)"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"import torch_xla did not finish within {timeout_s:.0f} s"
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return False, f"import torch_xla failed: {lines[-1] if lines else f'exit {proc.returncode}'}"
+    return True, f"import torch_xla works ({proc.stdout.strip().splitlines()[-1]})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks of one node.
+# ---------------------------------------------------------------------------------------------
+
+
+def check_node(ctx: NodeContext) -> list[Check]:
+    """All checks of the machine this runs on (the driver, or a node's task in cluster mode)."""
+    rows: list[Check] = []
+
+    def add(check: str, status: str, detail: str, fix: str = "") -> None:
+        rows.append(Check(check, ctx.node, status, detail, fix if status != OK else ""))
+
+    versions = {name: installed_version(name) for name in PACKAGES}
+    ctx.extra["versions"] = versions
+    nc_devices, chips = neuron_devices(), tpu_chips()
+    res = ctx.ray_resources
+    ray_cores = int(res.get(NEURON_RESOURCE, 0)) if res is not None else None
+    ray_tpus = int(res.get(TPU_RESOURCE, 0)) if res is not None else None
+    # A Neuron node: it has the devices, or Ray hands out NeuronCores there.
+    neuron_present = bool(nc_devices) or bool(ray_cores)
+
+    # -- packages --
+    torch_v, xla_v = versions["torch"], versions["torch_xla"]
+    native = is_native_neuronx(versions["torch-neuronx"])
+    if torch_v is None:
+        add("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")
+    if xla_v is None and native:
+        add("torch/torch_xla", OK, "torch_xla not installed (not needed with native TorchNeuron)")
+    elif xla_v is None:
+        add("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
+            f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")
+    elif torch_v is not None:
+        ok, how = pairing("torch_xla", xla_v, torch_v)
+        tmm, xmm = (".".join(map(str, _major_minor(v))) for v in (torch_v, xla_v))
+        add("torch/torch_xla", OK if ok else FAIL,
+            f"torch {torch_v}, torch_xla {xla_v} ({how})",
+            f"install a matching pair: pip install 'torch=={xmm}.*' (for torch_xla {xla_v}) "
+            f"or 'torch-xla=={tmm}.*' (for torch {torch_v})")
+        if ctx.load_check:
+            ok, detail = _load_torch_xla(ctx.timeout_s)
+            add("torch_xla loads", OK if ok else FAIL, detail,
+                "reinstall torch and torch-xla as a matching pair in this Python environment "
+                f"({sys.executable})")
+    for name in ("torch-neuronx", "libneuronxla"):
+        version = versions[name]
+        if name == "torch-neuronx" and native:
+            for row in native_rows(version, torch_v, ctx.multi_node):
+                add(*row)
+        elif version is None:
+            needed = neuron_present and not native
+            add(name, FAIL if needed else OK,
+                "not installed" + ("" if needed else " (not needed: no Neuron on this node)"),
+                "pip install torch-neuronx libneuronxla "
+                "--extra-index-url https://pip.repos.neuron.amazonaws.com")
+        elif name == "torch-neuronx" and torch_v is not None:
+            ok, how = pairing(name, version, torch_v)
+            add(name, OK if ok else FAIL, f"{version} ({how}; torch {torch_v} installed)",
+                "install the torch-neuronx release built for the installed torch (see the Neuron "
+                "SDK release notes), or the torch it requires")
+        else:
+            add(name, OK, version)
+
+    # -- device: PJRT_DEVICE and what device="auto" resolves to --
+    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.planning.planner import resolve_device
+    from ray_train_xla.planning.topology import WorkerFacts
+
+    pjrt = os.environ.get("PJRT_DEVICE", "")
+    if res is not None:  # connected: what Ray would give a worker asking for all of them
+        source = "Ray resources"
+        accel = {r: tuple(str(i) for i in range(int(res.get(r, 0))))
+                 for r in (NEURON_RESOURCE, TPU_RESOURCE) if int(res.get(r, 0))}
+    else:  # not connected: what Ray would detect on this machine
+        source = "local devices"
+        accel = {r: ("0",) for r, found in ((NEURON_RESOURCE, nc_devices), (TPU_RESOURCE, chips))
+                 if found}
+    facts = WorkerFacts(node_id=ctx.node_id or "local", node_ip=ctx.node_ip or "127.0.0.1",
+                        pid=os.getpid(), accelerator_ids=accel, pjrt_device=pjrt)
+    try:
+        device = resolve_device("auto", [facts])
+        add("device", OK, f"PJRT_DEVICE={pjrt or 'unset'}; device='auto' -> {device} "
+            f"(from {source})")
+    except XLAConfigError as exc:
+        device = ""
+        add("device", FAIL, f"PJRT_DEVICE={pjrt}: {exc}",
+            "unset PJRT_DEVICE (or set CPU, TPU or NEURON), or pass TorchXLAConfig(device=...)")
+    ctx.extra["device"] = device
+
+    # -- Neuron --
+    cores_text = "" if ray_cores is None else f"; Ray advertises neuron_cores={ray_cores}"
+    if not nc_devices and not ray_cores:
+        add("neuron devices", OK, "not present" + cores_text)
+    elif not nc_devices:
+        add("neuron devices", FAIL, f"no /dev/neuron* devices{cores_text}",
+            "install the Neuron driver (aws-neuronx-dkms) on this node, or start Ray there "
+            "without a neuron_cores resource")
+    elif ray_cores is None:
+        add("neuron devices", OK, f"{len(nc_devices)} devices (/dev/neuron*)")
+    elif ray_cores == 0:
+        add("neuron devices", WARN, f"{len(nc_devices)} devices{cores_text}",
+            "make neuron-ls work for the user running Ray (/opt/aws/neuron/bin), or start Ray "
+            "with --resources='{\"neuron_cores\": N}'")
+    elif ray_cores % len(nc_devices):
+        add("neuron devices", WARN, f"{len(nc_devices)} devices{cores_text} (not a multiple)",
+            "restart Ray on this node so that it advertises every NeuronCore (see neuron-ls)")
+    else:
+        add("neuron devices", OK, f"{len(nc_devices)} devices{cores_text}")
+    visible = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
+    if visible:
+        add("NEURON_RT_VISIBLE_CORES", WARN, f"set by hand to {visible!r}: it fights Ray's "
+            "per-worker NeuronCore assignment",
+            "unset it where Ray and the driver start; request cores with "
+            "ScalingConfig(resources_per_worker={'neuron_cores': N})")
+    else:
+        add("NEURON_RT_VISIBLE_CORES", OK, "unset (Ray assigns cores per worker)")
+    efa = _has_efa()
+    if efa:
+        add("EFA", OK, "EFA devices present")
+    elif neuron_present and ctx.multi_node:
+        add("EFA", WARN, "no EFA devices: multi-node Neuron collectives fall back to TCP",
+            "use EFA-enabled instances (trn1.32xlarge, trn2.48xlarge) with EFA in the "
+            "security group and the EFA driver installed")
+    else:
+        add("EFA", OK, "not present" + ("" if neuron_present else " (not needed without Neuron)"))
+
+    # -- TPU --
+    tpu_text = "" if ray_tpus is None else f"; Ray advertises TPU={ray_tpus}"
+    if not chips and not ray_tpus:
+        add("TPU chips", OK, "not present" + tpu_text)
+    elif not chips:
+        add("TPU chips", FAIL, f"no /dev/accel* or /dev/vfio chips{tpu_text}",
+            "run this node on a TPU VM, or start Ray there without a TPU resource")
+    elif ray_tpus is not None and ray_tpus != len(chips):
+        add("TPU chips", WARN, f"{len(chips)} chips{tpu_text}",
+            f"restart Ray on this node with --resources='{{\"TPU\": {len(chips)}}}'")
+    else:
+        add("TPU chips", OK, f"{len(chips)} chips{tpu_text}")
+
+    # -- compile caches --
+    caches = []
+    if neuron_present or versions["torch-neuronx"]:
+        url = os.environ.get("NEURON_COMPILE_CACHE_URL", "")
+        caches.append(("NEURON_COMPILE_CACHE_URL", url or NEURON_CACHE_DEFAULT, bool(url)))
+    if os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
+        caches.append(("XLA_PERSISTENT_CACHE_PATH", os.environ["XLA_PERSISTENT_CACHE_PATH"], True))
+    if not caches:
+        add("compile cache", OK, "none configured (no Neuron, XLA_PERSISTENT_CACHE_PATH unset)")
+    for var, path, is_set in caches:
+        where = f"{var}={path}" if is_set else f"{path} (default; {var} unset)"
+        if path.startswith("s3://"):
+            add("compile cache", OK, f"{where}: S3, not checked from here")
+            continue
+        ok, detail = _writable(path)
+        add("compile cache", OK if ok else FAIL, f"{where}: {detail}",
+            f"make {path} writable for the user running Ray, or set {var} to a writable "
+            "(shared) path")
+
+    # -- ports on the head --
+    if ctx.is_head:
+        try:
+            ports = netinfo.free_ports(2)
+            add("free ports", OK, f"bound two ephemeral ports ({ports[0]}, {ports[1]})")
+        except OSError as exc:
+            add("free ports", FAIL, f"cannot bind ephemeral TCP ports: {exc}",
+                "free ports in net.ipv4.ip_local_port_range or close stale listeners")
+    return rows
+
+
+def _has_efa() -> bool:
+    return netinfo.has_efa()
+
+
+def remote_node_check(ctx: NodeContext) -> dict:
+    """Run in a Ray task on one node: that node's rows plus facts for cluster-wide checks."""
+    import ray
+
+    rows = check_node(ctx)
+    return {
+        "rows": [asdict(r) for r in rows],
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "python": sys.executable,
+        **ctx.extra,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side: local only, or every node of a cluster.
+# ---------------------------------------------------------------------------------------------
+
+
+def cpu_note(node: str) -> Check:
+    return Check("CPU collectives", node, OK,
+                 "several CPU workers run in the development mode: xm collectives "
+                 "(all_reduce, all_gather, reduce_scatter, broadcast, rendezvous, mesh_reduce, "
+                 "optimizer_step), torch.distributed and DDP on XLA tensors cross workers over "
+                 "gloo on host copies, and xr.world_size()/global_ordinal() are Ray's; eager, "
+                 "every collective cuts the graph (see README, CPU development mode)")
+
+
+def run_local(load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:
+    """Checks of this machine only, without Ray."""
+    ctx = NodeContext(node="driver", load_check=load_check, timeout_s=timeout_s)
+    rows = check_node(ctx)
+    if ctx.extra.get("device") == "cpu":
+        rows.append(cpu_note("driver"))
+    return rows
+
+
+def _connect(address: str, timeout_s: float) -> str | None:
+    """Connect to a running Ray cluster within ``timeout_s``; an error text, or None."""
+    import threading
+
+    import ray
+
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, name="ray_train_xla-doctor-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"no answer from Ray at {address!r} within {timeout_s:.0f} s"
+    if errors:
+        return f"{type(errors[0]).__name__}: {errors[0]}"
+    return None
+
+
+def node_label(node: Mapping, head: bool) -> str:
+    return f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}" + (" (head)" if head else "")
+
+
+def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:
+    """Checks of the driver, then one task on each alive node of the cluster at ``address``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def driver_rows() -> list[Check]:
+        rows = run_local(load_check=load_check, timeout_s=timeout_s)
+        return [r for r in rows if r.check not in ("free ports", "CPU collectives")]
+
+    driver_versions = {n: installed_version(n) for n in PACKAGES}
+    error = _connect(address, timeout_s)
+    if error:
+        return driver_rows() + [
+            Check("ray cluster", "driver", FAIL, error,
+                  "start Ray (ray start --head) or pass its address: --cluster HOST:6379")
+        ]
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        task = ray.remote(remote_node_check)
+        refs, labels = {}, {}
+        for node in nodes:
+            resources = dict(node.get("Resources", {}))
+            head = HEAD_RESOURCE in resources
+            label = node_label(node, head)
+            ctx = NodeContext(node=label, node_id=node["NodeID"],
+                              node_ip=node["NodeManagerAddress"], ray_resources=resources,
+                              is_head=head, load_check=load_check, timeout_s=timeout_s * 0.8,
+                              multi_node=len(nodes) > 1)
+            ref = task.options(
+                num_cpus=0, max_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            ).remote(ctx)
+            refs[ref], labels[ref] = node, label
+        # The driver's own checks run while the nodes work.
+        rows = driver_rows()
+        rows.append(Check("ray cluster", "driver", OK,
+                          f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        answers = []
+        for ref in ready:
+            try:
+                answers.append((labels[ref], ray.get(ref, timeout=timeout_s)))
+            except Exception as exc:
+                first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                rows.append(Check("node task", labels[ref], FAIL, f"the check task failed: {first}",
+                                  "install ray-train-xla (and the same torch/torch_xla) in the "
+                                  "Python environment Ray uses on this node"))
+        for ref in pending:
+            ray.cancel(ref, force=True)
+            rows.append(Check("node task", labels[ref], FAIL,
+                              f"no answer within {timeout_s:.0f} s",
+                              "check the node is healthy (ray status), or rerun with a larger "
+                              "--timeout"))
+        cpu_nodes = 0
+        for label, answer in sorted(answers, key=lambda a: a[0]):
+            rows += [Check(**r) for r in answer["rows"]]
+            differ = [f"{n} {answer['versions'].get(n) or '-'} (driver {driver_versions[n] or '-'})"
+                      for n in PACKAGES if answer["versions"].get(n) != driver_versions[n]]
+            rows.append(Check("same as driver", label, WARN if differ else OK,
+                              "; ".join(differ) if differ else "package versions match the driver",
+                              "install the same torch, torch_xla and Neuron packages on the "
+                              "driver and every node" if differ else ""))
+            cpu_nodes += answer.get("device") == "cpu"
+        if cpu_nodes:
+            rows.append(cpu_note("cluster"))
+    finally:
+        ray.shutdown()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+# ---------------------------------------------------------------------------------------------
+
+
+def failed(rows: Sequence[Check]) -> bool:
+    return any(r.status == FAIL for r in rows)
+
+
+def format_table(rows: Sequence[Check]) -> str:
+    """One line per check (check, node, status, detail), the fix indented under each non-OK."""
+    header = ("check", "node", "status", "detail")
+    cells = [header] + [(r.check, r.node, r.status, r.detail) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    lines = []
+    for i, cell in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cell[:3], widths)) + "  " + cell[3])
+        if i and rows[i - 1].fix:
+            lines.append(" " * (sum(widths) + 6) + "fix: " + rows[i - 1].fix)
+    counts = {s: sum(r.status == s for r in rows) for s in (OK, WARN, FAIL)}
+    lines.append(f"{len(rows)} checks: {counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL")
+    return "\n".join(lines)
+
+
+def to_json(rows: Sequence[Check]) -> dict:
+    return {"ok": not failed(rows), "checks": [asdict(r) for r in rows]}
