@@ -35,6 +35,9 @@ SPMD_PROCESS_GROUP = ("gloo", "xla://")
 # Every XLA worker drives one XLA device, xla:0 (Accelerate reads this, as Ray's TorchConfig sets it).
 XLA_TORCH_DEVICE = "xla:0"
 
+# How long rendezvous, process-group initialisation and its operations may wait (timeout_s).
+DEFAULT_TIMEOUT_S = 1800
+
 # ---- our own variables: the options as the workers see them ---------------------------------
 DEVICE_VAR = "RAY_TRAIN_XLA_DEVICE"
 RUNTIME_VAR = "RAY_TRAIN_XLA_RUNTIME"
@@ -145,7 +148,7 @@ class WorkerContext:
     runtime: str = ""
     pg_backend: str = ""
     init_method: str = ""
-    timeout_s: float = 1800.0
+    timeout_s: float = float(DEFAULT_TIMEOUT_S)
     spmd: bool = False
     devmode: bool = False
     parallel_compile: bool = False

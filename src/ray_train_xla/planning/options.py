@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ray_train_xla.errors import config_error
-from ray_train_xla.planning.contract import NATIVE, check_user_env
+from ray_train_xla.planning.contract import DEFAULT_TIMEOUT_S, NATIVE, check_user_env
 
 DEVICES = ("auto", "neuron", "tpu", "cpu")
 RUNTIMES = ("pjrt", "xrt")
@@ -56,7 +56,7 @@ class XLAOptions:
     device: str = "auto"
     runtime: str = "pjrt"
     neuron_parallel_compile: bool = False
-    timeout_s: float = 1800
+    timeout_s: float = DEFAULT_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
     efa: bool | None = None
     compile_cache: str | None = None
@@ -130,7 +130,7 @@ class NeuronOptions:
     below give it the answers it asks every config (no SPMD, no parallel compile)."""
 
     device: str = "auto"
-    timeout_s: float = 1800
+    timeout_s: float = DEFAULT_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
     efa: bool | None = None
     compile_cache: str | None = None

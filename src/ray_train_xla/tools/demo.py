@@ -29,6 +29,7 @@ def seed_check_loop(config: dict) -> None:
     import torch
 
     import ray_train_xla as rtx
+    from ray_train_xla.planning.contract import worker_context
 
     device = rtx.get_device()
     n = rtx.world_size()
@@ -46,7 +47,7 @@ def seed_check_loop(config: dict) -> None:
         "rank": rtx.rank(),
         "device": str(device),
         "pjrt_device": os.environ.get("PJRT_DEVICE", ""),
-        "process_group": os.environ.get("RAY_TRAIN_XLA_PG_BACKEND", ""),
+        "process_group": worker_context().pg_backend,
         "loop_seconds": elapsed,
     }
     with open(os.path.join(config["out_dir"], f"rank{rtx.rank()}.json"), "w") as f:
