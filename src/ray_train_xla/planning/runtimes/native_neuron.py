@@ -3,7 +3,7 @@
 The native package's process group (``init_process_group("neuron", init_method="env://")``)
 sets the Neuron runtime up from the environment at init, once per process
 (``torch_neuronx/distributed/backend.py``, ``_neuron_runtime_setup``; details and sources in
-``docs/reference/native-neuron.md``). It keeps ``NEURON_RT_VISIBLE_CORES`` and
+``docs/trainium.md``, "Sources for native TorchNeuron"). It keeps ``NEURON_RT_VISIBLE_CORES`` and
 ``NEURON_RT_ROOT_COMM_ID`` when they are set and otherwise guesses them, so the plan sets them,
 per worker, before anything touches the runtime:
 
