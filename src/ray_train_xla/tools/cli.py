@@ -4,14 +4,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
+EXIT_FAILED = 1  # the command ran and failed
+EXIT_USAGE = 2  # the command line is wrong
+PORT_MAX = 65535
+# `plan` describes at most this many workers (and accelerator ids): enough for any cluster,
+# and bounded so that a typo (--nodes 99999999999) is refused rather than exhausting memory.
+PLAN_MAX_WORKERS = 100_000
+PLAN_MAX_ACCELERATORS = 1_000_000
+TIMEOUT_MAX_S = 86_400.0
+
+EXIT_STATUS_HELP = (
+    "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
+    "consolidate could not read the checkpoint's storage or write OUT); 2 the command line is "
+    "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
+    "that does not exist or holds no model, an OUT that is a directory). Every error is one line "
+    "on stderr."
+)
+
+
+class CommandError(Exception):
+    """An error the user can fix, printed as one line; ``exit_code``: EXIT_USAGE (the command
+    line is wrong) or EXIT_FAILED (the command ran and failed)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line: what is wrong and where the usage is. The top
+    parser's ``command_parsers`` maps each command to its parser."""
+
+    command_parsers: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_one_line(message)} "
+                              f"(see {self.prog} --help)\n")
+
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= TIMEOUT_MAX_S:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number of seconds (at most {TIMEOUT_MAX_S:g})")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= PORT_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to {PORT_MAX})")
     return value
 
 
@@ -35,11 +97,15 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    import ray_train_xla
+
+    parser = Parser(
         prog="ray-train-xla",
         description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
-        "consolidate.",
+        "consolidate. Without a command, prints this help.",
+        epilog=EXIT_STATUS_HELP,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -94,10 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+; "
         "--device neuron or cpu)",
     )
-    plan.add_argument("--nodes", type=_positive_int, default=1, help="nodes (default 1)")
+    plan.add_argument(
+        "--nodes", type=_positive_int, default=None,
+        help="nodes (default: as many as --workers-per-node lists, else 1)",
+    )
     plan.add_argument(
         "--workers-per-node", type=_workers_per_node, default=[1], metavar="N[,N...]",
-        help="workers on each node: one count for all nodes, or one per node (default 1)",
+        help="workers on each node: one count for all nodes, or one per node (the list gives "
+        "the number of nodes; default 1)",
     )
     plan.add_argument(
         "--cores-per-worker", type=_positive_int, default=None,
@@ -132,7 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel-compile", action="store_true",
         help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
     )
-    plan.add_argument("--master-port", type=int, default=29500, help="example MASTER_PORT")
+    plan.add_argument(
+        "--master-port", type=_port, default=29500, metavar="PORT",
+        help="example MASTER_PORT (default 29500); Neuron also uses the next port, "
+        "for NEURON_RT_ROOT_COMM_ID",
+    )
     plan.add_argument(
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
@@ -154,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or the local cluster started with `ray start`) and run the checks on every alive node",
     )
     doctor.add_argument(
-        "--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
+        "--timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
         help="bound on connecting, on each node's answer and on the torch_xla import "
         "(default 60)",
     )
@@ -172,22 +246,23 @@ def build_parser() -> argparse.ArgumentParser:
         "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
         "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
         "safetensors.torch.load_file(OUT) and model.load_state_dict(...). The whole model must "
-        "fit in this machine's memory.",
+        "fit in this machine's memory. Exits 2 when CHECKPOINT does not exist, is not a "
+        "checkpoint or has no model, or OUT is a directory; 1 when the checkpoint's storage "
+        "cannot be read or OUT cannot be written. OUT is written whole or not at all.",
     )
     consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
                              help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
     consolidate.add_argument("out", metavar="OUT", help="safetensors file to write")
     consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
                              help="also write the same tensors with torch.save to FILE")
+    consolidate.add_argument(
+        "--timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+        help="bound on the first answer of a remote CHECKPOINT's storage (default 60)",
+    )
     consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.command_parsers = {"demo": demo, "plan": plan, "doctor": doctor,
+                              "consolidate": consolidate}
     return parser
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -195,48 +270,66 @@ def _describe_topology(args: argparse.Namespace):
     from ray_train_xla.planning.topology import DESCRIBED_RESOURCE, Topology, described_facts
 
     counts = args.workers_per_node
-    if len(counts) == 1:
-        counts = counts * args.nodes
-    elif len(counts) != args.nodes:
-        raise SystemExit(
-            f"ray-train-xla plan: --workers-per-node lists {len(counts)} nodes but "
-            f"--nodes is {args.nodes}"
-        )
+    if len(counts) > 1:
+        if args.nodes is not None and args.nodes != len(counts):
+            raise CommandError(
+                f"--workers-per-node {','.join(map(str, counts))} lists {len(counts)} nodes but "
+                f"--nodes is {args.nodes}: give one count per node, or one count for all nodes"
+            )
+    else:
+        nodes = 1 if args.nodes is None else args.nodes
+        if counts[0] * nodes > PLAN_MAX_WORKERS:
+            raise CommandError(
+                f"--nodes {nodes} x --workers-per-node {counts[0]} is {counts[0] * nodes} "
+                f"workers: plan describes at most {PLAN_MAX_WORKERS}"
+            )
+        counts = counts * nodes
     cores = args.cores_per_worker
     if cores is None:
         cores = 0 if args.device == "cpu" else 1
+    workers = sum(counts)
+    if workers > PLAN_MAX_WORKERS:
+        raise CommandError(f"--workers-per-node gives {workers} workers: plan describes at most "
+                           f"{PLAN_MAX_WORKERS}")
+    if workers * cores > PLAN_MAX_ACCELERATORS:
+        raise CommandError(
+            f"--cores-per-worker {cores} for {workers} worker{'s' if workers > 1 else ''} is "
+            f"{workers * cores} accelerator ids: plan describes at most {PLAN_MAX_ACCELERATORS}"
+        )
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
     return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    # The planning core only: neither Ray nor torch is imported.
-    from ray_train_xla.errors import XLAConfigError
+    # The planning core only: neither Ray nor torch is imported. Its XLAConfigError (a
+    # configuration the backend would refuse) is reported by main() as a usage error.
     from ray_train_xla.planning.options import XLAOptions
     from ray_train_xla.planning.planner import Rendezvous, get_runtime, plan
 
-    try:
-        config = _native_options(args) if args.runtime == "native" else XLAOptions(
-            device=args.device,
-            runtime=args.runtime,
-            env=dict(args.env),
-            compile_cache=args.compile_cache,
-            neuron_parallel_compile=args.parallel_compile,
-            spmd=args.spmd,
-            cpu_devices_per_worker=args.cpu_devices_per_worker,
+    config = _native_options(args) if args.runtime == "native" else XLAOptions(
+        device=args.device,
+        runtime=args.runtime,
+        env=dict(args.env),
+        compile_cache=args.compile_cache,
+        neuron_parallel_compile=args.parallel_compile,
+        spmd=args.spmd,
+        cpu_devices_per_worker=args.cpu_devices_per_worker,
+    )
+    topology, facts = _describe_topology(args)
+    needed = get_runtime(args.device, args.runtime).ports_needed(config)
+    if args.master_port + needed > PORT_MAX:
+        raise CommandError(
+            f"--master-port {args.master_port} is too high: this plan also takes the "
+            f"{'next port' if needed == 1 else f'next {needed} ports'} (--device {args.device}), "
+            f"so it must be at most {PORT_MAX - needed}"
         )
-        topology, facts = _describe_topology(args)
-        needed = get_runtime(args.device, args.runtime).ports_needed(config)
-        rdzv = Rendezvous(
-            master_addr=topology.workers[0].node_ip,
-            master_port=args.master_port,
-            extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
-            run_id="example-run-id",
-        )
-        plans = plan(topology, config, rdzv, args.device, facts)
-    except XLAConfigError as exc:
-        print(f"ray-train-xla plan: {exc}", file=sys.stderr)
-        return 2
+    rdzv = Rendezvous(
+        master_addr=topology.workers[0].node_ip,
+        master_port=args.master_port,
+        extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
+        run_id="example-run-id",
+    )
+    plans = plan(topology, config, rdzv, args.device, facts)
     if args.json:
         # One worker per line: readable, greppable, and fast at thousands of workers.
         sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
@@ -279,13 +372,34 @@ def format_plan_table(rows: Sequence[dict]) -> str:
 
 
 def _run_job(banner: str, job, **kwargs):
-    """Print what runs, run it; a training failure is printed as FAILED (None returned)."""
+    """Print what runs, run it; a training failure is printed as one FAILED line (None
+    returned)."""
     print(banner, flush=True)
     try:
         return job(**kwargs)
     except Exception as exc:  # any training failure is a failed demo, not a traceback
-        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"FAILED: {_failure(exc)}", file=sys.stderr)
         return None
+
+
+def _failure(exc: BaseException) -> str:
+    """One line for a failed Ray Train run: the first worker's (or the controller's) own error,
+    not the remote tracebacks Ray wraps around it."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        failures = getattr(exc, "worker_failures", None)  # ray.train.WorkerGroupError
+        inner = (failures[min(failures)] if failures
+                 else getattr(exc, "controller_failure", None)  # ray.train.ControllerError
+                 or getattr(exc, "cause", None))  # ray.exceptions.RayTaskError
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and any(line.startswith("Traceback") or line.startswith("File ")
+                              for line in lines):
+        return lines[-1]  # a traceback as text ends with "Type: message"
+    return f"{type(exc).__name__}: {' '.join(lines)}"
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
@@ -373,9 +487,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from ray_train_xla.tools.consolidate import consolidate
+    from ray_train_xla.tools.consolidate import ConsolidateError, consolidate
 
-    summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file)
+    try:
+        summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
+                              timeout_s=args.timeout)
+    except ConsolidateError as exc:
+        raise CommandError(str(exc), exc.exit_code) from exc
     if args.json:
         print(json.dumps(summary))
     else:
@@ -386,12 +504,39 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line ``argv`` (default: sys.argv[1:]); returns the exit status.
+
+    Every error a user can cause is one line on stderr, ``ray-train-xla COMMAND: error: ...``:
+    usage and configuration errors (argparse's, XLAConfigError, CommandError) exit 2, a command
+    that ran and failed exits 1. Anything else is a bug and keeps its traceback."""
+    from ray_train_xla.errors import XLAConfigError
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_help()
+        return 0
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command's parser, which argparse would leave to the top one
+            parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else 0
     commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
                 "consolidate": cmd_consolidate}
+    prog = f"{parser.prog} {args.command}"
     try:
         code = commands[args.command](args)
         sys.stdout.flush()
+    except XLAConfigError as exc:
+        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except CommandError as exc:
+        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # The reader went away (`ray-train-xla plan --json | head`): stop quietly, as Unix
         # tools do, without a traceback when Python flushes stdout at exit.
@@ -400,6 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return code
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

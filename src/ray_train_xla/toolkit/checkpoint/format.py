@@ -50,9 +50,19 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
         return state
     file = os.path.join(path, filename)
     if not os.path.exists(file):
-        found = sorted(os.listdir(path)) if os.path.isdir(path) else "no directory"
         raise NotACheckpointError(
             f"{path} is neither a sharded checkpoint (no {METADATA_FILE}) nor a replicated one "
-            f"(no {filename}); found {found}")
+            f"(no {filename}); found {_found(path)}")
     state = torch.load(file, map_location="cpu", weights_only=False)
     return {k: state[k] for k in keys if k in state}
+
+
+def _found(path: str, shown: int = 8) -> str:
+    """What directory ``path`` holds, shortened to ``shown`` names (for error messages)."""
+    if not os.path.isdir(path):
+        return "no directory"
+    names = sorted(os.listdir(path))
+    if not names:
+        return "an empty directory"
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
