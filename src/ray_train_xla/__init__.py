@@ -36,6 +36,7 @@ _EXPORTS = {
     "WorkerSetupError": "ray_train_xla.errors",
     "XLAInitError": "ray_train_xla.errors",
     "RendezvousTimeoutError": "ray_train_xla.errors",
+    "NeuronCompileError": "ray_train_xla.errors",
     "ShardedStateError": "ray_train_xla.errors",
     **{name: "ray_train_xla.toolkit" for name in (
         "CompileMonitor",

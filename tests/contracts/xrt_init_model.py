@@ -3,7 +3,7 @@
 torch_xla 1.13 cannot be installed next to torch_xla 2.9, so this is a line-by-line model of the
 environment logic of ``init_xrt_context`` (pytorch/xla v2.0.0
 ``torch_xla/_internal/xrt_init.py``, the mechanism the ``xla`` process group runs under torchrun
-when ``TORCHELASTIC_RUN_ID`` is set; see docs/xla-runtime-spec.md §3), on Neuron, with the
+when ``TORCHELASTIC_RUN_ID`` is set), on Neuron, with the
 TCPStore replaced by a dict shared by all workers. Ports and host names it would take are
 placeholders. Reading a variable the original reads with ``os.environ[...]`` raises KeyError
 exactly where the original would.

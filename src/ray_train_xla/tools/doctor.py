@@ -413,7 +413,7 @@ def cpu_note(node: str) -> Check:
                  "(all_reduce, all_gather, reduce_scatter, broadcast, rendezvous, mesh_reduce, "
                  "optimizer_step), torch.distributed and DDP on XLA tensors cross workers over "
                  "gloo on host copies, and xr.world_size()/global_ordinal() are Ray's; eager, "
-                 "every collective cuts the graph (see README, CPU development mode)")
+                 "every collective cuts the graph (see docs/cpu-development-mode.md)")
 
 
 def run_local(load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:

@@ -1,7 +1,7 @@
 """Test double of native torch-neuronx (Neuron SDK 2.30+), which cannot be installed here.
 
 Written from the documented process-group init (``torch_neuronx/distributed/backend.py``,
-``_neuron_runtime_setup``; see docs/native-neuron-spec.md §1.1). Importing it registers a
+``_neuron_runtime_setup``; see docs/trainium.md, native TorchNeuron). Importing it registers a
 ``neuron`` c10d backend whose creator replays that init on the real environment, in order:
 
 1. asserts the Neuron runtime is not initialised yet;
