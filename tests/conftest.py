@@ -1,8 +1,17 @@
-"""Shared fixtures: one real local Ray per test module, always shut down."""
+"""Shared fixtures: real local Ray clusters, shared by the modules that can share one, always
+shut down.
+
+Ray clusters are started once per kind and session (``shared_cluster``): one node with fake
+accelerators (``one_node``) and two nodes (``two_nodes``); each module connects to one with its
+own job ``runtime_env`` (test doubles, setup hooks) and disconnects at its end, which ends its
+job's workers. The modules of one kind run one after another (``pytest_collection_modifyitems``),
+so each kind starts once. Modules that change a cluster (add or drain nodes) start their own.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import tempfile
@@ -14,12 +23,16 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p
 )
+# Ray Train V2's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+# default): every fit waits for a poll to see its workers start, report and finish. Every
+# cluster the tests start (and its controllers) inherits this. No test asserts on report timing.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 6, **init_kwargs):
-    """A real local Ray instance (fake resources, runtime_env, ... in ``init_kwargs``), shut
-    down on exit even when a test fails."""
+    """A real local Ray instance of its own (fake resources, runtime_env, ... in
+    ``init_kwargs``), shut down on exit even when a test fails."""
     import ray
 
     if ray.is_initialized():
@@ -33,10 +46,84 @@ def local_ray(num_cpus: int = 6, **init_kwargs):
         ray.shutdown()
 
 
+# The shared clusters. one_node: enough CPUs for the biggest single-node test (4 workers plus
+# Ray Data), fake TPU chips and NeuronCores (Ray assigns their ids and sets TPU_VISIBLE_CHIPS /
+# NEURON_RT_VISIBLE_CORES only for workers that ask for them). two_nodes: per node 3 CPUs,
+# 2 "slot"s (two workers asking for {"slot": 1} land per node) and 2 fake NeuronCores.
+CLUSTERS = {
+    "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4},
+    "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2},
+}
+_shared: dict = {}  # kind -> the running Cluster (at most one at a time)
+
+
+def shared_cluster(kind: str):
+    """The running cluster of this kind (started on first use, after shutting down the other
+    kind's: one at a time on this machine)."""
+    if kind not in _shared:
+        close_shared_clusters()
+        _shared[kind] = new_cluster(**CLUSTERS[kind])
+    return _shared[kind]
+
+
+def close_shared_clusters() -> None:
+    import ray
+
+    if _shared and ray.is_initialized():
+        ray.shutdown()
+    while _shared:
+        _, cluster = _shared.popitem()
+        cluster.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    close_shared_clusters()
+
+
+def cluster_kind(item) -> str | None:
+    for kind in CLUSTERS:
+        if kind in item.fixturenames:
+            return kind
+    return None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of one shared cluster run one after another, after every other test."""
+    order = [None, *CLUSTERS]
+    items.sort(key=lambda item: order.index(cluster_kind(item)))  # stable
+
+
 @pytest.fixture(scope="module")
-def ray_local():
-    """A real local Ray instance shared by a module."""
-    with local_ray() as ray:
+def one_node():
+    return shared_cluster("one_node")
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    return shared_cluster("two_nodes")
+
+
+@contextlib.contextmanager
+def connected(cluster, runtime_env=None):
+    """This driver connected to ``cluster`` as a new job with ``runtime_env``; disconnected on
+    exit (the job's workers end with it)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # A copy: ray.init adds to the runtime_env it is given.
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env=copy.deepcopy(runtime_env))
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(one_node):
+    """Real Ray for a module: a job of its own on the shared one-node cluster."""
+    with connected(one_node) as ray:
         yield ray
 
 
@@ -101,29 +188,36 @@ def is_train_v2() -> bool:
 DOUBLES_DIR = os.path.join(TESTS_DIR, "doubles")
 
 
+def plan_on_cpu() -> dict:
+    """A job runtime_env that lets a run ask for its Neuron or TPU plan to run on CPU workers
+    (NEURON_ON_CPU, TPU_WITHOUT_CLIENT): see neuron_on_cpu.py. A new dict every time: ray.init
+    adds to the runtime_env it is given."""
+    return {"worker_process_setup_hook": "neuron_on_cpu.install"}
+
+
 def with_neuron_doubles() -> dict:
     """A job runtime_env that puts the Neuron SDK test doubles on the workers' import path, and
     lets a run ask for its Neuron plan to run on CPU (``NEURON_ON_CPU``)."""
     return {"env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]])},
-            "worker_process_setup_hook": "neuron_on_cpu.install"}
+            **plan_on_cpu()}
 
 
 # Workers here have no NeuronCores: with this in TorchXLAConfig.env (and a job started with
 # with_neuron_doubles()), the process group runs on CPU/gloo while every other variable is the
 # Neuron plan under test (see neuron_on_cpu.py).
 NEURON_ON_CPU = {"RTX_TEST_NEURON_ON_CPU": "1"}
+# Workers here have no TPU: with this in TorchXLAConfig.env (and a job started with
+# plan_on_cpu()), the process group goes through gloo and SPMD is not switched on, so that no TPU
+# client is created; everything else is the TPU plan under test.
+TPU_WITHOUT_CLIENT = {"RTX_TEST_TPU_WITHOUT_CLIENT": "1"}
 
 
-def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **node_resources):
-    """A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), connected.
-
-    Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land per node.
-    """
-    import ray
+def new_cluster(nodes: int = 2, cpus_per_node: int = 3, **node_resources):
+    """A Ray cluster of ``nodes`` nodes on this machine (``ray.cluster_utils.Cluster``), not
+    connected. Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land
+    per node."""
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
     cluster = Cluster()
     try:
         for _ in range(nodes):
@@ -133,6 +227,20 @@ def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **no
                 include_dashboard=False,
             )
         cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **node_resources):
+    """A multi-node Ray cluster of its own (``new_cluster``), connected."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = new_cluster(nodes, cpus_per_node, **node_resources)
+    try:
         ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env)
     except BaseException:
         cluster.shutdown()

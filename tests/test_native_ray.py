@@ -19,11 +19,10 @@ from ray_train_xla import TorchNeuronConfig
 
 from conftest import (
     DOUBLES_DIR,
+    connected,
     fit,
     is_train_v2,
     neuron_scaling,
-    start_cluster,
-    stop_cluster,
     write_record,
 )
 
@@ -36,17 +35,16 @@ VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "ACCELERATE_TORCH_D
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(two_nodes):
     runtime_env = {
         "env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]]),
                      "RTX_TEST_RECORD_DIR": RECORDS},
         "worker_process_setup_hook": "torch_neuronx._autoload",
     }
-    cluster = start_cluster(nodes=2, runtime_env=runtime_env, neuron_cores=2)
     try:
-        yield cluster
+        with connected(two_nodes, runtime_env=runtime_env):  # 2 fake NeuronCores a node
+            yield two_nodes
     finally:
-        stop_cluster(cluster)
         shutil.rmtree(RECORDS, ignore_errors=True)
 
 

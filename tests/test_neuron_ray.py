@@ -13,10 +13,10 @@ from ray_train_xla import TorchXLAConfig
 
 from conftest import (
     NEURON_ON_CPU,
+    connected,
     fit,
     fit_failure,
     is_train_v2,
-    local_ray,
     neuron_scaling,
     with_neuron_doubles,
 )
@@ -26,9 +26,10 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def neuron_ray():
-    # Ray assigns and exports NEURON_RT_VISIBLE_CORES for neuron_cores even without Neuron.
-    with local_ray(resources={"neuron_cores": 4}, runtime_env=with_neuron_doubles()) as ray:
+def neuron_ray(one_node):
+    # Ray assigns and exports NEURON_RT_VISIBLE_CORES for neuron_cores even without Neuron
+    # (the shared node has 4).
+    with connected(one_node, runtime_env=with_neuron_doubles()) as ray:
         yield ray
 
 

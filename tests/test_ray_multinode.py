@@ -4,9 +4,8 @@ import pytest
 
 from conftest import (
     NEURON_ON_CPU,
+    connected,
     fit,
-    start_cluster,
-    stop_cluster,
     with_neuron_doubles,
     write_record,
 )
@@ -16,13 +15,10 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(two_nodes):
     # Each node: 3 CPUs, 2 "slot"s and 2 fake NeuronCores; the Neuron SDK double on the path.
-    cluster = start_cluster(nodes=2, runtime_env=with_neuron_doubles(), neuron_cores=2)
-    try:
-        yield cluster
-    finally:
-        stop_cluster(cluster)
+    with connected(two_nodes, runtime_env=with_neuron_doubles()):
+        yield two_nodes
 
 
 def where_am_i(config):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import fit, is_train_v2, local_ray, write_record
+from conftest import TPU_WITHOUT_CLIENT, connected, fit, is_train_v2, plan_on_cpu, write_record
 
 pytestmark = [pytest.mark.ray]
 
@@ -15,9 +15,10 @@ BATCH, IN, HIDDEN = 16, 8, 32
 
 
 @pytest.fixture(scope="module")
-def ray_tpu():
-    """A real local Ray whose node offers 4 fake TPU chips."""
-    with local_ray(resources={"TPU": 4}) as ray:
+def ray_tpu(one_node):
+    """A real local Ray whose node offers 4 fake TPU chips; runs may ask for their TPU plan
+    without a TPU client (TPU_WITHOUT_CLIENT)."""
+    with connected(one_node, runtime_env=plan_on_cpu()) as ray:
         yield ray
 
 
@@ -131,10 +132,9 @@ def record_tpu_env(config):
     })
 
 
-# No TPU here: the process group goes through gloo and SPMD is not switched on (user env wins),
-# so that no TPU client is created; everything else is the real TPU plan applied on Ray workers.
-NO_TPU_CLIENT = {"RAY_TRAIN_XLA_PG_BACKEND": "gloo", "RAY_TRAIN_XLA_INIT_METHOD": "env://",
-                 "RAY_TRAIN_XLA_SPMD": "0"}
+# No TPU here: the process group goes through gloo and SPMD is not switched on, so that no TPU
+# client is created; everything else is the real TPU plan applied on Ray workers.
+NO_TPU_CLIENT = TPU_WITHOUT_CLIENT
 
 
 def test_tpu_spmd_worker_owns_the_chips_ray_assigned(ray_tpu):

@@ -9,18 +9,15 @@ import os
 
 import pytest
 
-from conftest import fit, start_cluster, stop_cluster, write_record
+from conftest import connected, fit, write_record
 
 pytestmark = [pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    cluster = start_cluster(nodes=2, cpus_per_node=2)
-    try:
-        yield cluster
-    finally:
-        stop_cluster(cluster)
+def two_nodes(two_nodes):
+    with connected(two_nodes):
+        yield two_nodes
 
 
 def sharded_train(config):

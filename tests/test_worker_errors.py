@@ -4,16 +4,16 @@ import pytest
 
 from ray_train_xla import TorchXLAConfig
 
-from conftest import fit_failure, local_ray, neuron_scaling
+from conftest import connected, fit_failure, neuron_scaling
 from neuron_probe import neuron_env_probe
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def ray_with_early_import():
+def ray_with_early_import(one_node):
     # Every worker imports torch_xla as soon as it starts, before any backend runs.
-    with local_ray(num_cpus=4, resources={"neuron_cores": 2}, runtime_env={
+    with connected(one_node, runtime_env={
             "worker_process_setup_hook": "neuron_probe.import_torch_xla_early"}) as ray:
         yield ray
 
