@@ -158,7 +158,15 @@ def throughput_ours(config: dict) -> dict:
 
 
 def throughput_in_ray(config: dict) -> None:
-    """On a Ray Train worker: the bare loop (same process, same Ray) then the toolkit's loop."""
+    """On a Ray Train worker: the bare loop (same process, same Ray) then the toolkit's loop;
+    with --quick, for each model of ``config["models"]`` in turn."""
+    if "models" in config:
+        for model, model_config in config["models"].items():
+            out = {"bare_in_ray": throughput_bare(model_config),
+                   "ours": throughput_ours(model_config)}
+            with open(os.path.join(config["out_dir"], f"throughput_{model}.json"), "w") as f:
+                json.dump(out, f)
+        return
     out = {"bare_in_ray": throughput_bare(config), "ours": throughput_ours(config)}
     with open(os.path.join(config["out_dir"], "throughput.json"), "w") as f:
         json.dump(out, f)
@@ -403,14 +411,29 @@ def fit(train_fn: Callable, torch_config, workers: int, config: dict, tmp: str) 
 
 def in_subprocess(task: str, config: dict) -> dict:
     """Run ``task`` of this file in a fresh Python process without Ray; return its JSON."""
+    return in_subprocesses({task: config})[task]
+
+
+def in_subprocesses(tasks: dict[str, dict]) -> dict[str, dict]:
+    """Run each task of ``tasks`` (name -> config) in a fresh Python process without Ray, all at
+    once; return each one's JSON."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
-    out = subprocess.run(
+    procs = {task: subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--task", task, "--task-config",
-         json.dumps(config)], env=env, capture_output=True, text=True, timeout=600,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{task} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+         json.dumps(config)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) for task, config in tasks.items()}
+    results = {}
+    for task, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        if proc.returncode != 0:
+            raise RuntimeError(f"{task} failed:\n{stderr[-3000:]}")
+        results[task] = json.loads(stdout.strip().splitlines()[-1])
+    return results
 
 
 def row(name: str, a: str, b: str, unit: str, a_values: list, b_values: list, target: str,
@@ -486,31 +509,76 @@ HEAVY = {"hidden": 512, "depth": 2, "batch_size": 128}
 REPORT_EVERY = {"mlp": 600, "heavy": 60}
 
 
-def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
+def throughput_config(model: str, quick: bool) -> dict:
+    """The MLP (``model="mlp"``) or the heavier MLP, reporting every REPORT_EVERY steps (a
+    tenth of it with --quick) and timing 3 reports' worth of steps."""
+    config = mlp_config(quick)
+    if model == "heavy":
+        config.update(HEAVY)
+    every = REPORT_EVERY[model] // (10 if quick else 1)
+    config.update(report_every=every, steps=3 * every, warmup=20)
+    return config
+
+
+def throughput_rep(model: str, config: dict, tmp: str) -> dict:
+    """One repetition: a 1-worker fit (the bare loop in Ray, then the toolkit's loop), then the
+    bare loop (and, for the MLP, the bare loop with MpDeviceLoader) in a fresh process."""
     from ray_train_xla import TorchXLAConfig
 
+    out_dir = tempfile.mkdtemp(dir=tmp)
+    fit(throughput_in_ray, TorchXLAConfig(device="cpu", timeout_s=120), 1,
+        {**config, "out_dir": out_dir}, tmp)
+    with open(os.path.join(out_dir, "throughput.json")) as f:
+        got = json.load(f)
+    got["bare"] = in_subprocess("throughput_bare", config)
+    if model == "mlp":
+        got["bare_mp"] = in_subprocess("throughput_bare_mp", config)
+    return got
+
+
+def throughput_quick(configs: dict, profile_config: dict, tmp: str) -> tuple[dict, dict]:
+    """--quick: one repetition of both models in one 1-worker fit, and every bare loop and the
+    step profile in one fresh process (the same measurements, fewer process starts)."""
+    from ray_train_xla import TorchXLAConfig
+
+    out_dir = tempfile.mkdtemp(dir=tmp)
+    fit(throughput_in_ray, TorchXLAConfig(device="cpu", timeout_s=120), 1,
+        {"models": configs, "out_dir": out_dir}, tmp)
+    bare = in_subprocess("quick_bare", {"models": configs, "profile": profile_config})
+    runs = {}
+    for model in configs:
+        with open(os.path.join(out_dir, f"throughput_{model}.json")) as f:
+            got = json.load(f)
+        got["bare"] = bare["bare"][model]
+        if model == "mlp":
+            got["bare_mp"] = bare["bare_mp"]
+        runs[model] = [got]
+    return runs, bare["profile"]
+
+
+def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
+    configs = {model: throughput_config(model, quick) for model in ("mlp", "heavy")}
+    profile_config = {**mlp_config(quick), "warmup": 20, "steps": 300 if quick else 2000}
+    if quick:
+        runs, profile = throughput_quick(configs, profile_config, tmp)
+    else:
+        runs = {model: [] for model in configs}
     rows = []
-    for model in ("mlp", "heavy"):
-        config = mlp_config(quick)
-        if model == "heavy":
-            config.update(HEAVY)
-        every = REPORT_EVERY[model] // (10 if quick else 1)
-        config.update(report_every=every, steps=3 * every, warmup=20)
+    for model, config in configs.items():
+        every = config["report_every"]
         ours, bare_ray, bare, bare_mp, save_ms, saves = [], [], [], [], [], 0
         for rep in range(reps):
-            out_dir = tempfile.mkdtemp(dir=tmp)
-            fit(throughput_in_ray, TorchXLAConfig(device="cpu", timeout_s=120), 1,
-                {**config, "out_dir": out_dir}, tmp)
-            with open(os.path.join(out_dir, "throughput.json")) as f:
-                got = json.load(f)
+            if not quick:
+                runs[model].append(throughput_rep(model, config, tmp))
+            got = runs[model][rep]
             ours.append(got["ours"]["steps_per_s"])
             bare_ray.append(got["bare_in_ray"]["steps_per_s"])
             saves += got["ours"]["saves"]
             if got["ours"]["save_ms_median"] is not None:
                 save_ms.append(got["ours"]["save_ms_median"])
-            bare.append(in_subprocess("throughput_bare", config)["steps_per_s"])
+            bare.append(got["bare"]["steps_per_s"])
             if model == "mlp":
-                bare_mp.append(in_subprocess("throughput_bare_mp", config)["steps_per_s"])
+                bare_mp.append(got["bare_mp"]["steps_per_s"])
             log(f"  throughput {model} rep {rep + 1}/{reps} ours {ours[-1]:7.1f} steps/s, "
                 f"bare in Ray {bare_ray[-1]:7.1f}, bare {bare[-1]:7.1f}"
                 + (f", bare with MpDeviceLoader {bare_mp[-1]:7.1f}" if bare_mp else ""))
@@ -534,8 +602,8 @@ def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
                             None, **sizes))
     rows[0]["step_ratio_heavy_over_mlp"] = (rows[0]["b_median"] / rows[3]["b_median"]
                                             if rows[3]["b_median"] else None)
-    profile = in_subprocess("profile_step", {**mlp_config(quick), "warmup": 20,
-                                             "steps": 300 if quick else 2000})
+    if not quick:
+        profile = in_subprocess("profile_step", profile_config)
     rows.append(row("step_profile", "helpers, host us/step", "bare loop, host us/step", "us/step",
                     [sum(profile["ours_us"].values())], [sum(profile["bare_us"].values())],
                     "none (breakdown)", None, breakdown=profile))
@@ -545,8 +613,10 @@ def bench_throughput(reps: int, quick: bool, tmp: str) -> list[dict]:
 def bench_recompile(quick: bool) -> list[dict]:
     config = {**mlp_config(quick), "ragged_samples": 500, "epochs": 3, "warmup_steps": 3}
     results = {}
+    if quick:  # both fresh processes at once (compilations are counted, not timed)
+        done = in_subprocesses({"recompile_" + mode: config for mode in ("ours", "naive")})
     for mode in ("ours", "naive"):
-        results[mode] = in_subprocess("recompile_" + mode, config)
+        results[mode] = done["recompile_" + mode] if quick else in_subprocess("recompile_" + mode, config)
         res = results[mode]
         log(f"  recompile {mode:5s} {res['compiles']} compilations in {res['steps']} steps, "
             f"{res['compiles_after_warmup']} after warm-up")
@@ -704,7 +774,9 @@ def summary_line(r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="one repetition, 1 worker for startup, small sizes (a few minutes)")
+                        help="one repetition, 1 worker for startup, small sizes, both "
+                        "throughput models in one fit and their bare loops in one process, "
+                        "fresh processes run at once (about a minute)")
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions per figure (default 3, or 1 with --quick)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"),
@@ -718,7 +790,14 @@ def main() -> None:
 
     if args.task:  # a child process: one in-process measurement, JSON on the last line
         config = json.loads(args.task_config)
-        if args.task.startswith("throughput_bare"):
+        if args.task == "quick_bare":  # --quick: every bare loop, then the profile
+            models = config["models"]
+            print(json.dumps({
+                "bare": {model: throughput_bare(c) for model, c in models.items()},
+                "bare_mp": throughput_bare(models["mlp"], "mp"),
+                "profile": profile_step(config["profile"]),
+            }))
+        elif args.task.startswith("throughput_bare"):
             print(json.dumps(throughput_bare(config, "mp" if args.task.endswith("_mp") else "to")))
         elif args.task == "profile_step":
             print(json.dumps(profile_step(config)))

@@ -60,12 +60,12 @@ def test_scale_benchmark_each_node_fetches_only_its_own_workers():
 
     facts = bench_scale.neuron_facts(4, 8)
     _, store, group = bench_scale.start_once(facts)
-    index_ref, options = group.applied
+    (index_ref,) = group.applied  # apply_env(index): the device travels in each environment
     index = store.objects[index_ref.index]
-    assert options["device"] == "neuron"
     assert sorted(index) == sorted({f.node_id for f in facts})
     for node, ref in index.items():
         envs = store.objects[ref.index]
         assert sorted(envs) == sorted(f.key for f in facts if f.node_id == node)
+        assert {env["RAY_TRAIN_XLA_DEVICE"] for env in envs.values()} == {"neuron"}
         assert all(len("".join(k + v for k, v in env.items())) < 4096 for env in envs.values())
     assert len(store.sizes) == 1 + 4  # the index and one object per node
