@@ -66,10 +66,24 @@ def collectives_loop(config):
     })
 
 
+@pytest.fixture(scope="module")
+def gloo_fits(ray_local):
+    """The records of one fit of collectives_loop per worker count, run when first asked for
+    (the run-id test compares the fits the reduction tests made)."""
+    done = {}
+
+    def records(workers: int) -> list[dict]:
+        if workers not in done:
+            done[workers] = fit(collectives_loop, num_workers=workers)[1]
+        return done[workers]
+
+    return records
+
+
 @pytest.mark.train_v1
 @pytest.mark.parametrize("workers", [2, 3])
-def test_several_workers_reduce_through_gloo(ray_local, workers):
-    _, records = fit(collectives_loop, num_workers=workers)
+def test_several_workers_reduce_through_gloo(gloo_fits, workers):
+    records = gloo_fits(workers)
     assert sorted(r["rank"] for r in records) == list(range(workers))
     expected_mean = sum(range(workers)) / workers
     for rec in records:
@@ -84,9 +98,8 @@ def test_several_workers_reduce_through_gloo(ray_local, workers):
     assert len({r["run_id"] for r in records}) == 1
 
 
-def test_run_id_is_fresh_for_every_fit(ray_local):
-    _, first = fit(collectives_loop, num_workers=2)
-    _, second = fit(collectives_loop, num_workers=2)
+def test_run_id_is_fresh_for_every_fit(gloo_fits):
+    first, second = gloo_fits(2), gloo_fits(3)  # two fits (each has one run id: see above)
     assert first[0]["run_id"] != second[0]["run_id"]
 
 

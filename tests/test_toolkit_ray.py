@@ -62,8 +62,9 @@ def train_regression(config):
             if config.get("fail") and step == FAIL_AT and r == 1 and not os.path.exists(marker):
                 write_record(config, "failed_once", {"pid": os.getpid()})
                 # Ray Train V2 registers a reported checkpoint when its controller next polls
-                # the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s): let it see step 4's.
-                time.sleep(5)
+                # the workers (every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default, set lower
+                # by conftest): let it see step 4's (two polls and a second).
+                time.sleep(2 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2)) + 1)
                 os._exit(1)
             losses.append(loss.item())
             m = rtx.metrics(step, warmup_steps=2)
