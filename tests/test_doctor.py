@@ -12,17 +12,57 @@ import pytest
 from ray_train_xla.tools import doctor
 
 
-def run_doctor(*args: str, env: dict | None = None, timeout: float = 240):
-    """Run the CLI as a user would; return (exit code, stdout, stderr)."""
+def start_doctor(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """Start the CLI as a user would."""
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("PJRT_DEVICE", "NEURON_RT_VISIBLE_CORES", "XLA_PERSISTENT_CACHE_PATH",
                              doctor.FAKE_VERSIONS_VAR)}
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", *args],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+    return subprocess.Popen([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240):
+    """(exit code, stdout, stderr) of a started CLI."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, out, err
+
+
+def run_doctor(*args: str, env: dict | None = None, timeout: float = 240):
+    """Run the CLI as a user would; return (exit code, stdout, stderr)."""
+    return finish(start_doctor(*args, env=env), timeout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every local run of the CLI below, started together (each pays its own imports)."""
+    tmp = tmp_path_factory.mktemp("doctor")
+    not_a_dir = tmp / "file"
+    not_a_dir.write_text("")
+    procs = {
+        "table": start_doctor(),
+        "mismatch": start_doctor("--no-load-check",
+                                 env={doctor.FAKE_VERSIONS_VAR: "torch_xla=2.8.0"}),
+        "bad-env": start_doctor(
+            "--no-load-check", "--json",
+            env={"NEURON_RT_VISIBLE_CORES": "0-1",
+                 "XLA_PERSISTENT_CACHE_PATH": str(not_a_dir / "c"), "PJRT_DEVICE": "CPU"}),
+        "new-cache": start_doctor("--no-load-check", "--json",
+                                  env={"XLA_PERSISTENT_CACHE_PATH": str(tmp / "a" / "b")}),
+        "json": start_doctor("--no-load-check", "--json"),
+        "unreachable": start_doctor("--no-load-check", "--cluster", "127.0.0.1:1",
+                                    "--timeout", "3"),
+    }
+    try:
+        return {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
 
 
 def rows_of(stdout: str) -> dict[str, list[str]]:
@@ -46,8 +86,8 @@ CHECK_NAMES = ("torch/torch_xla", "torch_xla loads", "torch-neuronx", "libneuron
                "free ports", "CPU collectives")
 
 
-def test_table_on_this_machine():
-    code, out, err = run_doctor()
+def test_table_on_this_machine(runs):
+    code, out, err = runs["table"]
     assert code == 0, out + err
     assert out.splitlines()[0].split()[:4] == ["check", "node", "status", "detail"]
     rows = rows_of(out)
@@ -63,23 +103,17 @@ def test_table_on_this_machine():
     assert "0 FAIL" in out.splitlines()[-1]
 
 
-def test_forced_mismatch_fails_with_fix():
-    code, out, _ = run_doctor("--no-load-check",
-                              env={doctor.FAKE_VERSIONS_VAR: "torch_xla=2.8.0"})
+def test_forced_mismatch_fails_with_fix(runs):
+    code, out, _ = runs["mismatch"]
     assert code == 1, out
     row = rows_of(out)["torch/torch_xla"]
     assert " FAIL " in row[0] and "torch_xla 2.8.0" in row[0]
     assert row[1].startswith("fix: ") and "torch==2.8.*" in row[1] and "torch-xla==2.9.*" in row[1]
 
 
-def test_warnings_and_failures_from_the_environment(tmp_path):
-    not_a_dir = tmp_path / "file"
-    not_a_dir.write_text("")
-    code, out, _ = run_doctor(
-        "--no-load-check", "--json",
-        env={"NEURON_RT_VISIBLE_CORES": "0-1", "XLA_PERSISTENT_CACHE_PATH": str(not_a_dir / "c"),
-             "PJRT_DEVICE": "CPU"},
-    )
+def test_warnings_and_failures_from_the_environment(runs):
+    # NEURON_RT_VISIBLE_CORES=0-1, a cache path under a file, PJRT_DEVICE=CPU.
+    code, out, _ = runs["bad-env"]
     report = json.loads(out)
     by_check = {r["check"]: r for r in report["checks"]}
     assert code == 1 and report["ok"] is False
@@ -88,14 +122,13 @@ def test_warnings_and_failures_from_the_environment(tmp_path):
     assert by_check["compile cache"]["status"] == "FAIL" and by_check["compile cache"]["fix"]
     assert "PJRT_DEVICE=CPU" in by_check["device"]["detail"]
     # A writable, not yet existing cache path is fine.
-    code, out, _ = run_doctor("--no-load-check", "--json",
-                              env={"XLA_PERSISTENT_CACHE_PATH": str(tmp_path / "a" / "b")})
+    code, out, _ = runs["new-cache"]
     cache = next(r for r in json.loads(out)["checks"] if r["check"] == "compile cache")
     assert code == 0 and cache["status"] == "OK" and "does not exist yet" in cache["detail"]
 
 
-def test_json_fields():
-    code, out, _ = run_doctor("--no-load-check", "--json")
+def test_json_fields(runs):
+    code, out, _ = runs["json"]
     report = json.loads(out)
     assert code == 0 and report["ok"] is True
     assert report["checks"]
@@ -113,9 +146,8 @@ def test_pairing_rules():
     assert not doctor.pairing("torch_xla", "2.9.0", "2.10.0")[0]
 
 
-def test_cluster_unreachable_is_a_bounded_fail():
-    code, out, _ = run_doctor("--no-load-check", "--cluster", "127.0.0.1:1", "--timeout", "3",
-                              timeout=120)
+def test_cluster_unreachable_is_a_bounded_fail(runs):
+    code, out, _ = runs["unreachable"]  # --cluster 127.0.0.1:1 --timeout 3
     assert code == 1
     row = rows_of_cluster(out)["ray cluster"]
     assert " FAIL " in row[0] and row[1].startswith("fix: ")
