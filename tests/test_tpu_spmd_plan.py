@@ -174,24 +174,43 @@ def _configure_topology(cases):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("hosts", [1, 2], ids=["1x4", "2x4"])
-def test_contract_torch_xla_configure_topology(hosts):
-    plans = per_chip(hosts, 4)
-    ips = ",".join(f"10.0.0.{h + 1}" for h in range(hosts))
-    accel = f"v4-{8 * hosts}"
-    # The metadata torch_xla reads with TPU_SKIP_MDS_QUERY: a v4 slice of `hosts` x 4 chips.
-    meta = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": accel, "TPU_WORKER_HOSTNAMES": ips}
-    planned = [
-        [{**p.env, **meta}, p.place.local_rank, p.place.local_world_size] for p in plans
-    ]
-    # What torch_xla derives on its own from the slice's metadata, for comparison.
-    derived_only = [
-        [{**meta, "TPU_HOST_BOUNDS": f"1,1,{hosts}", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
-          "TPU_WORKER_ID": str(p.place.node_rank)}, p.place.local_rank, p.place.local_world_size]
-        for p in plans
-    ]
-    results = _configure_topology(planned + derived_only)
-    after, derived = results[: len(plans)], results[len(plans):]
+HOSTS = {"1x4": 1, "2x4": 2}
+
+
+@pytest.fixture(scope="module")
+def topology_results():
+    """For each slice of HOSTS: the per-chip plans, and configure_topology's environment after
+    each planned one and after torch_xla's own derivation from the slice's metadata (every case
+    in one interpreter)."""
+    cases, spans = [], {}
+    for name, hosts in HOSTS.items():
+        plans = per_chip(hosts, 4)
+        ips = ",".join(f"10.0.0.{h + 1}" for h in range(hosts))
+        accel = f"v4-{8 * hosts}"
+        # The metadata torch_xla reads with TPU_SKIP_MDS_QUERY: a v4 slice of `hosts` x 4 chips.
+        meta = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": accel,
+                "TPU_WORKER_HOSTNAMES": ips}
+        planned = [
+            [{**p.env, **meta}, p.place.local_rank, p.place.local_world_size] for p in plans
+        ]
+        # What torch_xla derives on its own from the slice's metadata, for comparison.
+        derived_only = [
+            [{**meta, "TPU_HOST_BOUNDS": f"1,1,{hosts}", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+              "TPU_WORKER_ID": str(p.place.node_rank)}, p.place.local_rank,
+             p.place.local_world_size]
+            for p in plans
+        ]
+        spans[name] = (plans, len(cases), len(cases) + len(plans))
+        cases += planned + derived_only
+    results = _configure_topology(cases)
+    return {name: (plans, results[start:middle], results[middle:middle + len(plans)])
+            for name, (plans, start, middle) in spans.items()}
+
+
+@pytest.mark.parametrize("name", HOSTS)
+def test_contract_torch_xla_configure_topology(name, topology_results):
+    hosts = HOSTS[name]
+    plans, after, derived = topology_results[name]
     for p, env, own in zip(plans, after, derived):
         for key, value in p.env.items():
             assert env[key] == value, (key, env[key], value)  # torch_xla left it as planned
