@@ -3,8 +3,10 @@ runs unchanged on 2, 3 and 4 CPU workers and gets the results of a multi-device 
 
 One training function runs every check as an ``_mp_fn(rank)``-style function (our own tests of
 the behaviours pytorch/xla's ``test/test_mp_*.py`` check) and writes one record per worker; the
-test asserts on the records. Three fits: 2 workers, 3 workers, 4 workers (the seed check, the
-world view and the pad-mask loader).
+tests assert on the records. Three fits: 2 workers and 3 workers (every check, among them
+ray_train_xla's own collectives and the run id, each fit shared by the tests of its worker count;
+the helpers' tests also run under Train V1), 4 workers (the seed check, the world view and the
+pad-mask loader).
 """
 
 from __future__ import annotations
@@ -368,13 +370,44 @@ def _pad_loader_fn(rank):
     return {"real_rows": real, "batches": len(loader)}
 
 
+def _helpers_fn(rank):
+    """ray_train_xla's own collectives on the development mode's process group, with Ray's
+    ranks; the run id this fit's workers share."""
+    import torch
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+
+    device = rtx.get_device()
+    n, r = rtx.world_size(), rtx.rank()
+    summed = rtx.all_reduce(torch.ones(2, 3, device=device))
+    mean = rtx.all_reduce(torch.full((2,), float(r), device=device), op="mean")
+    biggest = rtx.all_reduce(torch.tensor([float(r)], device=device), op="max")
+    from_last = rtx.broadcast(torch.tensor([float(r * 10)], device=device), src=n - 1)
+    rtx.rendezvous("end")
+    return {
+        "rank": r,
+        "world": n,
+        "dist_rank": dist.get_rank(),
+        "dist_world": dist.get_world_size(),
+        "pg_backend": dist.get_backend(),
+        "result_device": summed.device.type,
+        "sum": summed.cpu().tolist(),
+        "mean": mean.cpu().tolist(),
+        "max": biggest.cpu().tolist(),
+        "broadcast": from_last.cpu().tolist(),
+        "run_id": os.environ["TORCHELASTIC_RUN_ID"],
+        "ray_rank": __import__("ray").train.get_context().get_world_rank(),
+    }
+
+
 CHECKS = {
     "seed": _seed_fn, "world": _world_fn, "replication": _replication_fn,
     "all_gather": _all_gather_fn, "reduce_scatter": _reduce_scatter_fn,
     "rendezvous": _rendezvous_fn, "mesh_reduce": _mesh_reduce_fn, "save": _save_fn,
     "broadcast": _broadcast_fn, "sync_batch_norm": _sync_batch_norm_fn, "ddp": _ddp_fn,
     "torch_distributed": _torch_distributed_fn, "ray_helpers": _ray_helpers_fn,
-    "pad_loader": _pad_loader_fn,
+    "pad_loader": _pad_loader_fn, "helpers": _helpers_fn,
 }
 
 
@@ -419,10 +452,24 @@ def _assert_world(records, n):
     assert len(every) - len(set(every)) == n * per - 20  # only the repeated tail overlaps
 
 
+@pytest.fixture(scope="module")
+def all_checks(ray_local):
+    """The records of one fit running every check per worker count, run when first asked for
+    (the tests of a worker count share its fit)."""
+    done = {}
+
+    def records(workers: int) -> list[dict]:
+        if workers not in done:
+            _, recs = fit(run_checks, num_workers=workers, loop_config={"checks": ALL_CHECKS})
+            done[workers] = _by_rank(recs)
+        return done[workers]
+
+    return records
+
+
 @pytest.mark.parametrize("workers", [2, 3])
-def test_torch_xla_code_runs_unchanged_on_cpu_workers(ray_local, workers):
-    _, records = fit(run_checks, num_workers=workers, loop_config={"checks": ALL_CHECKS})
-    records = _by_rank(records)
+def test_torch_xla_code_runs_unchanged_on_cpu_workers(all_checks, workers):
+    records = all_checks(workers)
     assert [r["rank"] for r in records] == list(range(workers))
     for rec in records:
         assert rec["failures"] == {}, f"rank {rec['rank']}: {rec['failures']}"
@@ -464,3 +511,29 @@ def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(ray_l
     assert {rec["results"]["pad_loader"]["batches"] for rec in records} == {2}
     real = sorted(v for rec in records for v in rec["results"]["pad_loader"]["real_rows"])
     assert real == [float(i) for i in range(10)]
+
+
+@pytest.mark.train_v1
+@pytest.mark.parametrize("workers", [2, 3])
+def test_several_workers_reduce_through_gloo(all_checks, workers):
+    """ray_train_xla's helpers (the "helpers" check of the fit above)."""
+    for rec in all_checks(workers):
+        assert "helpers" not in rec["failures"], rec["failures"]["helpers"]
+    records = [rec["results"]["helpers"] for rec in all_checks(workers)]
+    assert sorted(r["rank"] for r in records) == list(range(workers))
+    expected_mean = sum(range(workers)) / workers
+    for rec in records:
+        assert rec["world"] == rec["dist_world"] == workers
+        assert rec["dist_rank"] == rec["rank"] == rec["ray_rank"]
+        assert rec["pg_backend"] == "cpu:gloo,xla:xla_host"  # the CPU development mode
+        assert rec["result_device"] == "xla"
+        assert rec["sum"] == [[float(workers)] * 3] * 2
+        assert rec["mean"] == pytest.approx([expected_mean] * 2)
+        assert rec["max"] == [float(workers - 1)]
+        assert rec["broadcast"] == [float((workers - 1) * 10)]
+    assert len({r["run_id"] for r in records}) == 1
+
+
+def test_run_id_is_fresh_for_every_fit(all_checks):
+    first, second = (all_checks(n)[0]["results"]["helpers"] for n in (2, 3))  # two fits
+    assert first["run_id"] != second["run_id"]
