@@ -45,7 +45,7 @@ def sharded_train(config):
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": w.STEPS}
         if r == 0:
             torch.save(w.cpu_state(model, opt), config["expected"])
-        record["written"] = rtx.save_checkpoint(state, {"step": w.STEPS})
+        record["written"] = rtx.save_checkpoint(state, {"step": w.STEPS}, wait=True)
     write_record(config, f"rank{r}", record)
 
 

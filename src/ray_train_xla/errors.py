@@ -44,3 +44,8 @@ def config_error(field_name: str, value: Any, expected: str | Iterable[str],
     if not isinstance(expected, str):
         expected = "one of " + ", ".join(repr(c) for c in expected)
     return XLAConfigError(f"{owner}.{field_name}={value!r} is not valid: expected {expected}.")
+
+
+class ReportError(RuntimeError):
+    """A report or checkpoint handed to the background reporter failed, or could not be made
+    within ``timeout_s``; raised in the training function at its next report and at its end."""

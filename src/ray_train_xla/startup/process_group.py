@@ -58,6 +58,9 @@ def init_process_group() -> None:
         ) from exc
     if ctx.devmode:
         devmode.install(dist.get_rank(), dist.get_world_size())
+    from ray_train_xla.startup import report_flush
+
+    report_flush.install()
     if not ctx.native:  # native TorchNeuron points Ray at its own device (native_neuron.py)
         from ray_train_xla.startup import ray_helpers
 

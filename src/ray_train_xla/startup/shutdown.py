@@ -32,6 +32,10 @@ def shutdown_worker() -> None:
     if thread.is_alive():
         logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
                        who(), ctx.timeout_s)
+    if "ray_train_xla.startup.report_flush" in sys.modules:
+        from ray_train_xla.startup import report_flush
+
+        report_flush.uninstall()
     if "ray_train_xla.startup.ray_helpers" in sys.modules:
         from ray_train_xla.startup import ray_helpers
 

@@ -8,6 +8,7 @@ backend). Each module is one concern:
 - ``optim``: the replicated model and optimizer step (gradient reduction);
 - ``metrics``: compile and execution metrics, the recompilation warning;
 - ``spmd`` and ``sharding``: meshes, sharded batches, FSDPv2 models (sharded state);
+- ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
 - ``preemption``: a checkpoint before a drained node goes away.
 """
@@ -32,6 +33,7 @@ from ray_train_xla.toolkit.ranks import (
     uses_host_collectives,
     world_size,
 )
+from ray_train_xla.toolkit.reporting import configure_reports, flush_reports, report
 from ray_train_xla.toolkit.sharding import (
     ShardedStateError,
     get_sharded_mesh,
@@ -48,6 +50,8 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "checkpoint_if_preempted",
+    "configure_reports",
+    "flush_reports",
     "get_device",
     "get_mesh",
     "get_sharded_mesh",
@@ -65,6 +69,7 @@ __all__ = [
     "prepare_sharded_model",
     "rank",
     "reduce_gradients",
+    "report",
     "rendezvous",
     "shard_batch",
     "sharding_spec",

@@ -20,7 +20,7 @@ _SAVED: set[tuple] = set()
 def checkpoint_if_preempted(
     state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
     metrics: Mapping[str, Any] | None = None,
-    upload: str = "sync",
+    wait: bool = True,
 ):
     """Save a checkpoint the first time Ray Train reports a preemption of this run's nodes;
     return the ``ray.train.PreemptionInfo`` (None when there is none).
@@ -28,7 +28,8 @@ def checkpoint_if_preempted(
     Call it on every worker the same number of times (``get_preemption_info`` is a barrier
     across workers, like ``ray.train.report``). ``state`` is what ``save_checkpoint`` takes, or a
     function returning it (only called when saving). The metrics get ``preempted=1`` and the
-    drain deadline (``preemption_deadline_ms``). Needs Ray Train V2.
+    drain deadline (``preemption_deadline_ms``). By default the call returns once the checkpoint
+was reported (``wait=True``), so it is safe before the node goes. Needs Ray Train V2.
     """
     import ray.train
 
@@ -44,5 +45,5 @@ def checkpoint_if_preempted(
         _SAVED.add(key)
         saved_metrics = {**(metrics or {}), "preempted": 1,
                          "preemption_deadline_ms": info.deadline_ms or 0}
-        save_checkpoint(state() if callable(state) else state, saved_metrics, upload=upload)
+        save_checkpoint(state() if callable(state) else state, saved_metrics, wait=wait)
     return info

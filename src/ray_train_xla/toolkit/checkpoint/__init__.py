@@ -8,8 +8,9 @@ One seam, two implementations, picked from the state given:
   writes only its own shards with ``torch.distributed.checkpoint`` into the same Ray checkpoint;
   loading restores onto any mesh shape, device count and worker count (``sharded.py``).
 
-This module is the seam: it picks the implementation from the state given (``find_sharded``)
-and reports through Ray Train. State neither can restore (torch_xla FSDP v1 flat shards,
+This module is the seam: it picks the implementation from the state given (``find_sharded``),
+takes the snapshot, and hands the write and the report to the worker's background reporter
+(``toolkit/reporting.py``). State neither can restore (torch_xla FSDP v1 flat shards,
 DTensors) is refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in
 ``format.py``.
 """
@@ -17,9 +18,6 @@ DTensors) is refused. The on-disk format, shared with ``ray-train-xla consolidat
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +38,7 @@ from ray_train_xla.toolkit.checkpoint.sharded import (
 from ray_train_xla.toolkit.device import sync
 from ray_train_xla.toolkit.metrics import is_graph_extraction_run
 from ray_train_xla.toolkit.ranks import rank
+from ray_train_xla.toolkit.reporting import reporter
 from ray_train_xla.toolkit.sharding import ShardedStateError, find_sharded
 
 logger = logging.getLogger(__name__)
@@ -59,8 +58,9 @@ _CHECKPOINT_GROUP: Any = None
 
 
 def _checkpoint_group():
-    """A gloo group of its own for background writes (created once, on every rank in the same
-    order): they never share a communicator with the training thread."""
+    """A gloo group of its own for the background writes of sharded checkpoints (created once,
+    on every rank in the same order): they never share a communicator with the training
+    thread."""
     global _CHECKPOINT_GROUP
     import torch.distributed as dist
 
@@ -69,112 +69,54 @@ def _checkpoint_group():
     return _CHECKPOINT_GROUP
 
 
-# Ray Train V2 takes one report each time its controller polls the workers (every 2 s by
-# default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and ray.train.report waits until the previous one
-# was taken: reports more frequent than that stall training. Say so once, when it happens.
-REPORT_WAIT_WARN_S = 1.0
-_report_wait_warned = False
-
-
-def _report(metrics: dict, checkpoint: Any = None, **kwargs: Any) -> None:
-    """``ray.train.report``, timed: a report that waited longer than ``REPORT_WAIT_WARN_S`` is
-    reported once as a warning, with the fix."""
-    global _report_wait_warned
-    import ray.train
-
-    start = time.perf_counter()
-    ray.train.report(metrics, checkpoint=checkpoint, **kwargs)
-    waited = time.perf_counter() - start
-    if waited > REPORT_WAIT_WARN_S and not _report_wait_warned:
-        _report_wait_warned = True
-        logger.warning(
-            "rank %d: ray.train.report waited %.1f s. Ray Train takes one report each time its "
-            "controller polls the workers (every 2 s by default, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), "
-            "so reporting more often than that stalls training: call save_checkpoint less often "
-            "(every few seconds of steps at least).", rank(), waited)
-
-
-def _report_async(metrics: dict, directory: str, write) -> None:
-    """Report a checkpoint that ``write(directory)`` produces in Ray Train V2's upload thread
-    (one per worker, so writes run in report order), then upload it; training goes on meanwhile."""
-    import ray.train
-
-    try:
-        from ray.train import CheckpointUploadMode
-    except ImportError:
-        raise ValueError("save_checkpoint(upload='async') needs Ray Train V2 "
-                         "(RAY_TRAIN_V2_ENABLED=1)") from None
-
-    def write_then_upload(checkpoint, checkpoint_dir_name):
-        write(directory)
-        storage = ray.train.get_context().get_storage()
-        return storage.persist_current_checkpoint(checkpoint, checkpoint_dir_name)
-
-    _report(metrics, ray.train.Checkpoint.from_directory(directory),
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            checkpoint_upload_fn=write_then_upload, delete_local_checkpoint_after_upload=True)
-
-
 def save_checkpoint(
     state: Mapping[str, Any],
     metrics: Mapping[str, Any] | None = None,
     filename: str = CHECKPOINT_FILE,
-    upload: str = "sync",
+    wait: bool = False,
 ) -> dict[str, Any] | None:
-    """Report ``metrics`` and a checkpoint holding ``state`` with ``ray.train.report``.
+    """Report ``metrics`` and a checkpoint holding ``state`` through Ray Train, without waiting
+    for Ray: the state is copied off the device now (a snapshot of this step), then written
+    and reported in this worker's background reporter (``reporting.py``), in call order.
 
     Call it on every worker (like ``ray.train.report``). ``state`` is typically
     ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``.
     Replicated state: rank 0's copy is written, as CPU tensors, to ``filename``. Sharded (SPMD)
     state: every rank writes its own shards of ``state["model"]`` and ``state["optimizer"]``
     with ``torch.distributed.checkpoint`` and reports its files; rank 0 adds the rest of
-    ``state``. Returns what this rank wrote then (``{"files", "bytes"}``), else None.
+    ``state``.
 
-    ``upload="async"`` (Ray Train V2) returns once the state is copied to host memory (None):
-    the files are written and uploaded in Ray's checkpoint-upload thread while training goes
-    on (Ray runs one per worker, so checkpoints complete in order). In a Neuron graph-extraction run
-    (``neuron_parallel_compile=True``) the state is a placeholder, so only the metrics are
-    reported, marked ``graph_extraction_only``. Raises ShardedStateError for sharded state that
-    neither format restores (torch_xla FSDP v1 shards, DTensors).
+    Returns None; with ``wait=True`` it returns once this checkpoint was reported, with what
+    this rank wrote (``{"files", "bytes"}``, None for a rank that writes nothing). At most
+    ``max_in_flight`` checkpoints wait for Ray at once (``configure_reports``, 2 by default):
+    the call after waits for a slot. An error of an earlier checkpoint is raised here as
+    ``ReportError``. In a Neuron graph-extraction run (``neuron_parallel_compile=True``) the state
+    is a placeholder, so only the metrics are reported, marked ``graph_extraction_only``. Raises
+    ShardedStateError for sharded state that neither format restores (torch_xla FSDP v1 shards,
+    DTensors).
     """
-    import ray.train
-
-    if upload not in ("sync", "async"):
-        raise ValueError(f"save_checkpoint: upload={upload!r} is not valid: expected 'sync' or 'async'")
     _refuse_unsupported(state, "save_checkpoint")
-    sync()  # on every worker: rank 0 below only transfers materialised tensors
+    sync()  # on every worker: the snapshot below only transfers materialised tensors
     metrics = dict(metrics or {})
     if is_graph_extraction_run():
         metrics["graph_extraction_only"] = 1
         if rank() == 0:
             logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
-        _report(metrics, None)
-        return None
+        return reporter().checkpoint(metrics, None, wait=wait)
 
+    write = None
     if find_sharded(state) is not None:
-        staged = stage_sharded(state)  # device -> host now; the files are written below
-        group = _checkpoint_group() if upload == "async" else None
+        staged = stage_sharded(state)  # device -> host now; the files are written later
+        group = _checkpoint_group()  # collective, on the training thread: every rank, in order
 
         def write(directory: str) -> dict[str, Any]:
             return write_staged(staged, directory, group)
-    elif rank() != 0:
-        _report(metrics, None)
-        return None
-    else:
+    elif rank() == 0:
         cpu_state = stage_replicated(state)
 
         def write(directory: str) -> dict[str, Any]:
             return write_replicated(cpu_state, directory, filename)
-    tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
-    if upload == "async":
-        _report_async(metrics, tmp, write)
-        return None
-    try:
-        written = write(tmp)
-        _report(metrics, ray.train.Checkpoint.from_directory(tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return written
+    return reporter().checkpoint(metrics, write, wait=wait)
 
 
 def load_checkpoint(

@@ -1,0 +1,62 @@
+"""The training function ends after its reports: on every worker, Ray Train's training thread
+runs the training function wrapped so that, when it returns, it waits for the background
+reporter (``toolkit/reporting.py``) to hand every report to Ray, and raises its error if one
+failed. While it waits the worker still counts as running, so Ray's controller keeps taking
+reports. A training function that raises is not held (the run fails with its error).
+
+Ray Train V2 starts the function in ``ThreadRunner.run`` (``worker_group/thread_runner.py``),
+after the backend's ``on_training_start``: that method is wrapped. V1 creates its session (and
+the thread that will run the function) before ``on_training_start``
+(``BackendExecutor.start_training``): that thread's target is wrapped before it starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ray_train_xla.startup.patching import Patches
+
+_patches = Patches()
+
+
+def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
+    @functools.wraps(fn)
+    def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
+        from ray_train_xla.toolkit import reporting
+
+        result = fn(*args, **kwargs)
+        reporting.flush_reports()
+        return result
+
+    return train_fn_then_flush
+
+
+def install() -> None:
+    """Wrap Ray Train's training-function start (idempotent)."""
+    if _patches:
+        return
+    try:
+        from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
+    except ImportError:
+        ThreadRunner = None  # noqa: N806
+    if ThreadRunner is not None:
+        run = ThreadRunner.run
+
+        def run_then_flush(self, target, *args, **kwargs):
+            return run(self, _then_flush(target), *args, **kwargs)
+
+        _patches.set(ThreadRunner, "run", run_then_flush)
+    try:
+        from ray.train._internal.session import get_session
+    except ImportError:
+        return
+    session = get_session()
+    thread = getattr(session, "training_thread", None)
+    if thread is not None and not getattr(session, "training_started", True):
+        _patches.set(thread, "_target", _then_flush(thread._target))
+
+
+def uninstall() -> None:
+    _patches.undo()

@@ -1,0 +1,387 @@
+"""Reports off the step path: ``ray.train.report`` runs in one background thread per worker.
+
+Ray Train takes one report from a worker each time its controller polls (every
+``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and every report is a barrier across the
+ranks; a loop that calls ``ray.train.report`` itself waits for both. Here the training thread
+only hands the report over and goes on:
+
+- **checkpoints** (``save_checkpoint``): the state is copied off the device at the call (the
+  snapshot), then written and reported in the background, in call order, never dropped. At most
+  ``max_in_flight`` of them are held at once (2 by default): when Ray takes them more slowly than
+  the loop makes them, the next call waits for a slot (backpressure, warned once), bounded by
+  the run's ``timeout_s``;
+- **metrics** (``report``): metrics-only reports that come faster than Ray takes them are
+  coalesced: consecutive calls between two checkpoints become one report, the latest metrics,
+  with ``reports_coalesced`` saying how many calls it stands for (absent when it is one).
+  Rank 0 decides where a coalesced report ends (through the process group's store) and every
+  rank follows, so every rank makes the same sequence of ``ray.train.report`` calls (Ray's
+  barrier needs it). Rank 0's metrics are exactly those of the last call of the report; the
+  other ranks send their latest;
+- **errors**: an error in the background (a failed write, a failed report) is raised as
+  :class:`ReportError` at this worker's next call and at the end of the training function;
+  nothing after it is reported;
+- **the end**: the training function returns only after every report it made was taken by Ray
+  (the backend makes its end wait; :func:`flush_reports` does the same anywhere).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_train_xla.errors import ReportError
+from ray_train_xla.planning.contract import worker_context
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_IN_FLIGHT = 2
+COALESCED_KEY = "reports_coalesced"
+# A wait for a slot longer than this is warned about (once per worker).
+BACKPRESSURE_WARN_S = 1.0
+_POLL_S = 0.5  # how often a waiting background thread looks for an abort
+
+
+@dataclass
+class _Checkpoint:
+    metrics: dict
+    write: Callable[[str], dict] | None  # None: this rank reports without files
+    done: threading.Event = field(default_factory=threading.Event)
+    written: dict | None = None
+
+
+@dataclass
+class _Metrics:
+    count: int  # report() calls this run stands for
+    latest: dict
+    frozen: bool = False  # rank 0 decided this report: later calls start the next one
+
+
+class Reporter:
+    """The background reporter of one worker (see the module docstring)."""
+
+    def __init__(self, report_fn: Callable[..., None], *, rank: int, world: int,
+                 max_in_flight: int, timeout_s: float, store: Any = None, key_prefix: str = "",
+                 coalesce: bool = True) -> None:
+        self._report_fn = report_fn
+        self._rank, self._world = rank, world
+        self._max = max_in_flight
+        self._timeout_s = timeout_s
+        self._store = store
+        self._prefix = key_prefix
+        self._coalesce = coalesce
+        self._cv = threading.Condition()
+        self._events: collections.deque = collections.deque()
+        self._checkpoints = 0  # checkpoints queued or being written/reported
+        self._closing = False
+        self._error: BaseException | None = None
+        self._raised = False
+        self._warned = False
+        self.reports = 0  # ray.train.report calls made
+        self._thread = threading.Thread(target=self._run, name="ray_train_xla-reports", daemon=True)
+        self._thread.start()
+
+    # ---- the training thread ------------------------------------------------------------------
+
+    def checkpoint(self, metrics: Mapping[str, Any], write: Callable[[str], dict] | None,
+                   wait: bool = False) -> dict | None:
+        item = _Checkpoint(dict(metrics), write)
+        with self._cv:
+            self._raise_error()
+            start = time.monotonic()
+            while self._checkpoints >= self._max and self._error is None:
+                left = self._timeout_s - (time.monotonic() - start)
+                if left <= 0:
+                    raise ReportError(
+                        f"rank {self._rank}: {self._max} checkpoints are still waiting to be "
+                        f"taken by Ray after timeout_s={self._timeout_s:g}; Ray Train takes one "
+                        "report per controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S).")
+                self._cv.wait(min(left, _POLL_S))
+            self._raise_error()
+            waited = time.monotonic() - start
+            if waited > BACKPRESSURE_WARN_S and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "rank %d: save_checkpoint waited %.1f s for one of its %d in-flight "
+                    "checkpoints to be taken by Ray. Ray Train takes one report each time its "
+                    "controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by "
+                    "default): checkpoint less often than that, or raise max_in_flight "
+                    "(configure_reports) to absorb bursts.", self._rank, waited, self._max)
+            self._checkpoints += 1
+            self._events.append(item)
+            self._cv.notify_all()
+        if wait:
+            self._wait_done(item)
+            return item.written
+        return None
+
+    def metrics(self, metrics: Mapping[str, Any]) -> None:
+        with self._cv:
+            self._raise_error()
+            tail = self._events[-1] if self._events else None
+            if self._coalesce and isinstance(tail, _Metrics) and not tail.frozen:
+                tail.count += 1
+                tail.latest = dict(metrics)
+            else:
+                if not self._coalesce:  # each call is its own report: bound them like checkpoints
+                    while self._checkpoints >= self._max and self._error is None:
+                        self._cv.wait(_POLL_S)
+                    self._checkpoints += 1
+                self._events.append(_Metrics(1, dict(metrics)))
+            self._cv.notify_all()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait until every report was made, stop the thread, raise a background error."""
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout_s)
+        with self._cv:
+            if self._thread.is_alive():
+                self._error = self._error or ReportError(
+                    f"rank {self._rank}: reports still in flight after {timeout_s:g} s at the end "
+                    "of the training function (Ray did not take them, or rank 0 stopped "
+                    "reporting)")
+                self._closing = True
+            self._raise_error(again=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _wait_done(self, item: _Checkpoint) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        while not item.done.wait(_POLL_S):
+            with self._cv:
+                self._raise_error()
+            if time.monotonic() > deadline:
+                raise ReportError(f"rank {self._rank}: checkpoint not reported within "
+                                  f"timeout_s={self._timeout_s:g}")
+        with self._cv:
+            self._raise_error()
+
+    def _raise_error(self, again: bool = False) -> None:
+        if self._error is None and not self._thread.is_alive() and not self._closing:
+            self._error = ReportError(
+                f"rank {self._rank}: this worker's reports ended (rank 0 ended its reports: "
+                "every worker must call save_checkpoint and report the same number of times)")
+        if self._error is not None and (again or not self._raised):
+            self._raised = True
+            err = self._error
+            if isinstance(err, ReportError):
+                raise err
+            raise ReportError(
+                f"rank {self._rank}: a report failed in the background: "
+                f"{type(err).__name__}: {err}. Nothing after it was reported.") from err
+        if self._error is not None:  # raised once already: still refuse new work
+            raise ReportError(f"rank {self._rank}: reporting stopped after an earlier error: "
+                              f"{type(self._error).__name__}: {self._error}")
+
+    # ---- the background thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            step = 0
+            while True:
+                decision = self._decide(step) if self._rank == 0 else self._follow(step)
+                step += 1
+                if decision is None:
+                    return
+                self._execute(decision)
+        except BaseException as exc:  # noqa: BLE001 (handed to the training thread)
+            with self._cv:
+                self._error = self._error or exc
+                self._cv.notify_all()
+            logger.error("rank %d: background report failed: %s: %s", self._rank,
+                         type(exc).__name__, exc)
+
+    def _decide(self, step: int):
+        """Rank 0: the next report (the head of the queue), published for the other ranks."""
+        with self._cv:
+            while not self._events and not self._closing:
+                self._cv.wait()
+            if not self._events:
+                decision = ("stop", 0)
+            else:
+                head = self._events[0]
+                if isinstance(head, _Checkpoint):
+                    decision = ("checkpoint", 0)
+                else:
+                    head.frozen = True
+                    decision = ("metrics", head.count)
+        self._publish(step, decision)
+        return None if decision[0] == "stop" else decision
+
+    def _publish(self, step: int, decision: tuple[str, int]) -> None:
+        if self._store is not None and self._world > 1:
+            self._store.set(f"{self._prefix}/{step}", f"{decision[0]}:{decision[1]}")
+
+    def _follow(self, step: int):
+        """Other ranks: rank 0's decision for report number ``step``."""
+        if self._store is None or self._world == 1 or not self._coalesce:
+            # no agreement needed: every call is its own report, in call order
+            with self._cv:
+                while not self._events and not self._closing:
+                    self._cv.wait()
+                if not self._events:
+                    return None
+                head = self._events[0]
+                return ("checkpoint", 0) if isinstance(head, _Checkpoint) else ("metrics", head.count)
+        key = f"{self._prefix}/{step}"
+        pause = 0.005
+        # check() and a pause rather than a blocking wait: the store's client is shared with
+        # the training thread, and a wait would hold it.
+        while not self._store.check([key]):
+            with self._cv:
+                if self._error is not None:
+                    return None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        kind, _, count = self._store.get(key).decode().partition(":")
+        if kind == "stop":
+            with self._cv:
+                if self._events:
+                    raise ReportError(
+                        f"rank {self._rank}: rank 0 ended its reports, this rank has "
+                        f"{len(self._events)} more: call save_checkpoint and report the same "
+                        "number of times on every worker")
+            return None
+        return kind, int(count)
+
+    def _execute(self, decision: tuple[str, int]) -> None:
+        kind, count = decision
+        deadline = time.monotonic() + self._timeout_s
+        with self._cv:
+            while True:  # another rank waits here until its training thread made the same call
+                head = self._events[0] if self._events else None
+                if kind == "checkpoint" and isinstance(head, _Checkpoint):
+                    item = self._events.popleft()
+                    break
+                if kind == "metrics" and isinstance(head, _Metrics) and head.count >= count:
+                    latest = head.latest
+                    if head.count == count:
+                        self._events.popleft()
+                    else:  # this rank has more calls already: they start the next report
+                        head.count -= count
+                    if not self._coalesce:
+                        self._checkpoints -= 1
+                    item = None
+                    break
+                if head is not None and self._rank != 0:
+                    raise ReportError(
+                        f"rank {self._rank}: its reports differ from rank 0's (rank 0 reports "
+                        f"{kind}, this rank has {type(head).__name__.strip('_').lower()} next): "
+                        "call save_checkpoint and report the same number of times, in the same "
+                        "order, on every worker")
+                if time.monotonic() > deadline:
+                    raise ReportError(
+                        f"rank {self._rank}: rank 0 made a {kind} report that this rank did not "
+                        f"make within timeout_s={self._timeout_s:g}")
+                self._cv.wait(_POLL_S)
+        if item is None:
+            out = dict(latest)
+            if count > 1:
+                out[COALESCED_KEY] = count
+            self._report_fn(out, None)
+            self.reports += 1
+            return
+        try:
+            item.written = self._report_checkpoint(item)
+            self.reports += 1
+        finally:
+            item.done.set()
+            with self._cv:
+                self._checkpoints -= 1
+                self._cv.notify_all()
+
+    def _report_checkpoint(self, item: _Checkpoint) -> dict | None:
+        if item.write is None:
+            self._report_fn(item.metrics, None)
+            return None
+        tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
+        try:
+            written = item.write(tmp)
+            item.write = None  # the snapshot can go now
+            self._report_fn(item.metrics, tmp)
+            return written
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- this worker's reporter -------------------------------------------------------------------
+
+_lock = threading.Lock()
+_reporter: Reporter | None = None
+_generation = 0  # reporters started in this process (every rank starts the same number)
+_max_in_flight = DEFAULT_MAX_IN_FLIGHT
+
+
+def _ray_report(metrics: dict, directory: str | None) -> None:
+    import ray.train
+
+    checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
+    ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _default_store() -> Any:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    return None
+
+
+def reporter() -> Reporter:
+    """This worker's reporter, started on first use (its first call is on every rank)."""
+    global _reporter, _generation
+    with _lock:
+        if _reporter is None:  # a failed one stays: its error is raised at every call
+            _generation += 1
+            ctx = worker_context()
+            store = _default_store() if ctx.world_size > 1 else None
+            _reporter = Reporter(
+                _ray_report, rank=ctx.rank, world=ctx.world_size, max_in_flight=_max_in_flight,
+                timeout_s=ctx.timeout_s, store=store,
+                key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{_generation}",
+                coalesce=ctx.world_size == 1 or store is not None)
+        return _reporter
+
+
+def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+    """Set how many checkpoints may wait for Ray at once on this worker (each holds a host copy
+    of the state). Call before the first report."""
+    global _max_in_flight
+    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"configure_reports: max_in_flight={max_in_flight!r} must be an int >= 1")
+    _max_in_flight = max_in_flight
+
+
+def report(metrics: Mapping[str, Any]) -> None:
+    """Report ``metrics`` without a checkpoint, without waiting (see the module docstring:
+    coalesced when they come faster than Ray takes them). Call it on every worker, the same
+    number of times, like ``ray.train.report``."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"report: metrics must be a dict, got {type(metrics).__name__}")
+    reporter().metrics(metrics)
+
+
+def flush_reports(timeout_s: float | None = None) -> None:
+    """Wait until every report this worker made was taken by Ray (bounded by ``timeout_s``,
+    default the run's), then raise the first background error if there was one. The backend
+    calls it when the training function returns; reports after it start a new reporter."""
+    global _reporter
+    with _lock:
+        rep, _reporter = _reporter, None
+    if rep is not None:
+        rep.close(timeout_s)

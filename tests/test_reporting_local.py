@@ -1,0 +1,198 @@
+"""The background reporter's guarantees, fast and without Ray: two ranks are two reporters in
+this process that agree through a real ``TCPStore``; their report function behaves like Ray
+Train's (every call is a barrier across the ranks, and a slow consumer takes one report at a
+time). Ray runs of the same paths are in ``test_reporting_ray.py``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ray_train_xla.errors import ReportError
+from ray_train_xla.toolkit.reporting import COALESCED_KEY, Reporter
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeRay:
+    """Ray Train's report path for ``world`` ranks: the k-th call of every rank meets at a
+    barrier (like the synchronisation actor), then waits until the consumer took the previous
+    report (a queue of one, drained every ``take_s``). Records what each rank reported."""
+
+    def __init__(self, world: int, take_s: float = 0.0, fail_at: tuple[int, int] | None = None):
+        self.world, self.take_s, self.fail_at = world, take_s, fail_at
+        self.calls: dict[int, list[tuple[dict, bool]]] = {r: [] for r in range(world)}
+        self._barrier = threading.Barrier(world, timeout=20)
+        self._taken = threading.Lock()
+
+    def fn(self, rank: int):
+        def report(metrics: dict, directory: str | None) -> None:
+            if self.fail_at == (rank, len(self.calls[rank])):
+                raise OSError("storage is full")
+            self._barrier.wait()
+            with self._taken:  # one at a time, at the consumer's pace
+                time.sleep(self.take_s)
+            files = directory is not None
+            self.calls[rank].append((dict(metrics), files))
+        return report
+
+
+def reporters(fake: FakeRay, max_in_flight: int = 2, timeout_s: float = 20.0):
+    port = _free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, fake.world, r == 0, timedelta(seconds=20),
+                            wait_for_workers=False) for r in range(fake.world)]
+    return [Reporter(fake.fn(r), rank=r, world=fake.world, max_in_flight=max_in_flight,
+                     timeout_s=timeout_s, store=stores[r], key_prefix="t")
+            for r in range(fake.world)]
+
+
+def writer(log: list, step: int):
+    def write(directory: str) -> dict:
+        log.append(step)
+        return {"files": [f"{step}.pt"], "bytes": step}
+    return write
+
+
+def run_ranks(fns):
+    """Run one training function per rank in threads; re-raise the first error."""
+    errors: list = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+
+
+def test_checkpoints_in_order_none_lost_metrics_coalesced_same_sequence_on_every_rank():
+    fake = FakeRay(world=2, take_s=0.05)
+    reps = reporters(fake, max_in_flight=2)
+    written = {0: [], 1: []}
+    returned = {}
+
+    def train(rank: int, pace: float):
+        rep = reps[rank]
+        for step in range(12):
+            rep.metrics({"step": step})  # every step: far faster than the consumer
+            time.sleep(pace)  # ranks at different speeds: their queues differ in time
+            if step % 4 == 3:
+                rep.checkpoint({"step": step}, writer(written[rank], step) if rank == 0 else None)
+        returned[rank] = rep.checkpoint({"step": "final"}, writer(written[rank], 99)
+                                        if rank == 0 else None, wait=True)
+        rep.metrics({"step": "after"})
+        rep.close()
+
+    run_ranks([lambda: train(0, 0.0), lambda: train(1, 0.004)])
+    # the same sequence of calls on both ranks (Ray's barrier needs it), none lost
+    assert len(fake.calls[0]) == len(fake.calls[1])
+    ckpts = [m["step"] for m, files in fake.calls[0] if files]
+    assert ckpts == [3, 7, 11, "final"], fake.calls[0]  # in order, every one
+    assert written[0] == [3, 7, 11, 99]
+    assert returned[0] == {"files": ["99.pt"], "bytes": 99} and returned[1] is None
+    # rank 1's checkpoint reports (it writes no files) sit where rank 0's do
+    at = [i for i, (_, files) in enumerate(fake.calls[0]) if files]
+    assert [fake.calls[1][i][0]["step"] for i in at] == [3, 7, 11, "final"]
+    # metrics-only calls: 12 + 1 of them, coalesced; rank 0's counts add up to every call, and
+    # each coalesced report carries the last metrics of its calls (before the next checkpoint)
+    metric_reports = [m for m, files in fake.calls[0] if not files]
+    assert sum(m.get(COALESCED_KEY, 1) for m in metric_reports) == 13
+    assert len(metric_reports) < 13
+    assert metric_reports[-1] == {"step": "after"}
+    order = [("C", m["step"]) if files else ("M", m["step"]) for m, files in fake.calls[0]]
+    steps_seen = [s for _, s in order if isinstance(s, int)]
+    assert steps_seen == sorted(steps_seen)  # metrics never overtake a checkpoint
+
+
+def test_a_failed_write_is_raised_at_the_next_call_and_at_the_end():
+    fake = FakeRay(world=1)
+    (rep,) = reporters(fake)
+
+    def failing(directory: str) -> dict:
+        raise OSError("disk full")
+
+    rep.checkpoint({"step": 1}, failing)
+    deadline = time.monotonic() + 10
+    with pytest.raises(ReportError, match="disk full"):
+        while time.monotonic() < deadline:  # the next call after the failure raises it
+            rep.metrics({"step": 2})
+            time.sleep(0.01)
+    with pytest.raises(ReportError, match="disk full"):
+        rep.close()
+    assert fake.calls[0] == []  # nothing reported after (nor instead of) the failed one
+
+
+def test_a_failed_report_on_one_rank_reaches_its_training_function():
+    fake = FakeRay(world=2, fail_at=(1, 1))  # rank 1's second report fails
+    reps = reporters(fake, timeout_s=3)
+    seen = {}
+
+    def train(rank: int):
+        rep = reps[rank]
+        try:
+            for step in range(4):
+                rep.checkpoint({"step": step}, None)
+                time.sleep(0.05)
+            rep.close(timeout_s=3)
+        except ReportError as exc:
+            seen[rank] = str(exc)
+
+    run_ranks([lambda: train(0), lambda: train(1)])
+    assert "storage is full" in seen[1]
+    assert 0 in seen  # rank 0 is not left waiting: its end is bounded and says why
+
+
+def test_backpressure_bounds_snapshots_in_flight_and_times_out():
+    fake = FakeRay(world=1, take_s=0.3)
+    (rep,) = reporters(fake, max_in_flight=2, timeout_s=5)
+    start = time.monotonic()
+    for step in range(5):
+        rep.checkpoint({"step": step}, writer([], step))
+        assert rep._checkpoints <= 2  # never more than max_in_flight held
+    blocked = time.monotonic() - start
+    assert blocked > 0.5  # the loop was backed off to the consumer's pace
+    rep.close()
+    assert [m["step"] for m, _ in fake.calls[0]] == [0, 1, 2, 3, 4]
+
+    stuck = FakeRay(world=1, take_s=30)
+    (rep,) = reporters(stuck, max_in_flight=1, timeout_s=1)
+    rep.checkpoint({"step": 0}, None)
+    with pytest.raises(ReportError, match="timeout_s=1"):
+        for step in range(1, 3):
+            rep.checkpoint({"step": step}, None)
+
+
+def test_unequal_calls_across_ranks_are_an_error_not_a_hang():
+    fake = FakeRay(world=2)
+    reps = reporters(fake, timeout_s=2)
+    seen = {}
+
+    def train(rank: int):
+        rep = reps[rank]
+        try:
+            rep.checkpoint({"step": 0}, None)
+            if rank == 0:
+                rep.checkpoint({"step": 1}, None)  # rank 1 never makes this one
+            rep.close(timeout_s=4)
+        except ReportError as exc:
+            seen[rank] = str(exc)
+
+    run_ranks([lambda: train(0), lambda: train(1)])
+    assert seen, "neither rank noticed"
