@@ -6,10 +6,9 @@ synthetic language whose next token follows from the previous one, with noise. O
 per node shards every parameter, gradient and Adam state over its devices
 (``rtx.prepare_sharded_model``); checkpoints are sharded (every rank writes its own shards);
 a failed run restarts from the last checkpoint and ends where an uninterrupted run ends.
-Loss, compile counts and a checkpoint are reported after the first step and then about every 3
-seconds of steps (``--report-every-s``; ``--report-every N`` for every N steps instead): Ray
-Train V2 takes one report per controller poll (every 2 s by default), so reporting every few
-steps would make the loop wait for Ray.
+Loss, compile counts and a checkpoint are reported every 10 steps (``--report-every N``) and at
+the last; ``save_checkpoint`` copies this rank's shards off the devices and writes and reports
+them in a background thread, so the loop does not wait for Ray.
 
     python examples/train_lm.py --devices 4 --steps 40              # 4 virtual XLA CPU devices
     python examples/train_lm.py --devices 4 --steps 40 --crash-at 25  # crash once, resume
@@ -26,74 +25,12 @@ import time
 VOCAB, SEQ = 64, 32
 
 
-def rank0_value(value: float) -> float:
-    """Rank 0's ``value`` on every worker (one small collective), so that every worker takes the
-    same decision from it. A CPU tensor: under SPMD it goes through the workers' gloo group."""
-    import torch
-
-    import ray_train_xla as rtx
-
-    if rtx.world_size() == 1:
-        return value
-    return rtx.broadcast(torch.tensor([value], dtype=torch.float64), src=0).item()
-
-
-class ReportCadence:
-    """When to report (and checkpoint): at the same steps on every worker, never so often that
-    the loop waits for Ray Train.
-
-    With ``every_steps``, every that many steps (deterministic). Otherwise after the first step
-    (where the loss started) and then about every ``every_s`` seconds. Every worker must report
-    at the same steps (``save_checkpoint`` is called by all of them, like ``ray.train.report``),
-    and their clocks differ slightly, so the clock is rank 0's: at a check, rank 0's time since
-    the last report goes to every worker (``value_of_rank0``), and the next check is placed
-    where that time should be up at the latest pace, so a check comes every few seconds, not
-    every step. The last step always reports.
-    """
-
-    def __init__(self, last_step: int, every_s: float = 3.0, every_steps: int | None = None,
-                 value_of_rank0=rank0_value):
-        self.last_step, self.every_s, self.every_steps = last_step, every_s, every_steps
-        self.value_of_rank0 = value_of_rank0
-        self._report: tuple[float, int] | None = None  # (time, step) of the last report
-        self._check = (0.0, 0)  # (seconds since the report, step) at the last check
-        self._next_check = 0
-        self._pace: float | None = None  # seconds per step, as last measured
-
-    def due(self, step: int) -> bool:
-        """Whether to report after ``step`` (call it on every worker, every step)."""
-        if step >= self.last_step:
-            return True
-        if self.every_steps:
-            return step % self.every_steps == 0
-        if self._report is None:
-            return True  # the first step of this run
-        if step < self._next_check:
-            return False
-        elapsed = self.value_of_rank0(time.perf_counter() - self._report[0])
-        seconds, at = self._check
-        self._pace = max(elapsed - seconds, 1e-6) / max(step - at, 1)
-        self._check = (elapsed, step)
-        if elapsed >= self.every_s:
-            return True
-        self._next_check = step + max(1, math.ceil((self.every_s - elapsed) / self._pace))
-        return False
-
-    def reported(self, step: int) -> None:
-        """Call after each report: the time to the next one starts now."""
-        self._report = (time.perf_counter(), step)
-        self._check = (0.0, step)
-        ahead = math.ceil(self.every_s / self._pace) if self._pace else 1
-        self._next_check = step + max(1, ahead)
-
-
 def lm_config(**overrides) -> dict:
     """Model, data and training sizes (every model dimension divisible by 8 devices), and the
-    report cadence: about every ``report_every_s`` seconds of steps, or every ``report_every``
-    steps when that is given (the tests do, for checkpoints at known steps)."""
+    report cadence: a checkpoint every ``report_every`` steps and at the last."""
     config = {"vocab": VOCAB, "seq": SEQ, "dim": 64, "heads": 4, "layers": 2, "ff": 256,
-              "rows": 256, "batch_size": 16, "lr": 3e-3, "steps": 40, "report_every_s": 3.0,
-              "report_every": None, "crash_at": None, "seed": 0}
+              "rows": 256, "batch_size": 16, "lr": 3e-3, "steps": 40, "report_every": 10,
+              "crash_at": None, "seed": 0}
     config.update(overrides)
     return config
 
@@ -182,7 +119,6 @@ def train_loop(config: dict) -> None:
     steps_per_epoch = config["rows"] // config["batch_size"]
     shard = ray.train.get_dataset_shard("train")
     monitor = rtx.CompileMonitor(warmup_steps=2)
-    cadence = ReportCadence(config["steps"], config["report_every_s"], config["report_every"])
     crash_marker = os.path.join(config.get("marker_dir") or tempfile.gettempdir(), "train_lm_crashed")
     while step < config["steps"]:
         skip = step % steps_per_epoch  # resuming mid-epoch: skip the batches already trained on
@@ -200,12 +136,12 @@ def train_loop(config: dict) -> None:
             torch_xla.sync()
             step += 1
             metrics = monitor.metrics(step)
-            if cadence.due(step):
+            if step % config["report_every"] == 0 or step >= config["steps"]:
+                # wait=True only when a test asks what each rank wrote
                 written = rtx.save_checkpoint(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
-                    {"step": step, "loss": loss.item(), **metrics},
+                    {"step": step, "loss": loss.item(), **metrics}, wait=bool(config.get("out_dir")),
                 )
-                cadence.reported(step)
                 if written and config.get("out_dir"):
                     with open(os.path.join(config["out_dir"], f"ckpt_step{step}_rank{rtx.rank()}"), "w") as f:
                         f.write(str(written["bytes"]))
@@ -277,11 +213,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--crash-at", type=int, default=None, help="fail once after this step")
     parser.add_argument("--storage-path", default=os.path.join(tempfile.gettempdir(), "train_lm"))
-    parser.add_argument("--report-every-s", type=float, default=3.0, metavar="SECONDS",
-                        help="report and checkpoint about every SECONDS of steps (default 3.0; "
-                        "Ray Train V2 takes one report per 2 s poll)")
-    parser.add_argument("--report-every", type=int, default=None, metavar="N",
-                        help="report and checkpoint every N steps instead (deterministic)")
+    parser.add_argument("--report-every", type=int, default=10, metavar="N",
+                        help="report and checkpoint every N steps (default 10; the loop does not "
+                        "wait for Ray)")
     args = parser.parse_args()
 
     import ray
@@ -289,7 +223,7 @@ def main() -> None:
     ray.init(address="local", include_dashboard=False)
     try:
         config = lm_config(steps=args.steps, crash_at=args.crash_at,
-                           report_every_s=args.report_every_s, report_every=args.report_every,
+                           report_every=args.report_every,
                            marker_dir=tempfile.mkdtemp(prefix="train_lm-"))
         result = build_trainer(config, args.devices, args.storage_path,
                                time.strftime("train_lm-%Y%m%d-%H%M%S")).fit()

@@ -1,16 +1,13 @@
 """A small MLP on synthetic regression data with Ray Train and PyTorch/XLA.
 
-The same training function runs on Trainium, TPU and CPU. By default: 2 CPU workers, loss and
-XLA compile metrics reported with a checkpoint after the first step and then about every 3
-seconds of steps (``--report-every-s``; ``--report-every N`` for every N steps instead),
+The same training function runs on Trainium, TPU and CPU. By default: 2 CPU workers, a
+checkpoint with the loss and XLA compile metrics every 20 steps (``--report-every``),
 resumable: Ray Train restarts a failed worker group from the last checkpoint, and
 ``--resume --name RUN`` continues a finished run for ``--steps`` more (Ray Train V2 finds the
 run's checkpoints under its storage path).
 
-Why seconds and not steps: Ray Train V2 takes one report each time its controller polls the
-workers (every 2 s by default, ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), and ``ray.train.report``
-waits until the previous report was taken, so a loop that reports every 10 fast steps spends
-most of its time waiting for Ray.
+``save_checkpoint`` does not wait for Ray: it copies the state off the device and hands the
+write and the report to a background thread, so the loop can report every few steps.
 
     python examples/train_mlp.py --workers 2 --steps 2000
     python examples/train_mlp.py --resume --name train_mlp-... --steps 1000
@@ -19,71 +16,9 @@ most of its time waiting for Ray.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import tempfile
 import time
-
-
-def rank0_value(value: float) -> float:
-    """Rank 0's ``value`` on every worker (one small collective), so that every worker takes the
-    same decision from it."""
-    import torch
-
-    import ray_train_xla as rtx
-
-    if rtx.world_size() == 1:
-        return value
-    return rtx.broadcast(torch.tensor([value], device=rtx.get_device()), src=0).item()
-
-
-class ReportCadence:
-    """When to report (and checkpoint): at the same steps on every worker, never so often that
-    the loop waits for Ray Train.
-
-    With ``every_steps``, every that many steps (deterministic). Otherwise after the first step
-    (where the loss started) and then about every ``every_s`` seconds. Every worker must report
-    at the same steps (``save_checkpoint`` is called by all of them, like ``ray.train.report``),
-    and their clocks differ slightly, so the clock is rank 0's: at a check, rank 0's time since
-    the last report goes to every worker (``value_of_rank0``), and the next check is placed
-    where that time should be up at the latest pace, so a check comes every few seconds, not
-    every step. The last step always reports.
-    """
-
-    def __init__(self, last_step: int, every_s: float = 3.0, every_steps: int | None = None,
-                 value_of_rank0=rank0_value):
-        self.last_step, self.every_s, self.every_steps = last_step, every_s, every_steps
-        self.value_of_rank0 = value_of_rank0
-        self._report: tuple[float, int] | None = None  # (time, step) of the last report
-        self._check = (0.0, 0)  # (seconds since the report, step) at the last check
-        self._next_check = 0
-        self._pace: float | None = None  # seconds per step, as last measured
-
-    def due(self, step: int) -> bool:
-        """Whether to report after ``step`` (call it on every worker, every step)."""
-        if step >= self.last_step:
-            return True
-        if self.every_steps:
-            return step % self.every_steps == 0
-        if self._report is None:
-            return True  # the first step of this run
-        if step < self._next_check:
-            return False
-        elapsed = self.value_of_rank0(time.perf_counter() - self._report[0])
-        seconds, at = self._check
-        self._pace = max(elapsed - seconds, 1e-6) / max(step - at, 1)
-        self._check = (elapsed, step)
-        if elapsed >= self.every_s:
-            return True
-        self._next_check = step + max(1, math.ceil((self.every_s - elapsed) / self._pace))
-        return False
-
-    def reported(self, step: int) -> None:
-        """Call after each report: the time to the next one starts now."""
-        self._report = (time.perf_counter(), step)
-        self._check = (0.0, step)
-        ahead = math.ceil(self.every_s / self._pace) if self._pace else 1
-        self._next_check = step + max(1, ahead)
 
 
 def train_loop(config: dict) -> None:
@@ -120,7 +55,6 @@ def train_loop(config: dict) -> None:
     loader.set_epoch(step // steps_per_epoch)
     skip = step % steps_per_epoch  # resuming mid-epoch: skip the batches already seen
 
-    cadence = ReportCadence(last, config["report_every_s"], config["report_every"])
     # Running loss total, summed on the device inside the step graph (no extra graph, no
     # transfer per step); read at each report to give the mean loss since the previous one.
     loss_total, reported_total, reported_step = torch.zeros((), device=rtx.get_device()), 0.0, step
@@ -135,7 +69,7 @@ def train_loop(config: dict) -> None:
             rtx.optimizer_step(optimizer)  # average gradients, step, cut the graph
             step += 1
             rtx.metrics(step)  # a few microseconds: counts compilations, warns on recompilation
-            if cadence.due(step):
+            if step % config["report_every"] == 0 or step >= last:
                 total = loss_total.item()
                 rtx.save_checkpoint(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -144,19 +78,16 @@ def train_loop(config: dict) -> None:
                      **rtx.metrics(step, execute_time=True)},
                 )
                 reported_total, reported_step = total, step
-                cadence.reported(step)
             if step >= last:
                 break
         skip = 0
 
 
-def default_config(steps: int = 60, report_every_s: float = 3.0,
-                   report_every: int | None = None) -> dict:
-    """The example's sizes. Reports come about every ``report_every_s`` seconds of steps, or
-    every ``report_every`` steps when that is given."""
+def default_config(steps: int = 60, report_every: int = 20) -> dict:
+    """The example's sizes; a checkpoint every ``report_every`` steps and at the last."""
     return {
         "samples": 512, "features": 8, "hidden": 32, "batch_size": 32, "lr": 0.05,
-        "steps": steps, "report_every_s": report_every_s, "report_every": report_every,
+        "steps": steps, "report_every": report_every,
     }
 
 
@@ -192,11 +123,9 @@ def main() -> None:
     parser.add_argument("--name", default=None, help="run name (default: a new one)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run --name from its last checkpoint, --steps more")
-    parser.add_argument("--report-every-s", type=float, default=3.0, metavar="SECONDS",
-                        help="report and checkpoint about every SECONDS of steps (default 3.0; "
-                        "Ray Train V2 takes one report per 2 s poll)")
-    parser.add_argument("--report-every", type=int, default=None, metavar="N",
-                        help="report and checkpoint every N steps instead (deterministic)")
+    parser.add_argument("--report-every", type=int, default=20, metavar="N",
+                        help="report and checkpoint every N steps (default 20; the loop does not "
+                        "wait for Ray)")
     args = parser.parse_args()
     if args.resume and not args.name:
         parser.error("--resume needs the --name of the run to continue")
@@ -206,7 +135,7 @@ def main() -> None:
 
     ray.init(address="local", include_dashboard=False)  # never attach to a stale cluster
     try:
-        config = default_config(args.steps, args.report_every_s, args.report_every)
+        config = default_config(args.steps, args.report_every)
         config["more"] = args.resume
         trainer = build_trainer(args.workers, config, args.storage_path, args.name, args.device)
         result = trainer.fit()
