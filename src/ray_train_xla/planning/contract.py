@@ -88,6 +88,8 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "PJRT_LOCAL_PROCESS_COUNT": _RANKS,
     XLA_SPMD_VAR: "the spmd option",
     "CPU_NUM_DEVICES": "the cpu_devices_per_worker option",
+    "XLA_PERSISTENT_CACHE_PATH": "the compile_cache option (TPU)",
+    "XLA_PERSISTENT_CACHE_READ_ONLY": "the backend (local rank 0 writes the compile cache)",
     NEURON_VISIBLE_CORES_VAR: "ScalingConfig(resources_per_worker={'neuron_cores': ...})",
     NEURON_ROOT_COMM_VAR: _PORTS,
     "NEURON_PJRT_WORLD_SIZE": _RANKS,

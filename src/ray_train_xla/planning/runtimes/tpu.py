@@ -25,7 +25,14 @@ topology variable itself, from the chips Ray assigned each worker:
 - ``TPU_PROCESS_ADDRESSES``: ``host:port`` of every process in task-id order (``localhost`` on
   one host, as torch_xla does). This is the one variable whose size grows with the world
   (O(processes)): torch_xla's contract needs the full list in every process.
-- ``XLA_USE_SPMD=1`` with ``spmd=True`` (planned for every device, see ``planning.planner``).
+- ``XLA_USE_SPMD=1`` with ``spmd=True`` (planned for every device, see ``planning.planner``);
+- ``XLA_PERSISTENT_CACHE_PATH`` / ``XLA_PERSISTENT_CACHE_READ_ONLY``: torch_xla's persistent
+  compilation cache (what ``torch_xla.runtime.initialize_cache(path, readonly)`` sets), so a
+  worker started again after a failure, or a resumed run, loads the executables it compiled
+  instead of compiling them again: ``compile_cache`` (a directory every host shares) or
+  ``DEFAULT_XLA_CACHE_DIR`` on each host; local rank 0 writes, the other workers of a host read.
+  Not planned on CPU (torch_xla 2.9's CPU client cannot deserialize executables) nor on Neuron
+  (Neuron keeps its own cache, ``NEURON_COMPILE_CACHE_URL``).
 
 Multislice (hosts of several TPU slices, which Ray's JAX support joins with ``MEGASCALE_*``
 variables) is refused before start: torch_xla 2.9's PJRT TPU path has no multislice support.
@@ -40,6 +47,7 @@ from ray_train_xla.planning.runtimes.base import Runtime
 from ray_train_xla.planning.topology import WorkerPlace
 
 BASE_PORT = 8476  # torch_xla's configure_topology default
+DEFAULT_XLA_CACHE_DIR = "/tmp/ray_train_xla/xla-compile-cache"
 # Chips on one host (or in one SPMD process) -> their grid, as Ray and the TPU VMs lay them out.
 CHIP_GRIDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
 
@@ -66,6 +74,10 @@ class TPURuntime(Runtime):
 
     def check(self, config, topology) -> None:
         super().check(config, topology)
+        if config.compile_cache and "://" in config.compile_cache:
+            raise config_error("compile_cache", config.compile_cache,
+                               "a directory path with device='tpu' (torch_xla's persistent "
+                               "cache is a local or mounted directory, not a URL)")
         nodes = topology.nodes()
         for node in nodes:
             for w in node:
@@ -178,4 +190,6 @@ class TPURuntime(Runtime):
             "CLOUD_TPU_TASK_ID": str(task_id),
             "TPU_PROCESS_PORT": str(port),
             "TPU_PROCESS_ADDRESSES": addresses,
+            "XLA_PERSISTENT_CACHE_PATH": config.compile_cache or DEFAULT_XLA_CACHE_DIR,
+            "XLA_PERSISTENT_CACHE_READ_ONLY": "0" if place.local_rank == 0 else "1",
         }
