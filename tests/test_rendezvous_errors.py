@@ -132,3 +132,36 @@ def test_missing_torch_xla_is_named_as_such():
 
     exc = ModuleNotFoundError("No module named 'torch_xla'", name="torch_xla")
     assert "torch_xla cannot be imported on this worker" in describe_xla_init_error(exc)
+
+
+def test_a_gloo_failure_names_where_each_rank_published_its_listener():
+    """gloo_listeners reads back what gloo's connectFullMesh published, for the error message:
+    checked against the listening socket gloo opened in that process."""
+    code = """
+import json, os, socket
+from datetime import timedelta
+import torch.distributed as dist
+from ray_train_xla.startup.process_group import gloo_listeners
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30))
+before = {f for f in os.listdir("/proc/self/fd")}
+dist.init_process_group("cpu:gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+text = gloo_listeners(store, 2)
+ports = []
+for fd in set(os.listdir("/proc/self/fd")) - before:
+    try:
+        sock = socket.socket(fileno=int(fd))
+        if sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            ports.append(sock.getsockname()[1])
+        sock.detach()
+    except OSError:
+        pass
+print(json.dumps({"text": text, "ports": ports}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["text"].startswith(" gloo listeners as published: rank 0: "), got
+    assert "rank 1: none" in got["text"]
+    published = int(got["text"].split("rank 0: ")[1].split(" ")[0].rsplit(":", 1)[1])
+    assert published in got["ports"], got  # the port gloo listens on in that process

@@ -50,11 +50,12 @@ def init_process_group() -> None:
             dist.init_process_group(backend, store=store, rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=timeout)
     except Exception as exc:
+        listeners = gloo_listeners(store, ctx.world_size) if "Gloo" in str(exc) else ""
         raise WorkerSetupError(
             f"{who()}: every rank arrived at the rendezvous, then init_process_group("
             f"{backend!r}, init_method={init_method!r}) failed within timeout_s="
             f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
-            "first, its error is the cause."
+            f"first, its error is the cause.{listeners}"
         ) from exc
     if ctx.devmode:
         devmode.install(dist.get_rank(), dist.get_world_size())
@@ -65,6 +66,34 @@ def init_process_group() -> None:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install(spmd=ctx.spmd)
+
+
+def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> str:
+    """Where each rank's gloo listener of the default group said it listens (read back from the
+    store, as gloo's ``connectFullMesh`` published it): for a failed connection, whether the
+    address a rank connected to is the one its peer published."""
+    import socket
+    import struct
+
+    found = []
+    for r in range(world):
+        key = f"{group}//{device}//0/{r}"  # torch's group/device prefixes, then gloo's device 0
+        try:
+            if not store.check([key]):
+                found.append(f"rank {r}: none")
+                continue
+            raw = store.get(key)
+            n = struct.unpack_from("<Q", raw, 0)[0]
+            host = raw[8:8 + n].decode(errors="replace")
+            size = struct.unpack_from("<Q", raw, 8 + n)[0]
+            addr = raw[16 + n:16 + n + size]
+            family, port = struct.unpack_from("<H", addr, 0)[0], struct.unpack_from(">H", addr, 2)[0]
+            ip = (socket.inet_ntop(socket.AF_INET, addr[4:8]) if family == socket.AF_INET
+                  else socket.inet_ntop(socket.AF_INET6, addr[8:24]))
+            found.append(f"rank {r}: {ip}:{port} (host {host})")
+        except Exception as exc:  # noqa: BLE001 (a diagnostic: never hide the original error)
+            found.append(f"rank {r}: unreadable ({type(exc).__name__})")
+    return " gloo listeners as published: " + "; ".join(found) + "."
 
 
 def init_native_process_group() -> None:
