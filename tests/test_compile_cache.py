@@ -36,21 +36,31 @@ def tpu_plan(workers_per_host: int, hosts: int, **config) -> list[dict]:
     return [p.env for p in plan(Topology.from_facts(facts, "TPU"), cfg, rdzv, "tpu", facts)]
 
 
-def initialize_cache_env(path: str, readonly: bool) -> dict:
-    """What torch_xla's initialize_cache sets, in a fresh process (it may run only once)."""
-    code = ("import json, os, torch_xla.runtime as xr; xr.initialize_cache(%r, readonly=%r); "
-            "print(json.dumps({k: os.environ.get(k) for k in %r}))" % (path, readonly, CACHE_VARS))
+def initialize_cache_envs(cases: list[tuple[str, bool]]) -> list[dict]:
+    """What torch_xla's initialize_cache(path, readonly) sets for each case, in one fresh
+    process (no computation runs in it, so the function may be called again)."""
+    code = (f"import json, os, torch_xla.runtime as xr\nout = []\n"
+            f"for path, ro in {cases!r}:\n"
+            f"    xr.initialize_cache(path, readonly=ro)\n"
+            f"    out.append({{k: os.environ.get(k) for k in {CACHE_VARS!r}}})\n"
+            f"print(json.dumps(out))")
     env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "PJRT_DEVICE": "CPU"},
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def initialize_cache_sets() -> dict:
+    cases = [(path, ro) for path in (DEFAULT_XLA_CACHE_DIR, "/fsx/xla-cache") for ro in (False, True)]
+    return dict(zip(cases, initialize_cache_envs(cases)))
+
+
 @pytest.mark.parametrize("compile_cache", [None, "/fsx/xla-cache"])
-def test_tpu_plans_set_what_initialize_cache_sets(compile_cache):
+def test_tpu_plans_set_what_initialize_cache_sets(compile_cache, initialize_cache_sets):
     envs = tpu_plan(workers_per_host=4, hosts=2, compile_cache=compile_cache)
     path = compile_cache or DEFAULT_XLA_CACHE_DIR
-    expected = {lr: initialize_cache_env(path, readonly=lr != 0) for lr in (0, 1)}
+    expected = {lr: initialize_cache_sets[(path, lr != 0)] for lr in (0, 1)}
     for env in envs:
         got = {k: env[k] for k in CACHE_VARS}
         assert got == expected[min(int(env["LOCAL_RANK"]), 1)], env["RANK"]

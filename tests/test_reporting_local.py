@@ -159,15 +159,18 @@ def test_a_failed_report_on_one_rank_reaches_its_training_function():
     assert 0 in seen  # rank 0 is not left waiting: its end is bounded and says why
 
 
-def test_backpressure_bounds_snapshots_in_flight_and_times_out():
-    fake = FakeRay(world=1, take_s=0.3)
-    (rep,) = reporters(fake, max_in_flight=2, timeout_s=5)
+def test_backpressure_bounds_snapshots_in_flight_is_warned_once_and_times_out(caplog):
+    fake = FakeRay(world=1, take_s=1.2)
+    (rep,) = reporters(fake, max_in_flight=2, timeout_s=10)
     start = time.monotonic()
-    for step in range(5):
-        rep.checkpoint({"step": step}, writer([], step))
-        assert rep._checkpoints <= 2  # never more than max_in_flight held
+    with caplog.at_level("WARNING", logger="ray_train_xla.toolkit.reporting"):
+        for step in range(5):
+            rep.checkpoint({"step": step}, writer([], step))
+            assert rep._checkpoints <= 2  # never more than max_in_flight held
     blocked = time.monotonic() - start
-    assert blocked > 0.5  # the loop was backed off to the consumer's pace
+    assert blocked > 2  # the loop was backed off to the consumer's pace
+    warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(warned) == 1 and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in warned[0], warned
     rep.close()
     assert [m["step"] for m, _ in fake.calls[0]] == [0, 1, 2, 3, 4]
 

@@ -123,20 +123,3 @@ def test_metrics_come_from_counters_and_execute_time_only_on_request():
     assert full["xla/compile_time_s"] == pytest.approx(met.metric_data("CompileTime")[1] * 1e-9)
     assert full["xla/executions"] == met.metric_data("ExecuteTime")[0]
     torch_xla.sync()
-
-
-def test_a_report_that_waits_for_ray_is_named_once(monkeypatch, caplog):
-    import time
-
-    import ray.train
-
-    from ray_train_xla.toolkit import checkpoint
-
-    waits = iter([1.2, 0.0, 1.2])
-    monkeypatch.setattr(ray.train, "report", lambda *a, **k: time.sleep(next(waits)))
-    monkeypatch.setattr(checkpoint, "_report_wait_warned", False)
-    with caplog.at_level("WARNING", logger="ray_train_xla.toolkit.checkpoint"):
-        for _ in range(3):
-            checkpoint._report({"step": 1})
-    warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
-    assert len(warned) == 1 and "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in warned[0]
