@@ -4,10 +4,12 @@ and the bytes each rank writes (sharded) against what one rank writes when it ga
 Two Ray nodes on this machine (``ray.cluster_utils.Cluster``), one SPMD worker each with 2
 virtual XLA CPU devices, an FSDPv2 MLP of at least 100 MB of parameters (plain SGD: the
 parameters are the whole state). Each worker times plain steps, then windows of one
-``save_checkpoint`` call followed by ``WINDOW`` steps, alternating ``upload="sync"`` and
-``upload="async"``, each right after ``WINDOW`` plain steps. The stall of a window is its time
-minus that of the plain steps before it; the figure is the median async stall over the median
-sync stall (target < 0.5). The time of the ``save_checkpoint`` call itself is reported too.
+``save_checkpoint`` call followed by ``WINDOW`` steps, alternating ``wait=True`` ("sync": the
+call returns once the checkpoint is written and reported) and the default ("async": written and
+reported by the background reporter), each right after ``WINDOW`` plain steps. The stall of a
+window is its time minus that of the plain steps before it; the figure is the median async
+stall over the median sync stall (target < 0.5). The time of the ``save_checkpoint`` call
+itself is reported too.
 
 Writes ``sharded_checkpoint.json`` and ``sharded_checkpoint.md`` under --out.
 
@@ -31,7 +33,6 @@ WINDOW = 6
 
 
 def bench_train(config):
-    import ray.train
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -71,7 +72,8 @@ def bench_train(config):
             before = steps(WINDOW)
             plain.append(before / WINDOW)
             start = time.perf_counter()
-            out = rtx.save_checkpoint({"model": model.state_dict(), "step": rep}, {"rep": rep}, upload=mode)
+            out = rtx.save_checkpoint({"model": model.state_dict(), "step": rep}, {"rep": rep},
+                                      wait=mode == "sync")
             calls[mode].append(time.perf_counter() - start)
             if out:
                 written.append(out["bytes"])
@@ -87,7 +89,7 @@ def bench_train(config):
     }
     with open(os.path.join(config["out_dir"], f"rank{rtx.rank()}.json"), "w") as f:
         json.dump(record, f)
-    ray.train.report({"done": 1})
+    rtx.report({"done": 1})
 
 
 def run(quick: bool, reps: int) -> dict:
