@@ -275,7 +275,11 @@ class Reporter:
                         self._checkpoints -= 1
                     item = None
                     break
-                if head is not None and self._rank != 0:
+                # Wait for this rank's training thread to make the same calls: nothing queued
+                # yet, or fewer metrics calls than rank 0's so far in the last (open) run.
+                behind = head is None or (kind == "metrics" and isinstance(head, _Metrics)
+                                          and len(self._events) == 1)
+                if not behind and self._rank != 0:
                     raise ReportError(
                         f"rank {self._rank}: its reports differ from rank 0's (rank 0 reports "
                         f"{kind}, this rank has {type(head).__name__.strip('_').lower()} next): "
