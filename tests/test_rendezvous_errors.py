@@ -165,3 +165,34 @@ print(json.dumps({"text": text, "ports": ports}))
     assert "rank 1: none" in got["text"]
     published = int(got["text"].split("rank 0: ")[1].split(" ")[0].rsplit(":", 1)[1])
     assert published in got["ports"], got  # the port gloo listens on in that process
+
+
+def _devmode_envs(world: int, run_id: str) -> list[dict]:
+    """The CPU plan of several workers as planned: the development mode's gloo group, env://."""
+    rdzv = Rendezvous(master_addr="127.0.0.1", master_port=_free_port(), run_id=run_id)
+    config = TorchXLAConfig(device="cpu", timeout_s=60)
+    return [p.env for p in plan(Topology.uniform([world]), config, rdzv, "cpu")]
+
+
+def _start_retry_worker(env: dict, fail_rank: int, kind: str) -> subprocess.Popen:
+    extra = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+             "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "pg_retry_worker.py"), "--fail-once", str(fail_rank),
+         kind], env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_gloo_connection_failure_on_one_rank_restarts_the_group_on_every_rank():
+    """Rank 1's first start fails the way gloo's does when a connection it did not expect
+    reaches its listener; the other ranks started theirs. Every rank starts the group again and
+    it works; any other error is not retried, on any rank."""
+    gloo = [_start_retry_worker(e, 1, "gloo") for e in _devmode_envs(3, "retry")]
+    other = [_start_retry_worker(e, 1, "other") for e in _devmode_envs(2, "noretry")]
+    gloo_out, other_out = [result(p) for p in gloo], [result(p) for p in other]
+    for rank, out in enumerate(gloo_out):
+        assert out["ok"] and out["total"] == 6.0, (rank, out)  # 1 + 2 + 3 over the new group
+        assert out["attempts"] == 2, (rank, out)
+    assert not any(out["ok"] for out in other_out)
+    assert all(out["attempts"] == 1 for out in other_out), other_out
+    assert "some other failure (injected)" in other_out[1]["error"]
+    assert "not on rank(s) [1]" in other_out[0]["error"]

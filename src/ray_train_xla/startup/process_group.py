@@ -9,6 +9,7 @@ process group itself.
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import timedelta
 
@@ -16,6 +17,8 @@ from ray_train_xla.errors import RendezvousTimeoutError, WorkerSetupError, XLAIn
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.startup import rendezvous
 from ray_train_xla.startup.facts import who
+
+logger = logging.getLogger(__name__)
 
 
 def init_process_group() -> None:
@@ -47,10 +50,10 @@ def init_process_group() -> None:
         if init_method == "xla://" and rendezvous.install_for_xla_handler(store):
             dist.init_process_group(backend, init_method=init_method, timeout=timeout)
         else:
-            dist.init_process_group(backend, store=store, rank=ctx.rank,
-                                    world_size=ctx.world_size, timeout=timeout)
+            store = _init_with_store(backend, store, ctx, timeout)
     except Exception as exc:
-        listeners = gloo_listeners(store, ctx.world_size) if "Gloo" in str(exc) else ""
+        listeners = (gloo_listeners(getattr(exc, "attempt_store", store), ctx.world_size)
+                     if "Gloo" in str(exc) else "")
         raise WorkerSetupError(
             f"{who()}: every rank arrived at the rendezvous, then init_process_group("
             f"{backend!r}, init_method={init_method!r}) failed within timeout_s="
@@ -66,6 +69,94 @@ def init_process_group() -> None:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install(spmd=ctx.spmd)
+
+
+# A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.
+GLOO_START_ATTEMPTS = 3
+
+
+def is_gloo_connect_error(exc: BaseException) -> bool:
+    """gloo could not connect a pair while creating a group: a peer's listener got a
+    connection that was then closed, refused or reset (seen when a connection from another
+    process reaches a listener that reuses the port its peer had)."""
+    text = str(exc)
+    return "Gloo connectFullMesh failed" in text or ("gloo" in text and "Connection closed by peer" in text)
+
+
+def _init_with_store(backend: str, store, ctx, timeout: timedelta):
+    """``init_process_group`` on ``store``, every attempt under its own key prefix. When gloo
+    fails to connect on any rank, every rank learns it through the store, drops what it set up
+    and tries again together (at most ``GLOO_START_ATTEMPTS`` times, within ``timeout``);
+    any other error ends it on every rank. Returns the store the group uses."""
+    import time
+
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    for attempt in range(GLOO_START_ATTEMPTS):
+        attempt_store = dist.PrefixStore(f"ray_train_xla/{ctx.run_id or 'run'}/pg{attempt}", store)
+        error = None
+        if attempt:
+            # A failed attempt leaves torch's group counter one up on its rank: every rank must
+            # name the new default group alike (its keys in the store start with the name).
+            _c10d_world().group_count = 0
+        try:
+            dist.init_process_group(backend, store=attempt_store, rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 (told to every rank below, then raised)
+            error = exc
+        if ctx.world_size == 1:
+            if error is not None:
+                raise error
+            return attempt_store
+        outcome = "ok" if error is None else "retry" if is_gloo_connect_error(error) else "fail"
+        prefix = f"ray_train_xla/{ctx.run_id or 'run'}/pg{attempt}/outcome"
+        if error is not None and (outcome == "fail" or attempt == GLOO_START_ATTEMPTS - 1):
+            try:  # tell the others not to wait, then fail with this rank's own error
+                store.set(f"{prefix}/{ctx.rank}", "fail")
+            except Exception:  # noqa: BLE001 (the store may be gone with rank 0)
+                pass
+            error.attempt_store = attempt_store  # where its gloo listeners were published
+            raise error
+        outcomes = _exchange(store, prefix, ctx.rank, ctx.world_size, outcome, deadline)
+        if all(o == "ok" for o in outcomes):
+            return attempt_store
+        if dist.is_initialized():  # this rank's group started (or half started): drop it
+            dist.destroy_process_group()
+        failed = [r for r, o in enumerate(outcomes) if o != "ok"]
+        if "fail" in outcomes or attempt == GLOO_START_ATTEMPTS - 1:
+            raise WorkerSetupError(
+                f"{who()}: the process group started here, but not on rank(s) {failed}: their "
+                "error is the cause")
+        logger.warning("%s: gloo could not connect rank(s) %s at process-group start (attempt "
+                       "%d of %d): every rank starts the group again", who(), failed,
+                       attempt + 1, GLOO_START_ATTEMPTS)
+    raise AssertionError("unreachable")
+
+
+def _c10d_world():
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world
+
+
+def _exchange(store, prefix: str, rank: int, world: int, value: str, deadline: float) -> list[str]:
+    """Every rank's ``value`` through the store, waiting for all until ``deadline``."""
+    import time
+
+    import torch.distributed as dist
+
+    store.set(f"{prefix}/{rank}", value)
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    left = max(0.001, deadline - time.monotonic())
+    try:
+        store.wait(keys, timedelta(seconds=left))
+    except (dist.DistError, RuntimeError) as exc:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise WorkerSetupError(
+            f"{who()}: rank(s) {missing} did not finish starting the process group within "
+            "timeout_s (they may still be connecting, or failed)") from exc
+    return [store.get(k).decode() for k in keys]
 
 
 def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> str:
