@@ -62,7 +62,9 @@ def batches_to_device(loader, device):
             yield xb.to(device), yb.to(device)
 
 
-def run_bare(config: dict, window: float, cadence: float | None, warmup: int = 20) -> dict:
+def plain_setup(config: dict):
+    """The model and optimizer on the XLA device, and endless batches moved with ``.to``: what
+    the bare and the hand-written loops share."""
     import torch
     import torch_xla
 
@@ -71,7 +73,14 @@ def run_bare(config: dict, window: float, cadence: float | None, warmup: int = 2
                                          shuffle=True, drop_last=True)
     model = make_mlp(config).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    it = batches_to_device(loader, device)
+    return model, opt, batches_to_device(loader, device)
+
+
+def run_bare(config: dict, window: float, cadence: float | None, warmup: int = 20) -> dict:
+    import torch
+    import torch_xla
+
+    model, opt, it = plain_setup(config)
 
     def step():
         xb, yb = next(it)
@@ -122,12 +131,7 @@ def run_hand(config: dict, window: float, cadence: float, warmup: int = 20) -> d
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
-    device = torch_xla.device()
-    loader = torch.utils.data.DataLoader(mlp_data(config), batch_size=config["batch_size"],
-                                         shuffle=True, drop_last=True)
-    model = make_mlp(config).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    it = batches_to_device(loader, device)
+    model, opt, it = plain_setup(config)
     n = [0]
 
     def step():
