@@ -94,27 +94,7 @@ class Reporter:
                    wait: bool = False) -> dict | None:
         item = _Checkpoint(dict(metrics), write)
         with self._cv:
-            self._raise_error()
-            start = time.monotonic()
-            while self._checkpoints >= self._max and self._error is None:
-                left = self._timeout_s - (time.monotonic() - start)
-                if left <= 0:
-                    raise ReportError(
-                        f"rank {self._rank}: {self._max} checkpoints are still waiting to be "
-                        f"taken by Ray after timeout_s={self._timeout_s:g}; Ray Train takes one "
-                        "report per controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S).")
-                self._cv.wait(min(left, _POLL_S))
-            self._raise_error()
-            waited = time.monotonic() - start
-            if waited > BACKPRESSURE_WARN_S and not self._warned:
-                self._warned = True
-                logger.warning(
-                    "rank %d: save_checkpoint waited %.1f s for one of its %d in-flight "
-                    "checkpoints to be taken by Ray. Ray Train takes one report each time its "
-                    "controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by "
-                    "default): checkpoint less often than that, or raise max_in_flight "
-                    "(configure_reports) to absorb bursts.", self._rank, waited, self._max)
-            self._checkpoints += 1
+            self._take_slot()
             self._events.append(item)
             self._cv.notify_all()
         if wait:
@@ -131,11 +111,34 @@ class Reporter:
                 tail.latest = dict(metrics)
             else:
                 if not self._coalesce:  # each call is its own report: bound them like checkpoints
-                    while self._checkpoints >= self._max and self._error is None:
-                        self._cv.wait(_POLL_S)
-                    self._checkpoints += 1
+                    self._take_slot()
                 self._events.append(_Metrics(1, dict(metrics)))
             self._cv.notify_all()
+
+    def _take_slot(self) -> None:
+        """(Holding the lock) wait until fewer than ``max_in_flight`` reports are held, within
+        ``timeout_s``; warn once when it took long; take the slot."""
+        self._raise_error()
+        start = time.monotonic()
+        while self._checkpoints >= self._max and self._error is None:
+            left = self._timeout_s - (time.monotonic() - start)
+            if left <= 0:
+                raise ReportError(
+                    f"rank {self._rank}: {self._max} checkpoints are still waiting to be "
+                    f"taken by Ray after timeout_s={self._timeout_s:g}; Ray Train takes one "
+                    "report per controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S).")
+            self._cv.wait(min(left, _POLL_S))
+        self._raise_error()
+        waited = time.monotonic() - start
+        if waited > BACKPRESSURE_WARN_S and not self._warned:
+            self._warned = True
+            logger.warning(
+                "rank %d: save_checkpoint waited %.1f s for one of its %d in-flight "
+                "checkpoints to be taken by Ray. Ray Train takes one report each time its "
+                "controller polls the workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by "
+                "default): checkpoint less often than that, or raise max_in_flight "
+                "(configure_reports) to absorb bursts.", self._rank, waited, self._max)
+        self._checkpoints += 1
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait until every report was made, stop the thread, raise a background error."""
