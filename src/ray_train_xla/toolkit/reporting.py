@@ -84,7 +84,6 @@ class Reporter:
         self._error: BaseException | None = None
         self._raised = False
         self._warned = False
-        self.reports = 0  # ray.train.report calls made
         self._thread = threading.Thread(target=self._run, name="ray_train_xla-reports", daemon=True)
         self._thread.start()
 
@@ -156,10 +155,6 @@ class Reporter:
                 self._closing = True
             self._raise_error(again=True)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _wait_done(self, item: _Checkpoint) -> None:
         deadline = time.monotonic() + self._timeout_s
         while not item.done.wait(_POLL_S):
@@ -208,20 +203,23 @@ class Reporter:
 
     def _decide(self, step: int):
         """Rank 0: the next report (the head of the queue), published for the other ranks."""
+        decision = self._next_in_queue(freeze=True)
+        self._publish(step, decision or ("stop", 0))
+        return decision
+
+    def _next_in_queue(self, freeze: bool = False):
+        """The head of this rank's queue as a decision, once there is one; None when closing
+        with nothing left. ``freeze``: later metrics calls start the next report."""
         with self._cv:
             while not self._events and not self._closing:
                 self._cv.wait()
             if not self._events:
-                decision = ("stop", 0)
-            else:
-                head = self._events[0]
-                if isinstance(head, _Checkpoint):
-                    decision = ("checkpoint", 0)
-                else:
-                    head.frozen = True
-                    decision = ("metrics", head.count)
-        self._publish(step, decision)
-        return None if decision[0] == "stop" else decision
+                return None
+            head = self._events[0]
+            if isinstance(head, _Checkpoint):
+                return "checkpoint", 0
+            head.frozen = head.frozen or freeze
+            return "metrics", head.count
 
     def _publish(self, step: int, decision: tuple[str, int]) -> None:
         if self._store is not None and self._world > 1:
@@ -230,14 +228,7 @@ class Reporter:
     def _follow(self, step: int):
         """Other ranks: rank 0's decision for report number ``step``."""
         if self._store is None or self._world == 1 or not self._coalesce:
-            # no agreement needed: every call is its own report, in call order
-            with self._cv:
-                while not self._events and not self._closing:
-                    self._cv.wait()
-                if not self._events:
-                    return None
-                head = self._events[0]
-                return ("checkpoint", 0) if isinstance(head, _Checkpoint) else ("metrics", head.count)
+            return self._next_in_queue()  # no agreement needed: every call is its own report
         key = f"{self._prefix}/{step}"
         pause = 0.005
         # check() and a pause rather than a blocking wait: the store's client is shared with
@@ -298,11 +289,9 @@ class Reporter:
             if count > 1:
                 out[COALESCED_KEY] = count
             self._report_fn(out, None)
-            self.reports += 1
             return
         try:
             item.written = self._report_checkpoint(item)
-            self.reports += 1
         finally:
             item.done.set()
             with self._cv:
