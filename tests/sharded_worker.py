@@ -209,9 +209,14 @@ def scenario_mismatch(out_dir: str) -> dict:
     start_spmd()
     mesh = rtx.get_sharded_mesh()
 
-    def sharded(hidden=64, depth=1, dtype=torch.float32):
+    def sharded(hidden=64, depth=1, dtype=torch.float32, params=None):
         model = rtx.prepare_sharded_model(make_model(hidden, depth).to(dtype), mesh)
-        return model, torch.optim.Adam(model.parameters(), lr=LR)
+        # AdamW with weight decay: priming it (a zero-gradient step) would move the parameters.
+        chosen = list(model.parameters())[:params] if params else model.parameters()
+        return model, torch.optim.AdamW(chosen, lr=LR, weight_decay=0.1)
+
+    def cpu(model):
+        return plain_keys({k: v.cpu() for k, v in model.state_dict().items()})
 
     model, opt = sharded()
     train(model, opt, 1, lambda b: rtx.shard_batch(b, mesh), torch_xla.sync)
@@ -224,12 +229,15 @@ def scenario_mismatch(out_dir: str) -> dict:
     record: dict = {"sharded": {}, "replicated": {}}
     for name, kwargs in targets.items():
         m, o = sharded(**kwargs)
+        before = cpu(m)
         record["sharded"][name] = errors(lambda m=m, o=o: load_sharded(ckpt, m, o))[0]
+        record["sharded"][name + "/untouched"] = exact(cpu(m), before) and not o.state
         record["sharded"][name + "/model_only"] = errors(lambda m=m: load_sharded(ckpt, m))[0]
+    m, o = sharded(params=2)  # the model fits, the optimizer holds 2 of its 6 parameters
+    record["sharded"]["optimizer_subset"] = errors(lambda: load_sharded(ckpt, m, o))[0]
     m, o = sharded()
     record["sharded"]["same"] = errors(lambda: load_sharded(ckpt, m, o))[0]
-    record["sharded_restored"] = exact(plain_keys({k: v.cpu() for k, v in m.state_dict().items()}),
-                                       saved)
+    record["sharded_restored"] = exact(cpu(m), saved)
 
     device = torch_xla.device()
     plain = make_model(64).to(device)

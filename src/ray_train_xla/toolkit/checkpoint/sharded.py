@@ -184,6 +184,8 @@ def load_sharded(
     target: dict[str, Any] = {}
     if model is not None:
         target["model"] = model.state_dict()
+        if "model" in saved:  # before priming the optimizer, which steps the parameters
+            _check_target(metadata, target, directory)
     if optimizer is not None:
         if not optimizer.state:
             # DCP loads in place: the optimizer state must exist (a zero-gradient step).
