@@ -15,12 +15,13 @@ import torch
 IN, HIDDEN, OUT, BATCH, STEPS, LR = 16, 32, 8, 16, 3, 0.01
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = HIDDEN, depth: int = 1) -> torch.nn.Module:
+    """IN -> hidden, ``depth`` hidden -> hidden layers, -> OUT (tanh between)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, OUT),
-    )
+    layers = [torch.nn.Linear(IN, hidden), torch.nn.Tanh()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, OUT))
 
 
 def batch(step: int):
@@ -194,7 +195,77 @@ def scenario_train_load(out_dir: str, ckpt: str) -> dict:
     return {"train": scenario_train(out_dir), "load": scenario_load(out_dir, ckpt)}
 
 
-SCENARIOS = {"train": scenario_train, "load": scenario_load, "refuse": scenario_refuse,
+def scenario_mismatch(out_dir: str) -> dict:
+    """Checkpoints of a hidden=64 model (sharded: FSDPv2 on this process's devices; replicated:
+    checkpoint.pt) loaded into models of other shapes, dtypes and layers: the message each load
+    raises ("" when it loads), and what the good loads restored."""
+    import ray.train
+    import torch_xla
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.replicated import stage_replicated, write_replicated
+    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded, save_sharded
+
+    start_spmd()
+    mesh = rtx.get_sharded_mesh()
+
+    def sharded(hidden=64, depth=1, dtype=torch.float32, params=None):
+        model = rtx.prepare_sharded_model(make_model(hidden, depth).to(dtype), mesh)
+        # AdamW with weight decay: priming it (a zero-gradient step) would move the parameters.
+        chosen = list(model.parameters())[:params] if params else model.parameters()
+        return model, torch.optim.AdamW(chosen, lr=LR, weight_decay=0.1)
+
+    def cpu(model):
+        return plain_keys({k: v.cpu() for k, v in model.state_dict().items()})
+
+    model, opt = sharded()
+    train(model, opt, 1, lambda b: rtx.shard_batch(b, mesh), torch_xla.sync)
+    ckpt = os.path.join(out_dir, "sharded64")
+    save_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, ckpt)
+    saved = plain_keys({k: v.cpu() for k, v in model.state_dict().items()})
+    targets = {"smaller": dict(hidden=32), "larger": dict(hidden=128),
+               "bf16": dict(dtype=torch.bfloat16), "more_layers": dict(depth=2),
+               "fewer_layers": dict(depth=0)}
+    record: dict = {"sharded": {}, "replicated": {}}
+    for name, kwargs in targets.items():
+        m, o = sharded(**kwargs)
+        before = cpu(m)
+        record["sharded"][name] = errors(lambda m=m, o=o: load_sharded(ckpt, m, o))[0]
+        record["sharded"][name + "/untouched"] = exact(cpu(m), before) and not o.state
+        record["sharded"][name + "/model_only"] = errors(lambda m=m: load_sharded(ckpt, m))[0]
+    m, o = sharded(params=2)  # the model fits, the optimizer holds 2 of its 6 parameters
+    record["sharded"]["optimizer_subset"] = errors(lambda: load_sharded(ckpt, m, o))[0]
+    m, o = sharded()
+    record["sharded"]["same"] = errors(lambda: load_sharded(ckpt, m, o))[0]
+    record["sharded_restored"] = exact(cpu(m), saved)
+
+    device = torch_xla.device()
+    plain = make_model(64).to(device)
+    rdir = os.path.join(out_dir, "replicated64")
+    os.makedirs(rdir)
+    write_replicated(stage_replicated({"model": plain.state_dict(), "step": 1}), rdir,
+                     "checkpoint.pt")
+    checkpoint = ray.train.Checkpoint.from_directory(rdir)
+    for name, kwargs in targets.items():
+        target = make_model(kwargs.get("hidden", 64), kwargs.get("depth", 1)).to(
+            kwargs.get("dtype", torch.float32)).to(device)
+        before = {k: v.cpu() for k, v in target.state_dict().items()}
+        record["replicated"][name] = errors(lambda t=target: rtx.load_checkpoint(
+            t, checkpoint=checkpoint))[0]
+        record["replicated"][name + "/untouched"] = exact(
+            {k: v.cpu() for k, v in target.state_dict().items()}, before)
+    target = make_model(64).to(device)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    record["replicated"]["same"] = errors(lambda: rtx.load_checkpoint(target, checkpoint=checkpoint))[0]
+    record["replicated_restored"] = exact({k: v.cpu() for k, v in target.state_dict().items()},
+                                          {k: v.cpu() for k, v in plain.state_dict().items()})
+    return record
+
+
+SCENARIOS = {"mismatch": scenario_mismatch, "train": scenario_train,
+             "load": scenario_load, "refuse": scenario_refuse,
              "train_load": scenario_train_load}
 
 if __name__ == "__main__":

@@ -310,4 +310,6 @@ def test_tpu_host_identity_is_read_as_ray_reads_it(monkeypatch):
 
     monkeypatch.setenv("TPU_WORKER_ID", "3")
     monkeypatch.setenv("TPU_NAME", "slice-a")
-    assert _tpu_host_identity() == (3, "slice-a")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v4-16")
+    monkeypatch.setenv("TPU_TOPOLOGY", "2x2x2")
+    assert _tpu_host_identity() == (3, "slice-a", "v4-16", "2x2x2")

@@ -1,7 +1,8 @@
 """Hugging Face Transformers' Trainer on the XLA device inside a Ray training function, on CPU
 workers: a tiny Llama built from a config (no downloads), Ray's ``prepare_trainer`` and
-``RayTrainReportCallback``. Checked: the loss falls, the gradients the optimizer applies are the
-average of the workers' gradients, checkpoints reach Ray."""
+``RayTrainReportCallback``, the default ``TrainingArguments`` optimizer. Checked: the loss falls,
+the gradients the optimizer applies are the average of the workers' gradients, checkpoints
+reach Ray."""
 
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def train_hf(config):
 
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="rtx-hf-"), per_device_train_batch_size=4,
-        max_steps=STEPS, learning_rate=3e-2, optim="adamw_torch",  # the fused default refuses XLA
+        # optim left at its default (adamw_torch_fused with torch >= 2.8): the worker's start-up
+        # makes it the unfused AdamW, whose fused kernel would refuse XLA parameters.
+        max_steps=STEPS, learning_rate=3e-2,
         max_grad_norm=0.0,  # no clipping: the gradients are reduced inside optimizer.step()
         logging_steps=1, save_strategy="steps", save_steps=SAVE_EVERY, report_to=[],
         dataloader_drop_last=True, use_cpu=False, seed=0)
@@ -78,6 +81,7 @@ def train_hf(config):
         "process_index": trainer.args.process_index, "device": str(trainer.args.device),
         "param_device": next(trainer.model.parameters()).device.type,
         "losses": losses, "grads": grads,
+        "optim": str(getattr(trainer.args.optim, "value", trainer.args.optim)),
         "checkpoint_seen": ray.train.get_checkpoint() is not None,
     })
 
@@ -90,6 +94,7 @@ def test_transformers_trainer_on_xla_cpu_workers(ray_local, workers):
     for rec in records:
         assert rec["world"] == rec["args_world"] == workers and rec["process_index"] == rec["rank"]
         assert rec["device"].startswith("xla") and rec["param_device"] == "xla"
+        assert rec["optim"] == "adamw_torch"  # the default, unfused on the XLA worker
         losses = rec["losses"]
         assert len(losses) == STEPS and losses[-1] < 0.8 * losses[0], losses
         assert len(rec["grads"]["before"]) == len(rec["grads"]["after"]) == STEPS

@@ -38,6 +38,7 @@ _EXPORTS = {
     "RendezvousTimeoutError": "ray_train_xla.errors",
     "NeuronCompileError": "ray_train_xla.errors",
     "ShardedStateError": "ray_train_xla.errors",
+    "CheckpointMismatchError": "ray_train_xla.errors",
     "ReportError": "ray_train_xla.errors",
     **{name: "ray_train_xla.toolkit" for name in (
         "CompileMonitor",

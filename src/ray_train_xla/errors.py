@@ -6,6 +6,7 @@
   initialisation rejected the environment) and ``RendezvousTimeoutError`` (ranks missing).
 - ``NeuronCompileError``: the Neuron parallel compile failed on a worker.
 - ``ShardedStateError``: sharded state given to a helper for replicated state (or the reverse).
+- ``CheckpointMismatchError``: a checkpoint whose tensors do not fit what it is loaded into.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class RendezvousTimeoutError(WorkerSetupError):
 
 class ShardedStateError(ValueError):
     """Sharded state was given to a helper that would silently get it wrong."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit what it is loaded into: a tensor of another shape or dtype, a
+    key missing from the checkpoint or one the target does not have (each named)."""
 
 
 class NeuronCompileError(RuntimeError):

@@ -37,6 +37,11 @@ class WorkerFacts:
     # libtpu number a slice's hosts by this id, which need not follow Ray's node order.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    # TPU hosts only: the slice's accelerator type ("v4-64", "v5litepod-16") and chip topology
+    # ("2x4x4", "4x4"), as Ray reads them (GKE's TPU_ACCELERATOR_TYPE / TPU_TOPOLOGY, else the
+    # GCE metadata); "" when unknown. The TPU process bounds follow from them.
+    tpu_accelerator_type: str = ""
+    tpu_topology: str = ""
 
     @property
     def key(self) -> str:
@@ -59,6 +64,8 @@ class WorkerPlace:
     # From WorkerFacts (TPU hosts only): see there.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    tpu_accelerator_type: str = ""
+    tpu_topology: str = ""
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Topology:
                     accelerator_ids=ids,
                     tpu_worker_id=f.tpu_worker_id,
                     tpu_name=f.tpu_name,
+                    tpu_accelerator_type=f.tpu_accelerator_type,
+                    tpu_topology=f.tpu_topology,
                 )
             )
         return cls(workers=tuple(places))

@@ -41,7 +41,8 @@ def gather_facts() -> WorkerFacts:
         for name, ids in ctx.get_accelerator_ids().items()
         if ids
     }
-    tpu_worker_id, tpu_name = tpu_host_identity() if accelerators.get("TPU") else (None, "")
+    tpu_worker_id, tpu_name, tpu_type, tpu_topology = (
+        tpu_host_identity() if accelerators.get("TPU") else (None, "", "", ""))
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -54,28 +55,36 @@ def gather_facts() -> WorkerFacts:
         preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
         tpu_worker_id=tpu_worker_id,
         tpu_name=tpu_name,
+        tpu_accelerator_type=tpu_type,
+        tpu_topology=tpu_topology,
     )
 
 
-def tpu_host_identity() -> tuple[int | None, str]:
-    """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
-    else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
-    from ray._private.accelerators.tpu import TPUAcceleratorManager
+def tpu_host_identity() -> tuple[int | None, str, str, str]:
+    """This TPU host's worker id, slice name, slice accelerator type (``v4-64``) and chip
+    topology (``2x4x4``), read the way Ray reads them (GKE's ``TPU_WORKER_ID``, ``TPU_NAME``,
+    ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``, else the GCE metadata server), so hosts can be
+    ordered as torch_xla numbers them and the process bounds follow the slice's topology.
+    Everything within TPU_METADATA_TIMEOUT_S, else unknown (None, "", "", "")."""
+    from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
 
     found: list = []
 
     def read() -> None:
-        found.append((TPUAcceleratorManager.get_current_node_tpu_worker_id(),
-                      TPUAcceleratorManager.get_current_node_tpu_name() or ""))
+        found.append((tpu.get_current_node_tpu_worker_id(), tpu.get_current_node_tpu_name() or "",
+                      tpu.get_current_node_tpu_pod_type() or "",
+                      tpu.get_current_node_tpu_topology() or ""))
 
     # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
     thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
     thread.start()
     thread.join(TPU_METADATA_TIMEOUT_S)
     if not found:
-        logger.warning("pid %d: no TPU worker id within %.0f s (TPU_WORKER_ID or GCE metadata); "
-                       "hosts are ordered as Ray orders nodes", os.getpid(), TPU_METADATA_TIMEOUT_S)
-        return None, ""
+        logger.warning("pid %d: no TPU worker id, accelerator type or topology within %.0f s "
+                       "(TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY or GCE metadata); hosts "
+                       "are ordered as Ray orders nodes and laid out as a TPU v4 slice",
+                       os.getpid(), TPU_METADATA_TIMEOUT_S)
+        return None, "", "", ""
     return found[0]
 
 

@@ -12,13 +12,22 @@ Installed by the backend on every XLA worker (all devices), after the process gr
   recipe ``init_process_group("xla", init_method="xla://")``) returns without doing anything when
   the call agrees with the group the backend made, instead of torch's "initialize the default
   process group twice" error.
+- Hugging Face Transformers' ``Trainer``: ``TrainingArguments``' default optimizer with
+  torch >= 2.8, ``optim="adamw_torch_fused"``, runs torch's fused AdamW kernel, which has no XLA
+  implementation (``fused=True requires all the params to be ... of supported devices``). When
+  the ``Trainer`` creates its optimizer for parameters on the XLA device, ``adamw_torch_fused``
+  becomes ``adamw_torch`` (the same AdamW update, unfused), with a warning. The patch is applied
+  when ``transformers.trainer`` is imported (at once if it already is), so the worker does not
+  import Transformers unless the training function does.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,11 +72,92 @@ class _OnXLADevice:
             yield move_to_device(batch, device)
 
 
+HF_TRAINER_MODULE = "transformers.trainer"
+FUSED_ADAMW, PLAIN_ADAMW = "adamw_torch_fused", "adamw_torch"
+
+
+def _unfuse_adamw(args: Any) -> None:
+    """``args.optim`` (TrainingArguments) from ``adamw_torch_fused`` to ``adamw_torch`` when the
+    Trainer trains on an XLA device: torch's fused AdamW kernel has no XLA implementation."""
+    optim = getattr(args, "optim", None)
+    if getattr(optim, "value", optim) != FUSED_ADAMW:
+        return
+    if getattr(args, "use_cpu", False) or getattr(args.device, "type", "") != "xla":
+        return
+    args.optim = type(optim)(PLAIN_ADAMW) if not isinstance(optim, str) else PLAIN_ADAMW
+    logger.warning(
+        'Trainer on %s: TrainingArguments(optim="%s") (the default with torch >= 2.8) runs '
+        'torch\'s fused AdamW, which has no XLA kernel; using optim="%s" (the same update, '
+        "unfused). Pass optim=\"%s\" to silence this.", args.device, FUSED_ADAMW, PLAIN_ADAMW,
+        PLAIN_ADAMW)
+
+
+def _patch_trainer(module: Any) -> None:
+    """Make ``module.Trainer.create_optimizer`` (``transformers.trainer``) unfuse AdamW first."""
+    trainer = getattr(module, "Trainer", None)
+    original = getattr(trainer, "create_optimizer", None)
+    if original is None:
+        return
+
+    def create_optimizer(self, *args: Any, **kwargs: Any):
+        _unfuse_adamw(self.args)
+        return original(self, *args, **kwargs)
+
+    create_optimizer.__doc__ = original.__doc__
+    _patches.set(trainer, "create_optimizer", create_optimizer)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``then(module)`` right after the module ``name`` is first imported (found by the
+    other finders, loaded by its own loader)."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then, self._loader = name, then, None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                    return spec
+                self._loader, spec.loader = spec.loader, self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.then(module)
+
+
+_watchers: list[_PatchAfterImport] = []
+
+
+def patch_transformers_trainer() -> None:
+    """Unfuse Transformers' default AdamW on XLA (see the module docstring): now if
+    ``transformers.trainer`` is imported, else when it is."""
+    if HF_TRAINER_MODULE in sys.modules:
+        _patch_trainer(sys.modules[HF_TRAINER_MODULE])
+    elif not _watchers:
+        _watchers.append(_PatchAfterImport(HF_TRAINER_MODULE, _patch_trainer))
+        sys.meta_path.insert(0, _watchers[0])
+
+
 def install(spmd: bool) -> None:
-    """Point Ray's torch helpers at the XLA device; tolerate a repeated init_process_group.
-    Under SPMD (``spmd``) Ray's prepare_model and prepare_data_loader raise, naming ours."""
+    """Point Ray's torch helpers at the XLA device; tolerate a repeated init_process_group;
+    unfuse Transformers' default AdamW. Under SPMD (``spmd``) Ray's prepare_model and
+    prepare_data_loader raise, naming ours."""
     if _patches:
         return
+    patch_transformers_trainer()
 
     def _patch(owner: Any, name: str, value: Any) -> None:
         _patches.set(owner, name, value, only_if_present=True)
@@ -151,4 +241,8 @@ def install(spmd: bool) -> None:
 
 def uninstall() -> None:
     """Undo :func:`install`."""
+    for watcher in _watchers:
+        if watcher in sys.meta_path:
+            sys.meta_path.remove(watcher)
+    _watchers.clear()
     _patches.undo()

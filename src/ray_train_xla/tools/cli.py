@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -203,9 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
     )
     plan.add_argument(
+        "--tpu-topology", default="", metavar="AxB[xC]",
+        help="TPU: the slice's chip topology as the hosts report it (TPU_TOPOLOGY, e.g. 2x4x4 "
+        "for a v4-64, 4x4 for a v5litepod-16); TPU_PROCESS_BOUNDS follows from it",
+    )
+    plan.add_argument(
+        "--accelerator-type", default="", metavar="TYPE",
+        help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
+        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256); without --tpu-topology, that type's "
+        "standard topology",
+    )
+    plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
-        help="TorchXLAConfig.tpu_process_bounds (TPU): TPU_PROCESS_BOUNDS for slices not laid "
-        "out as TPU v4",
+        help="TorchXLAConfig.tpu_process_bounds (TPU): TPU_PROCESS_BOUNDS (and TPU_HOST_BOUNDS) "
+        "when the slice's topology is unknown; with a known one it must equal the derived grid",
     )
     plan.add_argument(
         "--master-port", type=_port, default=29500, metavar="PORT",
@@ -302,6 +314,14 @@ def _describe_topology(args: argparse.Namespace):
             f"{workers * cores} accelerator ids: plan describes at most {PLAN_MAX_ACCELERATORS}"
         )
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
+    tpu_type, tpu_topology = getattr(args, "accelerator_type", ""), getattr(args, "tpu_topology", "")
+    if tpu_type or tpu_topology:
+        if args.device != "tpu":
+            flag = "--accelerator-type" if tpu_type else "--tpu-topology"
+            raise CommandError(f"{flag} describes a TPU slice: use it with --device tpu")
+        # What every TPU host reports (Ray reads it from GKE's variables or the GCE metadata).
+        facts = [dataclasses.replace(f, tpu_accelerator_type=tpu_type, tpu_topology=tpu_topology)
+                 for f in facts]
     return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.format import (
     NotACheckpointError,
     is_sharded_checkpoint,
@@ -120,6 +121,8 @@ def _read_model(checkpoint: str, name: str | None = None) -> tuple[bool, dict[st
         state = read_full_state(checkpoint)
     except NotACheckpointError as exc:
         raise NotConsolidatableError(f"checkpoint {str(exc).replace(checkpoint, name, 1)}") from exc
+    except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
+        raise ConsolidateError(f"cannot consolidate {str(exc).replace(checkpoint, name, 1)}") from exc
     except BaseException as exc:  # narrowed by _read_failure: anything else is re-raised
         reason = _read_failure(exc)
         if reason is None:

@@ -9,11 +9,18 @@ topology variable itself, from the chips Ray assigned each worker:
 - ``TPU_VISIBLE_CHIPS``: the worker's own chip ids (one per process, or the host's chips in SPMD);
 - ``TPU_CHIPS_PER_PROCESS_BOUNDS``: ``1,1,1`` per chip, or the host's chip grid in SPMD;
 - ``TPU_PROCESS_BOUNDS``: the grid of processes: chips-per-host grid x host grid (per chip), or
-  the host grid (SPMD). The host grid is ``1,1,<hosts>`` (TPU v4 stacks hosts along z); for
-  slices laid out otherwise (v5e/v6e pods, v7's trailing ``,2``) set
-  ``TorchXLAConfig(tpu_process_bounds=...)``;
-- ``TPU_HOST_BOUNDS``/``TPU_CHIPS_PER_HOST_BOUNDS``: the same values under the older names Ray
-  sets, so that Ray's values for a partial host do not contradict ours;
+  the host grid (SPMD). The host grid is the slice's chip topology divided by its hosts' chip
+  grid (:class:`TPUSlice`), the topology as the workers report it (the accelerator type and
+  topology Ray reads from GKE's ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY`` or the GCE metadata,
+  gathered with the worker facts): a v4-64 (2x4x4) has hosts ``1,2,4``, so ``2,4,4`` per chip,
+  as torch_xla's ``configure_topology`` derives from the metadata's ``TPU_PROCESS_BOUNDS``.
+  A multi-host job must then use every host of the slice with all its chips. Without a known
+  topology, 2 or 4 hosts are laid out as a TPU v4 slice (``1,1,<hosts>``, as v4-16 and v4-32
+  are) and other host counts are refused: set ``TorchXLAConfig(tpu_process_bounds=...)``;
+  with a known topology that option must equal the derived grid;
+- ``TPU_HOST_BOUNDS``/``TPU_CHIPS_PER_HOST_BOUNDS``: the same values as ``TPU_PROCESS_BOUNDS`` /
+  ``TPU_CHIPS_PER_PROCESS_BOUNDS`` under the older names Ray sets (torch_xla falls back to them),
+  always planned together, so that Ray's values for a partial host do not contradict ours;
 - ``CLOUD_TPU_TASK_ID``: ``host * processes_per_host + slot``, where ``host`` is the host's place
   in TPU worker-id order (the id each host reports, as Ray reads it: ``TPU_WORKER_ID`` or the
   GCE metadata; Ray's node order only when no host reports one) and ``slot`` orders a host's
@@ -41,6 +48,8 @@ variables) is refused before start: torch_xla 2.9's PJRT TPU path has no multisl
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 from ray_train_xla.errors import config_error
 from ray_train_xla.planning.runtimes.base import Runtime
@@ -50,6 +59,110 @@ BASE_PORT = 8476  # torch_xla's configure_topology default
 DEFAULT_XLA_CACHE_DIR = "/tmp/ray_train_xla/xla-compile-cache"
 # Chips on one host (or in one SPMD process) -> their grid, as Ray and the TPU VMs lay them out.
 CHIP_GRIDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+
+
+# Generations whose slices are 2-D grids of chips ("AxB"); the rest are 3-D ("AxBxC").
+TWO_D_GENERATIONS = ("v2", "v3", "v5litepod", "v5e", "v6e")
+# Generations with one TensorCore per chip (the accelerator type counts chips); the others
+# have two (v4-64 is 32 chips), as Ray's TPU support counts them.
+ONE_CORE_GENERATIONS = ("v5litepod", "v5e", "v6e")
+# Generations whose single-host slices hold up to 8 chips on one host (otherwise 4 per host).
+EIGHT_CHIP_HOST_GENERATIONS = ("v5litepod", "v5e", "v6e")
+# Chips -> the topology of the Cloud TPU accelerator type of that size (when only the type
+# is known, e.g. ``plan --accelerator-type v4-64``).
+DEFAULT_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4",
+                         128: "4x4x8", 256: "4x8x8", 512: "8x8x8", 1024: "8x8x16",
+                         2048: "8x16x16", 4096: "16x16x16", 6144: "16x16x24"}
+DEFAULT_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
+                         128: "8x16", 256: "16x16", 512: "16x32", 1024: "32x32"}
+# Host counts laid out as a TPU v4 slice (hosts stacked along z) when no topology is known.
+V4_STACKED_HOSTS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class TPUSlice:
+    """A TPU slice's layout: its chip grid (``topology``, 3-D), each host's chip grid, and from
+    them the grid of hosts. ``generation`` is "" when only the topology is known."""
+
+    accelerator_type: str
+    generation: str
+    topology: tuple[int, int, int]
+    host_chips: tuple[int, int, int]
+
+    @property
+    def host_grid(self) -> tuple[int, ...]:
+        return tuple(t // c for t, c in zip(self.topology, self.host_chips))
+
+    @property
+    def hosts(self) -> int:
+        return math.prod(self.host_grid)
+
+    @property
+    def chips_per_host(self) -> int:
+        return math.prod(self.host_chips)
+
+    def __str__(self) -> str:
+        dims = self.topology[:2] if self.topology[2] == 1 and self.generation in TWO_D_GENERATIONS \
+            else self.topology
+        topo = "x".join(map(str, dims))
+        name = f"{self.accelerator_type} " if self.accelerator_type else ""
+        return (f"{name}(topology {topo}: {self.hosts} host{'s' if self.hosts > 1 else ''} of "
+                f"{self.chips_per_host} chips)")
+
+
+def tpu_slice(accelerator_type: str = "", topology: str = "") -> TPUSlice | None:
+    """The layout of the slice named by an accelerator type (``v4-64``, ``v5litepod-16``,
+    ``v6e-8``, ``v5p-128``, ``tpu7x-8``) and/or a topology (``2x4x4``, ``4x4``); None when
+    neither is given. Raises ValueError for one that cannot be read, or when they disagree."""
+    accelerator_type, topology = accelerator_type.strip().lower(), topology.strip().lower()
+    if not accelerator_type and not topology:
+        return None
+    generation, chips = "", None
+    if accelerator_type:
+        normal = re.sub(r"^tpu-?v?", "v", accelerator_type)
+        match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", normal)
+        if not match:
+            raise ValueError(f"TPU accelerator type {accelerator_type!r} is not of the form "
+                             "<generation>-<size>, e.g. v4-64, v5litepod-16, v6e-8, v5p-128")
+        generation, size = match.group(1), int(match.group(2))
+        per_chip = 1 if generation in ONE_CORE_GENERATIONS else 2
+        if size % per_chip:
+            raise ValueError(f"TPU accelerator type {accelerator_type!r}: {size} TensorCores "
+                             f"is not a whole number of {generation} chips ({per_chip} each)")
+        chips = size // per_chip
+    two_d = generation in TWO_D_GENERATIONS
+    if topology:
+        if not re.fullmatch(r"\d+x\d+(x\d+)?", topology):
+            raise ValueError(f"TPU topology {topology!r} is not of the form AxB or AxBxC, e.g. "
+                             "2x4x4 or 4x4")
+        dims = tuple(int(d) for d in topology.split("x"))
+        if min(dims) < 1:
+            raise ValueError(f"TPU topology {topology!r} has an empty dimension")
+        if generation and (len(dims) == 2) != two_d:
+            raise ValueError(f"TPU topology {topology!r} is {len(dims)}-D but {generation} "
+                             f"slices are {2 if two_d else 3}-D")
+        two_d = len(dims) == 2
+        if chips is not None and math.prod(dims) != chips:
+            raise ValueError(f"TPU topology {topology!r} has {math.prod(dims)} chips but "
+                             f"{accelerator_type} has {chips}")
+    else:
+        table = DEFAULT_TOPOLOGIES_2D if two_d else DEFAULT_TOPOLOGIES_3D
+        if chips not in table:
+            raise ValueError(f"TPU accelerator type {accelerator_type!r} ({chips} chips) has no "
+                             "standard topology: give the topology too")
+        dims = tuple(int(d) for d in table[chips].split("x"))
+    grid = (dims[0], dims[1], 1) if len(dims) == 2 else (dims[0], dims[1], dims[2])
+    total = math.prod(grid)
+    eight = generation in EIGHT_CHIP_HOST_GENERATIONS or (not generation and two_d)
+    if total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1)):
+        host_chips = grid  # a single-host slice
+    else:
+        host_chips = (2, 2, 1)
+    if any(t % c for t, c in zip(grid, host_chips)):
+        raise ValueError(f"TPU topology {'x'.join(map(str, dims))} is not a grid of hosts of "
+                         f"{'x'.join(map(str, host_chips[:2]))} chips")
+    return TPUSlice(accelerator_type=accelerator_type, generation=generation, topology=grid,
+                    host_chips=host_chips)
 
 
 def _bounds(grid: tuple[int, ...]) -> str:
@@ -101,12 +214,86 @@ class TPURuntime(Runtime):
         if per_host[0] not in CHIP_GRIDS:
             raise config_error("device", "tpu", f"{what} in {sorted(CHIP_GRIDS)}, got "
                                f"{per_host[0]}")
-        bounds = (config.tpu_process_bounds or "").split(",")
-        processes = len(nodes) if config.spmd else topology.world_size
-        if len(bounds) == 3 and math.prod(int(b) for b in bounds) != processes:
-            raise config_error("tpu_process_bounds", config.tpu_process_bounds,
+        layout = self.slice_of(topology)
+        hosts = len(nodes)
+        if layout is not None and hosts > 1 and (
+                hosts != layout.hosts or per_host[0] != layout.chips_per_host):
+            raise config_error(
+                "device", "tpu", f"every host of the TPU slice with all its chips: the slice is "
+                f"{layout}, the job has {hosts} hosts of {per_host[0]} chips. Reserve the whole "
+                "slice: ScalingConfig(use_tpu=True, topology=..., accelerator_type=...) with one "
+                "worker per chip or (spmd=True) per host")
+        bounds = config.tpu_process_bounds
+        processes = hosts if config.spmd else topology.world_size
+        if bounds is None:
+            if layout is None and hosts not in V4_STACKED_HOSTS:
+                raise config_error(
+                    "device", "tpu", f"the TPU slice's topology for {hosts} hosts: the workers "
+                    "reported none (TPU_ACCELERATOR_TYPE / TPU_TOPOLOGY, or the GCE metadata), "
+                    "and TPU_PROCESS_BOUNDS depends on it (a v4-64 is 1,2,4 hosts, a "
+                    "v5litepod-64 4,4,1). Set TorchXLAConfig(tpu_process_bounds='x,y,z') "
+                    "(ray-train-xla plan: --tpu-topology or --accelerator-type)")
+            return
+        parts = bounds.split(",")
+        if len(parts) == 3 and math.prod(int(b) for b in parts) != processes:
+            raise config_error("tpu_process_bounds", bounds,
                                f"a grid of {processes} processes (x*y*z = the number of "
                                f"{'hosts' if config.spmd else 'workers'})")
+        if layout is not None and hosts > 1:
+            derived = self.planned_bounds(layout, hosts, per_host[0], config.spmd)
+            if bounds.replace(" ", "") != derived:
+                raise config_error(
+                    "tpu_process_bounds", bounds,
+                    f"None or {derived!r}: the slice is {layout}, which gives TPU_PROCESS_BOUNDS "
+                    f"(and TPU_HOST_BOUNDS) {derived} with {per_host[0] if config.spmd else 1} "
+                    "chip(s) per process (TPU_CHIPS_PER_PROCESS_BOUNDS); other bounds would "
+                    "contradict the chips libtpu finds")
+
+    def slice_of(self, topology) -> TPUSlice | None:
+        """The slice the workers' hosts report (see :func:`tpu_slice`), None when none does.
+        Refuses hosts that disagree, or a report that cannot be read."""
+        cached = getattr(self, "_slice_cache", None)
+        if cached and cached[0] is topology:
+            return cached[1]
+        reported = sorted({(w.tpu_accelerator_type, w.tpu_topology) for w in topology.workers
+                           if w.tpu_accelerator_type or w.tpu_topology})
+        if len(reported) > 1:
+            shown = "; ".join(f"{a or '?'} topology {t or '?'}" for a, t in reported[:4])
+            raise config_error("device", "tpu", f"hosts of one TPU slice, but the workers "
+                               f"report different slices: {shown}")
+        try:
+            layout = tpu_slice(*reported[0]) if reported else None
+        except ValueError as exc:
+            raise config_error("device", "tpu", f"a TPU slice the workers report correctly: "
+                               f"{exc}") from None
+        self._slice_cache = (topology, layout)
+        return layout
+
+    @staticmethod
+    def _chip_grid(layout: TPUSlice | None, chips: int) -> tuple[int, ...]:
+        """The grid of ``chips`` chips of one host: the slice's host grid when they are all of
+        a host's chips, else the grid Ray and the TPU VMs use for that many."""
+        if layout is not None and chips == layout.chips_per_host:
+            return layout.host_chips
+        return CHIP_GRIDS[chips]
+
+    def _process_grid(self, layout: TPUSlice | None, hosts: int, per_host: int,
+                      spmd: bool) -> tuple[int, ...]:
+        """TPU_PROCESS_BOUNDS: the host grid (SPMD), or per chip the host grid times each
+        host's chip grid."""
+        host_grid = layout.host_grid if layout is not None and hosts > 1 else (1, 1, hosts)
+        if spmd:
+            return host_grid
+        return tuple(a * b for a, b in zip(self._chip_grid(layout, per_host), host_grid))
+
+    def planned_bounds(self, layout: TPUSlice | None, hosts: int, per_host: int,
+                       spmd: bool) -> str:
+        """TPU_PROCESS_BOUNDS as planned without ``tpu_process_bounds`` (per chip on TPU v7
+        with torch_xla's trailing ``,2``)."""
+        bounds = _bounds(self._process_grid(layout, hosts, per_host, spmd))
+        if not spmd and layout is not None and layout.generation.startswith("v7"):
+            bounds += ",2"  # as torch_xla's configure_topology does for TPU v7
+        return bounds
 
     @staticmethod
     def _check_hosts(nodes) -> None:
@@ -167,19 +354,13 @@ class TPURuntime(Runtime):
 
     def device_env(self, place, topology, rdzv, config, facts):
         spmd = config.spmd
-        num_hosts = topology.num_nodes
-        hosts = (1, 1, num_hosts)
-        if spmd:
-            chip_grid = CHIP_GRIDS[len(_chips(place, True))]
-            process_grid = hosts
-        else:
-            chip_grid = (1, 1, 1)
-            per_host = place.local_world_size
-            process_grid = tuple(a * b for a, b in zip(CHIP_GRIDS[per_host], hosts))
+        layout = self.slice_of(topology)
+        chip_grid = self._chip_grid(layout, len(_chips(place, True))) if spmd else (1, 1, 1)
         addresses, by_rank = self._layout(topology, spmd)
         task_id, port = by_rank[place.rank]
         chips = sorted(_chips(place, spmd), key=_chip_key)
-        process_bounds = config.tpu_process_bounds or _bounds(process_grid)
+        process_bounds = (config.tpu_process_bounds or self.planned_bounds(
+            layout, topology.num_nodes, place.local_world_size, spmd)).replace(" ", "")
         return {
             "PJRT_DEVICE": "TPU",
             "TPU_VISIBLE_CHIPS": ",".join(chips),

@@ -25,6 +25,7 @@ import torch
 
 from ray_train_xla.toolkit.checkpoint.format import CHECKPOINT_FILE, is_sharded_checkpoint
 from ray_train_xla.toolkit.checkpoint.replicated import (
+    check_replicated,
     load_replicated,
     stage_replicated,
     write_replicated,
@@ -133,7 +134,10 @@ def load_checkpoint(
     on the XLA device. A replicated checkpoint returns the whole state (CPU tensors) for the rest
     (step, epoch, ...). A sharded checkpoint is restored in place onto the shards ``model`` and
     ``optimizer`` have now (any mesh, device or worker count) and returns the rest of the state.
-    Raises ShardedStateError for a sharded model a replicated file cannot fill (FSDP v1, DTensor).
+    Raises ShardedStateError for a sharded model a replicated file cannot fill (FSDP v1, DTensor),
+    and ``CheckpointMismatchError`` (before anything is loaded) naming every tensor whose saved
+    shape or dtype differs from the model's or the optimizer's, every key the checkpoint lacks
+    and every saved tensor the model has no place for.
     """
     import ray.train
 
@@ -144,7 +148,9 @@ def load_checkpoint(
     with checkpoint.as_directory() as path:
         if is_sharded_checkpoint(path):
             return load_sharded(path, model, optimizer)
-        state = load_replicated(path, filename, f"rank {rank()}: checkpoint {checkpoint.path}")
+        where = f"rank {rank()}: checkpoint {checkpoint.path}"
+        state = load_replicated(path, filename, where)
+    check_replicated(state, model, optimizer, where)
     if model is not None:
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
     if optimizer is not None:

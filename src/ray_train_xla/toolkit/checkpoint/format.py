@@ -7,12 +7,22 @@
   state, e.g. the step) and ``sharded.json`` (what wrote it).
 
 Reading needs torch (CPU) and neither Ray nor torch_xla.
+
+Every load checks what it reads against what it fills (:func:`check_fits`, shared by the
+sharded and replicated loads and by ``consolidate``): each tensor's shape and dtype, keys the
+checkpoint lacks and tensors the target has no place for, all named in one
+``CheckpointMismatchError``. Without it, torch_xla's ``SPMDLoadPlanner`` fills a smaller sharded
+parameter with the first rows of the saved one and leaves a larger one at its initial values,
+and ``load_state_dict`` casts to the model's dtype.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
+
+from ray_train_xla.errors import CheckpointMismatchError
 
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDED_MARKER = "sharded.json"
@@ -24,6 +34,116 @@ SHARDED_KEYS = ("model", "optimizer")
 
 class NotACheckpointError(FileNotFoundError):
     """A directory that holds neither kind of checkpoint."""
+
+
+# What the check compares per key: (shape, dtype) of a tensor, None for any other value.
+Spec = tuple[tuple[int, ...], Any] | None
+# Mismatches of each kind named in the message; the rest are counted.
+SHOWN = 6
+
+
+def spec_of(value: Any) -> Spec:
+    """(shape, dtype) of a tensor (an SPMD tensor's global shape), None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor) or (
+            hasattr(value, "shape") and isinstance(getattr(value, "dtype", None), torch.dtype)):
+        return tuple(value.shape), value.dtype
+    return None
+
+
+def flat_specs(state: Any, prefix: str = "") -> dict[str, Spec]:
+    """``{"a.b.c": spec}`` for every leaf of nested mappings (keys joined with dots, as
+    ``torch.distributed.checkpoint`` flattens them)."""
+    if isinstance(state, Mapping) and spec_of(state) is None:
+        out: dict[str, Spec] = {}
+        for key, value in state.items():
+            out.update(flat_specs(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: spec_of(state)}
+
+
+def _shape(spec: Spec) -> str:
+    assert spec is not None
+    shape, dtype = spec
+    return f"{list(shape)} {str(dtype).replace('torch.', '')}"
+
+
+def _listed(items: list[str]) -> str:
+    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
+def check_fits(saved: Mapping[str, Spec], target: Mapping[str, Spec], what: str,
+               target_name: str = "the target") -> None:
+    """Raise ``CheckpointMismatchError`` unless the checkpoint's entries (``saved``: flat key ->
+    spec) fit ``target`` (the same for what is loaded into): every tensor of the same shape and
+    dtype, every key of the target in the checkpoint, every tensor of the checkpoint in the
+    target (other saved values, e.g. optimizer options, may be left out). ``what`` names the
+    load in the message."""
+    wrong, kinds = [], []
+    for key in sorted(set(saved) & set(target)):
+        s, t = saved[key], target[key]
+        if s is None and t is None:
+            continue
+        if s is None or t is None:
+            kinds.append(f"{key} (saved {'a tensor' if t is None else 'no tensor'}, "
+                         f"{target_name} has {'a tensor' if s is None else 'no tensor'})")
+        elif tuple(s[0]) != tuple(t[0]) or s[1] != t[1]:
+            wrong.append(f"{key}: saved {_shape(s)}, into {_shape(t)}")
+    missing = sorted(set(target) - set(saved))
+    unexpected = sorted(k for k in set(saved) - set(target) if saved[k] is not None)
+    problems = []
+    if wrong:
+        problems.append("tensors of another shape or dtype: " + _listed(wrong))
+    if kinds:
+        problems.append("values of another kind: " + _listed(kinds))
+    if missing:
+        problems.append(f"missing from the checkpoint: {_listed(missing)}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in {target_name}: {_listed(unexpected)}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{what} does not fit {target_name} (loading it would leave wrong or stale values): "
+            + "; ".join(problems))
+
+
+def check_chunks(metadata: Any, keys: tuple[str, ...], what: str) -> None:
+    """Raise ``CheckpointMismatchError`` when the shards a sharded checkpoint's ``.metadata``
+    lists for a tensor under ``keys`` lie outside it or leave part of it unwritten (read into
+    an empty tensor, that part would hold whatever the memory held)."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    mappings = metadata.planner_data or {}
+    bad = []
+    for key, md in metadata.state_dict_metadata.items():
+        top = str(mappings[key][0]) if key in mappings else key.split(".")[0]
+        if top not in keys or not isinstance(md, TensorStorageMetadata):
+            continue
+        size = tuple(md.size)
+        inside = all(len(c.offsets) == len(size) and all(
+            o >= 0 and o + n <= d for o, n, d in zip(c.offsets, c.sizes, size)) for c in md.chunks)
+        covered = sum(math.prod(c.sizes) for c in md.chunks)
+        if not inside or covered != math.prod(size):
+            chunks = " ".join(f"{list(c.offsets)}+{list(c.sizes)}" for c in md.chunks)
+            bad.append(f"{key}: {list(size)} {str(md.properties.dtype).replace('torch.', '')} "
+                       f"from shards {chunks or '(none)'} ({covered} of {math.prod(size)} "
+                       f"elements{'' if inside else ', some outside the tensor'})")
+    if bad:
+        raise CheckpointMismatchError(
+            f"{what}: the shards do not make up the tensors its metadata declares: "
+            + _listed(bad))
+
+
+def saved_specs(metadata: Any) -> dict[str, Spec]:
+    """Flat key -> spec of every entry a sharded checkpoint's ``.metadata`` declares."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {key: (tuple(md.size), md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata) else None
+            for key, md in metadata.state_dict_metadata.items()}
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -43,10 +163,18 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         # As torch.distributed.checkpoint.format_utils.dcp_to_torch_save, in memory and only for
-        # ``keys``: every shard of every rank's file is read into one tensor per entry.
+        # ``keys``: every shard of every rank's file is read into one tensor per entry, after
+        # checking that the shards make up each tensor, and the result against the metadata.
+        reader = FileSystemReader(path)
+        metadata = reader.read_metadata()
+        check_chunks(metadata, keys, f"checkpoint {path}")
         state: dict[str, Any] = {}
-        _load_state_dict(state, storage_reader=FileSystemReader(path),
+        _load_state_dict(state, storage_reader=reader,
                          planner=_EmptyStateDictLoadPlanner(keys=set(keys)), no_dist=True)
+        declared = saved_specs(metadata)
+        check_fits({k: v for k, v in declared.items() if v is not None and k.split(".")[0] in keys},
+                   {k: v for k, v in flat_specs(state).items() if v is not None},
+                   f"checkpoint {path}", "what was read")
         return state
     file = os.path.join(path, filename)
     if not os.path.exists(file):

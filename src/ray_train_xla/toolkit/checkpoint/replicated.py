@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.toolkit.checkpoint.format import check_fits, flat_specs
 from ray_train_xla.toolkit.device import to_cpu
+
+FSDP_V2_PREFIX = "_orig_module."
 
 
 def stage_replicated(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,3 +44,31 @@ def load_replicated(path: str, filename: str, where: str) -> dict[str, Any]:
     # weights_only: the file comes from shared storage; plain tensors, containers and
     # numbers (what save_checkpoint writes) load without unpickling arbitrary objects.
     return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _model_specs(state: Any) -> dict:
+    """Flat specs of a model state dict (``model.<name>``), under the unwrapped model's names
+    (an FSDPv2 model loads the plain model's keys)."""
+    return {k.replace(FSDP_V2_PREFIX, ""): v for k, v in flat_specs(state, "model.").items()}
+
+
+def check_replicated(state: Any, model: torch.nn.Module | None,
+                     optimizer: torch.optim.Optimizer | None, where: str) -> None:
+    """Raise ``CheckpointMismatchError`` (``format.check_fits``) unless the loaded ``state``
+    fits: ``state["model"]`` every tensor of ``model``'s state dict, of the same shape and dtype
+    (``load_state_dict`` would cast a dtype silently), no key missing on either side; and
+    ``state["optimizer"]["state"]`` the optimizer's state, when the optimizer has some.
+    ``where`` names the checkpoint and the worker."""
+    if model is not None:
+        if not isinstance(state.get("model"), dict):
+            check_fits({}, {"model": None}, f"load_checkpoint: {where}", "the model")
+        check_fits(_model_specs(state["model"]), _model_specs(model.state_dict()),
+                   f"load_checkpoint: {where}", "the model")
+    if optimizer is not None and optimizer.state:
+        saved = state.get("optimizer")
+        saved_state = saved.get("state") if isinstance(saved, dict) else None
+        if saved_state is None:
+            check_fits({}, {"optimizer": None}, f"load_checkpoint: {where}", "the optimizer")
+        check_fits(flat_specs(saved_state, "optimizer.state."),
+                   flat_specs(optimizer.state_dict()["state"], "optimizer.state."),
+                   f"load_checkpoint: {where}", "the optimizer")

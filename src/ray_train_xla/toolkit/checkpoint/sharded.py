@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.toolkit.checkpoint.format import EXTRA_FILE, SHARDED_KEYS, SHARDED_MARKER
+from ray_train_xla.toolkit.checkpoint.format import (
+    EXTRA_FILE,
+    SHARDED_KEYS,
+    SHARDED_MARKER,
+    check_fits,
+    saved_specs,
+    spec_of,
+)
 from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.sharding import ShardedStateError, walk_sharded
 
@@ -131,11 +138,28 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     return write_staged(stage_sharded(state), directory)
 
 
-def _saved_keys(reader) -> set[str]:
-    metadata = reader.read_metadata()
+def _saved_keys(metadata) -> set[str]:
     mappings = metadata.planner_data or {}
     return {str(mappings[k][0]) if k in mappings else k.split(".")[0]
             for k in metadata.state_dict_metadata}
+
+
+def _check_target(metadata, target: dict[str, Any], directory: str) -> None:
+    """Every tensor of ``target`` of the shape and dtype the checkpoint saved, no key missing
+    on either side (``format.check_fits``), before DCP reads anything: torch_xla's
+    SPMDLoadPlanner compares sizes only for unsharded tensors."""
+    # The keys torch_xla's SPMD planners give the entries (lists of values stay one entry).
+    from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
+
+    flat, _ = flatten_state_dict(target)
+    saved = saved_specs(metadata)
+    mappings = metadata.planner_data or {}
+    # Only the entries loaded: a checkpoint with an optimizer loads into a model alone.
+    saved = {k: v for k, v in saved.items()
+             if (str(mappings[k][0]) if k in mappings else k.split(".")[0]) in target}
+    check_fits(saved, {k: spec_of(v) for k, v in flat.items()},
+               f"load_checkpoint: the sharded checkpoint {directory}",
+               " and ".join(f"the {k}" for k in sorted(target)))
 
 
 def load_sharded(
@@ -146,17 +170,22 @@ def load_sharded(
     """Restore ``model`` and ``optimizer`` in place from a :func:`save_sharded` directory, onto
     whatever mesh, device count and worker count they now have. Call it on every rank.
 
-    Returns the rest of the saved state (``extra.pt``: step, epoch, ...).
+    Returns the rest of the saved state (``extra.pt``: step, epoch, ...). Raises
+    ``CheckpointMismatchError`` naming every tensor whose saved shape or dtype differs from the
+    model's or optimizer's, and every key missing on either side, before anything is read.
     """
     import torch.distributed.checkpoint as dcp
     import torch_xla
     from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer
 
     reader = dcp.FileSystemReader(directory)
-    saved = _saved_keys(reader)
+    metadata = reader.read_metadata()
+    saved = _saved_keys(metadata)
     target: dict[str, Any] = {}
     if model is not None:
         target["model"] = model.state_dict()
+        if "model" in saved:  # before priming the optimizer, which steps the parameters
+            _check_target(metadata, target, directory)
     if optimizer is not None:
         if not optimizer.state:
             # DCP loads in place: the optimizer state must exist (a zero-gradient step).
@@ -168,6 +197,7 @@ def load_sharded(
                        f"(it holds {sorted(saved)})")
     distributed, _, _ = _dist()
     if target:
+        _check_target(metadata, target, directory)
         dcp.load(target, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not distributed)
         if model is not None:
             model.load_state_dict(target["model"])
