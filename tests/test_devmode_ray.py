@@ -166,17 +166,22 @@ def _reduce_scatter_fn(rank):
 
 
 def _rendezvous_fn(rank):
-    """Replica-group rendezvous: each half exchanges payloads with its own members only."""
+    """Rendezvous: ordinal i's payload at position i, whatever order ``replicas`` lists; a
+    subset of the replicas is refused, as torch_xla refuses it."""
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     n = xr.world_size()
-    split = max(n // 2, 1)
-    replicas = list(range(0, split)) if rank < split else list(range(split, n))
-    data = xm.rendezvous(f"rdzv.{rank >= split}", f"ORD={rank}".encode(), replicas=replicas)
-    assert [d.decode() for d in data] == [f"ORD={i}" for i in replicas], data
     everyone = xm.rendezvous("rdzv.all", str(rank).encode())
     assert [int(d) for d in everyone] == list(range(n)), everyone
+    listed = xm.rendezvous("rdzv.listed", f"ORD={rank}".encode(), replicas=list(range(n))[::-1])
+    assert [d.decode() for d in listed] == [f"ORD={i}" for i in range(n)], listed
+    try:
+        xm.rendezvous("rdzv.subset", b"", replicas=[0])
+    except ValueError as exc:
+        assert str(exc) == "Only global rendezvous is supported", exc
+    else:
+        raise AssertionError("a rendezvous of a replica subset was accepted")
     return {}
 
 

@@ -12,10 +12,16 @@ sets ``RAY_TRAIN_XLA_CPU_DEVMODE=1``; never on an accelerator, never with one wo
 - torch_xla's collectives (``xm.all_reduce``, ``all_gather``, ``reduce_scatter``,
   ``collective_broadcast``, ``rendezvous``, and what is built on them: ``mesh_reduce``,
   ``reduce_gradients``, ``optimizer_step``, ``save``) copy the tensors to the host, run the
-  collective through a gloo group, and copy the result back: eager, and each call cuts the graph.
+  collective through a gloo group, and copy the result back: eager, and each call cuts the graph
+  (without running step closures: they run at the next ``torch_xla.sync()``). Each gives torch_xla
+  2.9's result, or raises what torch_xla raises (its checks and messages). Under
+  ``torch.compile(backend="openxla")`` the tensor collectives are one graph node each
+  (``ray_train_xla::host_collective``) that runs eagerly between compiled parts; ``rendezvous``
+  is a graph break (with ``fullgraph=True``, an error naming it and the workaround).
 - ``torch.distributed`` carries XLA tensors: the default process group is
   ``cpu:gloo,xla:xla_host``; the ``xla_host`` backend (:class:`HostBridgeGroup`) runs every
-  operation on host copies through its own gloo group, so DDP works on the XLA device.
+  operation on host copies through its own gloo group, with the results of torch_xla's ``xla``
+  backend, so DDP works on the XLA device.
 
 Not bridged (they raise ``NotImplementedError`` instead of silently returning local values):
 ``xm.all_to_all``, ``xm.collective_permute``, ``xm.send``/``xm.recv``.
@@ -38,6 +44,7 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = DEVMODE_BACKEND.rsplit(":", 1)[1]  # "xla_host"
 PROCESS_GROUP_BACKEND = DEVMODE_BACKEND
 
+REDUCE_SUM = "sum"
 _REDUCE_OPS = ("sum", "mul", "and", "or", "min", "max")
 _NOT_BRIDGED = ("all_to_all", "collective_permute", "send", "recv")
 
@@ -51,6 +58,7 @@ class _State:
         self.patches = Patches()
         self.subgroups: dict[tuple[int, ...], Any] = {}
         self.host_group: Any = None
+        self.functional_kernels: Any = None
 
 
 _state: _State | None = None
@@ -111,12 +119,24 @@ def _in_listed_order(values: list, members: list[int]) -> list:
     return [values[ordered.index(m)] for m in members]
 
 
-def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of ``tensors`` after one graph execution (the step so far, and these)."""
+def _sync_without_closures() -> None:
+    """``torch_xla.sync()`` less its step closures: one execution of the pending graph (the
+    step so far, and the tensors a collective needs), so the host copies are plain transfers.
+
+    ``torch_xla.sync()`` also runs the step closures (``xm._run_step_closures``); a bridged
+    collective stands for one op of the graph, so the closures must wait for the user's next
+    ``torch_xla.sync()``/``xm.mark_step()``, as they do on hardware.
+    """
     import torch_xla
 
+    torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [],
+                                     wait=False, reset_scope=True)
+
+
+def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of ``tensors`` after one graph execution (the step so far, and these)."""
     if any(t.device.type == "xla" for t in tensors):
-        torch_xla.sync()  # one execution computes them all; the copies are plain transfers
+        _sync_without_closures()  # one execution computes them all; the copies are transfers
     return [t.detach().to("cpu", copy=True) for t in tensors]
 
 
@@ -172,74 +192,18 @@ def _reduce(reduce_type: str, tensors: Sequence[torch.Tensor], scale: float,
     for (flat, idxs), host in zip(packs, hosts):
         host = _gloo_reduce(reduce_type, host, group)
         if scale != 1.0:
-            host = (host * scale).to(host.dtype)
+            # As XLA builds it: the scale is a constant of the tensor's type (an int64 tensor
+            # scaled by 0.5 is multiplied by 0; bf16 by bf16(scale)), then one multiply.
+            host = host * torch.tensor(scale, dtype=host.dtype)
         results.update(_unpack(host.to(flat.device), idxs, tensors))
     return [results[i] for i in range(len(tensors))]
 
 
-def _copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for t, v in zip(targets, values):
-            t.copy_(v)
-
-
-def _write_out(outputs: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-    """``output=`` of torch_xla's collectives: the result replaces the output tensor's value,
-    whatever its shape was (as the ``_xla_*_out`` ops do)."""
-    with torch.no_grad():
-        for t, v in zip(outputs, values):
-            if t.shape == v.shape:
-                t.copy_(v)
-            else:
-                t.data = v.to(t.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# torch_xla's collectives, over the host (same signatures as torch_xla.core.xla_model)
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("ray_train_xla::host_all_reduce", mutates_args=())
-def _host_all_reduce_op(tensor: torch.Tensor, reduce_type: str, scale: float) -> torch.Tensor:
-    """``xm.all_reduce`` of one tensor as an operator, for ``torch.compile(backend="openxla")``.
-
-    The openxla bridge runs a graph node eagerly when executing it used a CPU fallback
-    (``torch_xla/_dynamo/dynamo_bridge.py``, ``UnsupportedNodesCollector``); a host collective
-    must run eagerly (compiled, its result would be a constant), so this op runs one tiny
-    fallback op (``histc``) to be classified as such.
-    """
-    out = _reduce(reduce_type, [tensor], scale, None)[0]
-    if tensor.device.type == "xla":
-        torch.histc(out.new_zeros(1), bins=1)
-    return out
-
-
-@_host_all_reduce_op.register_fake
-def _(tensor: torch.Tensor, reduce_type: str, scale: float) -> torch.Tensor:
-    return torch.empty_like(tensor)
-
-
-def all_reduce(reduce_type: str, inputs: torch.Tensor | list[torch.Tensor], scale: float = 1.0,
-               groups: list[list[int]] | None = None, pin_layout: bool = True):
-    """``xm.all_reduce``: a new tensor for a tensor; a list is reduced in place and returned."""
-    if isinstance(inputs, torch.Tensor):
-        if torch.compiler.is_compiling() and not groups:
-            return _host_all_reduce_op(inputs, reduce_type, float(scale))
-        return _reduce(reduce_type, [inputs], scale, groups)[0]
-    tensors = list(inputs)
-    if tensors:
-        _copy_into(tensors, _reduce(reduce_type, tensors, scale, groups))
-    return inputs
-
-
-def all_gather(value: torch.Tensor | list[torch.Tensor], dim: int = 0,
-               groups: list[list[int]] | None = None, output: Any = None, pin_layout: bool = True,
-               channel_id: Any = None, use_global_device_ids: Any = None):
-    """``xm.all_gather``: concatenation along ``dim`` of every group member's value."""
+def _gather(tensors: Sequence[torch.Tensor], dim: int,
+            groups: Sequence[Sequence[int]] | None) -> list[torch.Tensor]:
+    """Every member's ``tensors`` concatenated along ``dim``, in the order the group lists them."""
     import torch.distributed as dist
 
-    single = isinstance(value, torch.Tensor)
-    tensors = [value] if single else list(value)
     members, group = _members(groups)
     packs = _pack(tensors)
     hosts = _to_host([flat for flat, _ in packs])
@@ -251,12 +215,181 @@ def all_gather(value: torch.Tensor | list[torch.Tensor], dim: int = 0,
         for i in idxs:
             d = dim if dim >= 0 else tensors[i].dim() + dim
             gathered[i] = torch.cat([r[i] for r in per_rank], dim=d).to(tensors[i].device)
-    results = [gathered[i] for i in range(len(tensors))]
-    if output is not None:
-        outputs = [output] if single else list(output)
-        _write_out(outputs, results)
-        return output
-    return results[0] if single else results
+    return [gathered[i] for i in range(len(tensors))]
+
+
+def _reduce_scatter(reduce_type: str, tensors: Sequence[torch.Tensor], scale: float,
+                    scatter_dim: int, shard_count: int,
+                    groups: Sequence[Sequence[int]] | None) -> list[torch.Tensor]:
+    """The reduction of ``tensors``, split along ``scatter_dim``: this member's shard."""
+    members, _ = _members(groups)
+    index = members.index(_require().rank)
+    reduced = _reduce(reduce_type, tensors, scale, groups)
+    return [torch.chunk(r, shard_count, dim=scatter_dim)[index] for r in reduced]
+
+
+def _copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, v in zip(targets, values):
+            t.copy_(v)
+
+
+def _write_out(outputs: Sequence[torch.Tensor], values: Sequence[torch.Tensor], call: str) -> None:
+    """``output=`` of torch_xla's collectives: the result replaces the output tensor's value,
+    whatever its shape was (as the ``_xla_*_out`` ops do)."""
+    compiling = torch.compiler.is_compiling()
+    with torch.no_grad():
+        for t, v in zip(outputs, values):
+            if t.shape == v.shape:
+                t.copy_(_computed(v) if compiling else v)
+            elif compiling:
+                raise RuntimeError(
+                    f"xm.{call}(..., output=...) with an output of shape {tuple(t.shape)} (the "
+                    f"result has shape {tuple(v.shape)}) cannot be compiled in ray_train_xla's "
+                    "CPU development mode: pass outputs of the result's shape, or call "
+                    f"xm.{call} outside the compiled function")
+            else:
+                t.data = v.to(t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bridged collectives inside torch.compile(backend="openxla")
+# ---------------------------------------------------------------------------------------------
+
+
+def _flat_groups(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], list[int]]:
+    groups = groups or []
+    return [int(r) for g in groups for r in g], [len(g) for g in groups]
+
+
+def _unflat_groups(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[int]] | None:
+    out, k = [], 0
+    for n in sizes:
+        out.append(list(ranks[k:k + n]))
+        k += n
+    return out or None
+
+
+@torch.library.custom_op("ray_train_xla::host_collective", mutates_args=())
+def _host_collective_op(tensors: list[torch.Tensor], op: str, reduce_type: str, scale: float,
+                        dim: int, shard_count: int, group_ranks: list[int],
+                        group_sizes: list[int]) -> list[torch.Tensor]:
+    """A bridged collective as one operator, for ``torch.compile(backend="openxla")``.
+
+    The openxla bridge runs a graph node eagerly when executing it used a CPU fallback
+    (``torch_xla/_dynamo/dynamo_bridge.py``, ``UnsupportedNodesCollector``); a host collective
+    must run eagerly (compiled, its result would be a constant), so this op runs one tiny
+    fallback op (``histc``) to be classified as such.
+    """
+    groups = _unflat_groups(group_ranks, group_sizes)
+    if op == "all_reduce":
+        out = _reduce(reduce_type, tensors, scale, groups)
+    elif op == "all_gather":
+        out = _gather(tensors, dim, groups)
+    else:
+        out = _reduce_scatter(reduce_type, tensors, scale, dim, shard_count, groups)
+    if any(t.device.type == "xla" for t in tensors):
+        torch.histc(torch.zeros(1, device=tensors[0].device), bins=1)
+    return [t.clone() for t in out]  # an operator's outputs alias nothing
+
+
+@_host_collective_op.register_fake
+def _(tensors, op, reduce_type, scale, dim, shard_count, group_ranks, group_sizes):
+    size = group_sizes[0] if group_sizes else _require().world
+    out = []
+    for t in tensors:
+        shape = list(t.shape)
+        if op != "all_reduce":
+            d = dim if dim >= 0 else t.dim() + dim
+            shape[d] = shape[d] * size if op == "all_gather" else shape[d] // shard_count
+        out.append(t.new_empty(shape))
+    return out
+
+
+def _computed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a value the compiled graph computes. The openxla bridge fails (``IndexError``
+    in its output de-duplication) when an input is updated in place with a fallback node's
+    output as it is; ``t - 0`` (``t | False`` for bool) is the same value, computed."""
+    return t | False if t.dtype == torch.bool else t - 0
+
+
+def _run_collective(op: str, tensors: list[torch.Tensor], *, reduce_type: str = "sum",
+                    scale: float = 1.0, dim: int = 0, shard_count: int = 0,
+                    groups: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Eager: run it now over the host. Being compiled: one ``host_collective`` node, run
+    eagerly where the compiled graph reaches it."""
+    if torch.compiler.is_compiling():
+        ranks, sizes = _flat_groups(groups)
+        return list(_host_collective_op(tensors, op, reduce_type, float(scale), dim, shard_count,
+                                        ranks, sizes))
+    if op == "all_reduce":
+        return _reduce(reduce_type, tensors, scale, groups)
+    if op == "all_gather":
+        return _gather(tensors, dim, groups)
+    return _reduce_scatter(reduce_type, tensors, scale, dim, shard_count, groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_xla's collectives, over the host (same signatures, checks and errors as
+# torch_xla.core.xla_model in torch_xla 2.9)
+# ---------------------------------------------------------------------------------------------
+
+
+def all_reduce(reduce_type: str, inputs: torch.Tensor | list[torch.Tensor], scale: float = 1.0,
+               groups: list[list[int]] | None = None, pin_layout: bool = True):
+    """``xm.all_reduce``: a new tensor for a tensor; a list is reduced in place and returned."""
+    if isinstance(inputs, torch.Tensor):
+        return _run_collective("all_reduce", [inputs], reduce_type=reduce_type, scale=scale,
+                               groups=groups)[0]
+    tensors = list(inputs)
+    if tensors:
+        results = _run_collective("all_reduce", tensors, reduce_type=reduce_type, scale=scale,
+                                  groups=groups)
+        if torch.compiler.is_compiling():
+            results = [_computed(r) for r in results]
+        _copy_into(tensors, results)
+    return inputs
+
+
+def _check_output_list(output: Any, inputs: list) -> None:
+    if not isinstance(output, list) or any(not isinstance(v, torch.Tensor) for v in output):
+        raise TypeError(f"`output` needs to be a list of Tensors, but given {type(output)}.")
+    if len(output) != len(inputs):
+        raise ValueError("`output` length doesn't match `input` length: "
+                         f"{len(output)} vs {len(inputs)}.")
+
+
+def all_gather(value: torch.Tensor | list[torch.Tensor], dim: int = 0,
+               groups: list[list[int]] | None = None, output: Any = None, pin_layout: bool = True,
+               channel_id: Any = None, use_global_device_ids: Any = None):
+    """``xm.all_gather``: concatenation along ``dim`` of every group member's value."""
+    if pin_layout and output is None and isinstance(value, torch.Tensor):
+        # torch_xla gathers a pinned tensor through a padded all_reduce within each group:
+        # groups of any sizes, each in the order it lists its members.
+        return _run_collective("all_gather", [value], dim=dim, groups=groups)[0]
+    if groups:
+        shard_count = len(groups[0])
+        if not all(len(group) == shard_count for group in groups):
+            raise AssertionError("Replica groups must have the same number of replicas/shards.")
+    if isinstance(value, torch.Tensor):
+        result = _run_collective("all_gather", [value], dim=dim, groups=groups)[0]
+        if output is not None:
+            _write_out([output], [result], "all_gather")
+            return output
+        return result
+    if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+        if pin_layout:
+            raise RuntimeError("For xm.all_gather with list of tensors input, pin_layout=True is "
+                               "not yet supported.")
+        if output is not None:
+            _check_output_list(output, value)
+        results = _run_collective("all_gather", list(value), dim=dim, groups=groups) if value else []
+        if output is not None:
+            _write_out(output, results, "all_gather")
+            return output
+        return results
+    raise TypeError("`value` needs to be a Tensor or a list of Tensors, but "
+                    f"given {type(value)}.")
 
 
 def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], scale: float,
@@ -265,63 +398,155 @@ def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], s
                    use_global_device_ids: Any = None):
     """``xm.reduce_scatter``: the reduction, split along ``scatter_dim``; this member's shard."""
     single = isinstance(input, torch.Tensor)
+    if not single and not (isinstance(input, list)
+                           and all(isinstance(v, torch.Tensor) for v in input)):
+        raise TypeError("`input` needs to be a Tensor or a list of Tensors, but "
+                        f"given {type(input)}.")
     tensors = [input] if single else list(input)
+    if output is not None and not single:
+        _check_output_list(output, tensors)
+    for t in tensors:  # XLA's shape check (RuntimeError when the op is built)
+        size = t.shape[scatter_dim]
+        if size % shard_count:
+            raise RuntimeError(f"ReduceScatter operand scatter dimension size {size} must be "
+                               f"dividable by shard_count {shard_count}.")
     members, _ = _members(groups)
     if shard_count != len(members):
         raise ValueError(f"reduce_scatter: shard_count={shard_count} must equal the replica group "
                          f"size {len(members)}")
-    index = members.index(_require().rank)
-    reduced = _reduce(reduce_type, tensors, scale, groups)
-    results = [torch.chunk(r, shard_count, dim=scatter_dim)[index] for r in reduced]
+    results = (_run_collective("reduce_scatter", tensors, reduce_type=reduce_type, scale=scale,
+                               dim=scatter_dim, shard_count=shard_count, groups=groups)
+               if tensors else [])
     if output is not None:
         outputs = [output] if single else list(output)
-        _write_out(outputs, results)
+        _write_out(outputs, results, "reduce_scatter")
         return output
     return results[0] if single else results
 
 
 def collective_broadcast(tensors: list[torch.Tensor], root_ordinal: int = 0,
                          groups: list[list[int]] | None = None, pin_layout: bool = True) -> None:
-    """``xm.collective_broadcast``: root's values, in place, on every member."""
-    import torch.distributed as dist
-
-    tensors = list(tensors)
-    if not tensors:
-        return
-    _, group = _members(groups)
-    packs = _pack(tensors)
-    hosts = _to_host([flat for flat, _ in packs])
-    values: dict[int, torch.Tensor] = {}
-    for (flat, idxs), host in zip(packs, hosts):
-        dist.broadcast(host, src=root_ordinal, group=group)
-        values.update(_unpack(host.to(flat.device), idxs, tensors))
-    _copy_into(tensors, [values[i] for i in range(len(tensors))])
-
-
-def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
-    """``xm.rendezvous``: wait for the replicas (default: all) and exchange their payloads,
-    returned in the order of ``replicas``. Bounded by the process group's timeout."""
-    import torch.distributed as dist
-    import torch_xla
-
-    if not isinstance(payload, bytes):
-        raise TypeError(f"`payload` must be bytes, not {type(payload)}")
-    torch_xla.sync()
-    st = _require()
-    members = [int(r) for r in replicas] if replicas else list(range(st.world))
-    if st.rank not in members:
-        raise ValueError(f"rendezvous {tag!r}: replicas {members} do not contain this worker's "
-                         f"ordinal {st.rank}")
-    _, group = _members([members])
-    out: list[Any] = [None] * len(members)
-    dist.all_gather_object(out, payload, group=group)
-    return _in_listed_order(out, members)
+    """``xm.collective_broadcast``, as torch_xla builds it: every tensor not on the root is
+    multiplied by 0, then they are summed within each replica group (in place). A group
+    without the root gets zeros."""
+    rank = _require().rank
+    with torch.no_grad():
+        for tensor in tensors:
+            scale = torch.tensor(1 if rank == root_ordinal else 0, dtype=tensor.dtype)
+            tensor.mul_(scale.to(tensor.device))
+    all_reduce(REDUCE_SUM, tensors, groups=groups, pin_layout=pin_layout)
 
 
 def xla_rendezvous(payload: bytes = b"", ordinals: list[int] | None = None,
                    tag: str | None = None) -> list[bytes]:
-    """``xm.xla_rendezvous``, as :func:`rendezvous`."""
-    return rendezvous(tag or "", payload, ordinals)
+    """``xm.xla_rendezvous``: every worker's payload, ordinal i's at position i (torch_xla
+    accepts only the global rendezvous). Bounded by the process group's timeout."""
+    import torch.distributed as dist
+    import torch_xla
+
+    st = _require()
+    if ordinals and len(ordinals) != st.world:
+        raise ValueError("Only global rendezvous is supported")
+    if not isinstance(payload, bytes):
+        raise TypeError(f"`payload` must be bytes, not {type(payload)}")
+    torch_xla.sync()  # as torch_xla's rendezvous does (step closures run here too)
+    out: list[Any] = [None] * st.world
+    dist.all_gather_object(out, payload, group=st.host_group)
+    return out
+
+
+def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
+    """``xm.rendezvous``: as :func:`xla_rendezvous`."""
+    return xla_rendezvous(payload, replicas or None, tag=tag)
+
+
+def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` runs outside any graph ``torch.compile`` builds (a graph break); with
+    ``fullgraph=True`` compiling fails, and the error gives this reason."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, reason=(
+        f"xm.{name} exchanges Python objects between workers and cannot be part of a compiled "
+        f"graph in ray_train_xla's CPU development mode: call xm.{name} outside the compiled "
+        "function (or compile without fullgraph=True, which runs it between graphs)"))
+
+
+# torch.compile turns torch.distributed collectives into the functional ones
+# (``torch.ops._c10d_functional``), which torch_xla runs in the graph over this worker's one
+# device: the local value. Their XLA kernels are replaced by host ones while the mode is on
+# (run eagerly between compiled parts, as ``host_collective``).
+_FUNCTIONAL_REDUCE = {"sum": "sum", "avg": "sum", "product": "mul", "min": "min", "max": "max",
+                      "band": "and", "bor": "or"}
+
+
+def _functional_group(group_name: str) -> list[list[int]] | None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not group_name:
+        return None
+    return [dist.get_process_group_ranks(_resolve_process_group(group_name))]
+
+
+def _functional_reduce_type(reduce_op: str) -> str:
+    if reduce_op.lower() not in _FUNCTIONAL_REDUCE:
+        raise NotImplementedError(f"reduce op {reduce_op!r} is not available on XLA tensors in "
+                                  "ray_train_xla's CPU development mode")
+    return _FUNCTIONAL_REDUCE[reduce_op.lower()]
+
+
+def _as_fallback(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    torch.histc(torch.zeros(1, device=like.device), bins=1)  # see _host_collective_op
+    return out
+
+
+def _functional_all_reduce(input: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    groups = _functional_group(group_name)
+    out = _reduce(_functional_reduce_type(reduce_op), [input], 1.0, groups)[0]
+    if reduce_op.lower() == "avg":
+        size = len(groups[0]) if groups else _require().world
+        out = out / size if out.is_floating_point() else out // size
+    return _as_fallback(out, input)
+
+
+def _functional_all_gather(input: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return _as_fallback(_gather([input], 0, _functional_group(group_name))[0], input)
+
+
+def _functional_reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int,
+                               group_name: str) -> torch.Tensor:
+    if input.shape[0] % group_size:
+        raise ValueError(f"reduce_scatter_tensor: input dimension 0 ({input.shape[0]}) must be "
+                         f"divisible by the group size {group_size}")
+    out = _reduce_scatter(_functional_reduce_type(reduce_op), [input], 1.0, 0, group_size,
+                          _functional_group(group_name))[0]
+    return _as_fallback(out.clone(), input)
+
+
+def _functional_not_bridged(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"torch.distributed's {name} on XLA tensors in a compiled function is not available "
+            "in ray_train_xla's CPU development mode (it would return this worker's local "
+            "value): call it outside the compiled function")
+
+    return refuse
+
+
+def _register_functional_kernels() -> Any:
+    import warnings
+
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        lib.impl("all_reduce", _functional_all_reduce, "XLA")
+        lib.impl("all_gather_into_tensor", _functional_all_gather, "XLA")
+        lib.impl("reduce_scatter_tensor", _functional_reduce_scatter, "XLA")
+        lib.impl("all_to_all_single", _functional_not_bridged("all_to_all_single"), "XLA")
+        # The wait after each: a computed copy, so that the openxla bridge never returns a
+        # fallback node's output unchanged as the new value of an input (see _computed).
+        lib.impl("wait_tensor", _computed, "XLA")
+    return lib
 
 
 def _not_bridged(name: str) -> Callable[..., Any]:
@@ -392,7 +617,13 @@ def _make_group_class() -> type:
             return self._run(tensors, [], lambda out, _: self._gloo().broadcast(out, opts))
 
         def reduce(self, tensors, opts):
-            return self._run(tensors, [], lambda out, _: self._gloo().reduce(out, opts))
+            # As torch_xla's backend: the result is written on the destination only; the
+            # other ranks' tensors are left unchanged.
+            hosts = _to_host(tensors)
+            self._gloo().reduce(hosts, opts).wait()
+            if self.rank() == opts.rootRank:
+                _copy_into(tensors, [h.to(t.device) for h, t in zip(hosts, tensors)])
+            return _done(tensors)
 
         def barrier(self, opts=None):
             self._gloo().barrier().wait()
@@ -412,8 +643,21 @@ def _make_group_class() -> type:
             return self._run(flat, inputs, op)
 
         def _allgather_base(self, output, input, opts=None):
-            return self._run([output], [input],
-                             lambda out, inp: self._gloo()._allgather_base(out[0], inp[0]))
+            # torch_xla's backend: the output is the concatenation along dim 0 or the stack of
+            # every rank's input (PyTorch documents both); any other shape is refused.
+            if input.dim() == 0:
+                input = input.reshape(1)
+            host = _to_host([input])[0]
+            parts = [torch.empty_like(host) for _ in range(self.size())]
+            self._gloo().allgather([parts], [host]).wait()
+            for result in (torch.cat(parts, dim=0), torch.stack(parts, dim=0)):
+                if result.shape == output.shape:
+                    _copy_into([output], [result.to(output.device)])
+                    return _done([output])
+            raise ValueError(
+                f"Input shape {input.shape} and output shape {output.shape} are not compatible "
+                "for all_gather_into_tensor. Input must be stacked or concatenated to create "
+                "output.")
 
         def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
             return self._run(outputs, inputs, lambda out, inp: self._gloo()
@@ -428,6 +672,12 @@ def _make_group_class() -> type:
             return _done([output])
 
         def reduce_scatter(self, outputs, input_lists, opts):
+            for inputs in input_lists:  # torch_xla's backend checks them all first
+                first_shape = inputs[0].shape
+                for i, t in enumerate(inputs[1:]):
+                    if first_shape != t.shape:
+                        raise ValueError(f"Input {i+1}'s shape is different from input 0: "
+                                         f"{t.shape} vs {first_shape}")
             for output, inputs in zip(outputs, input_lists):
                 stacked = torch.stack([t.detach() for t in inputs])
                 self._reduce_scatter_base(output, stacked, opts)
@@ -496,11 +746,13 @@ def install(rank: int, world: int) -> None:
     # save, broadcast_master_param, the *_bucketized variants) look them up at call time.
     for name, fn in (("all_reduce", all_reduce), ("all_gather", all_gather),
                      ("reduce_scatter", reduce_scatter),
-                     ("collective_broadcast", collective_broadcast), ("rendezvous", rendezvous),
-                     ("xla_rendezvous", xla_rendezvous)):
+                     ("collective_broadcast", collective_broadcast),
+                     ("rendezvous", _outside_graph(rendezvous, "rendezvous")),
+                     ("xla_rendezvous", _outside_graph(xla_rendezvous, "xla_rendezvous"))):
         st.patches.set(xm, name, fn)
     for name in _NOT_BRIDGED:
         st.patches.set(xm, name, _not_bridged(name))
+    st.functional_kernels = _register_functional_kernels()
     _state = st
     logger.info("ray_train_xla: CPU development mode on (rank %d of %d): torch_xla collectives "
                 "run over gloo on host copies", rank, world)
@@ -512,4 +764,6 @@ def uninstall() -> None:
     st, _state = _state, None
     if st is None:
         return
+    if st.functional_kernels is not None:
+        st.functional_kernels._destroy()  # torch_xla's kernels are in force again
     st.patches.undo()
