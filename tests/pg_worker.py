@@ -6,7 +6,8 @@ import is what is under test). ``--native`` starts the native TorchNeuron group
 (``init_native_process_group``; the torch-neuronx double must be on the path).
 ``--hang-in-client-creation`` makes torch_xla's PJRT client creation, as its ``xla://`` handler
 reaches it (``xr.world_size()``, ``xr.process_count()``), wait forever: what it does on TPU or
-Neuron while a process of the job is missing. Prints one JSON line: whether it worked, the error
+Neuron while a process of the job is missing (with ``--holding-the-gil``, in a C call that keeps
+Python's global lock). Prints one JSON line: whether it worked, the error
 type and message, the seconds spent in ``init_process_group``, and (on success) the timeout of
 the store the process group uses.
 """
@@ -26,6 +27,10 @@ if "--hang-in-client-creation" in sys.argv:
     import torch_xla.runtime as xr
 
     def client_never_created() -> int:
+        if "--holding-the-gil" in sys.argv:  # a C call that keeps Python's lock while it waits
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(3600)
         threading.Event().wait()  # a client waiting for a TPU host that never comes
         return 1
 

@@ -252,6 +252,16 @@ def result_within(proc: subprocess.Popen, seconds: float) -> dict:
     return json.loads(lines[-1])
 
 
+def ended_within(proc: subprocess.Popen, seconds: float) -> dict:
+    """How pg_worker ended (exit code, stderr), or ``{"hung": True}`` after ``seconds``."""
+    try:
+        _, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"hung": True, "after_s": seconds}
+    return {"returncode": proc.returncode, "stderr": err}
+
+
 def native_neuron_env(**extra) -> dict:
     """The native TorchNeuron plan of one worker on one NeuronCore, rendezvous on this host."""
     facts = [WorkerFacts(node_id="n0", node_ip="127.0.0.1", pid=1,
@@ -277,7 +287,11 @@ def hung():
             "neuron-barrier": [start(native_neuron_env(RTX_TEST_NEURON_BARRIER_HANG="1"),
                                      args=["--native"], doubles=True)],
         }
-        yield {name: [result_within(p, 120) for p in ps] for name, ps in procs.items()}
+        holding = start(cpu_envs(1)[0], args=["--preimport", "--hang-in-client-creation",
+                                              "--holding-the-gil"])
+        runs = {name: [result_within(p, 120) for p in ps] for name, ps in procs.items()}
+        runs["holding-the-gil"] = [ended_within(holding, 120)]
+        yield runs
     finally:
         foreign.close()
 
@@ -315,3 +329,15 @@ def test_a_neuron_barrier_that_never_ends_fails_the_worker_within_timeout(hung):
     assert f"did not finish within timeout_s={TIMEOUT_S}" in res["error"]
     assert "worker rank 0" in res["error"]
     assert res["elapsed_s"] < TIMEOUT_S + GRACE_S + SMALL_SLACK_S, res
+
+
+def test_a_call_that_keeps_pythons_lock_is_ended_by_the_backstop(hung):
+    """The watchdog's thread cannot wake up while a C call keeps Python's global lock: the
+    backstop outside Python dumps every thread's stack, the stuck call among them, and ends the
+    worker process (timeout_s + 2 s + 10 s after the call began)."""
+    (res,) = hung["holding-the-gil"]
+    assert not res.get("hung"), res
+    assert res["returncode"] != 0, res
+    assert "Timeout (0:00:1" in res["stderr"], res["stderr"][-3000:]  # 5 + 2 + 10 s
+    assert "in client_never_created" in res["stderr"]  # the stuck call, on the watchdog's thread
+    assert "ray_train_xla/startup/watchdog.py" in res["stderr"]
