@@ -75,10 +75,14 @@ def init_process_group() -> None:
     from ray_train_xla.startup import report_flush
 
     report_flush.install()
-    if not ctx.native:  # native TorchNeuron points Ray at its own device (native_neuron.py)
+    if not ctx.native:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install(spmd=ctx.spmd)
+    elif ctx.device == "neuron":  # Ray's device manager is pointed at it in native_neuron.py
+        from ray_train_xla.startup import ray_helpers
+
+        ray_helpers.install_native()
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.

@@ -14,7 +14,10 @@ Written from the documented process-group init (``torch_neuronx/distributed/back
 5. waits at the runtime's barrier for every rank, without a timeout (``_nrt_barrier``);
    ``RTX_TEST_NEURON_BARRIER_HANG=1`` makes it wait forever.
 
-The actual communication is delegated to gloo on CPU. Beyond what the real package enforces, it
+Like the real package it reads its collective settings once, at import (``READ_AT_IMPORT``,
+recorded with every rank's view), and with ``tests/doubles/autoload`` on the path torch imports
+it at ``import torch`` through the ``torch.backends`` entry point. The actual communication is
+delegated to gloo on CPU. Beyond what the real package enforces, it
 checks the whole world (``world_problems``: distinct cores per node, one root comm id, not
 ``localhost`` on several nodes, a shared cache directory, the Accelerate device) and records what
 every rank saw as ``$RTX_TEST_RECORD_DIR/neuron_pg_rank<r>.json``. ``runtime_view`` and
@@ -47,6 +50,12 @@ RECORD_VAR = "RTX_TEST_RECORD_DIR"
 BARRIER_HANG_VAR = "RTX_TEST_NEURON_BARRIER_HANG"
 _state = {"initialized": False, "device": 0, "setups": 0}
 
+# Read once, at import, as torch_neuronx/distributed/backend.py and distributed/utils.py read
+# them (the real package keeps the values it saw then; so does this record).
+READ_AT_IMPORT_VARS = ("NEURON_USE_SPLIT_ALLGATHER", "NEURON_USE_SPLIT_REDUCE_SCATTER",
+                       "COLLECTIVE_BUCKETSIZE_IN_MB", "COLLECTIVE_MIN_BUCKETS")
+READ_AT_IMPORT = {k: os.environ.get(k) for k in READ_AT_IMPORT_VARS}
+
 
 def is_neuron_runtime_initialized() -> bool:
     return _state["initialized"]
@@ -62,7 +71,9 @@ def _lazy_init() -> None:
 
 
 def _autoload() -> None:
-    """torch's ``torch.backends`` entry point (autoload); also usable as a Ray setup hook."""
+    """torch's ``torch.backends`` entry point: ``tests/doubles/autoload`` declares it, so a
+    process with that directory on its path imports this double at ``import torch``, as torch
+    autoloads the real package."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +133,7 @@ def _create_neuron_process_group(store, rank: int, size: int, timeout):
                         root_port)
     os.environ[VISIBLE] = view["visible_cores_text"]
     os.environ[ROOT] = view["root_comm_id"]
-    view.update(pid=os.getpid(), setups_before=_state["setups"])
+    view.update(pid=os.getpid(), setups_before=_state["setups"], read_at_import=READ_AT_IMPORT)
     _claim_cores(record_dir, node, view["visible_cores"])
     error = process_error(view)
     if error:
