@@ -3,9 +3,11 @@ workers with fake ``neuron_cores`` and the torch-neuronx double, next to Ray's p
 ``TorchConfig(backend="neuron")`` on V1 (its V2 environment is checked at planning level in
 test_native_plan); and the same training code on CPU workers without torch_xla.
 
-The double is autoloaded on every worker (a setup hook standing in for torch's
-``torch.backends`` entry point, which the real package uses), so the plain config gets as far as
-it would on Trainium. Two fits under V2, three under V1.
+The double is autoloaded on every worker at ``import torch``, through a ``torch.backends`` entry
+point as the real package (``tests/doubles/autoload`` on the workers' path), so the plain config
+gets as far as it would on Trainium, and what the double reads at import (its collective
+settings) shows whether the config's ``env`` was in place before torch was imported. Two fits
+under V2, three under V1.
 """
 
 import json
@@ -37,9 +39,9 @@ VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "ACCELERATE_TORCH_D
 @pytest.fixture(scope="module")
 def two_nodes(two_nodes):
     runtime_env = {
-        "env_vars": {"PYTHONPATH": os.pathsep.join([DOUBLES_DIR, os.environ["PYTHONPATH"]]),
+        "env_vars": {"PYTHONPATH": os.pathsep.join([os.path.join(DOUBLES_DIR, "autoload"),
+                                                    DOUBLES_DIR, os.environ["PYTHONPATH"]]),
                      "RTX_TEST_RECORD_DIR": RECORDS},
-        "worker_process_setup_hook": "torch_neuronx._autoload",
     }
     try:
         with connected(two_nodes, runtime_env=runtime_env):  # 2 fake NeuronCores a node
@@ -91,6 +93,12 @@ def neuron_probe(config):
         dist.all_reduce(ones)
         total = ones.item()
     rank = dist.get_rank()
+    loader = None
+    if native:  # Ray's own helper: sharded as Ray shards, batches for the worker's device
+        from torch.utils.data import DataLoader
+
+        prepared = ray.train.torch.prepare_data_loader(DataLoader(list(range(8)), batch_size=1))
+        loader = {"len": len(prepared), "rows": list(prepared.sampler)}
     write_record(config, f"rank{rank}", {
         "rank": rank,
         "node_id": ray.get_runtime_context().get_node_id(),
@@ -101,7 +109,12 @@ def neuron_probe(config):
         "backend": dist.get_backend(),
         "total": total,
         "torch_xla_loaded": "torch_xla" in sys.modules,
+        "loader": loader,
     })
+
+
+# Read by torch-neuronx once, at import: through `env`, they must be in place before torch.
+READ_AT_IMPORT = {"NEURON_USE_SPLIT_ALLGATHER": "0", "COLLECTIVE_BUCKETSIZE_IN_MB": "64"}
 
 
 def test_native_neuron_on_two_nodes_passes_the_double(two_nodes):
@@ -109,13 +122,14 @@ def test_native_neuron_on_two_nodes_passes_the_double(two_nodes):
     cache = os.path.join(RECORDS, "neff-cache")
     _, records = fit(neuron_probe, scaling_config=neuron_scaling(4),
                      torch_config=TorchNeuronConfig(device="neuron", timeout_s=60,
-                                                    compile_cache=cache))
+                                                    compile_cache=cache, env=READ_AT_IMPORT))
     seen = double_records()
     assert [s["rank"] for s in seen] == [0, 1, 2, 3]
     for s in seen:
         assert s["problems"] == []
         assert s["local_rank_source"] == "env" and s["root_comm_preset"]
         assert s["setups_before"] == 0
+        assert s["read_at_import"] == {**dict.fromkeys(s["read_at_import"]), **READ_AT_IMPORT}
     assert len({s["node"] for s in seen}) == 2
     assert len({s["root_comm_id"] for s in seen}) == 1
     records = sorted(records, key=lambda r: r["rank"])
@@ -130,6 +144,7 @@ def test_native_neuron_on_two_nodes_passes_the_double(two_nodes):
         addr, port = env["NEURON_RT_ROOT_COMM_ID"].rsplit(":", 1)
         assert addr == env["MASTER_ADDR"] and port != env["MASTER_PORT"]
         assert not r["torch_xla_loaded"]
+        assert r["loader"] == {"len": 2, "rows": [r["rank"], r["rank"] + 4]}
 
 
 @pytest.mark.skipif(is_train_v2(), reason="V2's plain env is checked by test_native_plan (budget)")

@@ -63,10 +63,22 @@ def test_cpu_process_group_is_xla_for_one_worker_and_the_development_mode_for_se
         # torch_xla's local ordinal and local process count follow the worker's place
         assert p.env["PJRT_LOCAL_PROCESS_RANK"] == str(p.place.local_rank)
         assert p.env["PJRT_LOCAL_PROCESS_COUNT"] == str(p.place.local_world_size)
-    # SPMD keeps the development mode off (each worker's mesh is its own)
-    for p in cpu_plan([1, 1], spmd=True, cpu_devices_per_worker=2):
-        assert "RAY_TRAIN_XLA_CPU_DEVMODE" not in p.env
-        assert p.env["RAY_TRAIN_XLA_PG_BACKEND"] == "gloo"
+    # SPMD on one CPU worker: one mesh over its virtual devices, no development mode
+    (one,) = cpu_plan([1], spmd=True, cpu_devices_per_worker=2)
+    assert "RAY_TRAIN_XLA_CPU_DEVMODE" not in one.env
+    assert one.env["RAY_TRAIN_XLA_PG_BACKEND"] == "gloo"
+
+
+@pytest.mark.parametrize("counts", [[1, 1], [2], [2, 1]])
+def test_several_spmd_workers_on_the_cpu_are_refused_naming_why_and_the_fix(counts):
+    """Each CPU worker's mesh would be its own (nothing crosses workers): refused before any
+    worker starts, whatever the nodes, with the one-worker fix."""
+    with pytest.raises(XLAConfigError) as info:
+        cpu_plan(counts, spmd=True, cpu_devices_per_worker=2)
+    message = str(info.value)
+    assert f"with {sum(counts)} workers each one's SPMD mesh would hold only its own" in message
+    assert "ScalingConfig(num_workers=1)" in message and "cpu_devices_per_worker" in message
+    assert "spmd=False" in message
 
 
 @pytest.mark.parametrize("device", ["cpu", "neuron", "tpu"])

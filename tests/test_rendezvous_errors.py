@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from ray_train_xla import TorchXLAConfig
+from ray_train_xla import TorchNeuronConfig, TorchXLAConfig
 from ray_train_xla.planning import Rendezvous, plan
+from ray_train_xla.planning.contract import WorkerContext
 from ray_train_xla.planning.topology import Topology, WorkerFacts
 
 from conftest import DOUBLES_DIR
@@ -50,14 +51,18 @@ def neuron_spmd_envs() -> list[dict]:
                                 "neuron", facts)]
 
 
-def start(env: dict, neuron_import: bool = False) -> subprocess.Popen:
-    """pg_worker.py with exactly ``env``; CPU runs import torch_xla before the clock starts."""
+def start(env: dict, neuron_import: bool = False, args: list[str] | None = None,
+          doubles: bool = False) -> subprocess.Popen:
+    """pg_worker.py with exactly ``env``; CPU runs import torch_xla before the clock starts
+    (unless ``args`` are given); ``doubles`` puts the Neuron doubles on the path."""
     path = [os.environ.get("PYTHONPATH", "")]
     extra = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": os.environ.get("HOME", "/tmp")}
-    if neuron_import:  # torch_xla finds "libneuronxla" and runs its Neuron init at import
+    if neuron_import or doubles:
         path.insert(0, DOUBLES_DIR)
+    if neuron_import:  # torch_xla finds "libneuronxla" and runs its Neuron init at import
         extra["RTX_TEST_NEURON_IMPORT"] = "1"
-    args = [] if neuron_import else ["--preimport"]
+    if args is None:
+        args = [] if neuron_import else ["--preimport"]
     return subprocess.Popen([sys.executable, os.path.join(HERE, "pg_worker.py"), *args],
                             env={**env, **extra, "PYTHONPATH": os.pathsep.join(path)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -196,3 +201,143 @@ def test_a_gloo_connection_failure_on_one_rank_restarts_the_group_on_every_rank(
     assert all(out["attempts"] == 1 for out in other_out), other_out
     assert "some other failure (injected)" in other_out[1]["error"]
     assert "not on rank(s) [1]" in other_out[0]["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Waits inside libraries that take no timeout: the store's port, the store client, the device
+# runtime's client creation, the native Neuron barrier.
+# ---------------------------------------------------------------------------------------------
+
+GRACE_S = 2  # watchdog.GRACE_S: past the deadline, the library's own error may come first
+SMALL_SLACK_S = 8  # process start-up noise on a shared 2-core machine
+
+
+def test_the_reserved_master_port_stays_taken_until_rank_0s_store_serves_it():
+    """The port the backend reserves on rank 0's worker (``on_start``) stays bound and
+    listening there: another process cannot take it before the store does; rank 0's store then
+    serves on that very socket and clients reach it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ray_train_xla.startup import facts, netinfo, rendezvous
+
+    master, extra = facts.reserve_ports(2)
+    with socket.socket() as other:
+        with pytest.raises(OSError) as taken:
+            other.bind(("", master))
+    assert taken.value.errno == 98  # EADDRINUSE: nobody else can listen there
+    with socket.socket() as other:
+        other.bind(("", extra))  # the extra ports are released for their users
+    ctx = WorkerContext(rank=0, world_size=1, master_addr="127.0.0.1", master_port=master,
+                        run_id="held", timeout_s=5)
+    store = rendezvous.join(ctx, timedelta(seconds=5))
+    assert master not in netinfo._held  # handed over to the store
+    client = dist.TCPStore("127.0.0.1", master, is_master=False, timeout=timedelta(seconds=5))
+    assert client.get("ray_train_xla/held/arrived/0") == str(os.getpid()).encode()
+    del client, store
+
+
+def result_within(proc: subprocess.Popen, seconds: float) -> dict:
+    """pg_worker's JSON line, or ``{"hung": True}`` when it had not ended after ``seconds``
+    (then it is killed)."""
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return {"hung": True, "after_s": seconds, "stderr": err[-2000:]}
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, err[-3000:]
+    return json.loads(lines[-1])
+
+
+def ended_within(proc: subprocess.Popen, seconds: float) -> dict:
+    """How pg_worker ended (exit code, stderr), or ``{"hung": True}`` after ``seconds``."""
+    try:
+        _, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"hung": True, "after_s": seconds}
+    return {"returncode": proc.returncode, "stderr": err}
+
+
+def native_neuron_env(**extra) -> dict:
+    """The native TorchNeuron plan of one worker on one NeuronCore, rendezvous on this host."""
+    facts = [WorkerFacts(node_id="n0", node_ip="127.0.0.1", pid=1,
+                         accelerator_ids={"neuron_cores": ("0",)})]
+    rdzv = Rendezvous(master_addr="127.0.0.1", master_port=_free_port(), run_id="native",
+                      extra_ports=(_free_port(),))
+    config = TorchNeuronConfig(device="neuron", timeout_s=TIMEOUT_S)
+    (p,) = plan(Topology.from_facts(facts, "neuron_cores"), config, rdzv, "neuron", facts)
+    return {**p.env, **extra}
+
+
+@pytest.fixture(scope="module")
+def hung():
+    """Waits that no library bounds, each in its own processes, started together."""
+    taken = cpu_envs(2)
+    foreign = socket.socket()  # another process's listener on the planned port, which it
+    foreign.bind(("127.0.0.1", int(taken[0]["MASTER_PORT"])))  # took after the port was
+    foreign.listen(16)  # released (as it was before rank 0's worker held it): it never answers
+    try:
+        procs = {
+            "port-taken": [start(e) for e in taken],
+            "pjrt-client": [start(cpu_envs(1)[0], args=["--preimport", "--hang-in-client-creation"])],
+            "neuron-barrier": [start(native_neuron_env(RTX_TEST_NEURON_BARRIER_HANG="1"),
+                                     args=["--native"], doubles=True)],
+        }
+        holding = start(cpu_envs(1)[0], args=["--preimport", "--hang-in-client-creation",
+                                              "--holding-the-gil"])
+        runs = {name: [result_within(p, 120) for p in ps] for name, ps in procs.items()}
+        runs["holding-the-gil"] = [ended_within(holding, 120)]
+        yield runs
+    finally:
+        foreign.close()
+
+
+def test_a_port_another_process_took_is_named_and_no_rank_hangs(hung):
+    rank0, rank1 = hung["port-taken"]
+    assert not rank0.get("hung") and not rank1.get("hung"), (rank0, rank1)
+    assert rank0["error_type"] == "WorkerSetupError", rank0
+    assert "rank 0 cannot serve the rendezvous store at 127.0.0.1:" in rank0["error"]
+    assert "another process took that port (EADDRINUSE)" in rank0["error"]
+    assert "did not arrive" not in rank0["error"]
+    assert rank1["error_type"] == "RendezvousTimeoutError", rank1
+    assert "connecting to the rendezvous store that rank 0 serves at 127.0.0.1:" in rank1["error"]
+    assert f"did not finish within timeout_s={TIMEOUT_S}" in rank1["error"]
+    assert "no store answered there: another process listens on that port" in rank1["error"]
+    for res in (rank0, rank1):
+        assert res["elapsed_s"] < TIMEOUT_S + GRACE_S + SMALL_SLACK_S, res
+
+
+def test_a_pjrt_client_creation_that_never_ends_fails_the_worker_within_timeout(hung):
+    (res,) = hung["pjrt-client"]
+    assert not res.get("hung"), res
+    assert res["error_type"] == "WorkerSetupError", res
+    assert "torch_xla's xla:// process-group start (the device runtime's PJRT client creation" in res["error"]
+    assert f"did not finish within timeout_s={TIMEOUT_S}" in res["error"]
+    assert res["elapsed_s"] < TIMEOUT_S + GRACE_S + SMALL_SLACK_S, res
+
+
+def test_a_neuron_barrier_that_never_ends_fails_the_worker_within_timeout(hung):
+    (res,) = hung["neuron-barrier"]
+    assert not res.get("hung"), res
+    assert res["error_type"] == "WorkerSetupError", res
+    assert "the native Neuron process group's start (ProcessGroupNeuron" in res["error"]
+    assert "barrier across ranks" in res["error"]
+    assert f"did not finish within timeout_s={TIMEOUT_S}" in res["error"]
+    assert "worker rank 0" in res["error"]
+    assert res["elapsed_s"] < TIMEOUT_S + GRACE_S + SMALL_SLACK_S, res
+
+
+def test_a_call_that_keeps_pythons_lock_is_ended_by_the_backstop(hung):
+    """The watchdog's thread cannot wake up while a C call keeps Python's global lock: the
+    backstop outside Python dumps every thread's stack, the stuck call among them, and ends the
+    worker process (timeout_s + 2 s + 10 s after the call began)."""
+    (res,) = hung["holding-the-gil"]
+    assert not res.get("hung"), res
+    assert res["returncode"] != 0, res
+    assert "Timeout (0:00:1" in res["stderr"], res["stderr"][-3000:]  # 5 + 2 + 10 s
+    assert "in client_never_created" in res["stderr"]  # the stuck call, on the watchdog's thread
+    assert "ray_train_xla/startup/watchdog.py" in res["stderr"]

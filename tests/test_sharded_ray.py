@@ -1,7 +1,7 @@
-"""Sharded checkpoints through real Ray Train on two nodes (ray.cluster_utils.Cluster): two SPMD
-workers (one per node, 2 virtual XLA CPU devices each) train FSDPv2 and save; each reports only
-its own files and Ray merges them into one checkpoint, which one worker on 4 devices (mesh 2x2)
-restores exactly. Two fits."""
+"""Sharded checkpoints through real Ray Train on two nodes (ray.cluster_utils.Cluster): an SPMD
+worker on 2 virtual XLA CPU devices trains FSDPv2 and saves; one worker on 4 devices (mesh 2x2),
+on whichever node Ray picks, restores it exactly. Two fits. (Several SPMD workers on the CPU
+are refused: each one's mesh would be its own; see test_plan.)"""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def sharded_train(config):
     write_record(config, f"rank{r}", record)
 
 
-def test_two_workers_save_their_shards_one_worker_restores_on_another_mesh(two_nodes, tmp_path):
+def test_a_worker_saves_its_shards_another_restores_them_on_another_mesh(two_nodes, tmp_path):
     from ray.train import ScalingConfig
 
     from ray_train_xla import TorchXLAConfig
@@ -58,22 +58,16 @@ def test_two_workers_save_their_shards_one_worker_restores_on_another_mesh(two_n
     result, records = fit(
         sharded_train, loop_config={"mesh": [], "expected": expected},
         torch_config=TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=2, timeout_s=120),
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "slot": 2}),
+        scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1, "slot": 2}),
     )
-    assert [r["devices"] for r in records] == [2, 2]
+    assert [r["devices"] for r in records] == [2]
     assert all(r["spec"] == "{devices=[2,1]0,1}" for r in records)
     assert all(r["max_diff"] <= 1e-5 for r in records)
-    # Each worker wrote (and reported) only its own file; Ray merged both into one directory.
-    rank0, rank1 = (r["written"] for r in records)
-    assert "__0_0.distcp" in rank0["files"] and ".metadata" in rank0["files"]
-    assert rank1["files"] == ["__1_0.distcp"]
+    (written,) = (r["written"] for r in records)
+    assert "__0_0.distcp" in written["files"] and ".metadata" in written["files"]
     ckpt = result.checkpoint.path
     names = set(os.listdir(ckpt))
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt", "sharded.json"} <= names
-    shards = [os.path.getsize(os.path.join(ckpt, f"__{i}_0.distcp")) for i in (0, 1)]
-    # Both workers hold every shard (each node's mesh is its own on CPU): the duplicates are
-    # split between them, so each writes about half.
-    assert all(0.3 < s / sum(shards) < 0.7 for s in shards), shards
+    assert {".metadata", "__0_0.distcp", "extra.pt", "sharded.json"} <= names
 
     _, (rec,) = fit(
         sharded_train, loop_config={"mesh": [2, 2], "load": ckpt, "expected": expected},

@@ -18,6 +18,8 @@ from ray.train.torch import TorchConfig
 
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.options import NEURON_OWNER, NeuronOptions, XLAOptions
+from ray_train_xla.planning.runtimes.native_neuron import import_env
+from ray_train_xla.startup.import_env import rebuild_config
 
 __all__ = ["TorchNeuronConfig", "TorchXLAConfig", "XLAConfigError"]
 
@@ -143,6 +145,13 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
         from ray_train_xla.driver.backend import NativeNeuronBackend
 
         return NativeNeuronBackend
+
+    def __reduce__(self):
+        # Unpickling this module imports torch, which autoloads torch-neuronx, which reads its
+        # settings at import: a worker gets them in its environment first (startup/import_env.py).
+        cls = type(self)
+        return rebuild_config, (cls.__module__, cls.__qualname__, dict(self.__dict__),
+                                import_env(self))
 
     @property
     def train_func_context(self):

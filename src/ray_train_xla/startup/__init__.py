@@ -9,5 +9,9 @@
    (``ray_helpers``);
 4. ``shutdown``: destroy the process group (bounded), undo the patches, the runtime's clean-up.
 
+Before all of these, ``import_env`` runs where a ``TorchNeuronConfig`` is unpickled on a worker:
+it puts what torch-neuronx reads at ``import torch`` in the environment first. ``watchdog``
+bounds the library calls at start-up that take no timeout.
+
 Everything here runs on workers and reads the plan through ``planning.contract.worker_context``.
 """

@@ -89,5 +89,7 @@ def tpu_host_identity() -> tuple[int | None, str, str, str]:
 
 
 def reserve_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on this node."""
-    return netinfo.free_ports(count, ipv6=":" in ray.util.get_node_ip_address())
+    """``count`` distinct free TCP ports on this node. The first (``MASTER_PORT``) stays bound
+    and listening in this worker until its rendezvous store takes the socket over
+    (``rendezvous.join``), so no other process can take it in between."""
+    return netinfo.free_ports(count, ipv6=":" in ray.util.get_node_ip_address(), hold=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 
 INFINIBAND_SYSFS = "/sys/class/infiniband"
 
@@ -52,17 +53,51 @@ def interface_for_ip(ip: str) -> str | None:
     return None
 
 
-def free_ports(count: int, ipv6: bool = False) -> list[int]:
-    """``count`` distinct free TCP ports on this machine (bound together while chosen, then
-    released for the caller to use)."""
+def free_ports(count: int, ipv6: bool = False, hold: int = 0) -> list[int]:
+    """``count`` distinct free TCP ports on this machine, bound together while chosen. The
+    first ``hold`` of them stay bound and listening in this process, so that no other process
+    can take them, until ``take_held`` hands one to the server that will use it or
+    ``release_held`` closes it (ports an earlier call held are released first); the others are
+    released for the caller to use."""
     family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    release_held()
     socks = []
     try:
         for _ in range(count):
             s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind(("", 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            s.bind(("", 0))
+        ports = [s.getsockname()[1] for s in socks]
+        with _held_lock:
+            for s in socks[:hold]:
+                s.listen(LISTEN_BACKLOG)  # a listener: nobody else can bind or listen there
+                _held[s.getsockname()[1]] = s
+        return ports
     finally:
-        for s in socks:
+        for s in socks[hold:]:
             s.close()
+
+
+# Ports this process holds for a server that starts later (see free_ports): port -> socket.
+_held: dict[int, socket.socket] = {}
+_held_lock = threading.Lock()
+LISTEN_BACKLOG = 2048  # connections that arrive before the server takes the socket wait here
+
+
+def take_held(port: int) -> int | None:
+    """The file descriptor of the listening socket this process holds for ``port`` (the
+    caller owns it from now on), or None when this process does not hold that port."""
+    with _held_lock:
+        sock = _held.pop(port, None)
+    return sock.detach() if sock is not None else None
+
+
+def release_held(port: int | None = None) -> None:
+    """Close the socket held for ``port`` (every held socket when None), if any."""
+    with _held_lock:
+        socks = list(_held.values()) if port is None else [_held.get(port)]
+        for key in list(_held) if port is None else [port]:
+            _held.pop(key, None)
+    for sock in socks:
+        if sock is not None:
+            sock.close()

@@ -9,14 +9,17 @@ process group itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import time
 from datetime import timedelta
 
-from ray_train_xla.errors import RendezvousTimeoutError, WorkerSetupError, XLAInitError
+from ray_train_xla.errors import WorkerSetupError, XLAInitError
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.startup import rendezvous
 from ray_train_xla.startup.facts import who
+from ray_train_xla.startup.watchdog import call_within
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +43,22 @@ def init_process_group() -> None:
         raise XLAInitError(f"{who()}: {describe_xla_init_error(exc, os.environ)}") from exc
     try:
         store = rendezvous.join(ctx, timeout)
-    except RendezvousTimeoutError as exc:
-        raise RendezvousTimeoutError(f"{who()}: {exc}") from exc.__cause__
+    except WorkerSetupError as exc:  # RendezvousTimeoutError, or rank 0's port taken
+        raise type(exc)(f"{who()}: {exc}") from exc.__cause__
     try:
         if ctx.devmode:
             from ray_train_xla.startup import devmode
 
             devmode.register_backend()
         if init_method == "xla://" and rendezvous.install_for_xla_handler(store):
-            dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+            call_within(
+                lambda: dist.init_process_group(backend, init_method=init_method, timeout=timeout),
+                time.monotonic() + timeout.total_seconds(), timeout.total_seconds(),
+                "torch_xla's xla:// process-group start (the device runtime's PJRT client "
+                "creation, which waits for every process of the job)",
+                hint=("a process of the job did not get there, or the device runtime could not "
+                      "connect the processes (TPU: every host of the slice; Neuron: "
+                      "NEURON_RT_ROOT_COMM_ID)"))
         else:
             store = _init_with_store(backend, store, ctx, timeout)
     except Exception as exc:
@@ -65,10 +75,14 @@ def init_process_group() -> None:
     from ray_train_xla.startup import report_flush
 
     report_flush.install()
-    if not ctx.native:  # native TorchNeuron points Ray at its own device (native_neuron.py)
+    if not ctx.native:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install(spmd=ctx.spmd)
+    elif ctx.device == "neuron":  # Ray's device manager is pointed at it in native_neuron.py
+        from ray_train_xla.startup import ray_helpers
+
+        ray_helpers.install_native()
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.
@@ -88,8 +102,6 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
     fails to connect on any rank, every rank learns it through the store, drops what it set up
     and tries again together (at most ``GLOO_START_ATTEMPTS`` times, within ``timeout``);
     any other error ends it on every rank. Returns the store the group uses."""
-    import time
-
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout.total_seconds()
@@ -101,8 +113,10 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
             # name the new default group alike (its keys in the store start with the name).
             _c10d_world().group_count = 0
         try:
-            dist.init_process_group(backend, store=attempt_store, rank=ctx.rank,
-                                    world_size=ctx.world_size, timeout=timeout)
+            call_within(
+                functools.partial(dist.init_process_group, backend, store=attempt_store,
+                                  rank=ctx.rank, world_size=ctx.world_size, timeout=timeout),
+                deadline, timeout.total_seconds(), *_what_starts(backend))
         except Exception as exc:  # noqa: BLE001 (told to every rank below, then raised)
             error = exc
         if ctx.world_size == 1:
@@ -134,6 +148,18 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
     raise AssertionError("unreachable")
 
 
+def _what_starts(backend: str) -> tuple[str, str]:
+    """What ``init_process_group(backend)`` waits for, and what a wait past the deadline means,
+    for the watchdog's message."""
+    if backend == "neuron":
+        return ("the native Neuron process group's start (ProcessGroupNeuron: the Neuron "
+                "runtime's set-up and its barrier across ranks, which takes no timeout)",
+                "a rank did not reach the barrier (its worker failed or is still starting), or "
+                "the Neuron runtime could not connect the ranks through NEURON_RT_ROOT_COMM_ID")
+    return (f"init_process_group({backend!r})",
+            "a rank did not finish starting the group (its worker failed or is stuck)")
+
+
 def _c10d_world():
     from torch.distributed import distributed_c10d
 
@@ -142,8 +168,6 @@ def _c10d_world():
 
 def _exchange(store, prefix: str, rank: int, world: int, value: str, deadline: float) -> list[str]:
     """Every rank's ``value`` through the store, waiting for all until ``deadline``."""
-    import time
-
     import torch.distributed as dist
 
     store.set(f"{prefix}/{rank}", value)

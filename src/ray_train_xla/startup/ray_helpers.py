@@ -1,6 +1,7 @@
 """Ray's own torch helpers, and a repeated ``init_process_group``, on XLA workers.
 
-Installed by the backend on every XLA worker (all devices), after the process group exists:
+Installed by the backend on every XLA worker (all devices), after the process group exists
+(on native TorchNeuron workers on Neuron, ``install_native``: ``prepare_data_loader`` only):
 
 - ``ray.train.torch.get_device()`` / ``get_devices()`` return the worker's XLA device (Ray's
   versions know only CUDA and CPU, so models silently trained on the CPU).
@@ -54,8 +55,9 @@ def _spmd_refusal(name: str, ours: str) -> RuntimeError:
 
 
 class _OnXLADevice:
-    """A prepared DataLoader whose batches are moved to the XLA device (nested containers,
-    namedtuples and dataclasses keep their type)."""
+    """A prepared DataLoader whose batches are moved to the worker's device (``get_device``:
+    XLA, or native ``neuron``; nested containers, namedtuples and dataclasses keep their
+    type)."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader
@@ -151,6 +153,45 @@ def patch_transformers_trainer() -> None:
         sys.meta_path.insert(0, _watchers[0])
 
 
+def _prepare_data_loader_moving_here(original, spmd: bool = False):
+    """Ray's ``prepare_data_loader`` that shards as Ray does and moves batches to this worker's
+    device here: Ray's own move looks the device type up among its device managers, which know
+    CUDA, CPU and a few others only ("Device type xla cannot be recognized", "... neuron ...")."""
+    def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
+                            auto_transfer=True):
+        if spmd:
+            raise _spmd_refusal("prepare_data_loader", "prepare_data_loader")
+        loader = original(data_loader, add_dist_sampler=add_dist_sampler,
+                          move_to_device=False, auto_transfer=False)
+        return _OnXLADevice(loader) if move_to_device else loader
+
+    prepare_data_loader.__doc__ = original.__doc__
+    return prepare_data_loader
+
+
+def install_native() -> None:
+    """Native TorchNeuron on Neuron: Ray's ``prepare_data_loader`` shards as Ray does and moves
+    batches to the worker's ``neuron`` device (Ray's ``get_device`` and ``prepare_model`` use
+    the device manager that ``native_neuron.py`` installs)."""
+    if _patches:
+        return
+    import ray.train.torch as rtt
+    import ray.train.torch.train_loop_utils as v1
+
+    modules = [rtt, v1]
+    try:
+        import ray.train.v2.torch.train_loop_utils as v2
+
+        modules.append(v2)
+    except ImportError:  # pragma: no cover - Ray without Train V2
+        pass
+    for m in modules:
+        original = getattr(m, "prepare_data_loader", None)
+        if original is not None:
+            _patches.set(m, "prepare_data_loader", _prepare_data_loader_moving_here(original),
+                         only_if_present=True)
+
+
 def install(spmd: bool) -> None:
     """Point Ray's torch helpers at the XLA device; tolerate a repeated init_process_group;
     unfuse Transformers' default AdamW. Under SPMD (``spmd``) Ray's prepare_model and
@@ -187,18 +228,7 @@ def install(spmd: bool) -> None:
         return prepare_model
 
     def make_prepare_data_loader(original):
-        def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
-                                auto_transfer=True):
-            if spmd:
-                raise _spmd_refusal("prepare_data_loader", "prepare_data_loader")
-            # Ray's device move knows CUDA/CPU devices only ("Device type xla cannot be
-            # recognized"): shard with Ray, move here.
-            loader = original(data_loader, add_dist_sampler=add_dist_sampler,
-                              move_to_device=False, auto_transfer=False)
-            return _OnXLADevice(loader) if move_to_device else loader
-
-        prepare_data_loader.__doc__ = original.__doc__
-        return prepare_data_loader
+        return _prepare_data_loader_moving_here(original, spmd)
 
     for m in modules:
         _patch(m, "get_device", get_device)

@@ -8,7 +8,7 @@ import sys
 import threading
 
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.startup import runtime_steps
+from ray_train_xla.startup import netinfo, runtime_steps
 from ray_train_xla.startup.facts import who
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ def shutdown_worker() -> None:
     if thread.is_alive():
         logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
                        who(), ctx.timeout_s)
+    netinfo.release_held()  # a port reserved for a store that never started (rank 0's worker)
     if "ray_train_xla.startup.report_flush" in sys.modules:
         from ray_train_xla.startup import report_flush
 

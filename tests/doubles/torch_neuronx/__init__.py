@@ -10,9 +10,14 @@ Written from the documented process-group init (``torch_neuronx/distributed/back
 3. sets ``NEURON_RT_ROOT_COMM_ID`` to ``$MASTER_ADDR:<port rank 0 chose>`` only if unset (a rank
    with it preset while others lack it makes them block on the store);
 4. initialises the "runtime": claims every visible core of the node exclusively (a core held by
-   another process fails like ``nrt_init``), then asserts exactly one visible core.
+   another process fails like ``nrt_init``), then asserts exactly one visible core;
+5. waits at the runtime's barrier for every rank, without a timeout (``_nrt_barrier``);
+   ``RTX_TEST_NEURON_BARRIER_HANG=1`` makes it wait forever.
 
-The actual communication is delegated to gloo on CPU. Beyond what the real package enforces, it
+Like the real package it reads its collective settings once, at import (``READ_AT_IMPORT``,
+recorded with every rank's view), and with ``tests/doubles/autoload`` on the path torch imports
+it at ``import torch`` through the ``torch.backends`` entry point. The actual communication is
+delegated to gloo on CPU. Beyond what the real package enforces, it
 checks the whole world (``world_problems``: distinct cores per node, one root comm id, not
 ``localhost`` on several nodes, a shared cache directory, the Accelerate device) and records what
 every rank saw as ``$RTX_TEST_RECORD_DIR/neuron_pg_rank<r>.json``. ``runtime_view`` and
@@ -42,7 +47,14 @@ from neuron_contract import (  # tests/neuron_contract.py: the checks, also used
 )
 
 RECORD_VAR = "RTX_TEST_RECORD_DIR"
+BARRIER_HANG_VAR = "RTX_TEST_NEURON_BARRIER_HANG"
 _state = {"initialized": False, "device": 0, "setups": 0}
+
+# Read once, at import, as torch_neuronx/distributed/backend.py and distributed/utils.py read
+# them (the real package keeps the values it saw then; so does this record).
+READ_AT_IMPORT_VARS = ("NEURON_USE_SPLIT_ALLGATHER", "NEURON_USE_SPLIT_REDUCE_SCATTER",
+                       "COLLECTIVE_BUCKETSIZE_IN_MB", "COLLECTIVE_MIN_BUCKETS")
+READ_AT_IMPORT = {k: os.environ.get(k) for k in READ_AT_IMPORT_VARS}
 
 
 def is_neuron_runtime_initialized() -> bool:
@@ -59,7 +71,9 @@ def _lazy_init() -> None:
 
 
 def _autoload() -> None:
-    """torch's ``torch.backends`` entry point (autoload); also usable as a Ray setup hook."""
+    """torch's ``torch.backends`` entry point: ``tests/doubles/autoload`` declares it, so a
+    process with that directory on its path imports this double at ``import torch``, as torch
+    autoloads the real package."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,13 +133,14 @@ def _create_neuron_process_group(store, rank: int, size: int, timeout):
                         root_port)
     os.environ[VISIBLE] = view["visible_cores_text"]
     os.environ[ROOT] = view["root_comm_id"]
-    view.update(pid=os.getpid(), setups_before=_state["setups"])
+    view.update(pid=os.getpid(), setups_before=_state["setups"], read_at_import=READ_AT_IMPORT)
     _claim_cores(record_dir, node, view["visible_cores"])
     error = process_error(view)
     if error:
         raise AssertionError(ONE_DEVICE)
     _state.update(initialized=True, device=view["local_rank"], setups=_state["setups"] + 1)
     _register_device()
+    _nrt_barrier(store, rank, size)
     store.set(f"rtx_view_{rank}", json.dumps(view))
     views = [json.loads(_get(store, f"rtx_view_{i}")) for i in range(size)]
     view["problems"] = world_problems(views)
@@ -133,6 +148,18 @@ def _create_neuron_process_group(store, rank: int, size: int, timeout):
         with open(os.path.join(record_dir, f"neuron_pg_rank{rank}-{time.time_ns()}.json"), "w") as f:
             json.dump(view, f)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nrt_barrier(store, rank: int, size: int) -> None:
+    """The runtime's barrier at the end of its set-up (``_nrt_barrier(0, rank, size)``): it waits
+    for every rank and takes no timeout. ``RTX_TEST_NEURON_BARRIER_HANG=1`` makes it wait
+    forever on this rank, as for a peer that never reaches it."""
+    if os.environ.get(BARRIER_HANG_VAR) == "1":
+        while True:
+            time.sleep(1)
+    store.add("rtx_nrt_barrier", 1)
+    while store.add("rtx_nrt_barrier", 0) < size:
+        time.sleep(0.05)
 
 
 def _register_device() -> None:

@@ -7,15 +7,27 @@ host copies), torch_xla's collectives are bridged the same way, and torch_xla se
 (``PJRT_LOCAL_PROCESS_RANK``/``COUNT`` below give its local ordinal and local process count).
 
 SPMD on CPU: ``cpu_devices_per_worker`` sets ``CPU_NUM_DEVICES``, and torch_xla shards across
-that many virtual devices inside the worker. One worker uses ``gloo`` through ``xla://``; several
-workers use ``gloo`` through ``env://``, because every CPU process is PJRT process 0
-and each worker's mesh is local to it; the development mode stays off.
+that many virtual devices inside the one worker (``gloo`` through ``xla://``). Several SPMD
+workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own, so
+each worker's mesh would span only its own devices and nothing would cross workers (fed
+different data, they would train different models, and their sharded checkpoint would mix
+shards of both), where the same program on TPU or Neuron hosts is one global mesh.
 """
 
 from __future__ import annotations
 
+from ray_train_xla.errors import config_error
 from ray_train_xla.planning.contract import DEVMODE_BACKEND, DEVMODE_VAR, SPMD_PROCESS_GROUP
 from ray_train_xla.planning.runtimes.base import Runtime
+
+SPMD_ONE_WORKER = (
+    "a single worker with spmd=True on the CPU device. torch_xla's CPU client has no "
+    "cross-process collectives: with {workers} workers each one's SPMD mesh would hold only "
+    "its own devices, so workers fed different data would train different models and write "
+    "one sharded checkpoint of mixed shards (on TPU or Neuron hosts the same program is one "
+    "global mesh). Develop SPMD on CPU with ScalingConfig(num_workers=1) and "
+    "cpu_devices_per_worker=<devices> (one mesh over that many virtual devices), or use "
+    "several CPU workers with spmd=False (the CPU development mode)")
 
 
 def uses_devmode(topology, config) -> bool:
@@ -27,11 +39,14 @@ class CPURuntime(Runtime):
     name = "cpu"
     pjrt_device = "CPU"
 
+    def check(self, config, topology) -> None:
+        if config.spmd and topology.world_size > 1:
+            raise config_error("spmd", True, SPMD_ONE_WORKER.format(workers=topology.world_size))
+        super().check(config, topology)
+
     def process_group(self, topology, config):
         if topology.world_size == 1:
             return SPMD_PROCESS_GROUP if config.spmd else ("xla", "xla://")
-        if config.spmd:
-            return "gloo", "env://"
         return DEVMODE_BACKEND, "env://"
 
     def device_env(self, place, topology, rdzv, config, facts):

@@ -48,6 +48,19 @@ def resolve_native_device(requested: str, accelerator_ids) -> str:
     return "neuron" if any(ids.get(NEURON_RESOURCE) for ids in accelerator_ids) else "cpu"
 
 
+def import_env(config) -> dict[str, str]:
+    """The variables a native worker must have before ``import torch``, identical on every
+    worker: torch autoloads torch-neuronx, which reads its collective settings once at import
+    (``NEURON_USE_SPLIT_ALLGATHER``, ``NEURON_USE_SPLIT_REDUCE_SCATTER``,
+    ``COLLECTIVE_BUCKETSIZE_IN_MB``, ``COLLECTIVE_MIN_BUCKETS``: any of them comes through
+    ``env``), and its compile cache directory is best in place from the start. So: every ``env``
+    entry and ``TORCH_NEURONX_NEFF_CACHE_DIR``. ``startup/import_env.py`` applies them."""
+    env = {k: str(v) for k, v in dict(config.env).items()}
+    if config.compile_cache:
+        env[NEFF_CACHE_VAR] = config.compile_cache
+    return env
+
+
 class NativeNeuronRuntime(Runtime):
     """One NeuronCore per worker, process group ``neuron`` through ``env://``."""
 
