@@ -37,6 +37,8 @@ class WorkerFacts:
     # libtpu number a slice's hosts by this id, which need not follow Ray's node order.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    # TPU hosts only: how many hosts the slice has (Ray's pod type / chips per host), when known.
+    tpu_slice_hosts: int | None = None
 
     @property
     def key(self) -> str:
@@ -59,6 +61,7 @@ class WorkerPlace:
     # From WorkerFacts (TPU hosts only): see there.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    tpu_slice_hosts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class Topology:
                     accelerator_ids=ids,
                     tpu_worker_id=f.tpu_worker_id,
                     tpu_name=f.tpu_name,
+                    tpu_slice_hosts=f.tpu_slice_hosts,
                 )
             )
         return cls(workers=tuple(places))

@@ -41,7 +41,8 @@ def gather_facts() -> WorkerFacts:
         for name, ids in ctx.get_accelerator_ids().items()
         if ids
     }
-    tpu_worker_id, tpu_name = tpu_host_identity() if accelerators.get("TPU") else (None, "")
+    tpu_worker_id, tpu_name, tpu_slice_hosts = (
+        tpu_host_identity() if accelerators.get("TPU") else (None, "", None))
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -54,19 +55,22 @@ def gather_facts() -> WorkerFacts:
         preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
         tpu_worker_id=tpu_worker_id,
         tpu_name=tpu_name,
+        tpu_slice_hosts=tpu_slice_hosts,
     )
 
 
-def tpu_host_identity() -> tuple[int | None, str]:
-    """This TPU host's worker id and slice name, read the way Ray reads them (GKE variables,
-    else the GCE metadata server), so hosts can be ordered as torch_xla numbers them."""
+def tpu_host_identity() -> tuple[int | None, str, int | None]:
+    """This TPU host's worker id, slice name and the slice's number of hosts, read the way Ray
+    reads them (GKE variables, else the GCE metadata server), so hosts can be ordered as
+    torch_xla numbers them and a worker group holding part of a slice is refused."""
     from ray._private.accelerators.tpu import TPUAcceleratorManager
 
     found: list = []
 
     def read() -> None:
         found.append((TPUAcceleratorManager.get_current_node_tpu_worker_id(),
-                      TPUAcceleratorManager.get_current_node_tpu_name() or ""))
+                      TPUAcceleratorManager.get_current_node_tpu_name() or "",
+                      TPUAcceleratorManager.get_num_workers_in_current_tpu_pod()))
 
     # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
     thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
@@ -75,7 +79,7 @@ def tpu_host_identity() -> tuple[int | None, str]:
     if not found:
         logger.warning("pid %d: no TPU worker id within %.0f s (TPU_WORKER_ID or GCE metadata); "
                        "hosts are ordered as Ray orders nodes", os.getpid(), TPU_METADATA_TIMEOUT_S)
-        return None, ""
+        return None, "", None
     return found[0]
 
 
