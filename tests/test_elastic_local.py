@@ -102,3 +102,115 @@ def test_scaling_ranges_are_checked_before_fit(monkeypatch):
                                 TorchXLAConfig(spmd=True)) == (4, 4)
     with pytest.raises(XLAConfigError, match=r"at most 4 workers \(one TPU slice"):
         check_scaling_config(ScalingConfig(num_workers=(4, 8), **tpu), TorchXLAConfig(spmd=True))
+
+
+# ---- the same global batches on every world size ---------------------------------------------
+
+ROWS = 22  # not a multiple of the global batch: the last global batch is short
+GLOBAL = 4
+
+
+def loaders(world, ragged="drop", state=None, global_batch=GLOBAL, **kwargs):
+    """Every worker's loader in a world of ``world`` (rank order), resumed at ``state``."""
+    import os
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ray_train_xla as rtx
+    from ray_train_xla.planning.contract import reload
+
+    out = []
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    try:
+        for r in range(world):
+            os.environ.update(RANK=str(r), WORLD_SIZE=str(world))
+            reload()
+            loader = rtx.prepare_data_loader(
+                DataLoader(TensorDataset(torch.arange(float(ROWS))), batch_size=3, shuffle=True),
+                ragged=ragged, seed=7, to_device=False, global_batch_size=global_batch, **kwargs)
+            if state is not None:
+                loader.load_state_dict(state)
+            out.append(loader)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reload()
+    return out
+
+
+def steps(workers, count, ragged="drop"):
+    """``count`` steps of every worker (across epochs): per step, the global batch as the
+    workers' rows in rank order (and the masks in pad mode)."""
+    iters = [iter(w) for w in workers]
+    taken = []
+    while len(taken) < count:
+        batches = [next(it, None) for it in iters]
+        if batches[0] is None:  # the epoch ended on every worker alike
+            assert all(b is None for b in batches)
+            iters = [iter(w) for w in workers]
+            continue
+        if ragged == "pad":
+            taken.append(([float(v) for (b,), _ in batches for v in b],
+                          [float(m) for _, mask in batches for m in mask]))
+        else:
+            taken.append([float(v) for (b,) in batches for v in b])
+    return taken
+
+
+@pytest.mark.parametrize("ragged", ["drop", "pad"])
+def test_a_resized_run_sees_the_fixed_size_runs_global_batches(ragged):
+    # Fixed size: one worker through 3 epochs. Elastic: 4 workers, 2 (after a restart from the
+    # position saved at step 3), 1, then 4 again, each resumed from the state the previous group
+    # saved. The steps are the same global batches, rows in the same order.
+    per_epoch = ROWS // GLOBAL + (ragged == "pad")
+    total = 3 * per_epoch
+    fixed = steps(loaders(1, ragged), total, ragged)
+    elastic, state = [], None
+    for world, count in ((4, 3), (2, 5), (1, 2), (4, total - 10)):
+        group = loaders(world, ragged, state)
+        elastic += steps(group, count, ragged)
+        states = [w.state_dict() for w in group]
+        assert all(s == states[0] for s in states)  # every worker agrees on the position
+        state = states[0]
+    assert elastic == fixed
+    # No sample skipped or repeated: every epoch is a permutation of the rows (pad mode: the
+    # real rows, by their masks; drop mode: all but the short tail).
+    for e in range(3):
+        epoch = fixed[e * per_epoch:(e + 1) * per_epoch]
+        if ragged == "pad":
+            real = [v for rows, mask in epoch for v, m in zip(rows, mask) if m == 1.0]
+            assert sorted(real) == [float(i) for i in range(ROWS)]
+        else:
+            seen = [v for rows in epoch for v in rows]
+            assert len(seen) == len(set(seen)) == ROWS - ROWS % GLOBAL
+    assert fixed[:per_epoch] != fixed[per_epoch:2 * per_epoch]  # reshuffled every epoch
+    assert state == {"epoch": 3, "sample": 0, "global_batch_size": GLOBAL}
+
+
+def test_the_position_is_saved_and_checked():
+    (worker,) = loaders(1)
+    it = iter(worker)
+    next(it), next(it)
+    assert worker.state_dict() == {"epoch": 0, "sample": 8, "global_batch_size": 4}
+    assert len(loaders(2, state=worker.state_dict())[0]) == 3  # 5 global batches, 2 done
+    with pytest.raises(ValueError, match="saved with global_batch_size=4, this loader has 8"):
+        loaders(2, state=worker.state_dict(), global_batch=8)
+    with pytest.raises(ValueError, match="sample=6 is not valid"):
+        loaders(1, state={"epoch": 0, "sample": 6, "global_batch_size": 4})
+
+
+def test_world_sizes_that_do_not_divide_the_global_batch_are_refused():
+    with pytest.raises(ValueError, match=r"for 3 workers.*one of \[1, 2, 4\]"):
+        loaders(3)
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ray_train_xla as rtx
+
+    with pytest.raises(ValueError, match="needs prepare_data_loader\\(global_batch_size"):
+        rtx.prepare_data_loader(DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2),
+                                to_device=False).state_dict()
