@@ -13,9 +13,9 @@ sets ``RAY_TRAIN_XLA_CPU_DEVMODE=1``; never on an accelerator, never with one wo
   ``collective_broadcast``, ``rendezvous``, and what is built on them: ``mesh_reduce``,
   ``reduce_gradients``, ``optimizer_step``, ``save``) copy the tensors to the host, run the
   collective through a gloo group, and copy the result back: eager, and each call cuts the graph.
-- ``torch.distributed`` carries XLA tensors: the default process group is
-  ``cpu:gloo,xla:xla_host``; the ``xla_host`` backend (:class:`HostBridgeGroup`) runs every
-  operation on host copies through its own gloo group, so DDP works on the XLA device.
+- ``torch.distributed`` carries XLA tensors: the default process group is ``xla_host``
+  (:class:`HostBridgeGroup`), which runs every operation, on CPU or XLA tensors, on host copies
+  through its own gloo group, so DDP works on the XLA device.
 
 Not bridged (they raise ``NotImplementedError`` instead of silently returning local values):
 ``xm.all_to_all``, ``xm.collective_permute``, ``xm.send``/``xm.recv``.
@@ -35,7 +35,7 @@ from ray_train_xla.startup.patching import Patches
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = DEVMODE_BACKEND.rsplit(":", 1)[1]  # "xla_host"
+BACKEND_NAME = DEVMODE_BACKEND  # "xla_host"
 PROCESS_GROUP_BACKEND = DEVMODE_BACKEND
 
 _REDUCE_OPS = ("sum", "mul", "and", "or", "min", "max")
@@ -465,7 +465,8 @@ def register_backend() -> None:
     import torch.distributed as dist
 
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
-        dist.Backend.register_backend(BACKEND_NAME, _create_group, devices=["xla"])
+        # Every tensor, CPU or XLA: a Python ProcessGroup backend is the whole group anyway.
+        dist.Backend.register_backend(BACKEND_NAME, _create_group, devices=["cpu", "xla"])
 
 
 # ---------------------------------------------------------------------------------------------
