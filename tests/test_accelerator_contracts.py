@@ -306,10 +306,39 @@ def test_xrt_uneven_nodes_are_refused():
 def test_tpu_host_identity_is_read_as_ray_reads_it(monkeypatch):
     # GKE sets TPU_WORKER_ID and TPU_NAME on each TPU pod; Ray's TPU support reads them first
     # (then the GCE metadata server), and so does gather_facts on a worker given TPU chips.
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
     from ray_train_xla.startup.facts import tpu_host_identity as _tpu_host_identity
 
     monkeypatch.setenv("TPU_WORKER_ID", "3")
     monkeypatch.setenv("TPU_NAME", "slice-a")
+    # The slice's host count: its type (GKE's TPU_ACCELERATOR_TYPE) over the chips of this host
+    # (Ray counts /dev/accel*): a v4-16 is 16 cores, 8 per host of 4 two-core chips.
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v4-16")
     monkeypatch.setenv("TPU_TOPOLOGY", "2x2x2")
-    assert _tpu_host_identity() == (3, "slice-a", "v4-16", "2x2x2")
+    monkeypatch.setattr(TPUAcceleratorManager, "get_current_node_num_accelerators", lambda: 4)
+    assert _tpu_host_identity() == (3, "slice-a", "v4-16", "2x2x2", 2)
+
+
+def slice_hosts(nodes, of_slice):
+    """One SPMD worker on each of ``nodes`` hosts (worker ids 0..nodes-1) of an ``of_slice``-host
+    slice."""
+    return [WorkerFacts(node_id=f"n{n}", node_ip=f"10.0.0.{n + 1}", pid=1,
+                        accelerator_ids={"TPU": ("0", "1", "2", "3")}, tpu_worker_id=n,
+                        tpu_name="slice-a", tpu_slice_hosts=of_slice) for n in range(nodes)]
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_tpu_group_holding_part_of_a_slice_is_refused(nodes):
+    # An elastic group that lost a host of a 4-host slice: torch_xla would wait for the host
+    # that is gone; refused before any worker is set up, naming the fix.
+    with pytest.raises(XLAConfigError, match=r"every host of the TPU slice \(4 hosts of slice-a\)"
+                       ) as info:
+        planned(slice_hosts(nodes, 4), "TPU", "tpu", spmd=True)
+    assert f"runs on {nodes} (TPU worker ids" in str(info.value)
+    assert "use_tpu=True" in str(info.value)
+
+
+def test_tpu_group_holding_a_whole_slice_is_planned():
+    rows = planned(slice_hosts(4, 4), "TPU", "tpu", spmd=True)
+    assert [r["env"]["CLOUD_TPU_TASK_ID"] for r in rows] == ["0", "1", "2", "3"]

@@ -341,3 +341,37 @@ def test_a_call_that_keeps_pythons_lock_is_ended_by_the_backstop(hung):
     assert "Timeout (0:00:1" in res["stderr"], res["stderr"][-3000:]  # 5 + 2 + 10 s
     assert "in client_never_created" in res["stderr"]  # the stuck call, on the watchdog's thread
     assert "ray_train_xla/startup/watchdog.py" in res["stderr"]
+
+
+def test_the_development_modes_group_creates_no_gloo_context_it_drops():
+    """The default group of the CPU development mode is its host-bridge backend. Started as
+    ``cpu:gloo,xla:xla_host``, torch also created a gloo backend for "cpu", connected it to every
+    rank, then dropped it (a Python ProcessGroup backend becomes the whole group), closing its
+    connections while other ranks could still be connecting: gloo's intermittent
+    "connectFullMesh failed ... Connection closed by peer" at start. Now nothing is dropped."""
+    code = """
+import gc, json, weakref
+from datetime import timedelta
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from ray_train_xla.planning.contract import DEVMODE_BACKEND
+from ray_train_xla.startup import devmode
+
+made = []
+class Spy(dist.ProcessGroupGloo):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        made.append(weakref.ref(self))
+c10d.ProcessGroupGloo = Spy
+devmode.register_backend()
+dist.init_process_group(DEVMODE_BACKEND, store=dist.HashStore(), rank=0, world_size=1,
+                        timeout=timedelta(seconds=30))
+gc.collect()
+print(json.dumps({"made": len(made), "dropped": sum(r() is None for r in made),
+                  "group": type(c10d._get_default_group()).__name__,
+                  "backend": dist.get_backend()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"made": 0, "dropped": 0, "group": "HostBridgeGroup", "backend": "xla_host"}

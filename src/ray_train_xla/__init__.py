@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "TorchXLAConfig": "ray_train_xla.driver.config",
     "TorchNeuronConfig": "ray_train_xla.driver.config",
+    "check_scaling_config": "ray_train_xla.driver.config",
     "NeuronOptions": "ray_train_xla.planning.options",
     "XLAOptions": "ray_train_xla.planning.options",
     "XLAConfigError": "ray_train_xla.errors",

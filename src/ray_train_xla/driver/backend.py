@@ -6,6 +6,12 @@ as ``WorkerContext``), the one channel from the config to the workers. The work 
 workers is in ``startup/`` (module-level functions sent with ``worker_group.execute``), each
 bounded in time on the worker, so no driver-side wait can hang. Works with Ray Train V2
 (default) and V1: only ``execute``/``execute_single`` are used.
+
+Elastic runs (V2, ``ScalingConfig(num_workers=(min, max))``): Ray starts a new worker group at
+every resize or restart and calls ``on_start`` for it; the group is planned afresh from its own
+facts (ranks, world sizes, rank 0's address, new ports, a new run id, the device mapping, the
+development mode's world), and a group the device cannot use is refused here, before any worker
+is set up. The range itself never reaches a Backend: ``check_scaling_config`` checks it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from ray_train_xla.planning.options import NEURON_OWNER, NeuronOptions, XLAOptio
 from ray_train_xla.planning.runtimes.native_neuron import import_env
 from ray_train_xla.startup.import_env import rebuild_config
 
-__all__ = ["TorchNeuronConfig", "TorchXLAConfig", "XLAConfigError"]
+__all__ = ["TorchNeuronConfig", "TorchXLAConfig", "XLAConfigError", "check_scaling_config"]
 
 # TorchConfig's own fields, which this config does not use: the process group follows from the
 # device and spmd. They keep these values (Ray's V2 TorchTrainer fills in an empty backend).
@@ -159,3 +159,59 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
 
     def to_dict(self) -> dict[str, Any]:
         return NeuronOptions.to_dict(self)
+
+
+def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple[int, int]:
+    """Check an elastic ``ScalingConfig`` against this package before ``fit()``; return its
+    ``(min_workers, max_workers)`` (``(n, n)`` for a fixed size).
+
+    Ray's ``Backend`` never sees the range (each worker-group start gets only the group Ray
+    chose, which the backend plans afresh and checks), so what can be known from the range alone
+    is checked here, in the driver:
+
+    - a range on Ray Train V1 (``RAY_TRAIN_V2_ENABLED=0``) or with V1's ``ScalingConfig``: V1 has
+      no elastic training (its ``fit()`` fails in its own validation with a ``TypeError``);
+    - TPU (``use_tpu=True``): the range must stay within one slice (multislice is not supported
+      by torch_xla's PJRT TPU runtime), so ``max_workers`` may not exceed the workers per slice.
+    """
+    import os
+
+    num = scaling_config.num_workers
+    if not isinstance(num, tuple):
+        return (num, num)
+    v2 = os.environ.get("RAY_TRAIN_V2_ENABLED", "1") != "0"  # Ray's own switch (2.60: V2 default)
+    from ray.train.v2.api.config import ScalingConfig as V2ScalingConfig
+
+    if not v2 or not isinstance(scaling_config, V2ScalingConfig):
+        raise config_error(
+            "num_workers", num,
+            "an int on Ray Train V1: an elastic (min, max) range needs Ray Train V2 (Ray's "
+            "default; unset RAY_TRAIN_V2_ENABLED=0) and ray.train.ScalingConfig",
+            owner="ScalingConfig")
+    low, high = scaling_config.min_workers, scaling_config.max_workers
+    device = getattr(torch_config, "device", "auto")
+    if scaling_config.use_tpu or device == "tpu":
+        per_slice = _tpu_workers_per_slice(scaling_config)
+        if per_slice is None:
+            raise config_error(
+                "num_workers", num, "topology= and accelerator_type= with use_tpu=True, so that "
+                "Ray counts whole TPU slices when it resizes", owner="ScalingConfig")
+        if high > per_slice:
+            raise config_error(
+                "num_workers", num,
+                f"at most {per_slice} workers (one TPU slice of topology "
+                f"{scaling_config.topology}): torch_xla's PJRT TPU runtime has no multislice, so "
+                f"an elastic TPU run is one whole slice, num_workers=({per_slice}, {per_slice})",
+                owner="ScalingConfig")
+    return (low, high)
+
+
+def _tpu_workers_per_slice(scaling_config: Any) -> int | None:
+    if not (scaling_config.topology and scaling_config.accelerator_type):
+        return None
+    from ray.util.tpu import get_tpu_worker_resources
+
+    per_slice, _ = get_tpu_worker_resources(
+        topology=scaling_config.topology, accelerator_type=scaling_config.accelerator_type,
+        resources_per_worker=scaling_config.resources_per_worker, num_slices=1)
+    return per_slice

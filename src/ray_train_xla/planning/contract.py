@@ -26,9 +26,13 @@ from typing import Any
 # ---- runtime kinds and process-group names -------------------------------------------------
 # The runtime kind of TorchNeuronConfig (native TorchNeuron, no XLA).
 NATIVE = "native"
-# The torch.distributed backend string of the CPU development mode (registered by
-# ``startup/devmode.py``): gloo for CPU tensors, host-bridged gloo for XLA tensors.
-DEVMODE_BACKEND = "cpu:gloo,xla:xla_host"
+# The torch.distributed backend of the CPU development mode (registered by ``startup/devmode.py``):
+# one backend for CPU and XLA tensors, which runs every operation on host copies through gloo.
+# Not "cpu:gloo,xla:xla_host": torch makes a Python ProcessGroup backend the whole group, so the
+# gloo backend it creates first for "cpu" is connected to every rank and then dropped, closing
+# its connections while the other ranks may still be connecting to it (gloo's "connectFullMesh
+# failed ... Connection closed by peer" at process-group start).
+DEVMODE_BACKEND = "xla_host"
 # SPMD: the ``xla`` backend asserts it is not in SPMD; a CPU process group through the xla://
 # handler takes rank and world from PJRT (process_index, process_count), as torch_xla documents.
 SPMD_PROCESS_GROUP = ("gloo", "xla://")

@@ -42,6 +42,8 @@ class WorkerFacts:
     # GCE metadata); "" when unknown. The TPU process bounds follow from them.
     tpu_accelerator_type: str = ""
     tpu_topology: str = ""
+    # TPU hosts only: how many hosts the slice has (Ray's pod type / chips per host), when known.
+    tpu_slice_hosts: int | None = None
 
     @property
     def key(self) -> str:
@@ -66,6 +68,7 @@ class WorkerPlace:
     tpu_name: str = ""
     tpu_accelerator_type: str = ""
     tpu_topology: str = ""
+    tpu_slice_hosts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class Topology:
                     tpu_name=f.tpu_name,
                     tpu_accelerator_type=f.tpu_accelerator_type,
                     tpu_topology=f.tpu_topology,
+                    tpu_slice_hosts=f.tpu_slice_hosts,
                 )
             )
         return cls(workers=tuple(places))

@@ -18,10 +18,10 @@ sets ``RAY_TRAIN_XLA_CPU_DEVMODE=1``; never on an accelerator, never with one wo
   ``torch.compile(backend="openxla")`` the tensor collectives are one graph node each
   (``ray_train_xla::host_collective``) that runs eagerly between compiled parts; ``rendezvous``
   is a graph break (with ``fullgraph=True``, an error naming it and the workaround).
-- ``torch.distributed`` carries XLA tensors: the default process group is
-  ``cpu:gloo,xla:xla_host``; the ``xla_host`` backend (:class:`HostBridgeGroup`) runs every
-  operation on host copies through its own gloo group, with the results of torch_xla's ``xla``
-  backend, so DDP works on the XLA device.
+- ``torch.distributed`` carries XLA tensors: the default process group is ``xla_host``
+  (:class:`HostBridgeGroup`), which runs every operation, on CPU or XLA tensors, on host copies
+  through its own gloo group, with the results of torch_xla's ``xla`` backend, so DDP works on
+  the XLA device.
 
 Not bridged (they raise ``NotImplementedError`` instead of silently returning local values):
 ``xm.all_to_all``, ``xm.collective_permute``, ``xm.send``/``xm.recv``.
@@ -41,7 +41,7 @@ from ray_train_xla.startup.patching import Patches
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = DEVMODE_BACKEND.rsplit(":", 1)[1]  # "xla_host"
+BACKEND_NAME = DEVMODE_BACKEND  # "xla_host"
 PROCESS_GROUP_BACKEND = DEVMODE_BACKEND
 
 REDUCE_SUM = "sum"
@@ -715,7 +715,8 @@ def register_backend() -> None:
     import torch.distributed as dist
 
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
-        dist.Backend.register_backend(BACKEND_NAME, _create_group, devices=["xla"])
+        # Every tensor, CPU or XLA: a Python ProcessGroup backend is the whole group anyway.
+        dist.Backend.register_backend(BACKEND_NAME, _create_group, devices=["cpu", "xla"])
 
 
 # ---------------------------------------------------------------------------------------------

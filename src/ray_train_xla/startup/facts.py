@@ -41,8 +41,8 @@ def gather_facts() -> WorkerFacts:
         for name, ids in ctx.get_accelerator_ids().items()
         if ids
     }
-    tpu_worker_id, tpu_name, tpu_type, tpu_topology = (
-        tpu_host_identity() if accelerators.get("TPU") else (None, "", "", ""))
+    tpu_worker_id, tpu_name, tpu_type, tpu_topology, tpu_slice_hosts = (
+        tpu_host_identity() if accelerators.get("TPU") else (None, "", "", "", None))
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -57,15 +57,17 @@ def gather_facts() -> WorkerFacts:
         tpu_name=tpu_name,
         tpu_accelerator_type=tpu_type,
         tpu_topology=tpu_topology,
+        tpu_slice_hosts=tpu_slice_hosts,
     )
 
 
-def tpu_host_identity() -> tuple[int | None, str, str, str]:
-    """This TPU host's worker id, slice name, slice accelerator type (``v4-64``) and chip
-    topology (``2x4x4``), read the way Ray reads them (GKE's ``TPU_WORKER_ID``, ``TPU_NAME``,
-    ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``, else the GCE metadata server), so hosts can be
-    ordered as torch_xla numbers them and the process bounds follow the slice's topology.
-    Everything within TPU_METADATA_TIMEOUT_S, else unknown (None, "", "", "")."""
+def tpu_host_identity() -> tuple[int | None, str, str, str, int | None]:
+    """This TPU host's worker id, slice name, slice accelerator type (``v4-64``), chip topology
+    (``2x4x4``) and the slice's number of hosts, read the way Ray reads them (GKE's
+    ``TPU_WORKER_ID``, ``TPU_NAME``, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``, else the GCE
+    metadata server), so hosts can be ordered as torch_xla numbers them, the process bounds
+    follow the slice's topology and a worker group holding part of a slice is refused.
+    Everything within TPU_METADATA_TIMEOUT_S, else unknown (None, "", "", "", None)."""
     from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
 
     found: list = []
@@ -73,7 +75,8 @@ def tpu_host_identity() -> tuple[int | None, str, str, str]:
     def read() -> None:
         found.append((tpu.get_current_node_tpu_worker_id(), tpu.get_current_node_tpu_name() or "",
                       tpu.get_current_node_tpu_pod_type() or "",
-                      tpu.get_current_node_tpu_topology() or ""))
+                      tpu.get_current_node_tpu_topology() or "",
+                      tpu.get_num_workers_in_current_tpu_pod()))
 
     # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
     thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
@@ -84,7 +87,7 @@ def tpu_host_identity() -> tuple[int | None, str, str, str]:
                        "(TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY or GCE metadata); hosts "
                        "are ordered as Ray orders nodes and laid out as a TPU v4 slice",
                        os.getpid(), TPU_METADATA_TIMEOUT_S)
-        return None, "", "", ""
+        return None, "", "", "", None
     return found[0]
 
 

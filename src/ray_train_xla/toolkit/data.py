@@ -149,6 +149,52 @@ class _ShardSampler(torch.utils.data.Sampler):
             yield (padded[pos], pos < n) if self.flag else padded[pos]
 
 
+class _GlobalBatchSampler(torch.utils.data.Sampler):
+    """This worker's rows of fixed-size global batches over a global index order that every
+    worker computes alike, whatever the world size.
+
+    Global batch ``b`` is positions ``[b * G, (b + 1) * G)`` of the epoch's order; worker ``r`` of
+    ``w`` takes its ``r``-th block of ``G // w`` consecutive rows, so the workers' batches of a
+    step, in rank order, are the global batch, for every ``w`` that divides ``G``. ``start`` (a
+    global sample, a multiple of ``G``) is where the next epoch begins (resuming in an epoch).
+    ``ragged="drop"`` drops a short last global batch; "pad" fills it with rows repeated from the
+    start of the order, flagged not real (``flag=True`` yields ``(index, real)``).
+    """
+
+    def __init__(self, order: Callable[[torch.Generator], list[int]], rank: int, world: int,
+                 length: int, seed: int, global_batch: int, pad: bool) -> None:
+        self.order, self.rank, self.world, self.seed = order, rank, world, seed
+        self.global_batch, self.pad = global_batch, pad
+        self.per_worker = global_batch // world
+        self.batches = (math.ceil(length / global_batch) if pad else length // global_batch)
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def epoch_samples(self) -> int:
+        """Global samples one epoch steps through (whole global batches)."""
+        return self.batches * self.global_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return max(0, self.epoch_samples - self.start) // self.global_batch * self.per_worker
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._rows(self.epoch, self.start)  # this epoch and start, whenever it is read
+
+    def _rows(self, epoch: int, start: int) -> Iterator[Any]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        order = list(self.order(g))
+        n = len(order)
+        first = self.rank * self.per_worker
+        for base in range(start, self.epoch_samples, self.global_batch):
+            for pos in range(base + first, base + first + self.per_worker):
+                yield (order[pos % n], pos < n) if self.pad else order[pos]
+
+
 class _GivenDistributed(torch.utils.data.Sampler):
     """A user's DistributedSampler, its indices flagged real or repeated (pad mode)."""
 
@@ -200,7 +246,10 @@ def _sampler_order(loader: Any, shuffle: bool | None) -> tuple[Callable[[torch.G
 class XLADataLoader:
     """This worker's shard of a DataLoader, batches on the XLA device, reshuffled every epoch.
 
-    Each ``iter()`` is one epoch; call ``set_epoch(e)`` to choose it (when resuming).
+    Each ``iter()`` is one epoch; call ``set_epoch(e)`` to choose it (when resuming). With
+    ``prepare_data_loader(global_batch_size=...)``, ``state_dict()`` is the position in the
+    global sample order (save it in checkpoints) and ``load_state_dict()`` resumes there, on any
+    world size that divides the global batch.
     """
 
     def __init__(self, loader: torch.utils.data.DataLoader, sampler: Any, to_device: bool,
@@ -211,27 +260,77 @@ class XLADataLoader:
         self._to_device = to_device
         self._background = background
         self._device_loader = None  # one MpDeviceLoader: it closes the previous epoch's threads
+        self._global = isinstance(sampler, _GlobalBatchSampler)
+        self._resume_at = 0  # global sample where the next epoch begins (global batches only)
+        self._position = (0, 0)  # (epoch, global sample) of the next batch handed out
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (the shuffle order depends on it)."""
         self.epoch = epoch
+        if self._global:
+            self._position = (epoch, self._resume_at)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch starts: ``{"epoch", "sample", "global_batch_size"}``, ``sample``
+        counting global samples of the epoch's order handed out so far (every worker returns the
+        same). Only with ``global_batch_size``."""
+        sampler = self._global_sampler("state_dict")
+        epoch, sample = self._position
+        if sample >= sampler.epoch_samples:
+            epoch, sample = epoch + 1, 0
+        return {"epoch": epoch, "sample": sample, "global_batch_size": sampler.global_batch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at ``state`` (from ``state_dict()``, saved by a run of any world size): the
+        next ``iter()`` is that epoch, from that global sample on."""
+        sampler = self._global_sampler("load_state_dict")
+        if int(state["global_batch_size"]) != sampler.global_batch:
+            raise ValueError(
+                f"XLADataLoader.load_state_dict: the state was saved with global_batch_size="
+                f"{state['global_batch_size']}, this loader has {sampler.global_batch}: the "
+                "same global batch is needed to resume at the same sample")
+        sample = int(state["sample"])
+        if sample < 0 or sample % sampler.global_batch:
+            raise ValueError(f"XLADataLoader.load_state_dict: sample={sample} is not valid: "
+                             f"expected a multiple of global_batch_size={sampler.global_batch}")
+        self._resume_at = self.sampler.start = sample  # len() is then what is left of it
+        self.set_epoch(int(state["epoch"]))
+
+    def _global_sampler(self, what: str) -> _GlobalBatchSampler:
+        if not self._global:
+            raise ValueError(f"XLADataLoader.{what} needs prepare_data_loader(global_batch_size="
+                             "...): only then is the position the same on every world size")
+        return self.sampler
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
         if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_epoch(epoch)
         self.epoch += 1
+        if self._global:
+            self.sampler.start, self._resume_at = self._resume_at, 0
+            self._position = (epoch, self.sampler.start)
         if not self._to_device:
-            return iter(self.loader)
-        if not _use_background(self._background):
-            return _on_device(self.loader)
-        if self._device_loader is None:
-            from torch_xla.distributed.parallel_loader import MpDeviceLoader
+            batches = iter(self.loader)
+        elif not _use_background(self._background):
+            batches = _on_device(self.loader)
+        else:
+            if self._device_loader is None:
+                from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
-            self._device_loader = MpDeviceLoader(self.loader, get_device())
-        return iter(self._device_loader)
+                self._device_loader = MpDeviceLoader(self.loader, get_device())
+            batches = iter(self._device_loader)
+        return self._counted(batches, epoch) if self._global else batches
+
+    def _counted(self, batches: Iterator[Any], epoch: int) -> Iterator[Any]:
+        """The batches, the position moved past each one as it is handed out."""
+        step = self.sampler.global_batch
+        for batch in batches:
+            self._position = (epoch, self._position[1] + step)
+            yield batch
 
 
 def _use_background(background: bool | None) -> bool:
@@ -269,6 +368,7 @@ def prepare_data_loader(
     seed: int = 0,
     to_device: bool = True,
     background: bool | None = None,
+    global_batch_size: int | None = None,
 ) -> XLADataLoader:
     """Rebuild ``loader`` for this worker: its shard of the dataset, every batch of exactly
     ``loader.batch_size`` rows, moved to the XLA device.
@@ -286,11 +386,25 @@ def prepare_data_loader(
     batches in background threads (torch_xla's ``MpDeviceLoader``); the default (None) does so
     on accelerators and copies synchronously on the XLA CPU device. ``to_device=False`` yields
     CPU batches.
+
+    ``global_batch_size`` (elastic runs): keep the global batch, not the per-worker batch,
+    constant. Every step takes the next ``global_batch_size`` rows of the epoch's global order
+    (the same on every world size: it depends on ``seed`` and the epoch only) and this worker
+    gets its rank's block of ``global_batch_size / world_size`` of them (``loader.batch_size``
+    is not used), so a run that resizes sees the same global batches as one that does not. The
+    world size must divide ``global_batch_size`` (a ValueError names the valid sizes). Save the
+    loader's ``state_dict()`` in your checkpoints and give it to ``load_state_dict()`` after a
+    restart: the run resumes at the same global sample, on whatever world size it then has.
+    ``ragged`` applies to the last global batch; a ``DistributedSampler`` is refused (its order
+    interleaves by rank and changes with the world size).
     """
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     _check_ragged(ragged)
+    if global_batch_size is not None:
+        return _global_batch_loader(loader, ragged, shuffle, seed, to_device, background,
+                                    global_batch_size)
     if loader.batch_size is None:
         raise ValueError(
             "prepare_data_loader: the DataLoader has batch_size=None (a batch_sampler or "
@@ -325,6 +439,54 @@ def prepare_data_loader(
         collate_fn=collate,
         pin_memory=False,
         drop_last=ragged == "drop",
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers else False,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+    )
+    return XLADataLoader(rebuilt, sampler, to_device, background)
+
+
+def _global_batch_loader(loader: Any, ragged: str, shuffle: bool | None, seed: int,
+                         to_device: bool, background: bool | None,
+                         global_batch_size: int) -> XLADataLoader:
+    """``prepare_data_loader(global_batch_size=...)``: see there."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    world = world_size()
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or (
+            global_batch_size < 1):
+        raise ValueError(f"prepare_data_loader: global_batch_size={global_batch_size!r} is not "
+                         "valid: expected an int >= 1")
+    if global_batch_size % world:
+        sizes = [d for d in range(1, global_batch_size + 1) if global_batch_size % d == 0]
+        raise ValueError(
+            f"prepare_data_loader: global_batch_size={global_batch_size} is not valid for "
+            f"{world} workers: every worker takes global_batch_size / world_size rows, so the "
+            f"world size must be one of {sizes} (in an elastic run, a ScalingConfig num_workers "
+            "range whose sizes all divide it, or another global batch)")
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ValueError(
+            "prepare_data_loader: an IterableDataset cannot be sharded by a sampler; shard it "
+            "yourself by rank() and world_size(), or use Ray Data with iter_xla_batches()")
+    if isinstance(loader.sampler, DistributedSampler):
+        raise ValueError(
+            "prepare_data_loader: global_batch_size= shards the loader's own order by global "
+            "batch; a DistributedSampler interleaves rows by rank (its order changes with the "
+            "world size): give the DataLoader its plain sampler (shuffle=True or False)")
+    order, length = _sampler_order(loader, shuffle)
+    pad = ragged == "pad"
+    sampler = _GlobalBatchSampler(order, rank(), world, length, seed, global_batch_size, pad)
+    per_worker = global_batch_size // world
+    rebuilt = DataLoader(
+        _Flagged(loader.dataset) if pad else loader.dataset,
+        batch_size=per_worker,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=_PaddingCollate(loader.collate_fn, per_worker) if pad else loader.collate_fn,
+        pin_memory=False,
+        drop_last=False,  # the sampler yields whole batches only
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         persistent_workers=loader.persistent_workers if loader.num_workers else False,

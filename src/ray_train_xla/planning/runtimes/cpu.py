@@ -2,8 +2,8 @@
 
 torch_xla 2.9 on CPU has no cross-process collectives. One worker uses the ``xla``
 process group. Several workers run in the CPU development mode (``startup/devmode.py``): the
-process group is ``cpu:gloo,xla:xla_host`` (gloo for CPU tensors, XLA tensors carried over gloo on
-host copies), torch_xla's collectives are bridged the same way, and torch_xla sees the Ray world
+process group is ``xla_host`` (CPU and XLA tensors carried over gloo on host copies),
+torch_xla's collectives are bridged the same way, and torch_xla sees the Ray world
 (``PJRT_LOCAL_PROCESS_RANK``/``COUNT`` below give its local ordinal and local process count).
 
 SPMD on CPU: ``cpu_devices_per_worker`` sets ``CPU_NUM_DEVICES``, and torch_xla shards across

@@ -297,7 +297,8 @@ class TPURuntime(Runtime):
 
     @staticmethod
     def _check_hosts(nodes) -> None:
-        """One slice, and TPU worker ids known for every host or none, each id once."""
+        """One slice, all of its hosts (where the hosts report the slice's size), and TPU worker
+        ids known for every host or none, each id once."""
         names = sorted({w.tpu_name for node in nodes for w in node if w.tpu_name})
         if len(names) > 1:
             raise config_error(
@@ -305,6 +306,16 @@ class TPURuntime(Runtime):
                 f"slices ({', '.join(names[:4])}): multislice (MEGASCALE_*) is not supported by "
                 "torch_xla's PJRT TPU runtime here; run one job per slice, or use Ray's JAX "
                 "trainer for multislice")
+        hosts = max((w.tpu_slice_hosts or 0 for node in nodes for w in node), default=0)
+        if hosts and len(nodes) != hosts:
+            held = ", ".join(str(node[0].tpu_worker_id) for node in nodes[:8])
+            raise config_error(
+                "device", "tpu", f"every host of the TPU slice ({hosts} hosts"
+                f"{' of ' + names[0] if names else ''}), but the worker group runs on "
+                f"{len(nodes)} (TPU worker ids {held}): torch_xla's TPU runtime waits for every "
+                "host of its slice. Ask Ray for whole slices: ScalingConfig(use_tpu=True, "
+                "topology=..., accelerator_type=...) with num_workers a multiple of the workers "
+                "per slice; with an elastic range Ray then counts only intact slices")
         if len(nodes) < 2:
             return
         ids = [node[0].tpu_worker_id for node in nodes]
