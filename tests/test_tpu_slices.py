@@ -286,4 +286,8 @@ def test_worker_facts_carry_the_slice_as_ray_reads_it(monkeypatch):
     for key, value in {"TPU_WORKER_ID": "3", "TPU_NAME": "slice-a",
                        "TPU_ACCELERATOR_TYPE": "v4-64", "TPU_TOPOLOGY": "2x4x4"}.items():
         monkeypatch.setenv(key, value)
-    assert tpu_host_identity() == (3, "slice-a", "v4-64", "2x4x4")
+    # The slice's host count is the type's chips over this host's (Ray counts /dev/accel*).
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    monkeypatch.setattr(TPUAcceleratorManager, "get_current_node_num_accelerators", lambda: 4)
+    assert tpu_host_identity() == (3, "slice-a", "v4-64", "2x4x4", 8)

@@ -124,7 +124,7 @@ def test_config_errors(kwargs, field, match):
 @pytest.mark.parametrize(
     "device,chips,nodes,spmd,match",
     [
-        ("cpu", [[], []], [0, 0], True, "node 0 (10.0.0.1) has 2 workers"),
+        ("cpu", [[], []], [0, 0], True, "expected a single worker with spmd=True on the CPU device"),
         ("tpu", [["0", "1"], ["2", "3"]], [0, 0], True, "node 0 (10.0.0.1) has 2 workers"),
         ("tpu", [["0", "1"]], [0], False, "one TPU chip per worker"),
         ("tpu", [[]], [0], True, "was given none"),
