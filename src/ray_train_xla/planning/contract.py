@@ -105,6 +105,22 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "TPU_PROCESS_PORT": "the chips Ray assigns (8476 + the first chip id)",
     "TPU_PROCESS_ADDRESSES": _RANKS,
     **{var: "the config itself (our own variable)" for var in OUR_VARS},
+    # Native TorchTPU (TorchTPUConfig; planning/runtimes/native_tpu.py).
+    "TPU_VISIBLE_DEVICES": "ScalingConfig(resources_per_worker={'TPU': 1})",
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES": "the backend (one address per rank, hosts in "
+                                        "TorchTPU's topological order)",
+    "TORCH_TPU_TOPOLOGY": "the TPU slice the hosts report (TPU_TOPOLOGY or the GCE metadata)",
+    "TORCH_TPU_XPROF_SESSION_ID": "the backend (one id per worker-group start)",
+    "TORCH_TPU_INTERNAL_HANDSHAKE_PORT": _PORTS,
+    "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "the compile_cache option (TorchTPUConfig)",
+    "TORCH_TPU_DEVICES_PER_HOST": "the backend, which leaves it unset: with it TorchTPU's ranks "
+                                  "of a host share a /dev/shm store keyed by the parent pid, "
+                                  "which under Ray is the raylet, shared by every run on the node",
+    "NNODES": _RANKS,
+    "MEGASCALE_COORDINATOR_ADDRESS": "the backend (rank 0's host, TorchTPU's MegaScale port)",
+    "MEGASCALE_NUM_SLICES": "the TPU slices the hosts report (slice names)",
+    "MEGASCALE_SLICE_ID": "the TPU slices the hosts report (slice names)",
+    "MEGASCALE_PORT": "TorchTPU itself (8080 + 2 x LOCAL_RANK)",
 }
 
 

@@ -37,6 +37,15 @@ class WorkerFacts:
     # libtpu number a slice's hosts by this id, which need not follow Ray's node order.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    # Native TorchTPU (TorchTPUConfig) only: the slice's topology as the host knows it (GKE
+    # ``TPU_TOPOLOGY`` or the GCE metadata, read as Ray reads it; "" if unknown), the physical
+    # coordinates of one of the host's chips (TorchTPU's own query, in a child process; None if
+    # unknown), the host's accelerator type ("v5p-16"), and a port found free on the host for
+    # this worker's slicebuilder address (None if not taken).
+    tpu_topology: str = ""
+    tpu_chip_coords: tuple[int, ...] | None = None
+    tpu_accelerator_type: str = ""
+    free_port: int | None = None
 
     @property
     def key(self) -> str:
@@ -59,6 +68,10 @@ class WorkerPlace:
     # From WorkerFacts (TPU hosts only): see there.
     tpu_worker_id: int | None = None
     tpu_name: str = ""
+    tpu_topology: str = ""
+    tpu_chip_coords: tuple[int, ...] | None = None
+    tpu_accelerator_type: str = ""
+    free_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,10 @@ class Topology:
                     accelerator_ids=ids,
                     tpu_worker_id=f.tpu_worker_id,
                     tpu_name=f.tpu_name,
+                    tpu_topology=f.tpu_topology,
+                    tpu_chip_coords=f.tpu_chip_coords,
+                    tpu_accelerator_type=f.tpu_accelerator_type,
+                    free_port=f.free_port,
                 )
             )
         return cls(workers=tuple(places))
