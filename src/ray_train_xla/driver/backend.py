@@ -35,12 +35,13 @@ class XLABackend(Backend):
     """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
 
     share_cuda_visible_devices: bool = False
-    # What every worker runs first (given timeout_s): report its facts.
+    # What every worker runs first (given timeout_s and the device option): report its facts.
     gather = staticmethod(gather_facts)
 
     def on_start(self, worker_group, backend_config: XLAOptions) -> None:
         backend_config.validate()  # again: a field may have been changed after construction
-        facts: list[WorkerFacts] = worker_group.execute(self.gather, backend_config.timeout_s)
+        facts: list[WorkerFacts] = worker_group.execute(
+            self.gather, backend_config.timeout_s, backend_config.device)
         plans = plan_workers(
             facts, backend_config,
             lambda worker, count: worker_group.execute_single(worker, reserve_ports, count),

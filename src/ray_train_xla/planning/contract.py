@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # ---- runtime kinds and process-group names -------------------------------------------------
-# The runtime kind of TorchNeuronConfig (native TorchNeuron, no XLA).
+# The runtime kind of TorchNeuronConfig and TorchTPUConfig (native TorchNeuron/TorchTPU, no XLA).
 NATIVE = "native"
 # The torch.distributed backend string of the CPU development mode (registered by
 # ``startup/devmode.py``): gloo for CPU tensors, host-bridged gloo for XLA tensors.
@@ -206,7 +206,8 @@ class WorkerContext:
 
     @property
     def native(self) -> bool:
-        """True on a ``TorchNeuronConfig`` worker (native neuron, or its CPU twin)."""
+        """True on a ``TorchNeuronConfig`` or ``TorchTPUConfig`` worker (native neuron or tpu,
+        or their CPU twin)."""
         return self.runtime == NATIVE
 
     @property

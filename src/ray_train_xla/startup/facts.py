@@ -39,9 +39,9 @@ def who() -> str:
     return worker_context().who(node_ip())
 
 
-def gather_facts(timeout_s: float | None = None) -> WorkerFacts:
-    """Report where this worker runs and what Ray gave it (``timeout_s``: the config's, unused
-    here; every wait below has its own bound)."""
+def gather_facts(timeout_s: float | None = None, device: str | None = None) -> WorkerFacts:
+    """Report where this worker runs and what Ray gave it (``timeout_s`` and ``device``: the
+    config's, unused here; every wait below has its own bound)."""
     ctx = ray.get_runtime_context()
     ip = ray.util.get_node_ip_address()
     accelerators = {
@@ -93,14 +93,15 @@ TPU_COORDS_TIMEOUT_S = 300.0
 COORDS_PREFIX = "TORCH_TPU_LOCAL_DEVICE_COORDS="  # what TorchTPU's query prints
 
 
-def gather_native_tpu_facts(timeout_s: float) -> WorkerFacts:
+def gather_native_tpu_facts(timeout_s: float, device: str = "auto") -> WorkerFacts:
     """``TorchTPUConfig``: the facts of :func:`gather_facts`, a port found free for this
     worker's slicebuilder address, and on a TPU host its place in its slice: topology,
     accelerator type, worker id and slice name (as Ray reads them), and the coordinates of a
-    chip, which TorchTPU itself reports in a child process (:func:`tpu_chip_coords`)."""
+    chip, which TorchTPU itself reports in a child process (:func:`tpu_chip_coords`). A TPU
+    host is one where Ray gave the worker ``TPU`` chips, or any with ``device="tpu"``."""
     facts = gather_facts()
     port = netinfo.free_ports(1, ipv6=":" in facts.node_ip)[0]
-    if not facts.accelerator_ids.get("TPU"):
+    if not facts.accelerator_ids.get("TPU") and device != "tpu":
         return dataclasses.replace(facts, free_port=port)
     deadline = time.monotonic() + min(float(timeout_s), TPU_COORDS_TIMEOUT_S)
     slice_facts = _bounded(_read_tpu_slice_facts, TPU_METADATA_TIMEOUT_S, "the TPU slice facts")
