@@ -175,3 +175,98 @@ def test_native_tpu_planning_needs_neither_ray_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "loaded []" in out.stdout
+
+
+def test_cpu_twin_plans_what_the_neuron_cpu_twin_plans():
+    """TorchTPUConfig(device="cpu") plans exactly TorchNeuronConfig(device="cpu")'s environment
+    (gloo on CPU, no TPU variables), so test_native_ray's CPU twin run covers it."""
+    from ray_train_xla.planning import NeuronOptions
+
+    facts = [WorkerFacts(f"n{n}", f"10.0.0.{n + 1}", 100 + i) for n in range(2) for i in range(2)]
+    topology = Topology.from_facts(facts)
+    ours = plan(topology, TPUOptions(device="cpu"), RDZV, "cpu", facts)
+    neuron = plan(topology, NeuronOptions(device="cpu"), RDZV, "cpu", facts)
+    assert [p.env for p in ours] == [p.env for p in neuron]
+    assert {p.env["RAY_TRAIN_XLA_PG_BACKEND"] for p in ours} == {"gloo"}
+    assert not any(k.startswith(("TPU_", "TORCH_TPU_")) for k in ours[0].env)
+
+
+WORKER_CHECKS = r"""
+import os, sys
+from ray_train_xla.errors import WorkerSetupError
+from ray_train_xla.startup import native_tpu as w
+os.environ.update(RANK="3", LOCAL_RANK="1", TPU_VISIBLE_DEVICES="0,1", RAY_TRAIN_XLA_RUNTIME="native",
+                  RAY_TRAIN_XLA_DEVICE="tpu")
+def run(step):
+    try:
+        step()
+        print("ok")
+    except WorkerSetupError as exc:
+        print("error:", exc)
+run(w.before_process_group)            # torch_tpu not importable
+sys.path.insert(0, sys.argv[1])
+run(w.check_one_chip)                  # two chips
+os.environ["TPU_VISIBLE_DEVICES"] = "5"
+run(w.before_process_group)            # fine: tpu_dist registered
+import torch, torch_tpu
+torch_tpu._use_device()                # something used the device first
+run(w.prepare_tpu_worker)
+import ray_train_xla as rtx
+print(rtx.get_device(), rtx.is_native() if hasattr(rtx, "is_native") else "")
+rtx.sync(); rtx.toolkit.device.wait()
+"""
+
+
+def test_worker_steps_and_device_layer():
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", WORKER_CHECKS, os.path.join(here, "doubles")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 5, out.stdout
+    assert lines[0].startswith("error: worker rank 3 (local rank 1, node ")
+    assert "needs torch-tpu" in lines[0] and "device='cpu'" in lines[0]
+    assert "TPU_VISIBLE_DEVICES='0,1' is not one chip" in lines[1]
+    assert lines[2] == "ok"
+    assert "already used in this process" in lines[3] and "inside the training function" in lines[3]
+    assert lines[4].startswith("tpu:0")
+
+
+def fake_dists(tmp_path, torch_spec, libtpu):
+    """An installed-looking torch-tpu (metadata only), and libtpu when ``libtpu`` is a version."""
+    info = tmp_path / "torch_tpu-0.2.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch-tpu\nVersion: 0.2.0\n"
+        f"Requires-Dist: torch{torch_spec}\nRequires-Dist: libtpu>=0.0.50\n")
+    if libtpu:
+        lib = tmp_path / f"libtpu-{libtpu}.dist-info"
+        lib.mkdir()
+        (lib / "METADATA").write_text(f"Metadata-Version: 2.1\nName: libtpu\nVersion: {libtpu}\n")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("torch_spec, libtpu, native, lib", [
+    ("<=2.15.0,>=2.11.0", "0.0.51", "FAIL", "OK"),  # torch-tpu 0.2.0's pin; torch 2.9 here
+    (">=2.9", None, "OK", "FAIL"),
+    (">=2.9", "0.0.40", "OK", "FAIL"),
+])
+def test_doctor_checks_torch_tpu_pin_and_libtpu(tmp_path, torch_spec, libtpu, native, lib):
+    import os
+
+    site = fake_dists(tmp_path, torch_spec, libtpu)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
+    out = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor",
+                          "--no-load-check", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}
+    assert rows["native TorchTPU"]["status"] == native, rows["native TorchTPU"]
+    assert f"torch-tpu requires torch{torch_spec}" in rows["native TorchTPU"]["detail"]
+    assert rows["libtpu"]["status"] == lib, rows["libtpu"]
+    assert "libtpu>=0.0.50" in rows["libtpu"]["detail"]
+    if native == "FAIL":
+        assert "environment of its own" in rows["native TorchTPU"]["fix"]
