@@ -14,7 +14,7 @@ would have: the host list in the order of our plan (``TPU_WORKER_HOSTNAMES``), t
 ``NNODES``, ``MASTER_ADDR``, the address list's hosts, the topology) must equal our plan, and
 torchrun's ``RANK = NODE_RANK * nproc + LOCAL_RANK`` must be our rank. Then each rank's planned
 environment is checked against what TorchTPU's native worker code requires
-(``worker_problems``: read from the wheel's C++ glue, as ``docs/native-tpu-spec`` records; that
+(``worker_problems``: read from the wheel's C++ glue, as ``docs/native-tpu-spec.md`` records; that
 code cannot run without a TPU). Cases: one host (v5p, v6e), four hosts of a v5p and of a v6e
 slice with Ray's node order shuffled against the topological order, and two slices. A plan
 made in Ray's node order fails.

@@ -112,7 +112,6 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "TORCH_TPU_TOPOLOGY": "the TPU slice the hosts report (TPU_TOPOLOGY or the GCE metadata)",
     "TORCH_TPU_XPROF_SESSION_ID": "the backend (one id per worker-group start)",
     "TORCH_TPU_INTERNAL_HANDSHAKE_PORT": _PORTS,
-    "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "the compile_cache option (TorchTPUConfig)",
     "TORCH_TPU_DEVICES_PER_HOST": "the backend, which leaves it unset: with it TorchTPU's ranks "
                                   "of a host share a /dev/shm store keyed by the parent pid, "
                                   "which under Ray is the raylet, shared by every run on the node",

@@ -3,7 +3,7 @@ no XLA), one TPU chip per worker.
 
 TorchTPU expects a launcher parent to have called ``set_tpu_launch_env``
 (``torch_tpu/_internal/distributed/distributed.py``) before spawning the ranks, and each rank's
-native code then reads the result once (sources in ``docs/native-tpu.md`` and the README). Under
+native code then reads the result once (``docs/native-tpu-spec.md``). Under
 Ray there is no such parent: the plan sets, per worker, what that call and torchrun would have
 set, identically on every rank where TorchTPU requires it:
 
