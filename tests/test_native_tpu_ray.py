@@ -62,6 +62,13 @@ def tpu_probe(config):
 
     rank = rtx.rank()
     total = rtx.all_reduce(torch.ones(1)).item()
+    torch.manual_seed(0)  # the same start on every worker (the double's tensors stay on the CPU)
+    model = torch.nn.Linear(2, 1)
+    start = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.full((1, 2), float(rank + 1))).sum().backward()
+    rtx.optimizer_step(opt)  # averages the gradients over the workers through tpu_dist
+    step = (start - model.weight.detach()).flatten().tolist()
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2), move_to_device=False)
     rtx.rendezvous("probe")
@@ -78,7 +85,7 @@ def tpu_probe(config):
         "rtx_device": str(rtx.get_device()), "ray_device": str(ray.train.torch.get_device()),
         "backend": dist.get_backend(), "total": total,
         "batches": [b[0].tolist() for b in loader],
-        "set_device_error": set_device_error,
+        "set_device_error": set_device_error, "step": step,
         "torch_xla_loaded": "torch_xla" in __import__("sys").modules,
     })
 
@@ -118,6 +125,7 @@ def test_native_tpu_on_two_hosts_in_torchtpu_order(tpu_slice):
         assert env["ACCELERATE_TORCH_DEVICE"] == "tpu:0"
         assert r["backend"] == "tpu_dist" and r["total"] == 4.0
         assert "device 0" in r["set_device_error"]
+        assert r["step"] == pytest.approx([0.25, 0.25])  # lr x mean gradient (1+2+3+4)/4
         assert not r["torch_xla_loaded"]
     host0 = next(r for r in records if r["env"]["NODE_RANK"] == "0")
     assert {r["env"]["MASTER_ADDR"] for r in records} == {addresses[0].split(":")[0]}
