@@ -270,3 +270,27 @@ def test_doctor_checks_torch_tpu_pin_and_libtpu(tmp_path, torch_spec, libtpu, na
     assert "libtpu>=0.0.50" in rows["libtpu"]["detail"]
     if native == "FAIL":
         assert "environment of its own" in rows["native TorchTPU"]["fix"]
+
+
+def test_chip_coordinate_query_is_torchtpus_once_per_node_and_bounded(tmp_path, monkeypatch):
+    """The gather asks TorchTPU's own query (here the double's) in a child process, once per
+    node (cached by node id), and gives up at the deadline, ending the child."""
+    import os
+    import time
+    import uuid
+
+    from ray_train_xla.startup.facts import tpu_chip_coords
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.syspath_prepend(os.path.join(here, "doubles"))
+    monkeypatch.setenv("RAY_RAYLET_PID", "4242")
+    monkeypatch.setenv("RTX_TEST_TPU_COORDS", json.dumps({"4242": [2, 0, 3]}))
+    monkeypatch.setenv("RTX_TEST_RECORD_DIR", str(tmp_path))
+    node = uuid.uuid4().hex
+    assert tpu_chip_coords(node, time.monotonic() + 60) == [2, 0, 3]
+    assert tpu_chip_coords(node, time.monotonic() + 60) == [2, 0, 3]  # from the node's cache
+    assert len(os.listdir(tmp_path / "coords-queries")) == 1
+    monkeypatch.setenv("RTX_TEST_TPU_COORDS_HANG", "1")
+    start = time.monotonic()
+    assert tpu_chip_coords(uuid.uuid4().hex, time.monotonic() + 2) is None
+    assert time.monotonic() - start < 10
