@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -123,7 +124,7 @@ def worker_problems(facts, plans) -> list[str]:
         if len(dims) not in (3, 4) or not all(d.isdigit() for d in dims):
             problems.append(f"{who}: TORCH_TPU_TOPOLOGY={topology!r} is not comma form "
                             "(copied verbatim into TPU_HOST_BOUNDS)")
-        elif eval("*".join(dims)) != len(addresses):  # one process per chip of the slice
+        elif math.prod(int(d) for d in dims) != len(addresses):  # one process per chip
             problems.append(f"{who}: topology {topology} has not one chip per address "
                             f"({len(addresses)})")
         slices = world // len(addresses)
