@@ -71,6 +71,11 @@ def tpu_probe(config):
     step = (start - model.weight.detach()).flatten().tolist()
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2), move_to_device=False)
+    # Ray's prepare_model wraps in DDP over the default group (tpu_dist). Where Ray gave the worker
+    # TPU chips (V1 here) it also passes device_ids=[tpu], which needs the model on the device: the
+    # real package only (the double's tensors stay on the CPU).
+    wrapped = None if config["chips"] else ray.train.torch.prepare_model(
+        torch.nn.Linear(2, 1), move_to_device=False)
     rtx.rendezvous("probe")
     try:
         torch.tpu.set_device(1)
@@ -86,6 +91,7 @@ def tpu_probe(config):
         "backend": dist.get_backend(), "total": total,
         "batches": [b[0].tolist() for b in loader],
         "set_device_error": set_device_error, "step": step,
+        "prepared": type(wrapped).__name__ if wrapped is not None else None,
         "torch_xla_loaded": "torch_xla" in __import__("sys").modules,
     })
 
@@ -99,7 +105,7 @@ def test_native_tpu_on_two_hosts_in_torchtpu_order(tpu_slice):
     # which (for more than one worker) reserves a real TPU slice by node labels: there the
     # workers get no chips, device="tpu" is explicit and each takes the chip of its local rank.
     chips = not is_train_v2()
-    _, records = fit(tpu_probe, scaling_config=ScalingConfig(
+    _, records = fit(tpu_probe, loop_config={"chips": chips}, scaling_config=ScalingConfig(
         num_workers=4, resources_per_worker={"CPU": 1, "TPU" if chips else "slot": 1}),
         torch_config=TorchTPUConfig(device="auto" if chips else "tpu", timeout_s=60))
     records = sorted(records, key=lambda r: r["rank"])
@@ -126,6 +132,7 @@ def test_native_tpu_on_two_hosts_in_torchtpu_order(tpu_slice):
         assert r["backend"] == "tpu_dist" and r["total"] == 4.0
         assert "device 0" in r["set_device_error"]
         assert r["step"] == pytest.approx([0.25, 0.25])  # lr x mean gradient (1+2+3+4)/4
+        assert r["prepared"] == (None if chips else "DistributedDataParallel")
         assert not r["torch_xla_loaded"]
     host0 = next(r for r in records if r["env"]["NODE_RANK"] == "0")
     assert {r["env"]["MASTER_ADDR"] for r in records} == {addresses[0].split(":")[0]}
