@@ -50,10 +50,11 @@ def local_ray(num_cpus: int = 6, **init_kwargs):
 # The shared clusters. one_node: enough CPUs for the biggest single-node test (4 workers plus
 # Ray Data), fake TPU chips and NeuronCores (Ray assigns their ids and sets TPU_VISIBLE_CHIPS /
 # NEURON_RT_VISIBLE_CORES only for workers that ask for them). two_nodes: per node 3 CPUs,
-# 2 "slot"s (two workers asking for {"slot": 1} land per node) and 2 fake NeuronCores.
+# 2 "slot"s (two workers asking for {"slot": 1} land per node), 2 fake NeuronCores and 2 fake
+# TPU chips.
 CLUSTERS = {
     "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4},
-    "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2},
+    "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2, "TPU": 2},
 }
 _shared: dict = {}  # kind -> the running Cluster (at most one at a time)
 

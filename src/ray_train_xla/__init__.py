@@ -1,9 +1,9 @@
 """PyTorch/XLA (AWS Trainium, TPU, CPU) for Ray Train's TorchTrainer.
 
 Driver side: pass ``TorchXLAConfig()`` as ``torch_config`` (``TorchNeuronConfig()`` for native
-TorchNeuron, Neuron SDK 2.30+). Inside the training function: the toolkit helpers below (device,
-ranks, collectives, data loading, optimizer step, checkpoints, compile metrics) run the same
-code on every device.
+TorchNeuron, Neuron SDK 2.30+; ``TorchTPUConfig()`` for native TorchTPU, ``torch-tpu``). Inside
+the training function: the toolkit helpers below (device, ranks, collectives, data loading,
+optimizer step, checkpoints, compile metrics) run the same code on every device.
 
 The package, by role (imports go down this list, never up):
 
@@ -31,7 +31,9 @@ _EXPORTS = {
     "TorchXLAConfig": "ray_train_xla.driver.config",
     "TorchNeuronConfig": "ray_train_xla.driver.config",
     "check_scaling_config": "ray_train_xla.driver.config",
+    "TorchTPUConfig": "ray_train_xla.driver.config",
     "NeuronOptions": "ray_train_xla.planning.options",
+    "TPUOptions": "ray_train_xla.planning.options",
     "XLAOptions": "ray_train_xla.planning.options",
     "XLAConfigError": "ray_train_xla.errors",
     "WorkerSetupError": "ray_train_xla.errors",

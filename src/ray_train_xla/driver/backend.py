@@ -30,7 +30,7 @@ from ray_train_xla.planning.options import XLAOptions
 from ray_train_xla.planning.planner import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.planning.topology import Topology, WorkerFacts
 from ray_train_xla.startup.environment import apply_env
-from ray_train_xla.startup.facts import gather_facts, reserve_ports
+from ray_train_xla.startup.facts import gather_facts, gather_native_tpu_facts, reserve_ports
 from ray_train_xla.startup.process_group import init_native_process_group, init_process_group
 from ray_train_xla.startup.shutdown import shutdown_worker
 
@@ -41,13 +41,16 @@ class XLABackend(Backend):
     """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
 
     share_cuda_visible_devices: bool = False
+    # What every worker runs first (given timeout_s and the device option): report its facts.
+    gather = staticmethod(gather_facts)
 
     def on_start(self, worker_group, backend_config: XLAOptions) -> None:
         backend_config.validate()  # again: a field may have been changed after construction
-        facts: list[WorkerFacts] = worker_group.execute(gather_facts)
+        facts: list[WorkerFacts] = worker_group.execute(
+            self.gather, backend_config.timeout_s, backend_config.device)
         plans = plan_workers(
             facts, backend_config,
-            lambda count: worker_group.execute_single(0, reserve_ports, count),
+            lambda worker, count: worker_group.execute_single(worker, reserve_ports, count),
         )
         env0 = plans[0].env
         logger.info(
@@ -81,19 +84,35 @@ class NativeNeuronBackend(XLABackend):
         worker_group.execute(init_native_process_group)
 
 
+class NativeTPUBackend(XLABackend):
+    """Native TorchTPU: the gather also learns each TPU host's place in its slice (topology,
+    chip coordinates, worker id, slice name; ``startup/facts.py``) and a free port per worker;
+    the plan comes from ``planning/runtimes/native_tpu.py``; then the ``tpu_dist`` process group
+    after ``torch_tpu`` is loaded (or ``gloo`` on CPU). Selected by
+    ``TorchTPUConfig.backend_cls``."""
+
+    gather = staticmethod(gather_native_tpu_facts)
+
+    def on_training_start(self, worker_group, backend_config) -> None:
+        worker_group.execute(init_native_process_group)
+
+
 def plan_workers(
-    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int], Sequence[int]]
+    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int, int], Sequence[int]]
 ) -> list[WorkerPlan]:
     """The driver's planning step: resolve the device, derive the topology, check the config
-    against it, take the ports it needs on rank 0's node (``reserve(count)``), and plan every
-    worker's environment (rank order)."""
-    device = resolve_device(config.device, facts, config.runtime)
+    against it, take the ports it needs on the node of the process group's rank 0
+    (``reserve(worker, count)``: Ray's rank 0 unless the runtime renumbers ranks, as native
+    TorchTPU does), and plan every worker's environment (Ray's rank order)."""
+    device = resolve_device(config.device, facts, config.runtime,
+                            getattr(config, "native_device", "neuron"))
     runtime = get_runtime(device, config.runtime)
     topology = Topology.from_facts(facts, runtime.resource)
     runtime.check(config, topology)
-    ports = reserve(1 + runtime.ports_needed(config))
+    master = runtime.master_worker(topology)
+    ports = reserve(master, 1 + runtime.ports_needed(config))
     rdzv = Rendezvous(
-        master_addr=facts[0].node_ip,
+        master_addr=facts[master].node_ip,
         master_port=ports[0],
         extra_ports=tuple(ports[1:]),
         run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart

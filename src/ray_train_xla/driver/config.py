@@ -1,7 +1,8 @@
 """The configs users pass to ``TorchTrainer(torch_config=...)``.
 
 - ``TorchXLAConfig``: PyTorch/XLA on Trainium, TPU or CPU;
-- ``TorchNeuronConfig``: native TorchNeuron (Neuron SDK 2.30+, no XLA).
+- ``TorchNeuronConfig``: native TorchNeuron (Neuron SDK 2.30+, no XLA);
+- ``TorchTPUConfig``: native TorchTPU (``torch-tpu`` on PyPI, no XLA).
 
 Each is its options class (``planning/options.py``: the options and their validation, no Ray)
 plus Ray's ``TorchConfig`` hooks. Options are validated when the config is built, so a bad value
@@ -17,11 +18,18 @@ from typing import Any
 from ray.train.torch import TorchConfig
 
 from ray_train_xla.errors import XLAConfigError, config_error
-from ray_train_xla.planning.options import NEURON_OWNER, NeuronOptions, XLAOptions
+from ray_train_xla.planning.options import (
+    NEURON_OWNER,
+    TPU_OWNER,
+    NeuronOptions,
+    TPUOptions,
+    XLAOptions,
+)
 from ray_train_xla.planning.runtimes.native_neuron import import_env
 from ray_train_xla.startup.import_env import rebuild_config
 
-__all__ = ["TorchNeuronConfig", "TorchXLAConfig", "XLAConfigError", "check_scaling_config"]
+__all__ = ["TorchNeuronConfig", "TorchTPUConfig", "TorchXLAConfig", "XLAConfigError",
+           "check_scaling_config"]
 
 # TorchConfig's own fields, which this config does not use: the process group follows from the
 # device and spmd. They keep these values (Ray's V2 TorchTrainer fills in an empty backend).
@@ -159,6 +167,60 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
 
     def to_dict(self) -> dict[str, Any]:
         return NeuronOptions.to_dict(self)
+
+
+# TorchConfig's own fields: the process group follows from the device.
+_TPU_UNUSED = {"backend": "tpu_dist", "init_method": "env"}
+
+
+@dataclass(kw_only=True)
+class TorchTPUConfig(TPUOptions, TorchConfig):
+    """Configure every Ray Train worker for native TorchTPU (``torch-tpu`` 0.2+, no XLA): the
+    ``tpu`` device and the ``tpu_dist`` process group, one TPU chip per worker.
+
+    Every argument is keyword-only:
+
+    Args:
+        device: "auto" (default), "tpu" or "cpu". "auto" picks "tpu" when workers are given
+            ``TPU`` chips, else "cpu". "cpu" runs the same training function with ``gloo`` on
+            CPU workers (development without a TPU; torch-tpu not needed).
+        timeout_s: seconds (at least 1) that process-group initialisation may wait for the
+            other workers; also the timeout of process-group operations and of its shutdown.
+        env: extra environment variables for every worker; a variable the plan owns is
+            refused, naming what controls it.
+        compile_cache: ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a directory every host
+            shares. None keeps TorchTPU's default.
+
+    Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker
+    per chip of the slice (or slices). Ranks follow TorchTPU's order of the slice's hosts, not
+    Ray's: use ``ray_train_xla.rank()`` (or ``torch.distributed.get_rank()``) in the training
+    function. ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
+    """
+
+    backend: str | None = field(default=_TPU_UNUSED["backend"], repr=False)
+    init_method: str = field(default=_TPU_UNUSED["init_method"], repr=False)
+
+    def validate(self) -> None:
+        for name, value in _TPU_UNUSED.items():
+            if getattr(self, name) != value:
+                raise config_error(
+                    name, getattr(self, name),
+                    "no value: TorchTPUConfig uses the 'tpu_dist' process group through "
+                    "env:// on TPU and 'gloo' on CPU", owner=TPU_OWNER)
+        super().validate()
+
+    @property
+    def backend_cls(self):
+        from ray_train_xla.driver.backend import NativeTPUBackend
+
+        return NativeTPUBackend
+
+    @property
+    def train_func_context(self):
+        return NoDeviceContext
+
+    def to_dict(self) -> dict[str, Any]:
+        return TPUOptions.to_dict(self)
 
 
 def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Planning: the options, who is where, and every worker's environment. Pure: no Ray, no torch.
 
-- ``options``: the options of both configs and their validation;
+- ``options``: the options of every config and their validation;
 - ``topology``: the facts workers report and the ranks derived from them;
 - ``contract``: every planned variable name, who owns it, and ``WorkerContext`` (the typed view of
   the planned environment on a worker);
@@ -8,9 +8,9 @@
 - ``planner``: the whole plan (``plan``), device resolution and the runtime table.
 """
 
-from ray_train_xla.planning.options import NeuronOptions, XLAOptions
+from ray_train_xla.planning.options import NeuronOptions, TPUOptions, XLAOptions
 from ray_train_xla.planning.planner import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.planning.topology import Topology, WorkerFacts, WorkerPlace
 
-__all__ = ["NeuronOptions", "Rendezvous", "Topology", "WorkerFacts", "WorkerPlace", "WorkerPlan",
-           "XLAOptions", "get_runtime", "plan", "resolve_device"]
+__all__ = ["NeuronOptions", "Rendezvous", "TPUOptions", "Topology", "WorkerFacts", "WorkerPlace",
+           "WorkerPlan", "XLAOptions", "get_runtime", "plan", "resolve_device"]

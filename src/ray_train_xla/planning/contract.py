@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # ---- runtime kinds and process-group names -------------------------------------------------
-# The runtime kind of TorchNeuronConfig (native TorchNeuron, no XLA).
+# The runtime kind of TorchNeuronConfig and TorchTPUConfig (native TorchNeuron/TorchTPU, no XLA).
 NATIVE = "native"
 # The torch.distributed backend of the CPU development mode (registered by ``startup/devmode.py``):
 # one backend for CPU and XLA tensors, which runs every operation on host copies through gloo.
@@ -109,6 +109,21 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "TPU_PROCESS_PORT": "the chips Ray assigns (8476 + the first chip id)",
     "TPU_PROCESS_ADDRESSES": _RANKS,
     **{var: "the config itself (our own variable)" for var in OUR_VARS},
+    # Native TorchTPU (TorchTPUConfig; planning/runtimes/native_tpu.py).
+    "TPU_VISIBLE_DEVICES": "ScalingConfig(resources_per_worker={'TPU': 1})",
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES": "the backend (one address per rank, hosts in "
+                                        "TorchTPU's topological order)",
+    "TORCH_TPU_TOPOLOGY": "the TPU slice the hosts report (TPU_TOPOLOGY or the GCE metadata)",
+    "TORCH_TPU_XPROF_SESSION_ID": "the backend (one id per worker-group start)",
+    "TORCH_TPU_INTERNAL_HANDSHAKE_PORT": _PORTS,
+    "TORCH_TPU_DEVICES_PER_HOST": "the backend, which leaves it unset: with it TorchTPU's ranks "
+                                  "of a host share a /dev/shm store keyed by the parent pid, "
+                                  "which under Ray is the raylet, shared by every run on the node",
+    "NNODES": _RANKS,
+    "MEGASCALE_COORDINATOR_ADDRESS": "the backend (rank 0's host, TorchTPU's MegaScale port)",
+    "MEGASCALE_NUM_SLICES": "the TPU slices the hosts report (slice names)",
+    "MEGASCALE_SLICE_ID": "the TPU slices the hosts report (slice names)",
+    "MEGASCALE_PORT": "TorchTPU itself (8080 + 2 x LOCAL_RANK)",
 }
 
 
@@ -194,7 +209,8 @@ class WorkerContext:
 
     @property
     def native(self) -> bool:
-        """True on a ``TorchNeuronConfig`` worker (native neuron, or its CPU twin)."""
+        """True on a ``TorchNeuronConfig`` or ``TorchTPUConfig`` worker (native neuron or tpu,
+        or their CPU twin)."""
         return self.runtime == NATIVE
 
     @property

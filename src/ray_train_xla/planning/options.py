@@ -1,7 +1,8 @@
 """The user's options and their validation, without Ray or torch.
 
 - ``XLAOptions``: the options of ``TorchXLAConfig`` (torch_xla on Neuron, TPU, CPU);
-- ``NeuronOptions``: the options of ``TorchNeuronConfig`` (native TorchNeuron, Neuron SDK 2.30+).
+- ``NeuronOptions``: the options of ``TorchNeuronConfig`` (native TorchNeuron, Neuron SDK 2.30+);
+- ``TPUOptions``: the options of ``TorchTPUConfig`` (native TorchTPU, ``torch-tpu`` on PyPI).
 
 The configs users pass to ``TorchTrainer`` (``driver/config.py``) are these options plus Ray's
 ``TorchConfig`` hooks. Planning (``planning.planner.plan``) and ``ray-train-xla plan`` use the
@@ -137,6 +138,7 @@ class NeuronOptions:
 
     # What the shared planner asks every config; fixed for native TorchNeuron.
     runtime: ClassVar[str] = NATIVE
+    native_device: ClassVar[str] = "neuron"  # what device="auto" picks when Ray gave accelerators
     spmd: ClassVar[bool] = False
     neuron_parallel_compile: ClassVar[bool] = False  # XLA-only; native compiles just in time
     cpu_devices_per_worker: ClassVar[None] = None
@@ -165,6 +167,56 @@ class NeuronOptions:
     def to_dict(self) -> dict[str, Any]:
         """The options as plain data."""
         out = {f.name: getattr(self, f.name) for f in fields(NeuronOptions)}
+        out["env"] = dict(self.env)
+        out["runtime"] = NATIVE
+        return out
+
+
+TPU_NATIVE_DEVICES = ("auto", "tpu", "cpu")
+TPU_OWNER = "TorchTPUConfig"
+
+
+@dataclass(kw_only=True)
+class TPUOptions:
+    """The options of ``TorchTPUConfig`` (see its docstring for each field's meaning).
+
+    Like ``NeuronOptions``, planned by the shared planner with the runtime kind ``"native"``."""
+
+    device: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    env: Mapping[str, str] = field(default_factory=dict)
+    compile_cache: str | None = None
+
+    runtime: ClassVar[str] = NATIVE
+    native_device: ClassVar[str] = "tpu"
+    spmd: ClassVar[bool] = False
+    neuron_parallel_compile: ClassVar[bool] = False
+    cpu_devices_per_worker: ClassVar[None] = None
+    tpu_process_bounds: ClassVar[None] = None
+    efa: ClassVar[None] = None  # no EFA on TPU hosts
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
+
+        def err(name: str, value: Any, expected: Any):
+            return config_error(name, value, expected, owner=TPU_OWNER)
+
+        if self.device not in TPU_NATIVE_DEVICES:
+            raise err("device", self.device, TPU_NATIVE_DEVICES)
+        check_shared_options(self, err)
+        if self.compile_cache is not None and (
+            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
+        ):
+            raise err("compile_cache", self.compile_cache,
+                      "a directory path every host shares "
+                      "(TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT) or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain data."""
+        out = {f.name: getattr(self, f.name) for f in fields(TPUOptions)}
         out["env"] = dict(self.env)
         out["runtime"] = NATIVE
         return out

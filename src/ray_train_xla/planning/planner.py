@@ -36,6 +36,7 @@ from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_e
 from ray_train_xla.planning.runtimes.cpu import CPURuntime
 from ray_train_xla.planning.runtimes.native_neuron import RUNTIMES as NATIVE_RUNTIMES
 from ray_train_xla.planning.runtimes.native_neuron import resolve_native_device
+from ray_train_xla.planning.runtimes.native_tpu import RUNTIMES as NATIVE_TPU_RUNTIMES
 from ray_train_xla.planning.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
 from ray_train_xla.planning.runtimes.tpu import TPURuntime
 from ray_train_xla.planning.topology import Topology, WorkerFacts, WorkerPlace
@@ -57,6 +58,7 @@ def _runtimes() -> dict[tuple[str, str], Runtime]:
         ("neuron", "xrt"): NeuronXRTRuntime(),
         ("tpu", "pjrt"): TPURuntime(),
         **{key: cls() for key, cls in NATIVE_RUNTIMES.items()},  # TorchNeuronConfig
+        **{key: cls() for key, cls in NATIVE_TPU_RUNTIMES.items()},  # TorchTPUConfig
     }
 
 
@@ -70,13 +72,15 @@ def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
         raise config_error("device", f"{device}/{runtime}", valid) from None
 
 
-def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = "pjrt") -> str:
+def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = "pjrt",
+                   native_device: str = "neuron") -> str:
     """Resolve device="auto": accelerators Ray gave the workers, else the workers' PJRT_DEVICE,
-    else CPU (XRT exists only on Neuron). An explicit device is returned as is."""
+    else CPU (XRT exists only on Neuron). A native config (``runtime="native"``) picks its
+    ``native_device`` or CPU. An explicit device is returned as is."""
     if requested != "auto":
         return requested
     if runtime == NATIVE:
-        return resolve_native_device(requested, [f.accelerator_ids for f in facts])
+        return resolve_native_device(requested, [f.accelerator_ids for f in facts], native_device)
     if runtime == "xrt":
         return "neuron"
     for resource, device in _RESOURCE_DEVICES.items():

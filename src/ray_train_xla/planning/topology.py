@@ -44,6 +44,11 @@ class WorkerFacts:
     tpu_topology: str = ""
     # TPU hosts only: how many hosts the slice has (Ray's pod type / chips per host), when known.
     tpu_slice_hosts: int | None = None
+    # Native TorchTPU (TorchTPUConfig) only: the physical coordinates of one of the host's chips
+    # (TorchTPU's own query, in a child process; None if unknown) and a port found free on the
+    # host for this worker's slicebuilder address (None if not taken).
+    tpu_chip_coords: tuple[int, ...] | None = None
+    free_port: int | None = None
 
     @property
     def key(self) -> str:
@@ -69,6 +74,8 @@ class WorkerPlace:
     tpu_accelerator_type: str = ""
     tpu_topology: str = ""
     tpu_slice_hosts: int | None = None
+    tpu_chip_coords: tuple[int, ...] | None = None
+    free_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,8 @@ class Topology:
                     tpu_accelerator_type=f.tpu_accelerator_type,
                     tpu_topology=f.tpu_topology,
                     tpu_slice_hosts=f.tpu_slice_hosts,
+                    tpu_chip_coords=f.tpu_chip_coords,
+                    free_port=f.free_port,
                 )
             )
         return cls(workers=tuple(places))

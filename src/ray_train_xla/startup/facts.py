@@ -3,10 +3,17 @@ take free ports on rank 0's node."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 
 import ray
 
@@ -32,8 +39,9 @@ def who() -> str:
     return worker_context().who(node_ip())
 
 
-def gather_facts() -> WorkerFacts:
-    """Report where this worker runs and what Ray gave it."""
+def gather_facts(timeout_s: float | None = None, device: str | None = None) -> WorkerFacts:
+    """Report where this worker runs and what Ray gave it (``timeout_s`` and ``device``: the
+    config's, unused here; every wait below has its own bound)."""
     ctx = ray.get_runtime_context()
     ip = ray.util.get_node_ip_address()
     accelerators = {
@@ -89,6 +97,118 @@ def tpu_host_identity() -> tuple[int | None, str, str, str, int | None]:
                        os.getpid(), TPU_METADATA_TIMEOUT_S)
         return None, "", "", "", None
     return found[0]
+
+
+# Native TorchTPU: how long the query of a host's chip coordinates may take at most (TorchTPU's
+# own bound is 300 s); it is also bounded by the config's timeout_s.
+TPU_COORDS_TIMEOUT_S = 300.0
+COORDS_PREFIX = "TORCH_TPU_LOCAL_DEVICE_COORDS="  # what TorchTPU's query prints
+
+
+def gather_native_tpu_facts(timeout_s: float, device: str = "auto") -> WorkerFacts:
+    """``TorchTPUConfig``: the facts of :func:`gather_facts`, a port found free for this
+    worker's slicebuilder address, and on a TPU host its place in its slice: topology,
+    accelerator type, worker id and slice name (as Ray reads them), and the coordinates of a
+    chip, which TorchTPU itself reports in a child process (:func:`tpu_chip_coords`). A TPU
+    host is one where Ray gave the worker ``TPU`` chips, or any with ``device="tpu"``."""
+    facts = gather_facts()
+    port = netinfo.free_ports(1, ipv6=":" in facts.node_ip)[0]
+    if not facts.accelerator_ids.get("TPU") and device != "tpu":
+        return dataclasses.replace(facts, free_port=port)
+    deadline = time.monotonic() + min(float(timeout_s), TPU_COORDS_TIMEOUT_S)
+    slice_facts = _bounded(_read_tpu_slice_facts, TPU_METADATA_TIMEOUT_S, "the TPU slice facts")
+    worker_id, name, topology, accelerator_type = slice_facts or (None, "", "", "")
+    coords = tpu_chip_coords(facts.node_id, deadline)
+    return dataclasses.replace(
+        facts, free_port=port, tpu_worker_id=worker_id, tpu_name=name,
+        tpu_topology=topology, tpu_accelerator_type=accelerator_type,
+        tpu_chip_coords=tuple(coords) if coords else None)
+
+
+def _read_tpu_slice_facts():
+    from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
+
+    return (tpu.get_current_node_tpu_worker_id(), tpu.get_current_node_tpu_name() or "",
+            tpu.get_current_node_tpu_topology() or "",
+            tpu.get_current_node_accelerator_type() or "")
+
+
+def _bounded(read, timeout_s: float, what: str):
+    """``read()`` in a daemon thread, given up after ``timeout_s`` (None then)."""
+    found: list = []
+    thread = threading.Thread(target=lambda: found.append(read()), daemon=True,
+                              name="ray_train_xla-tpu-facts")
+    thread.start()
+    thread.join(timeout_s)
+    if not found:
+        logger.warning("pid %d: no answer for %s within %.0f s", os.getpid(), what, timeout_s)
+        return None
+    return found[0]
+
+
+def tpu_chip_coords(node_id: str, deadline: float) -> list[int] | None:
+    """The physical coordinates of a TPU chip of this host, as TorchTPU's launcher learns them:
+    its own query (``python -m torch_tpu._internal.distributed.distributed
+    --print_local_device_coords``) in a child process, because the query starts a PJRT client,
+    which would claim the chips of a process that is to train. One worker per node runs it (a
+    file lock); the answer is kept for the node's lifetime (``node_id``) so that later runs do
+    not query chips another job may hold. None when torch_tpu is missing, the query fails or
+    ``deadline`` (``time.monotonic()``) passes."""
+    import fcntl
+    import importlib.util
+
+    if importlib.util.find_spec("torch_tpu") is None:
+        return None
+    folder = os.path.join(tempfile.gettempdir(), "ray_train_xla")
+    os.makedirs(folder, exist_ok=True)
+    cache = os.path.join(folder, f"tpu-coords-{node_id}.json")
+    with open(cache + ".lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    logger.warning("pid %d: another worker of this node held the TPU coordinate "
+                                   "query past timeout_s", os.getpid())
+                    return None
+                time.sleep(0.05)
+        if os.path.exists(cache):
+            with open(cache) as f:
+                return json.load(f)
+        coords = _query_coords(deadline)
+        if coords is not None:
+            with open(cache + ".tmp", "w") as f:
+                json.dump(coords, f)
+            os.replace(cache + ".tmp", cache)
+        return coords
+
+
+def _query_coords(deadline: float) -> list[int] | None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch_tpu._internal.distributed.distributed",
+         "--print_local_device_coords"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True)  # its own process group: a timeout ends its children too
+    try:
+        out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        logger.warning("pid %d: TorchTPU's chip coordinate query did not answer within "
+                       "timeout_s", os.getpid())
+        return None
+    for line in reversed(out.splitlines()):
+        if line.startswith(COORDS_PREFIX):
+            try:
+                return [int(c) for c in json.loads(line[len(COORDS_PREFIX):])]
+            except (ValueError, TypeError):
+                break
+    logger.warning("pid %d: TorchTPU's chip coordinate query gave no coordinates (exit %s): %s",
+                   os.getpid(), proc.returncode, (err or out).strip()[-300:])
+    return None
 
 
 def reserve_ports(count: int) -> list[int]:

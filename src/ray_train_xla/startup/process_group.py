@@ -75,7 +75,7 @@ def init_process_group() -> None:
     from ray_train_xla.startup import report_flush
 
     report_flush.install()
-    if not ctx.native:
+    if not ctx.native:  # native runtimes point Ray at their own device (native_neuron/_tpu.py)
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install(spmd=ctx.spmd)
@@ -212,11 +212,17 @@ def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> 
 
 
 def init_native_process_group() -> None:
-    """``TorchNeuronConfig``: the native Neuron steps on Neuron, then the planned group."""
-    if worker_context().device == "neuron":
+    """``TorchNeuronConfig``/``TorchTPUConfig``: the native steps on Neuron or TPU, then the
+    planned group (``neuron`` or ``tpu_dist``; ``gloo`` on CPU)."""
+    device = worker_context().device
+    if device == "neuron":
         from ray_train_xla.startup import native_neuron
 
         native_neuron.before_process_group()
+    elif device == "tpu":
+        from ray_train_xla.startup import native_tpu
+
+        native_tpu.before_process_group()
     init_process_group()
 
 

@@ -6,7 +6,8 @@ plan is applied) and at shutdown (after the process group is destroyed).
 - Neuron with ``neuron_parallel_compile=True``: check that something can compile at start, and
   compile the extracted graphs at shutdown (``neuron_compile``);
 - native TorchNeuron on Neuron: check the worker and point Ray's device helpers at its
-  NeuronCore (``native_neuron``).
+  NeuronCore (``native_neuron``);
+- native TorchTPU on TPU: the same for its chip (``native_tpu``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def prepare(ctx: WorkerContext) -> None:
         from ray_train_xla.startup import native_neuron
 
         native_neuron.prepare_neuron_worker()
+    if ctx.runtime == NATIVE and ctx.device == "tpu":
+        from ray_train_xla.startup import native_tpu
+
+        native_tpu.prepare_tpu_worker()
 
 
 def cleanup(ctx: WorkerContext) -> None:

@@ -2,9 +2,10 @@
 operations that differ between them.
 
 - ``xla`` (``TorchXLAConfig``): torch_xla's device; ``sync`` cuts the lazy graph.
-- ``native`` (``TorchNeuronConfig``): the native ``neuron`` device, or the CPU on a development
-  machine; eager, so ``sync`` has nothing to cut, and collectives are plain torch.distributed on
-  the tensor's own device. torch_xla is never imported on this path.
+- ``native`` (``TorchNeuronConfig``, ``TorchTPUConfig``): the native ``neuron`` or ``tpu``
+  device, or the CPU on a development machine; eager, so ``sync`` has nothing to cut, and
+  collectives are plain torch.distributed (``neuron``, ``tpu_dist`` or ``gloo``) on the tensor's
+  own device. torch_xla is never imported on this path.
 
 The family comes from the environment the backend planned (``WorkerContext.runtime``).
 
@@ -24,13 +25,15 @@ from ray_train_xla.planning.contract import worker_context
 
 
 def is_native() -> bool:
-    """True on a ``TorchNeuronConfig`` worker (native neuron, or its CPU twin)."""
+    """True on a ``TorchNeuronConfig`` or ``TorchTPUConfig`` worker (native neuron or tpu, or
+    their CPU twin)."""
     return worker_context().native
 
 
 def get_device() -> torch.device:
     """This worker's device: the XLA device (``torch_xla.device()``; ``xm.xla_device()`` on
-    torch_xla 1.x, XRT), ``neuron:<local rank>``, or ``cpu``."""
+    torch_xla 1.x, XRT), ``neuron:<local rank>``, ``tpu:0`` (TorchTPU binds every process to
+    device 0, its one chip), or ``cpu``."""
     if not is_native():
         import torch_xla
 
@@ -43,6 +46,8 @@ def get_device() -> torch.device:
         import torch_neuronx
 
         return torch.device("neuron", torch_neuronx.current_device())
+    if worker_context().device == "tpu":
+        return torch.device("tpu", 0)
     return torch.device("cpu")
 
 
@@ -67,15 +72,15 @@ def wait() -> None:
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
-    elif worker_context().device == "neuron":
-        neuron = getattr(torch, "neuron", None)
-        if neuron is not None and hasattr(neuron, "synchronize"):
-            neuron.synchronize()
+    elif worker_context().device in ("neuron", "tpu"):
+        module = getattr(torch, worker_context().device, None)  # torch.neuron, torch.tpu
+        if module is not None and hasattr(module, "synchronize"):
+            module.synchronize()
 
 
 def comm_device(tensor: torch.Tensor) -> torch.device:
     """Where a torch.distributed collective on ``tensor`` runs: on its own device on the native
-    path (``neuron`` or ``gloo`` on CPU), on a host copy on the XLA path (gloo)."""
+    path (``neuron``, ``tpu_dist``, or ``gloo`` on CPU), on a host copy on the XLA path (gloo)."""
     return tensor.device if is_native() else torch.device("cpu")
 
 

@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--runtime", default="pjrt", choices=["pjrt", "xrt", "native"],
-        help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+; "
-        "--device neuron or cpu)",
+        help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+) "
+        "with --device neuron or cpu, TorchTPUConfig (native TorchTPU, torch-tpu) with --device tpu",
     )
     plan.add_argument(
         "--nodes", type=_positive_int, default=None,
@@ -218,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
         help="TorchXLAConfig.tpu_process_bounds (TPU): TPU_PROCESS_BOUNDS (and TPU_HOST_BOUNDS) "
         "when the slice's topology is unknown; with a known one it must equal the derived grid",
+    )
+    plan.add_argument(
+        "--tpu-topology", default=None, metavar="X,Y,Z",
+        help="--device tpu --runtime native: the topology each TPU slice reports, e.g. 4,4,1 "
+        "or 2x2x4 (default: one host's chip grid, else 2,2,<hosts per slice>); host n of a "
+        "slice is described at its n-th position",
+    )
+    plan.add_argument(
+        "--tpu-slices", type=_positive_int, default=1, metavar="N",
+        help="--device tpu --runtime native: split the nodes into N TPU slices (multislice)",
     )
     plan.add_argument(
         "--master-port", type=_port, default=29500, metavar="PORT",
@@ -342,7 +352,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tpu_process_bounds=args.tpu_process_bounds,
     )
     topology, facts = _describe_topology(args)
-    needed = get_runtime(args.device, args.runtime).ports_needed(config)
+    runtime = get_runtime(args.device, args.runtime)
+    if args.runtime == "native" and args.device == "tpu":
+        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
+        from ray_train_xla.planning.topology import Topology
+
+        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
+        topology = Topology.from_facts(facts, "accelerator" if args.cores_per_worker != 0 else None)
+    elif args.tpu_topology or args.tpu_slices > 1:
+        raise CommandError("--tpu-topology and --tpu-slices describe TorchTPUConfig's hosts: "
+                           "use them with --device tpu --runtime native")
+    runtime.check(config, topology)
+    master = topology.workers[runtime.master_worker(topology)]
+    needed = runtime.ports_needed(config)
     if args.master_port + needed > PORT_MAX:
         raise CommandError(
             f"--master-port {args.master_port} is too high: this plan also takes the "
@@ -350,7 +372,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"so it must be at most {PORT_MAX - needed}"
         )
     rdzv = Rendezvous(
-        master_addr=topology.workers[0].node_ip,
+        master_addr=master.node_ip,
         master_port=args.master_port,
         extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
         run_id="example-run-id",
@@ -365,16 +387,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _native_options(args: argparse.Namespace):
-    """TorchNeuronConfig's options from the plan flags (XLA-only flags are refused)."""
+    """TorchNeuronConfig's (or with --device tpu, TorchTPUConfig's) options from the plan flags
+    (XLA-only flags are refused)."""
     from ray_train_xla.errors import config_error
-    from ray_train_xla.planning.options import NEURON_OWNER as OWNER
-    from ray_train_xla.planning.options import NeuronOptions
+    from ray_train_xla.planning.options import NEURON_OWNER, TPU_OWNER, NeuronOptions, TPUOptions
 
+    owner = TPU_OWNER if args.device == "tpu" else NEURON_OWNER
     for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
                         ("cpu_devices_per_worker", args.cpu_devices_per_worker),
-                        ("tpu_process_bounds", args.tpu_process_bounds)):
+                        ("tpu_process_bounds", args.tpu_process_bounds),
+                        ("efa", args.efa and args.device == "tpu")):
         if value:
-            raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=OWNER)
+            raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
+    if args.device == "tpu":
+        return TPUOptions(device="tpu", env=dict(args.env), compile_cache=args.compile_cache)
     return NeuronOptions(device=args.device, env=dict(args.env), compile_cache=args.compile_cache)
 
 

@@ -98,8 +98,9 @@ def _major_minor(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def torch_pin(dist: str) -> str | None:
-    """The torch version specifier ``dist`` declares in its Requires-Dist (outside extras), if any."""
+def torch_pin(dist: str, requirement: str = "torch") -> str | None:
+    """The version specifier ``dist`` declares for ``requirement`` (torch by default) in its
+    Requires-Dist (outside extras), if any."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     try:
@@ -111,7 +112,7 @@ def torch_pin(dist: str) -> str | None:
             req = Requirement(line)
         except InvalidRequirement:
             continue
-        if _norm(req.name) == "torch" and str(req.specifier) and (
+        if _norm(req.name) == _norm(requirement) and str(req.specifier) and (
             req.marker is None or req.marker.evaluate({"extra": ""})
         ):
             return str(req.specifier)
@@ -169,6 +170,33 @@ def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tup
                      "pass TorchNeuronConfig(compile_cache=<directory shared by all nodes>)"))
     else:
         rows.append(("NEFF cache", OK, f"{where}: {detail}", ""))
+    return rows
+
+
+def native_tpu_rows(version: str, torch_v: str | None,
+                    libtpu_v: str | None) -> list[tuple[str, str, str, str]]:
+    """(check, status, detail, fix) rows for native TorchTPU (``TorchTPUConfig``): torch-tpu's
+    torch pin (0.2.0: ``torch>=2.11,<=2.15``, so not torch_xla 2.9's torch) and its libtpu."""
+    from packaging.specifiers import SpecifierSet
+
+    if torch_v is None:
+        rows = [("native TorchTPU", FAIL, f"torch-tpu {version}; torch not installed",
+                 "pip install torch-tpu (it pulls a torch it supports)")]
+    else:
+        ok, how = pairing("torch-tpu", version, torch_v)
+        rows = [("native TorchTPU", OK if ok else FAIL,
+                 f"torch-tpu {version} ({how}; torch {torch_v}); use TorchTPUConfig",
+                 "install torch-tpu in an environment of its own with the torch it requires "
+                 "(torch_xla 2.9 needs torch 2.9: the two cannot share one)")]
+    spec = torch_pin("torch-tpu", "libtpu") or ""
+    if libtpu_v is None:
+        rows.append(("libtpu", FAIL, f"not installed (torch-tpu requires libtpu{spec})",
+                     f"pip install 'libtpu{spec or '>=0.0.50'}'"))
+    else:
+        ok = not spec or SpecifierSet(spec).contains(libtpu_v, prereleases=True)
+        rows.append(("libtpu", OK if ok else FAIL,
+                     f"{libtpu_v}" + (f" (torch-tpu requires libtpu{spec})" if spec else ""),
+                     f"pip install 'libtpu{spec}'"))
     return rows
 
 
@@ -241,10 +269,12 @@ def check_node(ctx: NodeContext) -> list[Check]:
     # -- packages --
     torch_v, xla_v = versions["torch"], versions["torch_xla"]
     native = is_native_neuronx(versions["torch-neuronx"])
+    torch_tpu_v = installed_version("torch-tpu")
     if torch_v is None:
         add("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")
-    if xla_v is None and native:
-        add("torch/torch_xla", OK, "torch_xla not installed (not needed with native TorchNeuron)")
+    if xla_v is None and (native or torch_tpu_v):
+        which = "native TorchNeuron" if native else "native TorchTPU"
+        add("torch/torch_xla", OK, f"torch_xla not installed (not needed with {which})")
     elif xla_v is None:
         add("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
             f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")
@@ -260,6 +290,9 @@ def check_node(ctx: NodeContext) -> list[Check]:
             add("torch_xla loads", OK if ok else FAIL, detail,
                 "reinstall torch and torch-xla as a matching pair in this Python environment "
                 f"({sys.executable})")
+    if torch_tpu_v:
+        for row in native_tpu_rows(torch_tpu_v, torch_v, installed_version("libtpu")):
+            add(*row)
     for name in ("torch-neuronx", "libneuronxla"):
         version = versions[name]
         if name == "torch-neuronx" and native:

@@ -89,6 +89,11 @@ class Runtime:
         Subclasses that override it call ``super().check`` (it checks SPMD)."""
         check_spmd(config, topology)
 
+    def master_worker(self, topology: Topology) -> int:
+        """The Ray rank of the worker that will be rank 0 of the process group: MASTER_ADDR is
+        its node, and the ports are taken there. Ray's rank 0 unless the runtime renumbers."""
+        return 0
+
     def ports_needed(self, config: XLAOptions) -> int:
         """Free ports to take on rank 0's node beyond MASTER_PORT."""
         return 0

@@ -41,11 +41,17 @@ NEFF_CACHE_DEFAULT = "/tmp/neff_cache"
 ONE_CORE_FIX = "resources_per_worker={'neuron_cores': 1}"
 
 
-def resolve_native_device(requested: str, accelerator_ids) -> str:
-    """device="auto": "neuron" when Ray gave any worker ``neuron_cores``, else "cpu"."""
+# A native config's device -> the Ray resource whose ids map to it.
+NATIVE_RESOURCES = {"neuron": NEURON_RESOURCE, "tpu": "TPU"}
+
+
+def resolve_native_device(requested: str, accelerator_ids, native_device: str = "neuron") -> str:
+    """device="auto": the config's native device ("neuron" for TorchNeuronConfig, "tpu" for
+    TorchTPUConfig) when Ray gave any worker its resource, else "cpu"."""
     if requested != "auto":
         return requested
-    return "neuron" if any(ids.get(NEURON_RESOURCE) for ids in accelerator_ids) else "cpu"
+    resource = NATIVE_RESOURCES[native_device]
+    return native_device if any(ids.get(resource) for ids in accelerator_ids) else "cpu"
 
 
 def import_env(config) -> dict[str, str]:
