@@ -23,12 +23,13 @@ def group(workers_per_node, resource=None):
 
 
 class Ports:
-    """rank 0's reserve_ports, as the backend calls it (once per start)."""
+    """reserve_ports on the worker that serves the rendezvous (rank 0's host), as the backend
+    calls it (once per start)."""
 
     def __init__(self):
         self.next, self.calls = 40000, 0
 
-    def __call__(self, count):
+    def __call__(self, worker, count):
         self.calls += 1
         taken = list(range(self.next, self.next + count))
         self.next += count

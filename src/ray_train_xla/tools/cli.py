@@ -204,9 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
     )
     plan.add_argument(
-        "--tpu-topology", default="", metavar="AxB[xC]",
+        "--tpu-topology", default=None, metavar="AxB[xC]",
         help="TPU: the slice's chip topology as the hosts report it (TPU_TOPOLOGY, e.g. 2x4x4 "
-        "for a v4-64, 4x4 for a v5litepod-16); TPU_PROCESS_BOUNDS follows from it",
+        "for a v4-64, 4x4 for a v5litepod-16); TPU_PROCESS_BOUNDS follows from it. With "
+        "--runtime native, each slice's topology (default: one host's chip grid, else "
+        "2x2x<hosts per slice>); host n of a slice is described at its n-th position",
     )
     plan.add_argument(
         "--accelerator-type", default="", metavar="TYPE",
@@ -218,12 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
         help="TorchXLAConfig.tpu_process_bounds (TPU): TPU_PROCESS_BOUNDS (and TPU_HOST_BOUNDS) "
         "when the slice's topology is unknown; with a known one it must equal the derived grid",
-    )
-    plan.add_argument(
-        "--tpu-topology", default=None, metavar="X,Y,Z",
-        help="--device tpu --runtime native: the topology each TPU slice reports, e.g. 4,4,1 "
-        "or 2x2x4 (default: one host's chip grid, else 2,2,<hosts per slice>); host n of a "
-        "slice is described at its n-th position",
     )
     plan.add_argument(
         "--tpu-slices", type=_positive_int, default=1, metavar="N",
@@ -324,7 +320,7 @@ def _describe_topology(args: argparse.Namespace):
             f"{workers * cores} accelerator ids: plan describes at most {PLAN_MAX_ACCELERATORS}"
         )
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
-    tpu_type, tpu_topology = getattr(args, "accelerator_type", ""), getattr(args, "tpu_topology", "")
+    tpu_type, tpu_topology = args.accelerator_type, args.tpu_topology or ""
     if tpu_type or tpu_topology:
         if args.device != "tpu":
             flag = "--accelerator-type" if tpu_type else "--tpu-topology"
@@ -359,9 +355,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
         topology = Topology.from_facts(facts, "accelerator" if args.cores_per_worker != 0 else None)
-    elif args.tpu_topology or args.tpu_slices > 1:
-        raise CommandError("--tpu-topology and --tpu-slices describe TorchTPUConfig's hosts: "
-                           "use them with --device tpu --runtime native")
+    elif args.tpu_slices > 1:
+        raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
+                           "--device tpu --runtime native")
     runtime.check(config, topology)
     master = topology.workers[runtime.master_worker(topology)]
     needed = runtime.ports_needed(config)
