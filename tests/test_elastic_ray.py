@@ -116,6 +116,11 @@ def fixed_size_run():
     """The same global batches on one process, plain torch on CPU: (ids per step, params)."""
     import torch
 
+    # torch's autograd engine sizes its per-device queues at a process's first backward, from
+    # the device types registered then: with torch_xla imported first, the tests that later run
+    # XLA backward passes in this process still find a queue for the XLA device.
+    import torch_xla  # noqa: F401
+
     import ray_train_xla as rtx
 
     loader = rtx.prepare_data_loader(torch.utils.data.DataLoader(dataset(), shuffle=True),

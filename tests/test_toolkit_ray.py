@@ -171,6 +171,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _listeners(port: int) -> str:
+    """Which processes have a socket on ``port`` (for a failure message)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        except OSError:
+            pass
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
+            if any(f"socket:[{i}]" in links for i in inodes):
+                with open(f"/proc/{pid}/cmdline") as f:
+                    found.append(f"{pid}: {f.read().replace(chr(0), ' ')[:200]}")
+        except OSError:
+            pass
+    return f"sockets {sorted(inodes)}; processes: {found}"
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(2)
@@ -217,4 +242,4 @@ def test_dead_worker_is_replaced_and_training_resumes_from_the_last_checkpoint(u
         time.sleep(0.5)
     assert [r["pid"] for r in first if _pid_alive(r["pid"])] == []
     (port,) = {r["port"] for r in first}
-    assert _port_free(port)
+    assert _port_free(port), (port, {r["port"] for r in second}, _listeners(port))

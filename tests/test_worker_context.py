@@ -44,3 +44,19 @@ def test_a_new_plan_is_read_again_and_never_served_stale(monkeypatch):
 def _fresh_context():
     yield
     reload()
+
+
+@pytest.mark.parametrize("device,workers,host", [("cpu", [2], True), ("cpu", [1], False)])
+def test_collectives_cross_the_host_exactly_on_several_cpu_workers(monkeypatch, device, workers,
+                                                                   host):
+    # The development mode's group (xla_host): the toolkit reduces gradients in host buckets
+    # through it; one worker reduces nothing. Read from each planned environment as a worker.
+    from ray_train_xla.toolkit.ranks import uses_host_collectives
+
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id=f"run-{sum(workers)}")
+    for row in plan(Topology.uniform(workers), XLAOptions(device=device), rdzv, device):
+        for key, value in row.env.items():
+            monkeypatch.setenv(key, value)
+        reload()
+        assert uses_host_collectives() is host
+    reload()

@@ -66,6 +66,11 @@ def free_ports(count: int, ipv6: bool = False, hold: int = 0) -> list[int]:
         for _ in range(count):
             s = socket.socket(family, socket.SOCK_STREAM)
             socks.append(s)
+            if len(socks) <= hold:
+                # As TCPStore's own listener: the connections it accepts inherit the option, so
+                # once they are closed their TIME_WAIT does not keep the port from the next
+                # server (Linux refuses the bind unless both sockets allow reuse).
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("", 0))
         ports = [s.getsockname()[1] for s in socks]
         with _held_lock:

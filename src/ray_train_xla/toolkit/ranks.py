@@ -37,7 +37,9 @@ def spmd_global() -> bool:
 
 
 def uses_host_collectives() -> bool:
-    """True when collectives go through gloo on host copies (several CPU workers). False under
-    SPMD on an accelerator, where XLA tensors are already global."""
+    """True when collectives go through gloo on host copies (several CPU workers: the
+    development mode's ``xla_host`` group, or a ``gloo`` group). False under SPMD on an
+    accelerator, where XLA tensors are already global."""
     ctx = worker_context()
-    return "gloo" in ctx.pg_backend and ctx.world_size > 1 and not ctx.spmd_global
+    return ((ctx.devmode or "gloo" in ctx.pg_backend) and ctx.world_size > 1
+            and not ctx.spmd_global)
