@@ -254,7 +254,7 @@ def test_consolidate_from_unreachable_storage_is_one_line_and_bounded(tmp_path):
     # Without a network, s3:// fails as it resolves the bucket's region, and gs:// retries for
     # many minutes: --timeout bounds the first answer. With a network, both fail on the bucket.
     for uri in ("s3://nonexistent-bucket-xyz/ckpt", "gs://nonexistent-bucket-xyz/ckpt"):
-        proc = run_cli("consolidate", uri, out, "--timeout", "5", timeout=90)
+        proc = run_cli("consolidate", uri, out, "--timeout", "2", timeout=90)
         assert proc.returncode in (1, 2), proc.stderr
         line = assert_one_line(proc, proc.returncode)
         assert line.startswith("ray-train-xla consolidate: error: ") and uri in line
