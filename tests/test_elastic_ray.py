@@ -117,9 +117,11 @@ def fixed_size_run():
     import torch
 
     # torch's autograd engine sizes its per-device queues at a process's first backward, from
-    # the device types registered then: with torch_xla imported first, the tests that later run
-    # XLA backward passes in this process still find a queue for the XLA device.
-    import torch_xla  # noqa: F401
+    # the devices known then: with torch_xla's device started first, the tests that later run
+    # XLA backward passes in this process still find a queue for it.
+    import torch_xla
+
+    torch_xla.device()
 
     import ray_train_xla as rtx
 

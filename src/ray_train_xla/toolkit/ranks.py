@@ -7,7 +7,7 @@ these are the values of a single-worker run (rank 0 of 1).
 
 from __future__ import annotations
 
-from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.planning.contract import DEVMODE_BACKEND, worker_context
 
 
 def rank() -> int:
@@ -41,5 +41,5 @@ def uses_host_collectives() -> bool:
     development mode's ``xla_host`` group, or a ``gloo`` group). False under SPMD on an
     accelerator, where XLA tensors are already global."""
     ctx = worker_context()
-    return ((ctx.devmode or "gloo" in ctx.pg_backend) and ctx.world_size > 1
-            and not ctx.spmd_global)
+    return ((ctx.pg_backend == DEVMODE_BACKEND or "gloo" in ctx.pg_backend)
+            and ctx.world_size > 1 and not ctx.spmd_global)
