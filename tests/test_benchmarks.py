@@ -1,5 +1,6 @@
 """The benchmark still runs: ``benchmarks/run.py --quick`` once, its outputs checked (no timings
-asserted: the numbers are measurements, not contracts)."""
+asserted: the numbers are measurements, not contracts). The start-up figures (two plain fits,
+timed) are left out for the suite's time: every other test times nothing but runs such fits."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 pytestmark = [pytest.mark.ray]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIGURES = {"startup_1w_ours", "startup_1w_ray_xla", "throughput", "throughput_in_ray",
+FIGURES = {"throughput", "throughput_in_ray",
            "throughput_mp_loader", "throughput_heavy", "throughput_heavy_in_ray", "step_profile",
            "recompile", "grad_sync_step", "grad_sync_comm"}
 
@@ -26,16 +27,14 @@ def is_number(value) -> bool:
 def test_quick_benchmark_writes_every_figure(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--only",
+         "throughput,recompile,grad_sync", "--out", str(out)],
         capture_output=True, text=True, timeout=540, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["figure"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert set(rows) == FIGURES
-    for name, r in rows.items():
-        if name == "startup_1w_ray_xla":  # quick mode never runs Ray's config (it pkills)
-            assert "pkill" in r["error"] and r["a_median"] is None and is_number(r["b_median"])
-            continue
+    for r in rows.values():
         assert is_number(r["a_median"]) and is_number(r["b_median"]), r
         assert is_number(r["ratio"]) and r["ratio"] > 0, r
     assert rows["recompile"]["a_after_warmup"] >= 0 and rows["recompile"]["b_after_warmup"] >= 0
