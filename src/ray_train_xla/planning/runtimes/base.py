@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ray_train_xla.errors import config_error
+from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.contract import RUN_ID_VAR, SPMD_PROCESS_GROUP, XLA_TORCH_DEVICE
 from ray_train_xla.planning.topology import Topology, WorkerFacts, WorkerPlace
 
@@ -70,6 +70,27 @@ def check_spmd(config: XLAOptions, topology: Topology) -> None:
                 f"{len(node)} workers: give each worker all of its node's devices (for example "
                 "ScalingConfig(num_workers=<nodes>, resources_per_worker={<device resource>: "
                 "<devices per node>})) or set spmd=False")
+
+
+def check_one_accelerator_each(topology: Topology, owner: str, device: str, units: str, unit: str,
+                               fix: str, why: str, logger) -> None:
+    """The native runtimes drive one accelerator (``unit``) per process: every worker given one
+    (``fix`` asks for it), or none at all (a warning: each worker then takes the one numbered by
+    its local rank); a mix, or several per worker, is refused."""
+    counts = {len(w.accelerator_ids) for w in topology.workers}
+    if counts == {0}:
+        logger.warning(
+            "%s(device='%s') but Ray assigned no %s: each worker will use the %s numbered by its "
+            "local rank. Request %s so Ray keeps jobs apart.", owner, device, units, unit, fix)
+    elif 0 in counts:
+        bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
+        raise XLAConfigError(f"{owner}: workers {bare} were given no {units} while others were: "
+                             f"request {fix} for every worker.")
+    elif counts != {1}:
+        many = max(counts)
+        raise XLAConfigError(
+            f"{owner}: resources_per_worker asks for {many} {units} per worker, but {why}. Use "
+            f"{fix} and num_workers={topology.world_size * many} instead.")
 
 
 class Runtime:

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import logging
 
-from ray_train_xla.errors import XLAConfigError
 from ray_train_xla.planning.contract import NATIVE, NEURON_ROOT_COMM_VAR, NEURON_VISIBLE_CORES_VAR
-from ray_train_xla.planning.runtimes.base import Runtime
+from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
 from ray_train_xla.planning.runtimes.neuron import NEURON_RESOURCE, network_env, root_comm_id
 
 logger = logging.getLogger(__name__)
@@ -74,25 +73,10 @@ class NativeNeuronRuntime(Runtime):
     resource = NEURON_RESOURCE
 
     def check(self, config, topology) -> None:
-        counts = {len(w.accelerator_ids) for w in topology.workers}
-        if counts == {0}:
-            logger.warning(
-                "TorchNeuronConfig(device='neuron') but Ray assigned no neuron_cores: each worker "
-                "will use the core numbered by its local rank. Request %s so Ray keeps jobs apart.",
-                ONE_CORE_FIX)
-            return
-        if 0 in counts:
-            bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
-            raise XLAConfigError(
-                f"TorchNeuronConfig: workers {bare} were given no neuron_cores while others were: "
-                f"request {ONE_CORE_FIX} for every worker.")
-        if counts != {1}:
-            many = max(counts)
-            raise XLAConfigError(
-                f"TorchNeuronConfig: resources_per_worker asks for {many} neuron_cores per worker, "
-                "but the native Neuron process group drives exactly one NeuronCore per process "
-                "(it asserts one visible core at init). Use "
-                f"{ONE_CORE_FIX} and num_workers={topology.world_size * many} instead.")
+        check_one_accelerator_each(
+            topology, "TorchNeuronConfig", "neuron", "neuron_cores", "core", ONE_CORE_FIX,
+            "the native Neuron process group drives exactly one NeuronCore per process (it "
+            "asserts one visible core at init)", logger)
 
     def ports_needed(self, config) -> int:
         return 1  # NEURON_RT_ROOT_COMM_ID

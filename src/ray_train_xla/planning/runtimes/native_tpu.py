@@ -47,7 +47,7 @@ import re
 
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.options import TPU_OWNER
-from ray_train_xla.planning.runtimes.base import Runtime
+from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
 
 logger = logging.getLogger(__name__)
 
@@ -237,23 +237,10 @@ class NativeTPURuntime(Runtime):
     resource = TPU_RESOURCE
 
     def check(self, config, topology) -> None:
-        counts = {len(w.accelerator_ids) for w in topology.workers}
-        if counts == {0}:
-            logger.warning(
-                "TorchTPUConfig(device='tpu') but Ray assigned no TPU chips: each worker will "
-                "use the chip numbered by its local rank. Request %s so Ray keeps jobs apart.",
-                ONE_CHIP_FIX)
-        elif 0 in counts:
-            bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
-            raise XLAConfigError(
-                f"TorchTPUConfig: workers {bare} were given no TPU chips while others were: "
-                f"request {ONE_CHIP_FIX} for every worker.")
-        elif counts != {1}:
-            many = max(counts)
-            raise XLAConfigError(
-                f"TorchTPUConfig: resources_per_worker asks for {many} TPU chips per worker, but "
-                "TorchTPU drives exactly one chip per process (every process's device is tpu:0). "
-                f"Use {ONE_CHIP_FIX} and num_workers={topology.world_size * many} instead.")
+        check_one_accelerator_each(
+            topology, "TorchTPUConfig", "tpu", "TPU chips", "chip", ONE_CHIP_FIX,
+            "TorchTPU drives exactly one chip per process (every process's device is tpu:0)",
+            logger)
         self.layout(topology)
 
     def layout(self, topology) -> Layout:
