@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from ray_train_xla import TorchNeuronConfig, TorchXLAConfig, XLAConfigError, check_scaling_config
+from ray_train_xla import (
+    TorchNeuronConfig,
+    TorchTPUConfig,
+    TorchXLAConfig,
+    XLAConfigError,
+    check_scaling_config,
+)
 from ray_train_xla.driver.backend import plan_workers
 from ray_train_xla.planning.contract import DEVMODE_VAR, WorkerContext
 from ray_train_xla.planning.topology import WorkerFacts
@@ -103,6 +109,17 @@ def test_scaling_ranges_are_checked_before_fit(monkeypatch):
                                 TorchXLAConfig(spmd=True)) == (4, 4)
     with pytest.raises(XLAConfigError, match=r"at most 4 workers \(one TPU slice"):
         check_scaling_config(ScalingConfig(num_workers=(4, 8), **tpu), TorchXLAConfig(spmd=True))
+    # TorchTPU runs multislice: one slice to two (Ray's ScalingConfig itself refuses a range
+    # whose ends are not whole slices).
+    assert check_scaling_config(ScalingConfig(num_workers=(4, 8), **tpu),
+                                TorchTPUConfig()) == (4, 8)
+    with pytest.raises(ValueError, match=r"must be a multiple of 4"):
+        ScalingConfig(num_workers=(2, 8), **tpu)
+    # SPMD on the CPU is one worker (its mesh is that worker's devices): it cannot grow.
+    spmd_cpu = TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=4)
+    assert check_scaling_config(ScalingConfig(num_workers=(1, 1)), spmd_cpu) == (1, 1)
+    with pytest.raises(XLAConfigError, match=r"num_workers=\(1, 2\).*SPMD on the CPU is one worker"):
+        check_scaling_config(ScalingConfig(num_workers=(1, 2)), spmd_cpu)
 
 
 # ---- the same global batches on every world size ---------------------------------------------

@@ -233,8 +233,12 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
 
     - a range on Ray Train V1 (``RAY_TRAIN_V2_ENABLED=0``) or with V1's ``ScalingConfig``: V1 has
       no elastic training (its ``fit()`` fails in its own validation with a ``TypeError``);
-    - TPU (``use_tpu=True``): the range must stay within one slice (multislice is not supported
-      by torch_xla's PJRT TPU runtime), so ``max_workers`` may not exceed the workers per slice.
+    - TPU (``use_tpu=True``): Ray counts whole slices. With torch_xla the range must stay
+      within one slice (its PJRT TPU runtime has no multislice), so ``max_workers`` may not
+      exceed the workers per slice; ``TorchTPUConfig`` runs multislice (Ray's ``ScalingConfig``
+      itself requires whole slices at both ends);
+    - SPMD on the CPU (``TorchXLAConfig(device="cpu", spmd=True)``): one worker only (torch_xla's
+      CPU client has no collectives across processes), so no range can grow past 1.
     """
     import os
 
@@ -252,12 +256,23 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
             owner="ScalingConfig")
     low, high = scaling_config.min_workers, scaling_config.max_workers
     device = getattr(torch_config, "device", "auto")
+    if device == "cpu" and getattr(torch_config, "spmd", False) and high > 1:
+        raise config_error(
+            "num_workers", num,
+            "num_workers=1 with TorchXLAConfig(device='cpu', spmd=True): SPMD on the CPU is one "
+            "worker whose mesh is its cpu_devices_per_worker devices (torch_xla's CPU client has "
+            "no collectives across processes), so it cannot grow; an elastic CPU run is "
+            "replicated (spmd=False)", owner="ScalingConfig")
     if scaling_config.use_tpu or device == "tpu":
         per_slice = _tpu_workers_per_slice(scaling_config)
         if per_slice is None:
             raise config_error(
                 "num_workers", num, "topology= and accelerator_type= with use_tpu=True, so that "
                 "Ray counts whole TPU slices when it resizes", owner="ScalingConfig")
+        # TorchTPU runs multislice; Ray's ScalingConfig itself requires whole slices at both
+        # ends of the range (multiples of the workers per slice).
+        if isinstance(torch_config, TorchTPUConfig):
+            return (low, high)
         if high > per_slice:
             raise config_error(
                 "num_workers", num,
