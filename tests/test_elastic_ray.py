@@ -1,8 +1,11 @@
 """An elastic run on a Ray cluster of its own (``ray.cluster_utils.Cluster``): Ray Train V2 with
 ``ScalingConfig(num_workers=(2, 4))``, ``TorchXLAConfig`` on CPU workers, replicated data
-parallelism with ``prepare_data_loader(global_batch_size=...)``. A node is removed mid-run (the
-group shrinks to 2) and added back (it grows to 4); the final parameters equal a fixed-size run
-over the same global batches, computed here with plain torch, and every step is applied once.
+parallelism with ``prepare_data_loader(global_batch_size=...)``, a checkpoint every 4 steps. A
+node is drained mid-run as a spot reclaim is (reason PREEMPTION, with a deadline): the workers
+see it, ``checkpoint_if_preempted`` saves the step they are at, and when Ray takes the node down
+at the deadline the group shrinks to 2 and resumes from that step, none lost. The node is then
+added back (the group grows to 4). The final parameters equal a fixed-size run over the same
+global batches, computed here with plain torch, and every step is applied once.
 
 This module removes and adds nodes, so it starts its own cluster (a head node without worker
 slots and two nodes of two slots each).
@@ -23,7 +26,10 @@ pytestmark = [pytest.mark.ray]
 
 ROWS, FEATURES, GLOBAL_BATCH = 40, 3, 4  # 10 global batches an epoch
 STEPS = 14  # into the second epoch
-SHRINK_AFTER, GROW_AFTER = 4, 8  # steps done when the node leaves / comes back
+CHECKPOINT_EVERY = 4  # steps; the preemption checkpoint comes between two of them
+SHRINK_AFTER, GROW_AFTER = 4, 8  # steps done when the node is drained / comes back
+DRAIN_DEADLINE_S = 8  # from the drain to Ray taking the node down
+STEP_SLEEP_S = 0.5  # the group of 4 trains slowly between the drain and the deadline
 BLOCK_TIMEOUT_S = 120  # a group waiting for the resize fails after this
 LR, MOMENTUM = 0.1, 0.9
 
@@ -81,7 +87,10 @@ def train_elastic(config):
         "world": world, "rank": r, "pid": os.getpid(), "start_step": len(applied),
         "torch_world": torch.distributed.get_world_size(), "data": loader.state_dict(),
     })
+    # Ray Train registers a reported checkpoint at its next poll of the workers.
+    registered_s = 4 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2))
     step = len(applied)
+    drained = False  # the group of 4 waits for the drain after step SHRINK_AFTER
     while step < STEPS:
         for ids, xb, yb in loader:
             opt.zero_grad()
@@ -92,14 +101,42 @@ def train_elastic(config):
                 "step": step, "world": world, "rank": r, "ids": ids.cpu().tolist(),
                 "t": time.time()})
             step += 1
-            block = (world, step) in ((4, SHRINK_AFTER), (2, GROW_AFTER))
-            # wait=True where the group then waits to be resized: its checkpoint is reported.
-            rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                 "applied": applied, "data": loader.state_dict()},
-                                {"step": step}, wait=block)
+
+            def state(applied=applied):
+                return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "applied": list(applied), "data": loader.state_dict()}
+
+            block = (world, step) == (2, GROW_AFTER)
+            if step % CHECKPOINT_EVERY == 0 or step == STEPS:
+                # wait=True where the test then acts: the checkpoint is reported.
+                rtx.save_checkpoint(state(), {"step": step},
+                                    wait=block or (world, step) == (4, SHRINK_AFTER))
+            if (world, step) == (4, SHRINK_AFTER):
+                time.sleep(registered_s)
+                if r == 0:
+                    write_record(config, "ready_w4", {"step": step})
+                drained = True
+            elif drained:
+                # Every step (on every rank: Ray's preemption query is a barrier); no further
+                # than the step before the next regular checkpoint.
+                info = rtx.checkpoint_if_preempted(state, {"step": step})
+                deadline = time.monotonic() + BLOCK_TIMEOUT_S
+                while info is None and step >= GROW_AFTER - 1:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no preemption seen within {BLOCK_TIMEOUT_S} s")
+                    time.sleep(0.5)
+                    info = rtx.checkpoint_if_preempted(state, {"step": step})
+                if info is not None:
+                    time.sleep(registered_s)
+                    if r == 0:
+                        write_record(config, "preempt_saved", {
+                            "step": step, "t": time.time(), "deadline_ms": info.deadline_ms,
+                            "nodes": list(info.preempted_node_ids)})
+                    wait_for_resize(config, f"preempted_w{world}_r{r}")
+            if drained:
+                time.sleep(STEP_SLEEP_S)
             if block:
-                # Ray Train registers a reported checkpoint at its next poll of the workers.
-                time.sleep(4 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2)))
+                time.sleep(registered_s)
                 if r == 0:
                     write_record(config, f"ready_w{world}", {"step": step})
                 wait_for_resize(config, f"blocked_w{world}_r{r}")
@@ -162,8 +199,12 @@ def wait_for(path, what, timeout_s=150):
 
 # After a node leaves, Ray Train may first try the old size again (the coordinator's view of the
 # cluster is a moment behind) and waits this long for its placement group (60 s by default)
-# before it sizes the group from a fresh view. The cluster's processes inherit it.
-START_TIMEOUT = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}
+# before it sizes the group from a fresh view. The controller polls the workers every 0.5 s (a
+# reported checkpoint is registered sooner) and Ray's drain state every second. Ray passes these
+# from the driver's environment to its controller and workers.
+CLUSTER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5",
+               "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+               "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +214,8 @@ def elastic_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    saved = {k: os.environ.get(k) for k in START_TIMEOUT}
-    os.environ.update(START_TIMEOUT)
+    saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
     cluster = Cluster()
     try:
         cluster.add_node(num_cpus=1, include_dashboard=False)  # the head: no worker slot
@@ -196,6 +237,8 @@ def elastic_cluster():
 @pytest.mark.skipif(not is_train_v2(), reason="elastic training is Ray Train V2's")
 def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_cluster):
     import torch
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -224,9 +267,19 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     wait_for(os.path.join(out_dir, "ready_w4.json"), "4 workers at the first block")
-    t_shrink = time.time()
-    cluster.remove_node(nodes[1])
+    # Drain a node as a spot reclaim does (what `ray drain-node` and the autoscaler call); at
+    # the deadline Ray takes the node down itself.
+    deadline_ms = int(time.time() * 1000) + DRAIN_DEADLINE_S * 1000
+    accepted, why = GcsClient(address=cluster.address).drain_node(
+        nodes[1].node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot reclaim (test)", deadline_ms)
+    assert accepted, why
+    t_shrink = deadline_ms / 1000
     wait_for(os.path.join(out_dir, "ready_w2.json"), "2 workers after the node left")
+    try:
+        cluster.remove_node(nodes[1])  # Ray has taken it down: its processes are gone
+    except Exception:  # noqa: BLE001 (nothing is left to stop)
+        pass
     t_grow = time.time()
     cluster.add_node(num_cpus=2, resources={"slot": 2})
     thread.join(timeout=240)
@@ -243,7 +296,13 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
         by_group.setdefault((s["start_step"], s["world"]), []).append(s)
     groups = sorted(by_group)
     assert [w for _, w in groups] == [4, 2, 4], groups
-    assert [s for s, _ in groups] == [0, SHRINK_AFTER, GROW_AFTER], groups
+    # The group of 2 starts at the step the preemption checkpoint saved, after the last regular
+    # checkpoint and before the drain's deadline: the shrink lost no step.
+    saved = records["preempt_saved"]
+    assert SHRINK_AFTER < saved["step"] < GROW_AFTER, saved
+    assert saved["deadline_ms"] == deadline_ms and saved["nodes"] == [nodes[1].node_id]
+    assert saved["t"] * 1000 < deadline_ms
+    assert [s for s, _ in groups] == [0, saved["step"], GROW_AFTER], groups
     for (_, world), members in by_group.items():
         assert sorted(m["rank"] for m in members) == list(range(world))
         assert {m["torch_world"] for m in members} == {world}
@@ -258,6 +317,8 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     for (step, world), by_rank in steps.items():
         rows = [i for r in range(world) for i in by_rank[r]]
         assert rows == fixed_batches[step], (step, world)
+    # No step was trained twice (by two groups) or skipped.
+    assert sorted(step for step, _ in steps) == list(range(STEPS)), sorted(steps)
     finals = sorted((r for n, r in records.items() if n.startswith("final_")),
                     key=lambda r: r["rank"])
     assert [f["rank"] for f in finals] == [0, 1, 2, 3] and {f["world"] for f in finals} == {4}
@@ -268,5 +329,5 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     step_times = [(r["world"], r["t"]) for n, r in records.items() if n.startswith("step")]
     shrink = min(t for w, t in step_times if w == 2) - t_shrink
     grow = min(t for w, t in step_times if w == 4 and t > t_grow) - t_grow
-    print(f"\nelastic run: {took:.1f} s in all; node removed -> first step of 2 workers "
+    print(f"\nelastic run: {took:.1f} s in all; drain deadline -> first step of 2 workers "
           f"{shrink:.1f} s; node added -> first step of 4 workers {grow:.1f} s")

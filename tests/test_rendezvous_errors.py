@@ -375,3 +375,63 @@ print(json.dumps({"made": len(made), "dropped": sum(r() is None for r in made),
                          timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"made": 0, "dropped": 0, "group": "HostBridgeGroup", "backend": "xla_host"}
+
+
+RESTARTS = 30
+
+RESTART_LOOP = """
+import json, os, random, sys, time
+from datetime import timedelta
+import torch, torch_xla
+import torch.distributed as dist
+from ray_train_xla.startup import devmode
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+backend = os.environ["RAY_TRAIN_XLA_PG_BACKEND"]
+devmode.register_backend()
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                      rank == 0, timedelta(seconds=30))
+random.seed(rank)
+started = 0
+for i in range(int(sys.argv[1])):
+    if os.environ["GROUP_RANK"] != "0":  # the second node's workers come a moment later
+        time.sleep(random.random() * 0.05)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"start{i}", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    t = torch.ones(3, device=torch_xla.device())
+    dist.all_reduce(t)  # the host bridge's own gloo group
+    host = dist.new_group(backend="gloo")  # as the development mode's install() makes one
+    c = torch.ones(2)
+    dist.all_reduce(c, group=host)
+    assert t.cpu().tolist() == [world] * 3 and c.tolist() == [world] * 2
+    dist.destroy_process_group()
+    started += 1
+print(json.dumps({"rank": rank, "started": started}))
+"""
+
+
+def test_the_development_mode_group_of_4_workers_on_2_nodes_starts_30_times_in_a_row():
+    """The CPU plan of 4 workers on 2 nodes; its process group (the development mode's, as
+    planned) started, used (host bridge and a gloo subgroup) and ended 30 times in a row in
+    the same 4 processes, the second node's workers a little later each time: every start
+    works at the first try (no retry anywhere on this path)."""
+    rdzv = Rendezvous(master_addr="127.0.0.1", master_port=_free_port(), run_id="restarts")
+    envs = [p.env for p in plan(Topology.uniform([2, 2]), TorchXLAConfig(device="cpu"), rdzv, "cpu")]
+    assert {e["RAY_TRAIN_XLA_PG_BACKEND"] for e in envs} == {"xla_host"}
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    extra = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+             "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-c", RESTART_LOOP, str(RESTARTS)],
+                              env={**env, **extra}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert outs == [{"rank": r, "started": RESTARTS} for r in range(4)]
