@@ -106,15 +106,19 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> None:
     _checked[optimizer] = count
 
 
-@torch.no_grad()
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
     """Average the gradients of ``optimizer``'s parameters over all workers, in place.
 
     Raises ShardedStateError when a parameter is sharded (XLA reduces those gradients itself)."""
     _refuse_sharded_params(optimizer)
     n = world_size()
-    if n == 1 or spmd_global():
+    if n == 1 or spmd_global():  # one worker, or XLA reduces over the mesh: nothing to average
         return
+    with torch.no_grad():
+        _reduce(optimizer, n, bucket_mb)
+
+
+def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
     if not (uses_host_collectives() or _device.is_native()):
         import torch_xla.core.xla_model as xm
 
