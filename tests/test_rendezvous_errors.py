@@ -392,6 +392,8 @@ devmode.register_backend()
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                       rank == 0, timedelta(seconds=30))
 random.seed(rank)
+if os.environ["GROUP_RANK"] != "0":
+    os.nice(19)  # the second node is busy: its workers get the cores last
 started = 0
 for i in range(int(sys.argv[1])):
     if os.environ["GROUP_RANK"] != "0":  # the second node's workers come a moment later
@@ -413,25 +415,34 @@ print(json.dumps({"rank": rank, "started": started}))
 def test_the_development_mode_group_of_4_workers_on_2_nodes_starts_30_times_in_a_row():
     """The CPU plan of 4 workers on 2 nodes; its process group (the development mode's, as
     planned) started, used (host bridge and a gloo subgroup) and ended 30 times in a row in
-    the same 4 processes, the second node's workers a little later each time: every start
-    works at the first try (no retry anywhere on this path)."""
+    the same 4 processes on a busy machine, the second node's workers a little later each
+    time and with the lowest CPU priority: every start works at the first try (no retry
+    anywhere on this path)."""
     rdzv = Rendezvous(master_addr="127.0.0.1", master_port=_free_port(), run_id="restarts")
     envs = [p.env for p in plan(Topology.uniform([2, 2]), TorchXLAConfig(device="cpu"), rdzv, "cpu")]
     assert {e["RAY_TRAIN_XLA_PG_BACKEND"] for e in envs} == {"xla_host"}
     assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
     extra = {"PATH": os.environ.get("PATH", "/usr/bin"), "HOME": os.environ.get("HOME", "/tmp"),
              "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    # A busy machine (a spinning process; the second node's workers niced): the former group
+    # (`cpu:gloo,xla:xla_host`) failed here within the 30 starts in 5 runs of 5 (gloo's
+    # "connectFullMesh failed ... Connection closed by peer", or the ranks left waiting for it),
+    # as it did in Ray runs; the same loop on an idle machine did not fail in 100 starts.
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])]
     procs = [subprocess.Popen([sys.executable, "-c", RESTART_LOOP, str(RESTARTS)],
                               env={**env, **extra}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for env in envs]
-    outs = []
+    outs, errors = [], []
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
             out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+            if p.returncode:
+                errors.append(f"rank {r}: {err[-1500:]}")
+            else:
+                outs.append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        for p in procs:
+        for p in procs + busy:
             if p.poll() is None:
                 p.kill()
+    assert not errors, "\n".join(errors)
     assert outs == [{"rank": r, "started": RESTARTS} for r in range(4)]
