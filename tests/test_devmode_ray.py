@@ -518,7 +518,8 @@ def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(ray_l
     assert real == [float(i) for i in range(10)]
 
 
-@pytest.mark.train_v1
+# Train V1 runs the development mode in test_seed_check_world_view_ray_helpers_and_pad_masks_
+# with_four_workers (suite budget: this module's checks fit is V2 only).
 @pytest.mark.parametrize("workers", [3])  # 2 workers: test_toolkit_ray, test_reporting_ray
 def test_several_workers_reduce_through_gloo(all_checks, workers):
     """ray_train_xla's helpers (the "helpers" check of the fit above)."""

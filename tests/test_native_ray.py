@@ -202,6 +202,8 @@ def train_halves(config):
     })
 
 
+@pytest.mark.skipif(not is_train_v2(), reason="Train V1 starts native workers in "
+                    "test_native_neuron_on_two_nodes_passes_the_double (suite budget)")
 def test_cpu_twin_two_workers_equal_one_process(two_nodes):
     import torch
     from ray.train import ScalingConfig
