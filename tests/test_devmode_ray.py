@@ -504,11 +504,17 @@ def _assert_ray_helpers(records):
     assert sorted(set(all_rows)) == [float(i) for i in range(8)] and len(all_rows) == per * len(records)
 
 
-@pytest.mark.train_v1  # Ray's helpers differ between Train V1 and V2
-def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(ray_local):
+@pytest.fixture(scope="module")
+def four_workers(ray_local):
     _, records = fit(run_checks, num_workers=4,
-                     loop_config={"checks": ["seed", "world", "ray_helpers", "pad_loader"]})
-    records = _by_rank(records)
+                     loop_config={"checks": ["seed", "world", "ray_helpers", "pad_loader",
+                                             "helpers"]})
+    return _by_rank(records)
+
+
+@pytest.mark.train_v1  # Ray's helpers differ between Train V1 and V2
+def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(four_workers):
+    records = four_workers
     for rec in records:
         assert rec["failures"] == {}, f"rank {rec['rank']}: {rec['failures']}"
     _assert_world(records, 4)
@@ -540,6 +546,7 @@ def test_several_workers_reduce_through_gloo(all_checks, workers):
     assert len({r["run_id"] for r in records}) == 1
 
 
-def test_run_id_is_fresh_for_every_fit(all_checks):
-    first, second = (all_checks(n)[0]["results"]["helpers"] for n in (2, 3))  # two fits
-    assert first["run_id"] != second["run_id"]
+def test_run_id_is_fresh_for_every_fit(all_checks, four_workers):
+    first, second = (recs[0]["results"]["helpers"] for recs in (all_checks(3), four_workers))
+    assert first["run_id"] != second["run_id"]  # two fits of this module
+    assert len({rec["results"]["helpers"]["run_id"] for rec in four_workers}) == 1
