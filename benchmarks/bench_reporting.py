@@ -3,8 +3,10 @@
 In one Ray Train worker (same process, same threads), variants alternate over ``--reps``
 rounds, each timed over ``--window`` seconds of steps, a checkpoint every ``cadence`` seconds
 (measured by the loop's clock). Steps/s count the loop (a save that waits for Ray, or for a
-free slot, is inside it); the helpers' wait at the end for the checkpoints still in flight (at
-most ``max_in_flight``, once per training function) is reported on its own, as ``end s``:
+free slot, is inside it) and the helpers' wait at the end for the checkpoints still in flight
+(at most ``max_in_flight``, once per training function; shown on its own as ``end s``): the
+time until every checkpoint was taken by Ray, as the hand-written loop's time is. The loop's
+steps/s without that wait are in the JSON (``loop_steps_per_s``):
 
 - ``bare``: ``DataLoader`` + ``.to(device)``, ``opt.step()``, ``torch_xla.sync()``; no reports;
 - ``helpers``: ``prepare_data_loader``, ``prepare_model``, ``optimizer_step``, ``metrics()``
@@ -16,14 +18,16 @@ most ``max_in_flight``, once per training function) is reported on its own, as `
   ``ray.train.report(metrics, checkpoint=...)`` on the training thread.
 
 Two models: the examples' MLP and a heavier MLP (four 512x512 hidden layers, batch 256; a step
-about 12x the MLP's here). Cadences 1 s and 3 s. Two Ray settings: the controller's default poll
-(``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2``: Ray takes at most one report per 2 s from a worker)
-and 0.5 s. The worker has 2 CPUs (``OMP_NUM_THREADS=2``); the bare loop also runs in plain
-processes with 1 and 2 threads, so "inside Ray" is not confused with "one thread".
+about 12x the MLP's here). Cadences 1 s and 3 s. Three Ray settings, each fit in a process of
+its own: Ray Train V2 with the controller's default poll (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2``:
+Ray takes at most one report per 2 s from a worker), V2 with a 0.5 s poll, and Ray Train V1
+(``RAY_TRAIN_V2_ENABLED=0``: the driver takes each report as it comes). The worker has 2 CPUs
+(``OMP_NUM_THREADS=2``); the bare loop also runs in plain processes with 1 and 2 threads, so
+"inside Ray" is not confused with "one thread".
 
 Writes ``reporting.json`` and ``reporting.md`` under ``--out``.
 
-    python benchmarks/bench_reporting.py [--reps 3] [--window 8] [--out benchmarks/results]
+    python benchmarks/bench_reporting.py [--reps 3] [--window 8] [--settings v2@2s,v2@0.5s,v1]
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def run_hand(config: dict, window: float, cadence: float, warmup: int = 20) -> d
 def timed(step, checkpoint, window: float, warmup: int, cadence: float | None = None,
           end=None) -> dict:
     """Warm up, then run ``step`` for ``window`` seconds, calling ``checkpoint`` every
-    ``cadence`` seconds; the time includes ``end()`` (the wait for reports in flight)."""
+    ``cadence`` seconds; ``steps_per_s`` counts the time of ``end()`` too (the wait for the
+    reports in flight), ``loop_steps_per_s`` does not."""
     import torch_xla.core.xla_model as xm
 
     for _ in range(warmup):
@@ -184,8 +189,8 @@ def timed(step, checkpoint, window: float, warmup: int, cadence: float | None = 
     if end is not None:
         end()
     end_s = time.perf_counter() - t0 - loop_s
-    return {"steps": steps, "seconds": loop_s, "steps_per_s": steps / loop_s,
-            "end_s": end_s, "checkpoints": saves}
+    return {"steps": steps, "seconds": loop_s + end_s, "steps_per_s": steps / (loop_s + end_s),
+            "loop_steps_per_s": steps / loop_s, "end_s": end_s, "checkpoints": saves}
 
 
 RUNNERS = {"bare": run_bare, "helpers": run_helpers, "hand": run_hand}
@@ -222,29 +227,43 @@ def plain_bare(model: str, threads: int, window: float, reps: int) -> list[float
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def fit_in_ray(config: dict, poll_s: float) -> dict:
+def fit_in_ray(config: dict, setting: str) -> dict:
+    """One fit for ``setting`` (``v2@<poll>s`` or ``v1``), in a process of its own: Ray Train
+    reads ``RAY_TRAIN_V2_ENABLED`` when ``ray.train`` is first imported."""
+    out_dir = tempfile.mkdtemp(prefix="bench-reporting-")
+    train, _, poll = setting.partition("@")
+    env = {**os.environ, "RAY_TRAIN_V2_ENABLED": "0" if train == "v1" else "1"}
+    if poll:
+        env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = poll.rstrip("s")
+    code = (f"import sys, json; sys.path[:0] = [{HERE!r}]; from bench_reporting import _fit; "
+            f"_fit(json.loads(sys.argv[1]))")
+    subprocess.run([sys.executable, "-c", code, json.dumps({**config, "out_dir": out_dir})],
+                   env=env, check=True, timeout=7200)
+    with open(os.path.join(out_dir, "worker.json")) as f:
+        return json.load(f)
+
+
+def _fit(config: dict) -> None:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ray_train_xla import TorchXLAConfig
 
-    out_dir = tempfile.mkdtemp(prefix="bench-reporting-")
+    env_vars = {"PYTHONPATH": os.pathsep.join([HERE, os.path.join(ROOT, "examples")])}
+    if "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in os.environ:
+        env_vars["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {
-                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(poll_s),
-                 "PYTHONPATH": os.pathsep.join([HERE, os.path.join(ROOT, "examples")])}})
+             runtime_env={"env_vars": env_vars})
     try:
         TorchTrainer(
-            in_worker, train_loop_config={**config, "out_dir": out_dir},
+            in_worker, train_loop_config=config,
             torch_config=TorchXLAConfig(device="cpu", timeout_s=600),
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 2}),
             run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="bench-reporting-runs-")),
         ).fit()
     finally:
         ray.shutdown()
-    with open(os.path.join(out_dir, "worker.json")) as f:
-        return json.load(f)
 
 
 def spread(values: list[float]) -> str:
@@ -253,24 +272,27 @@ def spread(values: list[float]) -> str:
 
 
 def summarise(results: dict) -> list[str]:
-    lines = ["| poll | case | bare steps/s | helpers steps/s | hand steps/s | helpers / bare | "
-             "hand / bare | helpers / hand | checkpoints (helpers, hand) | helpers' end s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for poll, res in results["ray"].items():
+    lines = ["| Ray Train | case | bare steps/s | helpers steps/s | hand steps/s | helpers / bare | "
+             "hand / bare | helpers / hand | helpers / bare, loop only | checkpoints (helpers, hand) | "
+             "helpers' end s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, res in results["ray"].items():
         for case, runs in res["cases"].items():
             sps = {v: [r["steps_per_s"] for r in runs[v]] for v in VARIANTS}
             # per-round ratios (A and B of the same round), then their median and range
             hb = [h / b for h, b in zip(sps["helpers"], sps["bare"])]
             nb = [h / b for h, b in zip(sps["hand"], sps["bare"])]
             hh = [h / n for h, n in zip(sps["helpers"], sps["hand"])]
+            hl = [r["loop_steps_per_s"] / b for r, b in zip(runs["helpers"], sps["bare"])]
             ck = (statistics.median(r["checkpoints"] for r in runs["helpers"]),
                   statistics.median(r["checkpoints"] for r in runs["hand"]))
             end = statistics.median(r["end_s"] for r in runs["helpers"])
             lines.append(
-                f"| {poll} | {case} | {spread(sps['bare'])} | {spread(sps['helpers'])} | "
+                f"| {setting} | {case} | {spread(sps['bare'])} | {spread(sps['helpers'])} | "
                 f"{spread(sps['hand'])} | {statistics.median(hb):.3f} [{min(hb):.3f}-{max(hb):.3f}] | "
                 f"{statistics.median(nb):.3f} [{min(nb):.3f}-{max(nb):.3f}] | "
-                f"{statistics.median(hh):.2f} [{min(hh):.2f}-{max(hh):.2f}] | {ck[0]:g}, {ck[1]:g} | "
+                f"{statistics.median(hh):.2f} [{min(hh):.2f}-{max(hh):.2f}] | "
+                f"{statistics.median(hl):.3f} [{min(hl):.3f}-{max(hl):.3f}] | {ck[0]:g}, {ck[1]:g} | "
                 f"{end:.2f} |")
     return lines
 
@@ -279,7 +301,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--window", type=float, default=8.0, help="seconds of steps per run")
-    parser.add_argument("--polls", default="2,0.5", help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S values")
+    parser.add_argument("--settings", default="v2@2s,v2@0.5s,v1",
+                        help="Ray Train V2 with a controller poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), "
+                             "or v1")
     parser.add_argument("--models", default="mlp,heavy")
     parser.add_argument("--cadences", default="1,3")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -287,9 +311,9 @@ def main() -> None:
     config = {"reps": args.reps, "window": args.window, "models": args.models.split(","),
               "cadences": [float(c) for c in args.cadences.split(",")]}
     results = {"config": config, "ray": {}, "plain_bare": {}}
-    for poll in (float(p) for p in args.polls.split(",")):
-        print(f"fit with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={poll:g} ...", flush=True)
-        results["ray"][f"{poll:g}s"] = fit_in_ray(config, poll)
+    for setting in args.settings.split(","):
+        print(f"fit under Ray Train {setting} ...", flush=True)
+        results["ray"][setting] = fit_in_ray(config, setting)
     for model in config["models"]:
         for threads in (1, 2):
             results["plain_bare"][f"{model}/{threads} threads"] = plain_bare(
@@ -299,9 +323,11 @@ def main() -> None:
         json.dump(results, f, indent=1)
     lines = ["# Reports off the step path: throughput with checkpoints", "",
              f"Command: `python benchmarks/bench_reporting.py --reps {args.reps} --window "
-             f"{args.window:g}`. One Ray worker with 2 CPUs (torch threads: "
-             f"{next(iter(results['ray'].values()))['threads']}), variants alternating; "
-             "steps/s as median [min-max] over the rounds, ratios computed per round.", ""]
+             f"{args.window:g} --settings {args.settings}`. One Ray worker with 2 CPUs (torch "
+             f"threads: {next(iter(results['ray'].values()))['threads']}), variants alternating; "
+             "steps/s as median [min-max] over the rounds, ratios computed per round. Steps/s "
+             "count the time until every checkpoint was taken by Ray (the helpers' end wait "
+             "included); \"loop only\" leaves that wait out.", ""]
     lines += summarise(results)
     lines += ["", "Bare loop in a plain process (no Ray), steps/s median [min-max]:", "",
               "| model / threads | steps/s |", "|---|---|"]
