@@ -240,7 +240,7 @@ def fit_in_ray(config: dict, setting: str) -> dict:
     subprocess.run([sys.executable, "-c", code, json.dumps({**config, "out_dir": out_dir})],
                    env=env, check=True, timeout=7200)
     with open(os.path.join(out_dir, "worker.json")) as f:
-        return json.load(f)
+        return {**json.load(f), "rounds": config["reps"], "window": config["window"]}
 
 
 def _fit(config: dict) -> None:
@@ -272,10 +272,10 @@ def spread(values: list[float]) -> str:
 
 
 def summarise(results: dict) -> list[str]:
-    lines = ["| Ray Train | case | bare steps/s | helpers steps/s | hand steps/s | helpers / bare | "
+    lines = ["| Ray Train | rounds | case | bare steps/s | helpers steps/s | hand steps/s | helpers / bare | "
              "hand / bare | helpers / hand | helpers / bare, loop only | checkpoints (helpers, hand) | "
              "helpers' end s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, res in results["ray"].items():
         for case, runs in res["cases"].items():
             sps = {v: [r["steps_per_s"] for r in runs[v]] for v in VARIANTS}
@@ -288,10 +288,11 @@ def summarise(results: dict) -> list[str]:
                   statistics.median(r["checkpoints"] for r in runs["hand"]))
             end = statistics.median(r["end_s"] for r in runs["helpers"])
             lines.append(
-                f"| {setting} | {case} | {spread(sps['bare'])} | {spread(sps['helpers'])} | "
+                f"| {setting} | {res.get('rounds', '?')} x {res.get('window', '?'):g} s | "
+                f"{case} | {spread(sps['bare'])} | {spread(sps['helpers'])} | "
                 f"{spread(sps['hand'])} | {statistics.median(hb):.3f} [{min(hb):.3f}-{max(hb):.3f}] | "
                 f"{statistics.median(nb):.3f} [{min(nb):.3f}-{max(nb):.3f}] | "
-                f"{statistics.median(hh):.2f} [{min(hh):.2f}-{max(hh):.2f}] | "
+                f"{statistics.median(hh):.3f} [{min(hh):.3f}-{max(hh):.3f}] | "
                 f"{statistics.median(hl):.3f} [{min(hl):.3f}-{max(hl):.3f}] | {ck[0]:g}, {ck[1]:g} | "
                 f"{end:.2f} |")
     return lines
@@ -307,10 +308,17 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,heavy")
     parser.add_argument("--cadences", default="1,3")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the settings of the last run's reporting.json not run again")
     args = parser.parse_args()
     config = {"reps": args.reps, "window": args.window, "models": args.models.split(","),
               "cadences": [float(c) for c in args.cadences.split(",")]}
     results = {"config": config, "ray": {}, "plain_bare": {}}
+    last = os.path.join(args.out, "reporting.json")
+    if args.keep and os.path.exists(last):
+        with open(last) as f:
+            results["ray"] = {k: v for k, v in json.load(f)["ray"].items()
+                              if k not in args.settings.split(",")}
     for setting in args.settings.split(","):
         print(f"fit under Ray Train {setting} ...", flush=True)
         results["ray"][setting] = fit_in_ray(config, setting)
@@ -323,7 +331,8 @@ def main() -> None:
         json.dump(results, f, indent=1)
     lines = ["# Reports off the step path: throughput with checkpoints", "",
              f"Command: `python benchmarks/bench_reporting.py --reps {args.reps} --window "
-             f"{args.window:g} --settings {args.settings}`. One Ray worker with 2 CPUs (torch "
+             f"{args.window:g} --settings {args.settings}{' --keep' if args.keep else ''}` "
+             "(rounds per setting in the table). One Ray worker with 2 CPUs (torch "
              f"threads: {next(iter(results['ray'].values()))['threads']}), variants alternating; "
              "steps/s as median [min-max] over the rounds, ratios computed per round. Steps/s "
              "count the time until every checkpoint was taken by Ray (the helpers' end wait "
