@@ -156,7 +156,8 @@ def scenario_load(out_dir: str, ckpt: str, *mesh_shape: str) -> dict:
 
 
 def scenario_refuse(out_dir: str) -> dict:
-    """Without SPMD: torch_xla FSDP (v1) modules and DTensors in every helper."""
+    """Without SPMD: torch_xla FSDP (v1) modules in every helper; DTensors that no FSDP2 model
+    of this package holds in the replicated helpers; sharded state a checkpoint cannot name."""
     import torch.distributed as dist
     import torch_xla
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
@@ -183,8 +184,11 @@ def scenario_refuse(out_dir: str) -> dict:
         ),
         "dtensor": errors(
             lambda: rtx.prepare_model(dmodel),
-            lambda: rtx.save_checkpoint({"model": {"w": dtensor}}),
-            lambda: rtx.load_checkpoint(dmodel, checkpoint="unused"),
+            lambda: rtx.optimizer_step(torch.optim.SGD(dmodel.parameters(), lr=LR)),
+            # Optimizer state under positions only: it could not be put back on another mesh.
+            lambda: rtx.save_checkpoint({"model": {"w": dtensor}, "optimizer": {
+                "state": {0: {"exp_avg": dtensor}}, "param_groups": [{"lr": LR, "params": [0]}]}}),
+            lambda: rtx.save_checkpoint({"model": {"w": dtensor, "b": fsdp_state["model"]}}),
         ),
         "fsdp_v1_keys": sorted(fsdp_state["model"])[:2],
     }

@@ -120,7 +120,7 @@ def test_fsdpv2_on_eight_devices_matches_one_device_and_restores_the_four_device
     assert load["extra"] == {"step": 3}
 
 
-def test_every_helper_refuses_fsdp_v1_and_dtensors(runs):
+def test_every_helper_refuses_fsdp_v1_and_what_it_cannot_do_with_dtensors(runs):
     rec = runs[1]["refuse"]
     prepare, step, save, load = rec["fsdp_v1"]
     assert prepare.startswith("ShardedStateError: prepare_model: model is a torch_xla FSDP module")
@@ -129,10 +129,13 @@ def test_every_helper_refuses_fsdp_v1_and_dtensors(runs):
     assert save.startswith("ShardedStateError: save_checkpoint: model._fsdp_shard")
     assert "torch_xla FSDP (v1) state-dict entry" in save
     assert load.startswith("ShardedStateError: load_checkpoint: model is a torch_xla FSDP module")
-    prepare, save, load = rec["dtensor"]
+    prepare, step, unnamed, mixed = rec["dtensor"]
     assert prepare.startswith("ShardedStateError: prepare_model: weight is a DTensor")
-    assert save.startswith("ShardedStateError: save_checkpoint: model.w is a DTensor")
-    assert load.startswith("ShardedStateError: load_checkpoint: weight is a DTensor")
+    assert step.startswith("ShardedStateError: optimizer_step: param_groups[0].params.0 is a DTensor")
+    assert unnamed.startswith("ShardedStateError: save_checkpoint: the optimizer's state dict does "
+                              "not name its parameters")
+    assert "named_parameters()" in unnamed
+    assert mixed.startswith("ShardedStateError: save_checkpoint: model.b._fsdp_shard")
 
 
 CHECK_CONSOLIDATED = """

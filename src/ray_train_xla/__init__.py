@@ -50,6 +50,7 @@ _EXPORTS = {
         "all_reduce",
         "broadcast",
         "checkpoint_if_preempted",
+        "clip_grad_norm_",
         "configure_reports",
         "flush_reports",
         "get_device",

@@ -7,7 +7,8 @@ backend). Each module is one concern:
 - ``data``: data loaders and Ray Data batches on the device, sharded per worker;
 - ``optim``: the replicated model and optimizer step (gradient reduction);
 - ``metrics``: compile and execution metrics, the recompilation warning;
-- ``spmd`` and ``sharding``: meshes, sharded batches, FSDPv2 models (sharded state);
+- ``spmd``, ``sharding`` and ``fsdp2``: meshes, sharded batches, sharded models (FSDPv2 under
+  torch_xla, FSDP2 on the native stacks);
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
 - ``preemption``: a checkpoint before a drained node goes away.
@@ -23,7 +24,7 @@ from ray_train_xla.toolkit.metrics import (
     is_graph_extraction_run,
     metrics,
 )
-from ray_train_xla.toolkit.optim import optimizer_step, prepare_model, reduce_gradients
+from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
 from ray_train_xla.toolkit.ranks import (
     local_rank,
@@ -50,6 +51,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "checkpoint_if_preempted",
+    "clip_grad_norm_",
     "configure_reports",
     "flush_reports",
     "get_device",

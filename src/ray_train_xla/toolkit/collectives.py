@@ -25,6 +25,8 @@ tensor is one **global** value that all processes share; see :func:`all_reduce`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ray_train_xla.planning.contract import worker_context
@@ -140,3 +142,19 @@ def rendezvous(tag: str) -> None:
     import torch_xla.core.xla_model as xm
 
     xm.rendezvous(tag)
+
+
+_HOST_GROUPS: dict[str, Any] = {}
+
+
+def host_group(purpose: str = "checkpoint"):
+    """A gloo group of its own over every worker for CPU tensors, one per ``purpose`` so that
+    two threads never share a communicator (``"checkpoint"``: the background writes of sharded
+    checkpoints; ``"startup"``: FSDP2's start-up broadcast on the training thread). Created on
+    first use, on every rank in the same order (that call is collective); None without
+    torch.distributed."""
+    import torch.distributed as dist
+
+    if purpose not in _HOST_GROUPS and dist.is_available() and dist.is_initialized():
+        _HOST_GROUPS[purpose] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS.get(purpose)

@@ -6,7 +6,12 @@ workers torch_xla cannot reduce across processes, so the gradients are reduced t
 group in buckets: each bucket is flattened on the XLA device and crosses to the host once.
 
 Under SPMD on an accelerator the gradients are global tensors that XLA has already reduced over
-the mesh: nothing is averaged again and nothing crosses to the host.
+the mesh: nothing is averaged again and nothing crosses to the host. A model sharded with FSDP2
+(``prepare_sharded_model`` on the native configs) has reduce-scattered its gradients in backward:
+``optimizer_step`` steps it without reducing anything.
+
+:func:`clip_grad_norm_` clips by the global norm on every path: over every shard and worker for
+sharded models, over the averaged gradients for replicated ones.
 """
 
 from __future__ import annotations
@@ -97,25 +102,98 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> None:
+def _fsdp2_params(params: list) -> bool:
+    """True when every one of ``params`` is a parameter of a model FSDP2 shards (its gradients
+    are reduce-scattered in backward); False when none is."""
+    if not params or not _device.is_native():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    from ray_train_xla.toolkit.checkpoint.names import _MODELS
+
+    managed = {id(p) for m in list(_MODELS) if isinstance(m, FSDPModule) for p in m.parameters()}
+    return all(id(p) in managed for p in params)
+
+
+def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the optimizer steps an FSDP2 model (nothing to reduce); raises
+    ShardedStateError for other sharded parameters."""
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _checked.get(optimizer) == count:
-        return
-    params = {f"param_groups[{g}].params": group["params"] for g, group in enumerate(optimizer.param_groups)}
-    refuse_sharded(params, "optimizer_step", "averages every gradient over all workers", use=SHARDED_STEP)
-    _checked[optimizer] = count
+    if count and _checked.get(optimizer, (None,))[0] == count:
+        return _checked[optimizer][1]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fsdp2 = _fsdp2_params(params)
+    if not fsdp2:
+        groups = {f"param_groups[{g}].params": group["params"]
+                  for g, group in enumerate(optimizer.param_groups)}
+        refuse_sharded(groups, "optimizer_step", "averages every gradient over all workers",
+                       use=SHARDED_STEP)
+    _checked[optimizer] = (count, fsdp2)
+    return fsdp2
+
+
+# Gradients clip_grad_norm_ averaged for the next step: param -> (its grad, the grad's version then).
+_reduced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
     """Average the gradients of ``optimizer``'s parameters over all workers, in place.
 
-    Raises ShardedStateError when a parameter is sharded (XLA reduces those gradients itself)."""
-    _refuse_sharded_params(optimizer)
+    Nothing to do for a model FSDP2 shards (``prepare_sharded_model`` on the native configs),
+    or for gradients :func:`clip_grad_norm_` averaged since the backward pass. Raises
+    ShardedStateError for other sharded parameters (XLA reduces those gradients itself)."""
+    if _refuse_sharded_params(optimizer):
+        return
     n = world_size()
     if n == 1 or spmd_global():  # one worker, or XLA reduces over the mesh: nothing to average
         return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    done = bool(params) and all(_reduced.get(p) == (id(p.grad), p.grad._version)
+                                for p in params)
+    _reduced.clear()  # a mark serves one step: a new backward changes the gradients' version
+    if done:
+        return  # clip_grad_norm_ averaged exactly these gradients, untouched since
     with torch.no_grad():
         _reduce(optimizer, n, bucket_mb)
+
+
+class _Params:
+    """The smallest optimizer-like view of a list of parameters (what _reduce reads)."""
+
+    def __init__(self, params: list):
+        self.param_groups = [{"params": params}]
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (or a module's) in place by their global norm, as
+    ``torch.nn.utils.clip_grad_norm_`` does on one device, and return that norm (a plain
+    tensor, the same on every worker).
+
+    Call it between ``backward()`` and the optimizer step. Sharded models (FSDP2, FSDPv2): the
+    norm is taken over every shard of every worker. Replicated models on several workers: the
+    gradients are averaged over the workers first (the next ``optimizer_step`` does not average
+    them again), so every worker clips the same averaged gradients by the same norm."""
+    from ray_train_xla.toolkit.sharding import find_sharded
+
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    sharded = _fsdp2_params(params) or find_sharded(params) is not None
+    average = not sharded and world_size() > 1 and not spmd_global()
+    if average:
+        with torch.no_grad():
+            _reduce(_Params(params), world_size(), bucket_mb)
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    if average:
+        for p in params:  # these exact gradients, as they are now, are averaged
+            _reduced[p] = (id(p.grad), p.grad._version)
+    full = getattr(total, "full_tensor", None)
+    return full() if full is not None else total
 
 
 def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:

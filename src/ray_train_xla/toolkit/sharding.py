@@ -1,4 +1,4 @@
-"""Sharded state: find it, keep it out of the replicated helpers, train it with FSDPv2.
+"""Sharded state: find it, keep it out of the replicated helpers, shard models with it.
 
 The replicated helpers (``prepare_model``, ``optimizer_step``, the single-file checkpoint) assume
 every worker holds the whole model. With sharded state that is silently wrong: rank 0's values
@@ -9,6 +9,10 @@ again, and rank 0 alone would pull a sharded tensor to the host. So they call
 Sharded means here: an XLA tensor with an SPMD sharding that is not fully replicated, an
 ``XLAShardedTensor``, a ``DTensor``, a torch_xla FSDP (v1) flat parameter or state-dict key, or a
 module wrapped in torch_xla's FSDP or FSDPv2.
+
+:func:`prepare_sharded_model` and :func:`get_sharded_mesh` are one call on every config: torch_xla's
+FSDPv2 over an SPMD mesh under ``TorchXLAConfig(spmd=True)``, FSDP2 (``fully_shard``) over a
+DeviceMesh on the native configs and their CPU twins (``fsdp2.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ FSDP_V1_CLASS = "XlaFullyShardedDataParallel"
 FSDP_V1_KEYS = ("_fsdp_wrapped_module", "flat_param")
 
 SHARDED_PATH = (
-    "rtx.prepare_sharded_model(model) (torch_xla FSDPv2 over get_mesh()) with "
-    "TorchXLAConfig(spmd=True); save and load its state with rtx.save_checkpoint / "
+    "rtx.prepare_sharded_model(model) (torch_xla FSDPv2 with TorchXLAConfig(spmd=True), FSDP2 with "
+    "TorchNeuronConfig or TorchTPUConfig); save and load its state with rtx.save_checkpoint / "
     "rtx.load_checkpoint, which write every rank's own shards"
 )
 
@@ -128,9 +132,24 @@ def refuse_sharded(value: Any, helper: str, why: str, use: str = SHARDED_PATH, p
         )
 
 
+def _native() -> bool:
+    from ray_train_xla.toolkit.device import is_native
+
+    return is_native()
+
+
 def get_sharded_mesh(shape=None):
-    """The mesh for FSDPv2: axes ("fsdp", "model") over every device of the job; by default
-    every device is on ``fsdp`` (parameters, gradients and optimizer state split N ways)."""
+    """The mesh for :func:`prepare_sharded_model` over every device of the job.
+
+    torch_xla (``TorchXLAConfig(spmd=True)``): axes ("fsdp", "model"); by default every device
+    is on ``fsdp`` (parameters, gradients and optimizer state split N ways). Native configs
+    (FSDP2): a DeviceMesh over the workers, 1-D ``("fsdp",)`` by default; a 2-D ``shape``
+    ``(replicas, shards)`` gives ``("replicate", "fsdp")`` for HSDP, and ``"hsdp"`` one replica
+    per node (shards within a node, replicas across nodes)."""
+    if _native():
+        from ray_train_xla.toolkit.fsdp2 import native_mesh
+
+        return native_mesh(shape)
     from ray_train_xla.toolkit.spmd import get_mesh
 
     if shape is None:
@@ -143,41 +162,88 @@ def get_sharded_mesh(shape=None):
     return get_mesh(shape, FSDP_AXES)
 
 
+def _xla_policy(policy):
+    """A policy FSDPv2 takes for the forms FSDP2 takes too: a set of classes becomes
+    torch_xla's ``transformer_auto_wrap_policy`` over them."""
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        import functools
+
+        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(policy))
+    return policy
+
+
 def prepare_sharded_model(
     model: torch.nn.Module,
     mesh=None,
     *,
     auto_wrap_policy=None,
     shard_output=None,
+    mixed_precision=None,
+    activation_checkpointing: bool = False,
 ) -> torch.nn.Module:
-    """Shard ``model`` with torch_xla's FSDPv2 (``SpmdFullyShardedDataParallel``) on ``mesh``.
+    """Shard ``model`` over every device of the job, the same call on every config.
 
-    Needs ``TorchXLAConfig(spmd=True)``. ``mesh`` defaults to :func:`get_sharded_mesh` (every
-    device on the ``fsdp`` axis); a mesh of your own needs an ``fsdp`` axis. Every parameter is
-    split along its largest dimension over ``fsdp``; XLA gathers them for the forward pass and
-    reduce-scatters the gradients, so step with plain ``optimizer.step()`` and
-    ``torch_xla.sync()`` (not :func:`optimizer_step`), and shard the batch with
-    ``shard_batch(batch, mesh)`` (on the ``fsdp`` axis). ``auto_wrap_policy`` and
-    ``shard_output`` are passed to FSDPv2 (wrap each transformer block; shard a non-tensor
-    output). The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; ``consolidate``
-    removes it again.
+    ``auto_wrap_policy`` names the blocks sharded on their own (gathered one at a time): a set
+    of module classes, ``ModuleWrapPolicy({Block})``, or
+    ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``.
+    ``mesh`` defaults to :func:`get_sharded_mesh`.
+
+    - ``TorchXLAConfig(spmd=True)``: torch_xla's FSDPv2 (``SpmdFullyShardedDataParallel``).
+      Every parameter is split along its largest dimension over the mesh's ``fsdp`` axis; XLA
+      gathers them for the forward pass and reduce-scatters the gradients, so step with plain
+      ``optimizer.step()`` and ``torch_xla.sync()``, and shard the batch with
+      ``shard_batch(batch, mesh)``. ``shard_output`` is passed to FSDPv2 (shard a non-tensor
+      output). The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; checkpoints are
+      written under the plain names.
+    - ``TorchNeuronConfig`` / ``TorchTPUConfig`` (and their CPU twins): FSDP2 (``fully_shard``)
+      on a DeviceMesh (``fsdp2.py``); every worker starts from rank 0's values; each worker
+      feeds its own batch (``prepare_data_loader``), ``optimizer.step()`` or
+      ``optimizer_step()`` is the step. ``mixed_precision="bf16"`` computes in bf16 and reduces
+      gradients in fp32; ``activation_checkpointing=True`` recomputes each block in backward.
     """
+    if _native():
+        from ray_train_xla.toolkit.fsdp2 import prepare_fsdp2
+
+        if shard_output is not None:
+            raise ValueError("prepare_sharded_model: shard_output is torch_xla FSDPv2's; FSDP2 "
+                             "(native configs) returns the model's own outputs")
+        return prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
+                             mixed_precision=mixed_precision,
+                             activation_checkpointing=activation_checkpointing)
+    from ray_train_xla.toolkit.checkpoint.names import remember
     from ray_train_xla.toolkit.spmd import require_spmd
 
     require_spmd()
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+    if mixed_precision is not None:
+        raise ValueError("prepare_sharded_model: mixed_precision is FSDP2's (native configs); "
+                         "under torch_xla FSDPv2 cast the model (model.to(torch.bfloat16)) instead")
     for name, module in model.named_modules():
         if type(module).__name__ == FSDP_V1_CLASS:
             raise ShardedStateError(
                 f"prepare_sharded_model: {name or 'model'} is a torch_xla FSDP (v1) module, which "
                 "does not run under SPMD; pass the unwrapped model.")
     if isinstance(model, SpmdFullyShardedDataParallel):
+        remember(model)
         return model
     mesh = mesh if mesh is not None else get_sharded_mesh()
     if "fsdp" not in mesh.axis_names:
         raise ValueError(f"prepare_sharded_model: the mesh axes {mesh.axis_names} have no 'fsdp' axis; "
                          "build it with get_sharded_mesh(shape)")
-    return SpmdFullyShardedDataParallel(
-        model, mesh=mesh, auto_wrap_policy=auto_wrap_policy, shard_output=shard_output
-    )
+    kwargs = {}
+    if activation_checkpointing:
+        if auto_wrap_policy is None:
+            raise ValueError("prepare_sharded_model: activation_checkpointing recomputes each "
+                             "block named by auto_wrap_policy; give auto_wrap_policy")
+        from torch_xla.distributed.fsdp import checkpoint_module
+
+        kwargs["auto_wrapper_callable"] = lambda m, *args, **kw: SpmdFullyShardedDataParallel(
+            checkpoint_module(m), *args, **kw)
+    wrapped = SpmdFullyShardedDataParallel(
+        model, mesh=mesh, auto_wrap_policy=_xla_policy(auto_wrap_policy),
+        shard_output=shard_output, **kwargs)
+    remember(wrapped)
+    return wrapped

@@ -4,15 +4,17 @@ One seam, two implementations, picked from the state given:
 
 - replicated state (every worker holds the whole model): rank 0 writes one plain torch file,
   ``checkpoint.pt``, that loads without torch_xla or this package (``replicated.py``);
-- sharded state (SPMD tensors split over devices, e.g. ``prepare_sharded_model``): every rank
-  writes only its own shards with ``torch.distributed.checkpoint`` into the same Ray checkpoint;
-  loading restores onto any mesh shape, device count and worker count (``sharded.py``).
+- sharded state (torch_xla SPMD tensors, e.g. FSDPv2; DTensors, e.g. FSDP2 on the native
+  configs): every rank writes only its own shards with ``torch.distributed.checkpoint`` into
+  the same Ray checkpoint, under the module's own names (``sharded.py``, ``names.py``).
 
-This module is the seam: it picks the implementation from the state given (``find_sharded``),
+Loading crosses the seam both ways: a sharded checkpoint of either layout restores onto any
+mesh, device count, worker count and layout, or into a replicated model (every rank reads the
+full tensors); a replicated checkpoint loads into a sharded model (every rank takes its shards
+of the full tensors). This module picks the path from the state given (``sharded_layout``),
 takes the snapshot, and hands the write and the report to the worker's background reporter
-(``toolkit/reporting.py``). State neither can restore (torch_xla FSDP v1 flat shards,
-DTensors) is refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in
-``format.py``.
+(``toolkit/reporting.py``). State neither can restore (torch_xla FSDP v1 flat shards) is
+refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in ``format.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,21 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.toolkit.checkpoint.format import CHECKPOINT_FILE, is_sharded_checkpoint
+from ray_train_xla.toolkit.checkpoint.format import (
+    CHECKPOINT_FILE,
+    GROUPS_FILE,
+    check_fits,
+    flat_specs,
+    is_sharded_checkpoint,
+    read_full_state,
+)
+from ray_train_xla.toolkit.checkpoint.names import (
+    index_optimizer_state,
+    module_name,
+    named_model_state,
+    optimizer_param_names,
+    positional_names,
+)
 from ray_train_xla.toolkit.checkpoint.replicated import (
     check_replicated,
     load_replicated,
@@ -31,43 +47,20 @@ from ray_train_xla.toolkit.checkpoint.replicated import (
     write_replicated,
 )
 from ray_train_xla.toolkit.checkpoint.sharded import (
+    DTENSOR,
+    format_version,
     load_sharded,
+    sharded_layout,
     stage_sharded,
-    unsupported_sharding,
     write_staged,
 )
+from ray_train_xla.toolkit.collectives import host_group
 from ray_train_xla.toolkit.device import sync
 from ray_train_xla.toolkit.metrics import is_graph_extraction_run
 from ray_train_xla.toolkit.ranks import rank
 from ray_train_xla.toolkit.reporting import reporter
-from ray_train_xla.toolkit.sharding import ShardedStateError, find_sharded
 
 logger = logging.getLogger(__name__)
-
-
-def _refuse_unsupported(value: Any, helper: str) -> None:
-    found = unsupported_sharding(value)
-    if found is not None:
-        raise ShardedStateError(
-            f"{helper}: {found[0]} is {found[1]}. {helper} restores replicated state (one file) and "
-            "SPMD shards (torch.distributed.checkpoint); other sharded state would be silently "
-            "wrong. Train with rtx.prepare_sharded_model(model) (FSDPv2 under "
-            "TorchXLAConfig(spmd=True)), or save this state with its own library's per-rank checkpoint.")
-
-
-_CHECKPOINT_GROUP: Any = None
-
-
-def _checkpoint_group():
-    """A gloo group of its own for the background writes of sharded checkpoints (created once,
-    on every rank in the same order): they never share a communicator with the training
-    thread."""
-    global _CHECKPOINT_GROUP
-    import torch.distributed as dist
-
-    if _CHECKPOINT_GROUP is None and dist.is_available() and dist.is_initialized():
-        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
-    return _CHECKPOINT_GROUP
 
 
 def save_checkpoint(
@@ -82,10 +75,10 @@ def save_checkpoint(
 
     Call it on every worker (like ``ray.train.report``). ``state`` is typically
     ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``.
-    Replicated state: rank 0's copy is written, as CPU tensors, to ``filename``. Sharded (SPMD)
-    state: every rank writes its own shards of ``state["model"]`` and ``state["optimizer"]``
-    with ``torch.distributed.checkpoint`` and reports its files; rank 0 adds the rest of
-    ``state``.
+    Replicated state: rank 0's copy is written, as CPU tensors, to ``filename``. Sharded state
+    (SPMD tensors of FSDPv2, DTensors of FSDP2): every rank writes its own shards of
+    ``state["model"]`` and ``state["optimizer"]`` with ``torch.distributed.checkpoint``, under
+    the module's parameter names, and reports its files; rank 0 adds the rest of ``state``.
 
     Returns None; with ``wait=True`` it returns once this checkpoint was reported, with what
     this rank wrote (``{"files", "bytes"}``, None for a rank that writes nothing). At most
@@ -94,9 +87,9 @@ def save_checkpoint(
     ``ReportError``. In a Neuron graph-extraction run (``neuron_parallel_compile=True``) the state
     is a placeholder, so only the metrics are reported, marked ``graph_extraction_only``. Raises
     ShardedStateError for sharded state that neither format restores (torch_xla FSDP v1 shards,
-    DTensors).
+    SPMD tensors mixed with DTensors, an optimizer state dict without parameter names).
     """
-    _refuse_unsupported(state, "save_checkpoint")
+    layout = sharded_layout(state, "save_checkpoint")
     sync()  # on every worker: the snapshot below only transfers materialised tensors
     metrics = dict(metrics or {})
     if is_graph_extraction_run():
@@ -106,9 +99,9 @@ def save_checkpoint(
         return reporter().checkpoint(metrics, None, wait=wait)
 
     write = None
-    if find_sharded(state) is not None:
+    if layout is not None:
         staged = stage_sharded(state)  # device -> host now; the files are written later
-        group = _checkpoint_group()  # collective, on the training thread: every rank, in order
+        group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
 
         def write(directory: str) -> dict[str, Any]:
             return write_staged(staged, directory, group)
@@ -131,30 +124,117 @@ def load_checkpoint(
     worker.
 
     When given, ``model`` gets ``state["model"]`` and ``optimizer`` gets ``state["optimizer"]``,
-    on the XLA device. A replicated checkpoint returns the whole state (CPU tensors) for the rest
-    (step, epoch, ...). A sharded checkpoint is restored in place onto the shards ``model`` and
-    ``optimizer`` have now (any mesh, device or worker count) and returns the rest of the state.
-    Raises ShardedStateError for a sharded model a replicated file cannot fill (FSDP v1, DTensor),
-    and ``CheckpointMismatchError`` (before anything is loaded) naming every tensor whose saved
-    shape or dtype differs from the model's or the optimizer's, every key the checkpoint lacks
-    and every saved tensor the model has no place for.
+    on their device. A replicated checkpoint returns the whole state (CPU tensors) for the rest
+    (step, epoch, ...); a sharded one returns the rest of the state. Any checkpoint loads into
+    any model: a sharded checkpoint (FSDPv2 or FSDP2) restores in place onto the shards a sharded
+    ``model`` and ``optimizer`` have now (any mesh, device or worker count, either layout), or
+    whole into a replicated model; a replicated checkpoint fills a sharded model's shards.
+    Parameters and optimizer state are matched by the module's parameter names (a replicated
+    file's optimizer state, which has no names, by position). Raises ``CheckpointMismatchError``
+    (before anything is loaded) naming every tensor whose saved shape or dtype differs from the
+    model's or the optimizer's, every key the checkpoint lacks and every saved tensor the model
+    has no place for; ShardedStateError for torch_xla FSDP v1 models.
     """
     import ray.train
 
-    _refuse_unsupported(model, "load_checkpoint")
+    layout = sharded_layout(model, "load_checkpoint") or sharded_layout(optimizer, "load_checkpoint")
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
         return None
+    where = f"rank {rank()}: checkpoint {checkpoint.path}"
     with checkpoint.as_directory() as path:
         if is_sharded_checkpoint(path):
-            return load_sharded(path, model, optimizer)
-        where = f"rank {rank()}: checkpoint {checkpoint.path}"
-        state = load_replicated(path, filename, where)
+            if layout is not None:
+                group = host_group("load") if layout == DTENSOR else None
+                return load_sharded(path, model, optimizer, group)
+            state, rest = _read_sharded_whole(path, model, optimizer)
+        else:
+            state = load_replicated(path, filename, where)
+            rest = state
+            if layout is not None:
+                _fill_sharded(state, model, optimizer, layout, where)
+                return state
     check_replicated(state, model, optimizer, where)
     if model is not None:
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
-    if optimizer is not None:
+    if optimizer is not None and "optimizer" in state:
         # Optimizer.load_state_dict moves the state onto each parameter's (XLA) device.
         optimizer.load_state_dict(state["optimizer"])
     sync()
-    return state
+    return rest
+
+
+def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the model's and the optimizer's state as whole CPU tensors, in the replicated form of
+    ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
+    import os
+
+    from ray_train_xla.toolkit.checkpoint.sharded import _extra
+
+    keys = ("model", "optimizer") if optimizer is not None else ("model",)
+    full = read_full_state(path, keys)
+    state: dict[str, Any] = {}
+    if "model" in full:
+        named = named_model_state(full["model"])
+        state["model"] = {k: named.get(module_name(k), None) for k in model.state_dict()} \
+            if model is not None and set(map(module_name, model.state_dict())) == set(named) else named
+    if optimizer is not None and "optimizer" in full:
+        saved = full["optimizer"]
+        if format_version(path) >= 2:
+            groups_file = os.path.join(path, GROUPS_FILE)
+            groups = torch.load(groups_file, map_location="cpu", weights_only=True) \
+                if os.path.exists(groups_file) else None
+            osd = optimizer.state_dict()
+            names = optimizer_param_names(model, optimizer, "load_checkpoint") if model is not None \
+                else None
+            if names is None or groups is None:
+                raise KeyError(f"load_checkpoint: {path}: a sharded checkpoint's optimizer state "
+                               "is named; give the model with the optimizer")
+            named = {"state": saved.get("state", {}), "param_groups": groups}
+            state["optimizer"] = index_optimizer_state(named, osd, names, f"load_checkpoint: {path}")
+        else:
+            state["optimizer"] = saved
+    return state, _extra(path)
+
+
+def _fill_sharded(state: dict[str, Any], model, optimizer, layout: str, where: str) -> None:
+    """Fill a sharded ``model`` and ``optimizer`` from a replicated checkpoint's whole tensors:
+    every rank takes its own shards."""
+    names = optimizer_param_names(model, optimizer, "load_checkpoint") if optimizer is not None else []
+    saved_model = named_model_state(state.get("model") or {})
+    if model is not None:
+        target = named_model_state(model.state_dict())
+        check_fits(flat_specs(saved_model, "model."), flat_specs(target, "model."),
+                   f"load_checkpoint: {where}", "the model")
+    named_optim = None
+    if optimizer is not None and "optimizer" in state:
+        named_optim = positional_names(state["optimizer"], names)
+        params = {n: p for group in names for n in group
+                  for n2, p in model.named_parameters() if module_name(n2) == n}
+        want = {f"optimizer.state.{n}.{k}": (tuple(params[n].shape), v.dtype)
+                for n, s in named_optim["state"].items() if n in params
+                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        have = {f"optimizer.state.{n}.{k}": (tuple(v.shape), v.dtype)
+                for n, s in named_optim["state"].items()
+                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        check_fits(have, want, f"load_checkpoint: {where}", "the optimizer")
+    if layout == DTENSOR:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if model is not None:
+            set_model_state_dict(model, {k: saved_model[module_name(k)]
+                                         for k in get_model_state_dict(model)}, options=options)
+        if named_optim is not None:
+            set_optimizer_state_dict(model, optimizer, named_optim, options=options)
+        return
+    if model is not None:
+        model.load_state_dict({k: saved_model[module_name(k)] for k in model.state_dict()})
+    if named_optim is not None:
+        optimizer.load_state_dict(index_optimizer_state(named_optim, optimizer.state_dict(), names, where))
+    sync()

@@ -3,8 +3,11 @@
 - replicated: one plain torch file, ``checkpoint.pt`` (rank 0 writes it), that loads without
   torch_xla or this package;
 - sharded: ``torch.distributed.checkpoint``'s ``.metadata`` (rank 0) and one
-  ``__<rank>_0.distcp`` file per rank, ``extra.pt`` (rank 0: the small replicated rest of the
-  state, e.g. the step) and ``sharded.json`` (what wrote it).
+  ``__<rank>_0.distcp`` file per rank holding ``model`` (under the plain module's names) and
+  ``optimizer.state`` (under the same names; see ``names.py``), ``param_groups.pt`` (rank 0:
+  the optimizer's parameter groups, hyperparameters and names), ``extra.pt`` (rank 0: the small
+  replicated rest of the state, e.g. the step) and ``sharded.json`` (what wrote it, and the
+  format version).
 
 Reading needs torch (CPU) and neither Ray nor torch_xla.
 
@@ -27,6 +30,7 @@ from ray_train_xla.errors import CheckpointMismatchError
 CHECKPOINT_FILE = "checkpoint.pt"
 SHARDED_MARKER = "sharded.json"
 EXTRA_FILE = "extra.pt"
+GROUPS_FILE = "param_groups.pt"
 METADATA_FILE = ".metadata"
 # Entries of the state that may hold shards; everything else is small and replicated.
 SHARDED_KEYS = ("model", "optimizer")

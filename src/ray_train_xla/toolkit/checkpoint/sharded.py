@@ -1,13 +1,21 @@
 """Sharded checkpoints: every rank writes only its own shards with ``torch.distributed.checkpoint``.
 
-The directory layout is in ``format.py``. Under Ray every worker writes into its own local
-directory and reports it; Ray Train merges the workers' directories into the one checkpoint of
-that step.
+Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
 
-SPMD tensors go through torch_xla's ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the
-shards its devices hold and reads back exactly the pieces its devices need, so a checkpoint
-restores onto another mesh shape, device count or worker count. Shards held by several workers
-(replicated across hosts) are written once, by the worker with the least to write so far.
+- ``spmd``: torch_xla SPMD tensors (FSDPv2, ``TorchXLAConfig(spmd=True)``), through torch_xla's
+  ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the shards its devices hold and reads
+  back exactly the pieces its devices need;
+- ``dtensor``: DTensors (FSDP2 on the native stacks, ``TorchNeuronConfig`` / ``TorchTPUConfig``
+  and their CPU twins), through DCP's default planners, and on loading torch's own
+  ``get_state_dict`` / ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
+
+Both store the model under the plain module's names and the optimizer state under those names,
+so a checkpoint restores onto another mesh shape, device count, worker count or layout (an SPMD
+checkpoint into an FSDP2 model and the other way round). Shards held by several ranks are
+written once. Under Ray every worker writes into its own local directory and reports it; Ray
+Train merges the workers' directories into the one checkpoint of that step.
+
+torch_xla is imported only for the ``spmd`` layout: native workers never import it.
 """
 
 from __future__ import annotations
@@ -21,23 +29,64 @@ import torch
 
 from ray_train_xla.toolkit.checkpoint.format import (
     EXTRA_FILE,
+    GROUPS_FILE,
     SHARDED_KEYS,
     SHARDED_MARKER,
     check_fits,
     saved_specs,
     spec_of,
 )
+from ray_train_xla.toolkit.checkpoint.names import (
+    FORMAT_VERSION,
+    index_optimizer_state,
+    module_name,
+    name_optimizer_state,
+    named_model_state,
+    named_optimizer_state,
+    optimizer_param_names,
+)
 from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.sharding import ShardedStateError, walk_sharded
 
+SPMD, DTENSOR = "spmd", "dtensor"
+
+
+def layout_of(desc: str) -> str | None:
+    """The layout of a sharded thing (``walk_sharded``'s description): spmd, dtensor, or None
+    for sharded state neither restores (torch_xla FSDP v1 flat shards)."""
+    if desc.startswith(("an SPMD tensor", "an XLAShardedTensor", "a torch_xla FSDPv2 module")):
+        return SPMD
+    if desc.startswith("a DTensor"):
+        return DTENSOR
+    return None
+
 
 def unsupported_sharding(state: Any) -> tuple[str, str] | None:
-    """The first sharded thing that is not an SPMD tensor (DTensor, torch_xla FSDP v1 shards):
-    the sharded checkpoint cannot restore those onto another layout."""
+    """The first sharded thing neither layout restores (torch_xla FSDP v1 shards)."""
     for path, desc in walk_sharded(state, ""):
-        if not desc.startswith(("an SPMD tensor", "an XLAShardedTensor", "a torch_xla FSDPv2 module")):
+        if layout_of(desc) is None:
             return path, desc
     return None
+
+
+def sharded_layout(state: Any, helper: str) -> str | None:
+    """spmd or dtensor for sharded ``state``, None for replicated state. Raises
+    ShardedStateError for state that mixes the two or holds FSDP v1 shards."""
+    layouts: dict[str, str] = {}
+    for path, desc in walk_sharded(state, ""):
+        kind = layout_of(desc)
+        if kind is None:
+            raise ShardedStateError(
+                f"{helper}: {path} is {desc}. The sharded checkpoint handles SPMD tensors (FSDPv2 "
+                "under TorchXLAConfig(spmd=True)) and DTensors (FSDP2 on the native configs); save "
+                "this state with its own library's per-rank checkpoint, or shard the model with "
+                "rtx.prepare_sharded_model(model).")
+        layouts.setdefault(kind, path)
+    if len(layouts) > 1:
+        raise ShardedStateError(
+            f"{helper}: the state mixes torch_xla SPMD tensors ({layouts[SPMD]}) and DTensors "
+            f"({layouts[DTENSOR]}); a checkpoint holds one kind")
+    return next(iter(layouts), None)
 
 
 def _split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -59,7 +108,62 @@ def _dist() -> tuple[bool, int, int]:
     return False, 0, 1
 
 
-def _planner():
+def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
+    """The model and the optimizer's state under the module's names; the optimizer's
+    parameter groups (hyperparameters, names) apart: rank 0 writes them as one small file."""
+    out: dict[str, Any] = {}
+    groups = None
+    if "model" in dist_state:
+        out["model"] = named_model_state(dist_state["model"])
+    if "optimizer" in dist_state:
+        named = named_optimizer_state(dist_state["optimizer"])
+        out["optimizer"] = {"state": named["state"]}
+        groups = named["param_groups"]
+    return out, groups
+
+
+def _stage_dtensors(value: Any) -> Any:
+    """A host copy of nested state whose DTensors stay DTensors (same mesh and placements,
+    local shard on the CPU): what DCP needs to place each shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: _stage_dtensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_stage_dtensors(v) for v in value]
+    return value
+
+
+def stage_sharded(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
+    sharded save that must happen before training goes on. Returns what :func:`write_staged`
+    writes."""
+    layout = sharded_layout(state, "save_checkpoint")
+    dist_state, extra = _split(state)
+    named, groups = _named(dist_state)
+    if layout == SPMD:
+        import torch_xla
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+        torch_xla.sync()
+        # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
+        staged = _sharded_cpu_state_dict(named)
+    else:
+        staged = _stage_dtensors(named)
+    return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra)}
+
+
+def _save_planner(layout: str):
+    if layout != SPMD:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        return DefaultSavePlanner()
     from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
     from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
@@ -81,48 +185,39 @@ def _planner():
     return BalancedSPMDSavePlanner()
 
 
-def stage_sharded(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
-    sharded save that must happen before training goes on. Returns what :func:`write_staged`
-    writes."""
-    import torch_xla
-    from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+def _device_count(layout: str, world: int) -> int:
+    if layout == SPMD:
+        import torch_xla.runtime as xr
 
-    found = unsupported_sharding(state)
-    if found is not None:
-        raise ShardedStateError(
-            f"save_checkpoint: {found[0]} is {found[1]}. The sharded checkpoint handles SPMD "
-            "tensors (prepare_sharded_model / FSDPv2); save this state with its own library's "
-            "per-rank checkpoint, or train with rtx.prepare_sharded_model(model).")
-    dist_state, extra = _split(state)
-    torch_xla.sync()
-    # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-    return _sharded_cpu_state_dict(dist_state), to_cpu(extra)
+        return xr.global_runtime_device_count()
+    return world
 
 
-def write_staged(staged: tuple[dict[str, Any], dict[str, Any]], directory: str,
-                 process_group=None) -> dict[str, Any]:
+def write_staged(staged: dict[str, Any], directory: str, process_group=None) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
     every rank calls it, in the same order; ``process_group`` defaults to the default group).
     Returns what this rank wrote: ``{"files": [...], "bytes": n}``."""
     import torch.distributed.checkpoint as dcp
-    import torch_xla.runtime as xr
 
-    dist_state, extra = staged
     distributed, rank, world = _dist()
     os.makedirs(directory, exist_ok=True)
     before = set(os.listdir(directory))
-    dcp.save(dist_state, storage_writer=dcp.FileSystemWriter(directory), planner=_planner(),
-             process_group=process_group, no_dist=not distributed)
+    dcp.save(staged["state"], storage_writer=dcp.FileSystemWriter(directory),
+             planner=_save_planner(staged["layout"]), process_group=process_group,
+             no_dist=not distributed)
     if rank == 0:
-        torch.save(extra, os.path.join(directory, EXTRA_FILE))
+        torch.save(staged["extra"], os.path.join(directory, EXTRA_FILE))
+        if staged["groups"] is not None:
+            torch.save(staged["groups"], os.path.join(directory, GROUPS_FILE))
         with open(os.path.join(directory, SHARDED_MARKER), "w") as f:
             json.dump({
                 "format": "torch.distributed.checkpoint",
-                "planner": "torch_xla SPMDSavePlanner",
+                "format_version": FORMAT_VERSION,
+                "names": "module",
+                "layout": staged["layout"],
                 "workers": world,
-                "devices": xr.global_runtime_device_count(),
-                "keys": sorted(dist_state),
+                "devices": _device_count(staged["layout"], world),
+                "keys": sorted(staged["state"]),
             }, f)
     files = sorted(set(os.listdir(directory)) - before)
     return {"files": files,
@@ -138,73 +233,187 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     return write_staged(stage_sharded(state), directory)
 
 
-def _saved_keys(metadata) -> set[str]:
+# ---- loading ------------------------------------------------------------------------------
+
+def format_version(directory: str) -> int:
+    """The format version of a sharded checkpoint (1: written before names, see names.py)."""
+    marker = os.path.join(directory, SHARDED_MARKER)
+    if not os.path.exists(marker):
+        return 1
+    with open(marker) as f:
+        return int(json.load(f).get("format_version", 1))
+
+
+def _top_key(metadata, key: str) -> str:
     mappings = metadata.planner_data or {}
-    return {str(mappings[k][0]) if k in mappings else k.split(".")[0]
-            for k in metadata.state_dict_metadata}
+    return str(mappings[key][0]) if key in mappings else key.split(".")[0]
 
 
-def _check_target(metadata, target: dict[str, Any], directory: str) -> None:
+def _saved_keys(metadata) -> set[str]:
+    return {_top_key(metadata, k) for k in metadata.state_dict_metadata}
+
+
+def _flatten(target: dict[str, Any], layout: str) -> dict[str, Any]:
+    """The flat keys DCP gives ``target``'s entries under the planner of ``layout``."""
+    if layout == SPMD:
+        from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
+    else:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    flat, _ = flatten_state_dict(target)
+    return flat
+
+
+def _check_target(metadata, target: dict[str, Any], layout: str, directory: str) -> None:
     """Every tensor of ``target`` of the shape and dtype the checkpoint saved, no key missing
     on either side (``format.check_fits``), before DCP reads anything: torch_xla's
     SPMDLoadPlanner compares sizes only for unsharded tensors."""
-    # The keys torch_xla's SPMD planners give the entries (lists of values stay one entry).
-    from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
-
-    flat, _ = flatten_state_dict(target)
     saved = saved_specs(metadata)
-    mappings = metadata.planner_data or {}
     # Only the entries loaded: a checkpoint with an optimizer loads into a model alone.
-    saved = {k: v for k, v in saved.items()
-             if (str(mappings[k][0]) if k in mappings else k.split(".")[0]) in target}
-    check_fits(saved, {k: spec_of(v) for k, v in flat.items()},
+    saved = {k: v for k, v in saved.items() if _top_key(metadata, k) in target}
+    check_fits(saved, {k: spec_of(v) for k, v in _flatten(target, layout).items()},
                f"load_checkpoint: the sharded checkpoint {directory}",
                " and ".join(f"the {k}" for k in sorted(target)))
+
+
+def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: int) -> dict[str, Any]:
+    """``target`` (named) under the keys a format-1 checkpoint used: FSDPv2's prefixed model
+    keys, the optimizer state by position (``order``: the optimizer's parameter names in its
+    order). Format 2 and later: ``target`` itself."""
+    if version >= FORMAT_VERSION:
+        return target
+    out: dict[str, Any] = {}
+    if "model" in target:
+        saved = {}
+        for key in metadata.state_dict_metadata:
+            if _top_key(metadata, key) == "model":
+                name = key[len("model."):]
+                saved[module_name(name)] = name
+        out["model"] = {saved.get(n, n): v for n, v in target["model"].items()}
+    if "optimizer" in target:
+        position = {n: i for i, n in enumerate(order)}
+        out["optimizer"] = {"state": {position[n]: v
+                                      for n, v in target["optimizer"]["state"].items()}}
+    return out
+
+
+def _read_groups(directory: str, version: int) -> list | None:
+    file = os.path.join(directory, GROUPS_FILE)
+    if version >= FORMAT_VERSION and os.path.exists(file):
+        return torch.load(file, map_location="cpu", weights_only=True)
+    return None
 
 
 def load_sharded(
     directory: str,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    process_group=None,
 ) -> dict[str, Any]:
-    """Restore ``model`` and ``optimizer`` in place from a :func:`save_sharded` directory, onto
-    whatever mesh, device count and worker count they now have. Call it on every rank.
+    """Restore sharded ``model`` and ``optimizer`` in place from a :func:`save_sharded`
+    directory of either layout, onto whatever mesh, device count and worker count they now
+    have. Call it on every rank (``process_group``: the gloo group DCP coordinates through,
+    default the default group).
 
     Returns the rest of the saved state (``extra.pt``: step, epoch, ...). Raises
     ``CheckpointMismatchError`` naming every tensor whose saved shape or dtype differs from the
     model's or optimizer's, and every key missing on either side, before anything is read.
     """
     import torch.distributed.checkpoint as dcp
-    import torch_xla
-    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, prime_optimizer
 
+    layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
     reader = dcp.FileSystemReader(directory)
     metadata = reader.read_metadata()
+    version = format_version(directory)
     saved = _saved_keys(metadata)
-    target: dict[str, Any] = {}
-    if model is not None:
-        target["model"] = model.state_dict()
-        if "model" in saved:  # before priming the optimizer, which steps the parameters
-            _check_target(metadata, target, directory)
-    if optimizer is not None:
-        if not optimizer.state:
-            # DCP loads in place: the optimizer state must exist (a zero-gradient step).
-            prime_optimizer(optimizer)
-        target["optimizer"] = optimizer.state_dict()
-    missing = sorted(set(target) - saved)
+    wanted = [k for k, v in (("model", model), ("optimizer", optimizer)) if v is not None]
+    missing = sorted(set(wanted) - saved)
     if missing:
         raise KeyError(f"load_checkpoint: the sharded checkpoint {directory} has no {missing} "
                        f"(it holds {sorted(saved)})")
-    distributed, _, _ = _dist()
-    if target:
-        _check_target(metadata, target, directory)
-        dcp.load(target, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not distributed)
-        if model is not None:
-            model.load_state_dict(target["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(target["optimizer"])
-        torch_xla.sync()
+    if not wanted:
+        return _extra(directory)
+    names = optimizer_param_names(model, optimizer, "load_checkpoint") if optimizer else []
+    order = [n for group in names for n in group]
+    target: dict[str, Any] = {}
+    if model is not None:
+        target["model"] = _model_target(model, layout)
+        # Before priming the optimizer, which steps the parameters.
+        _check_target(metadata, _in_saved_keys(target, order, metadata, version), layout, directory)
+    if optimizer is not None:
+        target["optimizer"] = _optimizer_target(model, optimizer, names, layout)
+    loaded = _in_saved_keys(target, order, metadata, version)
+    _check_target(metadata, loaded, layout, directory)
+    if layout == SPMD:
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+        dcp.load(loaded, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not _dist()[0])
+    else:
+        dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not _dist()[0])
+    _apply(model, optimizer, target, _read_groups(directory, version), names, layout,
+           f"load_checkpoint: the sharded checkpoint {directory}")
+    return _extra(directory)
+
+
+def _extra(directory: str) -> dict[str, Any]:
     extra_file = os.path.join(directory, EXTRA_FILE)
     if os.path.exists(extra_file):
         return torch.load(extra_file, map_location="cpu", weights_only=False)
     return {}
+
+
+def _model_target(model: torch.nn.Module, layout: str) -> dict[str, Any]:
+    if layout == SPMD:
+        return named_model_state(model.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return named_model_state(get_model_state_dict(model))
+
+
+def _optimizer_target(model, optimizer, names, layout: str) -> dict[str, Any]:
+    """The optimizer's state, named, for DCP to load into in place (primed first: a zero-grad
+    step creates the state an optimizer has none of before its first step)."""
+    if layout == SPMD:
+        if not optimizer.state:
+            from torch_xla.experimental.distributed_checkpoint import prime_optimizer
+
+            prime_optimizer(optimizer)
+        return {"state": name_optimizer_state(optimizer.state_dict(), names)["state"]}
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    named = get_optimizer_state_dict(model, optimizer)  # primes an empty state
+    return {"state": {module_name(k): v for k, v in named["state"].items()}}
+
+
+def _apply(model, optimizer, target, groups, names, layout: str, where: str) -> None:
+    """Put what DCP read into ``target`` into the model and optimizer: DCP filled the
+    tensors in place; the saved parameter groups (learning rates, ...) are set here."""
+    if layout == SPMD:
+        import torch_xla
+
+        if model is not None:
+            by_name = target["model"]
+            model.load_state_dict({k: by_name[module_name(k)] for k in model.state_dict()})
+        if optimizer is not None:
+            osd = optimizer.state_dict()
+            named = {"state": target["optimizer"]["state"],
+                     "param_groups": groups or name_optimizer_state(osd, names)["param_groups"]}
+            optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
+        torch_xla.sync()
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    if model is not None:
+        set_model_state_dict(model, _model_keys(model, target["model"]))
+    if optimizer is not None:
+        osd = optimizer.state_dict()
+        current = name_optimizer_state(osd, names)
+        named = {"state": target["optimizer"]["state"],
+                 "param_groups": groups or current["param_groups"]}
+        optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
+
+
+def _model_keys(model, named: dict[str, Any]) -> dict[str, Any]:
+    """The named state under the keys ``get_model_state_dict`` gives ``model``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: named[module_name(k)] for k in get_model_state_dict(model)}
