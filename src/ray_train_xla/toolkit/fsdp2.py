@@ -155,14 +155,15 @@ def _same_start(model: torch.nn.Module, group) -> None:
     prepare_model does for replicated models; skipped for parameters on the meta device."""
     import torch.distributed as dist
 
-    from ray_train_xla.toolkit.optim import _buckets, _flatten, _unflatten_into
+    from ray_train_xla.toolkit.buckets import apply_in_buckets
 
-    tensors = [t for t in (*model.parameters(), *model.buffers())
-               if t.numel() > 0 and t.device.type != "meta"]
-    for bucket in _buckets(tensors, 25.0):
-        flat = _flatten(bucket).cpu()
-        dist.broadcast(flat, src=0, group=group)
-        _unflatten_into(flat.to(bucket[0].device), bucket)
+    def from_rank0(flat: torch.Tensor) -> torch.Tensor:
+        host = flat.cpu()
+        dist.broadcast(host, src=0, group=group)
+        return host.to(flat.device)
+
+    apply_in_buckets([t for t in (*model.parameters(), *model.buffers())
+                      if t.numel() > 0 and t.device.type != "meta"], from_rank0)
 
 
 def prepare_fsdp2(

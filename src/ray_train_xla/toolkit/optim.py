@@ -17,50 +17,20 @@ sharded models, over the averaged gradients for replicated ones.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
 
 import torch
 
 from ray_train_xla.toolkit import device as _device
+from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, unflatten_into
 from ray_train_xla.toolkit.collectives import broadcast
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.sharding import refuse_sharded
 
-DEFAULT_BUCKET_MB = 25.0
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
                 "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
                 "backward")
-
-
-def _buckets(tensors: Iterable[torch.Tensor], bucket_mb: float) -> Iterator[list[torch.Tensor]]:
-    """Group tensors of the same dtype into buckets of at most ``bucket_mb`` (one tensor may exceed)."""
-    cap = max(1, int(bucket_mb * 1024 * 1024))
-    open_buckets: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
-    for t in tensors:
-        bucket, size = open_buckets.get(t.dtype, ([], 0))
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > cap:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        open_buckets[t.dtype] = (bucket, size + nbytes)
-    for bucket, _ in open_buckets.values():
-        if bucket:
-            yield bucket
-
-
-def _flatten(bucket: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in bucket])
-
-
-def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in bucket:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
 
 
 @torch.no_grad()
@@ -78,14 +48,14 @@ def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) 
     if many and spmd_global():
         model = model.cpu()
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
-        for bucket in _buckets(tensors, bucket_mb):
-            _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
+        for bucket in buckets(tensors, bucket_mb):
+            unflatten_into(broadcast(flatten(bucket), src=0), bucket)
         return model.to(get_device())
     model = model.to(get_device())
     if many:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
-        for bucket in _buckets(tensors, bucket_mb):
-            _unflatten_into(broadcast(_flatten(bucket), src=0), bucket)
+        for bucket in buckets(tensors, bucket_mb):
+            unflatten_into(broadcast(flatten(bucket), src=0), bucket)
         _sync()
     return model
 
@@ -109,9 +79,9 @@ def _fsdp2_params(params: list) -> bool:
         return False
     from torch.distributed.fsdp import FSDPModule
 
-    from ray_train_xla.toolkit.checkpoint.names import _MODELS
+    from ray_train_xla.toolkit.checkpoint.names import prepared_models
 
-    managed = {id(p) for m in list(_MODELS) if isinstance(m, FSDPModule) for p in m.parameters()}
+    managed = {id(p) for m in prepared_models() if isinstance(m, FSDPModule) for p in m.parameters()}
     return all(id(p) in managed for p in params)
 
 
@@ -204,16 +174,16 @@ def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
         return
     import torch.distributed as dist
 
-    buckets = list(_buckets(_gradients(optimizer), bucket_mb))
-    flats = [_flatten(b) for b in buckets]
+    groups = list(buckets(_gradients(optimizer), bucket_mb))
+    flats = [flatten(b) for b in groups]
     # One execution computes the backward pass and every flattened bucket; the copies to the
     # host below are then plain transfers, one per bucket.
     _sync()
-    for bucket, flat in zip(buckets, flats):
+    for bucket, flat in zip(groups, flats):
         host = flat.to(_device.comm_device(flat))
         dist.all_reduce(host, op=dist.ReduceOp.SUM)
         host.div_(n)
-        _unflatten_into(host.to(flat.device), bucket)
+        unflatten_into(host.to(flat.device), bucket)
 
 
 def optimizer_step(

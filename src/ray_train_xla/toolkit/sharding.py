@@ -174,6 +174,29 @@ def _xla_policy(policy):
     return policy
 
 
+def shard_model_output(output: Any, mesh) -> None:
+    """FSDPv2's output sharding (the batch dimension over ``fsdp``) for what models return: a
+    tensor, a tuple whose first element is one, or a mapping such as a Hugging Face
+    ``ModelOutput`` (its ``logits``, else its first tensor). torch_xla's own default takes the
+    first two only."""
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    tensor = None
+    if isinstance(output, torch.Tensor):
+        tensor = output
+    elif isinstance(output, Mapping):
+        values = [output["logits"]] if "logits" in output else list(output.values())
+        tensor = next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    elif isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        tensor = output[0]
+    if tensor is None:
+        raise RuntimeError(
+            f"prepare_sharded_model: the model returned a {type(output).__name__}, which holds no "
+            "tensor to shard over the batch; pass shard_output=fn(output, mesh) that marks it")
+    xs.mark_sharding(tensor, mesh, _prepare_spmd_partition_spec(tensor))
+
+
 def prepare_sharded_model(
     model: torch.nn.Module,
     mesh=None,
@@ -194,9 +217,10 @@ def prepare_sharded_model(
       Every parameter is split along its largest dimension over the mesh's ``fsdp`` axis; XLA
       gathers them for the forward pass and reduce-scatters the gradients, so step with plain
       ``optimizer.step()`` and ``torch_xla.sync()``, and shard the batch with
-      ``shard_batch(batch, mesh)``. ``shard_output`` is passed to FSDPv2 (shard a non-tensor
-      output). The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; checkpoints are
-      written under the plain names.
+      ``shard_batch(batch, mesh)``. ``shard_output(output, mesh)`` marks the output's
+      sharding (default :func:`shard_model_output`: tensors, tuples, Hugging Face outputs).
+      The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; checkpoints are written
+      under the plain names.
     - ``TorchNeuronConfig`` / ``TorchTPUConfig`` (and their CPU twins): FSDP2 (``fully_shard``)
       on a DeviceMesh (``fsdp2.py``); every worker starts from rank 0's values; each worker
       feeds its own batch (``prepare_data_loader``), ``optimizer.step()`` or
@@ -244,6 +268,6 @@ def prepare_sharded_model(
             checkpoint_module(m), *args, **kw)
     wrapped = SpmdFullyShardedDataParallel(
         model, mesh=mesh, auto_wrap_policy=_xla_policy(auto_wrap_policy),
-        shard_output=shard_output, **kwargs)
+        shard_output=shard_output or shard_model_output, **kwargs)
     remember(wrapped)
     return wrapped

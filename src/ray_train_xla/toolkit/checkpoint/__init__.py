@@ -169,7 +169,7 @@ def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], di
     ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
     import os
 
-    from ray_train_xla.toolkit.checkpoint.sharded import _extra
+    from ray_train_xla.toolkit.checkpoint.sharded import read_extra
 
     keys = ("model", "optimizer") if optimizer is not None else ("model",)
     full = read_full_state(path, keys)
@@ -194,7 +194,7 @@ def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], di
             state["optimizer"] = index_optimizer_state(named, osd, names, f"load_checkpoint: {path}")
         else:
             state["optimizer"] = saved
-    return state, _extra(path)
+    return state, read_extra(path)
 
 
 def _fill_sharded(state: dict[str, Any], model, optimizer, layout: str, where: str) -> None:

@@ -53,6 +53,11 @@ def remember(model) -> None:
         _HOOK = register_optimizer_step_pre_hook(_on_step)
 
 
+def prepared_models() -> list:
+    """The models ``prepare_sharded_model`` prepared on this worker (still alive)."""
+    return list(_MODELS)
+
+
 def _names_by_id() -> dict[int, str]:
     out: dict[int, str] = {}
     for model in list(_MODELS):

@@ -331,7 +331,7 @@ def load_sharded(
         raise KeyError(f"load_checkpoint: the sharded checkpoint {directory} has no {missing} "
                        f"(it holds {sorted(saved)})")
     if not wanted:
-        return _extra(directory)
+        return read_extra(directory)
     names = optimizer_param_names(model, optimizer, "load_checkpoint") if optimizer else []
     order = [n for group in names for n in group]
     target: dict[str, Any] = {}
@@ -351,10 +351,11 @@ def load_sharded(
         dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not _dist()[0])
     _apply(model, optimizer, target, _read_groups(directory, version), names, layout,
            f"load_checkpoint: the sharded checkpoint {directory}")
-    return _extra(directory)
+    return read_extra(directory)
 
 
-def _extra(directory: str) -> dict[str, Any]:
+def read_extra(directory: str) -> dict[str, Any]:
+    """The rest of the state a sharded checkpoint holds (``extra.pt``: step, epoch, ...)."""
     extra_file = os.path.join(directory, EXTRA_FILE)
     if os.path.exists(extra_file):
         return torch.load(extra_file, map_location="cpu", weights_only=False)
