@@ -221,6 +221,42 @@ def test_the_position_is_saved_and_checked():
         loaders(1, state={"epoch": 0, "sample": 6, "global_batch_size": 4})
 
 
+def test_the_position_follows_iterations_and_set_epoch():
+    def rows(batch):
+        return [float(v) for v in batch[0]]
+
+    def batch_of(epoch, index):
+        (fresh,) = loaders(1)
+        fresh.set_epoch(epoch)
+        it = iter(fresh)
+        for _ in range(index):
+            next(it)
+        return rows(next(it))
+
+    (worker,) = loaders(1)
+    assert worker.epoch == 0
+    assert worker.state_dict() == {"epoch": 0, "sample": 0, "global_batch_size": 4}
+    next(iter(worker))
+    assert worker.epoch == 1  # the next iter() is epoch 1 ...
+    assert worker.state_dict() == {"epoch": 0, "sample": 4, "global_batch_size": 4}
+    # ... from its start, even though epoch 0 was left after one batch.
+    assert rows(next(iter(worker))) == batch_of(1, 0)
+    assert worker.state_dict() == {"epoch": 1, "sample": 4, "global_batch_size": 4}
+    worker.set_epoch(5)
+    assert worker.state_dict() == {"epoch": 5, "sample": 0, "global_batch_size": 4}
+    # A loaded position keeps its sample through set_epoch until it is iterated.
+    (resumed,) = loaders(1, state={"epoch": 0, "sample": 8, "global_batch_size": 4})
+    resumed.set_epoch(2)
+    assert resumed.epoch == 2 and len(resumed) == 3
+    assert resumed.state_dict() == {"epoch": 2, "sample": 8, "global_batch_size": 4}
+    assert rows(next(iter(resumed))) == batch_of(2, 2)
+    assert resumed.state_dict() == {"epoch": 2, "sample": 12, "global_batch_size": 4}
+    resumed.set_epoch(3)
+    assert resumed.state_dict() == {"epoch": 3, "sample": 0, "global_batch_size": 4}
+    assert [rows(b) for b in resumed] == [batch_of(3, i) for i in range(ROWS // GLOBAL)]
+    assert resumed.state_dict() == {"epoch": 4, "sample": 0, "global_batch_size": 4}
+
+
 def test_world_sizes_that_do_not_divide_the_global_batch_are_refused():
     with pytest.raises(ValueError, match=r"for 3 workers.*one of \[1, 2, 4\]"):
         loaders(3)

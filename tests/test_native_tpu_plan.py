@@ -259,7 +259,6 @@ def test_doctor_checks_torch_tpu_pin_and_libtpu(tmp_path, torch_spec, libtpu, na
 
     site = fake_dists(tmp_path, torch_spec, libtpu)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]))
-    env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
     out = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor",
                           "--no-load-check", "--json"], capture_output=True, text=True,
                          timeout=120, env=env)

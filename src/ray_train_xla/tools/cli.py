@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.command_parsers = {name: add(sub) for name, add in COMMANDS}
+    return parser
 
+
+def _add_demo(sub) -> argparse.ArgumentParser:
+    """``demo``: the seed check, or a training run (--train, --sharded), on a local Ray."""
     demo = sub.add_parser(
         "demo",
         help="run the seed check (or, with --train, a training run) on an embedded local Ray",
@@ -145,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
         help="TorchXLAConfig.device (default cpu)",
     )
+    return demo
 
+
+def _add_plan(sub) -> argparse.ArgumentParser:
+    """``plan``: every worker's environment for a described topology."""
     plan = sub.add_parser(
         "plan",
         help="print the environment each worker would get",
@@ -235,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON list, one object a worker")
+    return plan
 
+
+def _add_doctor(sub) -> argparse.ArgumentParser:
+    """``doctor``: checks of this machine or of every node of a Ray cluster."""
     doctor = sub.add_parser(
         "doctor",
         help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
@@ -260,7 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+    return doctor
 
+
+def _add_consolidate(sub) -> argparse.ArgumentParser:
+    """``consolidate``: one file of the full model from a checkpoint."""
     consolidate = sub.add_parser(
         "consolidate",
         help="write one file of the full model from a (sharded or replicated) checkpoint",
@@ -283,9 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound on the first answer of a remote CHECKPOINT's storage (default 60)",
     )
     consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.command_parsers = {"demo": demo, "plan": plan, "doctor": doctor,
-                              "consolidate": consolidate}
-    return parser
+    return consolidate
+
+
+# Each command and the function adding its parser, in the order --help lists them.
+COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
+            ("consolidate", _add_consolidate))
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -328,6 +348,12 @@ def _describe_topology(args: argparse.Namespace):
         # What every TPU host reports (Ray reads it from GKE's variables or the GCE metadata).
         facts = [dataclasses.replace(f, tpu_accelerator_type=tpu_type, tpu_topology=tpu_topology)
                  for f in facts]
+    if args.runtime == "native" and args.device == "tpu":
+        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
+
+        # TorchTPUConfig's hosts: slices, each host at its place in its slice's chip grid.
+        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
+    # The workers own accelerator ids only when they were described with some (not on cpu).
     return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
 
@@ -349,13 +375,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     topology, facts = _describe_topology(args)
     runtime = get_runtime(args.device, args.runtime)
-    if args.runtime == "native" and args.device == "tpu":
-        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
-        from ray_train_xla.planning.topology import Topology
-
-        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
-        topology = Topology.from_facts(facts, "accelerator" if args.cores_per_worker != 0 else None)
-    elif args.tpu_slices > 1:
+    if args.tpu_slices > 1 and not (args.runtime == "native" and args.device == "tpu"):
         raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
                            "--device tpu --runtime native")
     runtime.check(config, topology)
