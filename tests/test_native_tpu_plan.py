@@ -20,10 +20,13 @@ CHIPS = (2, 2, 1)
 
 
 def host_facts(topology, order, per_host=4, slice_name="", ip_base=1, coords=True,
-               worker_ids=True, first_chip=0, node_prefix="n"):
+               worker_ids=True, first_chip=0, node_prefix="n", accelerator_type="",
+               resource_per_chip=None):
     """Facts for the hosts of one slice as Ray lists them: Ray's node n is the slice's host
     ``order[n]`` (its position in TorchTPU's topological order); each host reports one chip's
-    coordinates (its host coordinates times the chips per host, plus the chip's own offset)."""
+    coordinates (its host coordinates times the chips per host, plus the chip's own offset).
+    ``accelerator_type`` and ``resource_per_chip`` as Ray reports them (TPU v7x: "TPU-V7X", and
+    2 where Ray counts devices; the ids are then device ids, ``per_host`` devices)."""
     hosts = slice_hosts(topology) if len(order) > 1 else [(0, 0, 0)]
     facts = []
     for n, position in enumerate(order):
@@ -37,7 +40,8 @@ def host_facts(topology, order, per_host=4, slice_name="", ip_base=1, coords=Tru
                 tpu_topology=topology, tpu_worker_id=position if worker_ids else None,
                 tpu_chip_coords=(tuple(h * c + o for h, c, o in zip(host, CHIPS, offset))
                                  if coords else None),
-                free_port=40000 + 10 * n + local))
+                free_port=40000 + 10 * n + local, tpu_accelerator_type=accelerator_type,
+                tpu_resource_per_chip=resource_per_chip))
     return facts
 
 

@@ -77,6 +77,27 @@ DEFAULT_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64:
                          128: "8x16", 256: "16x16", 512: "16x32", 1024: "32x32"}
 # Host counts laid out as a TPU v4 slice (hosts stacked along z) when no topology is known.
 V4_STACKED_HOSTS = (1, 2, 4)
+# Separately addressable devices per chip, by generation: TPU v7 (Ironwood, "tpu7x"/"v7x")
+# exposes two (torch-tpu 0.2.0 ``hardware._DEVICES_PER_CHIP = {V7: 2}``, default 1; torch_xla
+# 2.9 ``_internal/tpu.py`` appends ",2" to the v7 process bounds); every other generation one.
+MULTI_DEVICE_GENERATIONS = {"v7": 2}
+# Ray's setting that counts ``TPU`` resources per device instead of per chip (Ray 2.60
+# ``ray._private.accelerators.tpu.get_tpu_resource_per_chip``).
+PER_DEVICE_SETTING = "RAY_TPU_RESOURCE_PER_CHIP=2"
+
+
+def tpu_generation(accelerator_type: str) -> str:
+    """The generation of a TPU accelerator type as Ray spells it ("v7x"), from any spelling:
+    "tpu7x-32", "v7x-32", Ray's "TPU-V7X"; "" when none is given."""
+    normal = re.sub(r"^tpu-?v?", "v", (accelerator_type or "").strip().lower())
+    return normal.split("-")[0] if normal.startswith("v") else ""
+
+
+def devices_per_chip(accelerator_type: str) -> int:
+    """Devices per chip of a TPU accelerator type (2 on v7x, else 1; see
+    MULTI_DEVICE_GENERATIONS)."""
+    match = re.match(r"v(\d+)", tpu_generation(accelerator_type))
+    return MULTI_DEVICE_GENERATIONS.get(f"v{match.group(1)}", 1) if match else 1
 
 
 @dataclass(frozen=True)
@@ -100,6 +121,10 @@ class TPUSlice:
     @property
     def chips_per_host(self) -> int:
         return math.prod(self.host_chips)
+
+    @property
+    def devices_per_chip(self) -> int:
+        return devices_per_chip(self.generation)
 
     def __str__(self) -> str:
         dims = self.topology[:2] if self.topology[2] == 1 and self.generation in TWO_D_GENERATIONS \
