@@ -48,7 +48,11 @@ import re
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.options import TPU_OWNER
 from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
-from ray_train_xla.planning.runtimes.tpu import PER_DEVICE_SETTING, devices_per_chip
+from ray_train_xla.planning.runtimes.tpu import (
+    PER_DEVICE_SETTING,
+    check_per_device_count,
+    devices_per_chip,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -345,22 +349,6 @@ class NativeTPURuntime(Runtime):
         if config.compile_cache:
             env["TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"] = config.compile_cache
         return env
-
-
-def check_per_device_count(topology, owner: str, runtime: str, per_chip: int,
-                           alternative: str = "") -> None:
-    """On TPU v7x a worker runs one device: refuse hosts where Ray counts ``TPU`` per chip
-    (``RAY_TPU_RESOURCE_PER_CHIP`` unset or 1) and gave each worker a whole chip."""
-    per_chip_hosts = sorted({w.node_ip for w in topology.workers
-                             if w.tpu_resource_per_chip == 1 and w.accelerator_ids})
-    if per_chip_hosts:
-        raise XLAConfigError(
-            f"{owner}: on TPU v7x each chip exposes {per_chip} devices and {runtime} runs one "
-            f"process per device, but Ray counts TPU per chip on {', '.join(per_chip_hosts[:4])}"
-            f"{' ...' if len(per_chip_hosts) > 4 else ''}, so each worker holds a whole chip. "
-            f"Start Ray on every TPU node with {PER_DEVICE_SETTING} (a host of 4 chips then has "
-            f"TPU=8) and keep resources_per_worker={{'TPU': 1}}, one worker per device"
-            + alternative + ".")
 
 
 RUNTIMES = {("tpu", "native"): NativeTPURuntime}
