@@ -33,6 +33,11 @@ set, identically on every rank where TorchTPU requires it:
   TorchTPU sets itself); ranks are slice-major, every slice the same shape;
 - ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` from ``compile_cache``.
 
+TPU v7x (two devices per chip, torch-tpu 0.2.0 ``hardware._DEVICES_PER_CHIP``): one worker per
+device, Ray counting ``TPU`` per device (``RAY_TPU_RESOURCE_PER_CHIP=2``; a per-chip count is
+refused); ``TORCH_TPU_TOPOLOGY`` 4-D (chips and ``,2``; one host: ``hardware._V7_TOPOLOGY``),
+addresses, ranks and ``TPU_VISIBLE_DEVICES`` per device.
+
 ``TORCH_TPU_DEVICES_PER_HOST`` is left unset on purpose: with it, the ranks of a host share a
 FileStore under ``/dev/shm`` named after their parent pid, which under Ray is the raylet, the
 same for every run on the node.

@@ -41,6 +41,11 @@ topology variable itself, from the chips Ray assigned each worker:
   Not planned on CPU (torch_xla 2.9's CPU client cannot deserialize executables) nor on Neuron
   (Neuron keeps its own cache, ``NEURON_COMPILE_CACHE_URL``).
 
+TPU v7x (two devices per chip): per process, one worker per device as torch_xla 2.9's
+``configure_topology`` runs them (Ray counting devices, ``RAY_TPU_RESOURCE_PER_CHIP=2``; a
+per-chip count is refused): ``TPU_VISIBLE_CHIPS`` the device, bounds with the trailing ``,2``;
+in SPMD the chips of Ray's device ids, bounds without it.
+
 Multislice (hosts of several TPU slices, which Ray's JAX support joins with ``MEGASCALE_*``
 variables) is refused before start: torch_xla 2.9's PJRT TPU path has no multislice support.
 """
