@@ -239,6 +239,20 @@ def test_device_files_are_counted(tmp_path):
     assert [os.path.basename(p) for p in doctor.tpu_chips(str(tmp_path))] == ["0", "1", "2"]
 
 
+def test_tpu_devices_per_chip_from_the_pci_bus(tmp_path, monkeypatch):
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    for n, (vendor, device) in enumerate([("0x8086", "0x0076"), ("0x1ae0", "0x006f")]):
+        (tmp_path / str(n)).mkdir()
+        (tmp_path / str(n) / "vendor").write_text(vendor + "\n")
+        (tmp_path / str(n) / "device").write_text(device + "\n")
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 1  # v6e; 0x0076 of another vendor
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "tpu7x-32")
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 2
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    (tmp_path / "1" / "device").write_text("0x0076\n")  # TPU v7
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 2
+
+
 def test_help_names_the_options(capsys):
     from ray_train_xla.tools.cli import build_parser
 

@@ -120,6 +120,27 @@ def test_scaling_ranges_are_checked_before_fit(monkeypatch):
     assert check_scaling_config(ScalingConfig(num_workers=(1, 1)), spmd_cpu) == (1, 1)
     with pytest.raises(XLAConfigError, match=r"num_workers=\(1, 2\).*SPMD on the CPU is one worker"):
         check_scaling_config(ScalingConfig(num_workers=(1, 2)), spmd_cpu)
+    # TPU v7x (2 devices per chip): one worker per device needs Ray counting devices; slices
+    # are then counted in devices (2x2x4: 16 chips, 32 workers), else in chips (SPMD: hosts).
+    v7x = dict(use_tpu=True, topology="2x2x4", accelerator_type="TPU-V7X")
+    one = {"TPU": 1}
+    monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
+    with pytest.raises(XLAConfigError, match=r"Ray counts TPU per chip here.*"
+                                             r"RAY_TPU_RESOURCE_PER_CHIP=2 in the driver"):
+        check_scaling_config(ScalingConfig(num_workers=16, resources_per_worker=one, **v7x),
+                             TorchTPUConfig())
+    assert check_scaling_config(ScalingConfig(num_workers=(4, 4), **v7x),
+                                TorchXLAConfig(spmd=True)) == (4, 4)
+    monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", "2")
+    assert check_scaling_config(ScalingConfig(num_workers=(32, 64), resources_per_worker=one,
+                                              **v7x), TorchTPUConfig()) == (32, 64)
+    with pytest.raises(XLAConfigError, match=r"at most 32 workers .*counted in devices"):
+        check_scaling_config(ScalingConfig(num_workers=(32, 64), resources_per_worker=one,
+                                           **v7x), TorchXLAConfig())
+    with pytest.raises(XLAConfigError, match=r"\{'TPU': 1\} with TorchTPUConfig.*got 8"):
+        check_scaling_config(ScalingConfig(num_workers=4, **v7x), TorchTPUConfig())
+    with pytest.raises(ValueError, match=r"must be a multiple of 32"):  # part of a slice
+        ScalingConfig(num_workers=(16, 32), resources_per_worker=one, **v7x)
 
 
 # ---- the same global batches on every world size ---------------------------------------------

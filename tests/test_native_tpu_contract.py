@@ -18,8 +18,9 @@ torchrun's ``RANK = NODE_RANK * nproc + LOCAL_RANK`` must be our rank. Then each
 environment is checked against what TorchTPU's native worker code requires
 (``worker_problems``: read from the wheel's C++ glue, as ``docs/native-tpu-spec.md`` records; that
 code cannot run without a TPU). Cases: one host (v5p, v6e), four hosts of a v5p and of a v6e
-slice with Ray's node order shuffled against the topological order, and two slices. A plan
-made in Ray's node order fails.
+slice with Ray's node order shuffled against the topological order, and two slices; the same on
+TPU v7x (4 chips of 2 devices per host, one worker per device: TorchTPU's PCI scan counts the 8
+devices, its topology is 4-D). A plan made in Ray's node order fails.
 """
 
 from __future__ import annotations
@@ -261,6 +262,8 @@ def check(facts, plans, generation, results=None):
 
 # ---- the cases --------------------------------------------------------------------------------
 
+V7X = {"per_host": 8, "accelerator_type": "TPU-V7X", "resource_per_chip": 2}
+
 CASES = {
     "v5p-1host": ("v5p", lambda: host_facts("", [0], per_host=4)),
     "v6e-1host": ("v6e", lambda: host_facts("", [0], per_host=8)),
@@ -269,6 +272,13 @@ CASES = {
     "v6e-2slices": ("v6e", lambda: (
         host_facts("4x4", SHUFFLED, slice_name="b", ip_base=2, node_prefix="b")
         + host_facts("4x4", [1, 3, 0, 2], slice_name="a", ip_base=1, node_prefix="a"))),
+    # TPU v7x: 4 chips of 2 devices per host, one worker per device (Ray counting devices).
+    "v7x-1host": ("v7", lambda: host_facts("", [0], **V7X)),
+    "v7x-4hosts": ("v7", lambda: host_facts("2x2x4", SHUFFLED, **V7X)),
+    "v7x-2slices": ("v7", lambda: (
+        host_facts("2x2x4", SHUFFLED, slice_name="b", ip_base=2, node_prefix="b", **V7X)
+        + host_facts("2x2x4", [1, 3, 0, 2], slice_name="a", ip_base=1, node_prefix="a",
+                     **V7X))),
 }
 
 
@@ -302,10 +312,11 @@ def all_results():
         groups[name] = (facts, plans, generation, launch_cases(facts, plans, generation))
     real, plans = naive_plan()
     groups["naive"] = (real, plans, "v5p", launch_cases(real, plans, "v5p"))
-    flat = [c for g in groups.values() for c in g[3]] + topology_cases()
+    flat = [c for g in groups.values() for c in g[3]] + topology_cases() + [{"kind": "hardware"}]
     results = iter(run_torch_tpu(flat))
     out = {name: [next(results) for _ in g[3]] for name, g in groups.items()}
     out["topology"] = list(results)
+    out["hardware"] = out["topology"].pop()
     return groups, out
 
 
@@ -314,8 +325,17 @@ def test_plans_pass_torchtpu_launch_code(case, all_results):
     groups, results = all_results
     facts, plans, generation, _ = groups[case]
     assert check(facts, plans, generation, results[case]) == []
+    per_host = int(plans[0].env["LOCAL_WORLD_SIZE"])
     if "4hosts" in case:  # Ray's node n is the slice's host SHUFFLED[n]
-        assert [p.env["NODE_RANK"] for p in plans][::4] == [str(s) for s in SHUFFLED]
+        assert [p.env["NODE_RANK"] for p in plans][::per_host] == [str(s) for s in SHUFFLED]
+    if generation == "v7":  # one process per device: 4 chips, 8 ranks and addresses per host
+        env = plans[0].env
+        assert per_host == 8 and env["TORCH_TPU_TOPOLOGY"].endswith(",2")
+        slices = int(env.get("MEGASCALE_NUM_SLICES", 1))
+        assert len(env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == len(facts) // slices
+        for f, p in zip(facts, plans):
+            assert p.env["TPU_VISIBLE_DEVICES"] == f.accelerator_ids["TPU"][0] == p.env[
+                "LOCAL_RANK"]
 
 
 def test_a_plan_in_rays_node_order_fails(all_results):
@@ -355,3 +375,19 @@ def test_an_environment_that_cannot_be_built_fails_unless_skipped(tmp_path, monk
     for value, skip in (("1", True), ("0", False), ("", False)):
         monkeypatch.setenv(SKIP_VAR, value)
         assert skipped() is skip
+
+
+def test_devices_per_chip_are_torchtpus(all_results):
+    """Devices per chip by generation and the v7 local topologies are torch-tpu's own
+    (``hardware.get_devices_per_chip``, ``hardware._V7_TOPOLOGY``)."""
+    from ray_train_xla.planning.runtimes.native_tpu import V7_HOST_GRIDS
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    _, results = all_results
+    theirs = results["hardware"]
+    assert theirs["devices_per_chip"]["v7"] == 2  # what the v7x cases above rest on
+    for generation, count in theirs["devices_per_chip"].items():
+        assert devices_per_chip(f"{generation}-8") == count, generation
+    assert {int(k): v for k, v in theirs["v7_topology"].items()} == V7_HOST_GRIDS
+    for spelling in ("tpu7x-32", "v7x-32", "TPU-V7X"):
+        assert devices_per_chip(spelling) == 2

@@ -222,8 +222,9 @@ def _add_plan(sub) -> argparse.ArgumentParser:
     plan.add_argument(
         "--accelerator-type", default="", metavar="TYPE",
         help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
-        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256); without --tpu-topology, that type's "
-        "standard topology",
+        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
+        "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
+        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd",
     )
     plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",

@@ -199,6 +199,26 @@ def tpu_chips(dev: str = "/dev") -> list[str]:
     return sorted(p for p in glob.glob(os.path.join(dev, "vfio", "*")) if os.path.basename(p).isdigit())
 
 
+# TPU v7's PCI device id (torch-tpu 0.2.0 ``hardware._PCI_DEVICE_ID_TO_NAME``, torch_xla 2.9
+# ``_TPU_PCI_DEVICE_IDS``): its chips expose 2 devices each (``hardware._DEVICES_PER_CHIP``).
+TPU_V7_PCI_ID, GOOGLE_PCI_VENDOR = "0x0076", "0x1ae0"
+
+
+def tpu_devices_per_chip(pci: str = "/sys/bus/pci/devices") -> int:
+    """Devices per TPU chip on this host: 2 on TPU v7 (a Google PCI device 0x0076, as torch-tpu's
+    PCI scan finds it, or ``TPU_ACCELERATOR_TYPE`` naming a v7x slice), else 1."""
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    for vendor in glob.glob(os.path.join(pci, "*", "vendor")):
+        try:
+            with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+                if f.read().strip() == GOOGLE_PCI_VENDOR and g.read().strip() == TPU_V7_PCI_ID:
+                    return 2
+        except OSError:
+            continue
+    return devices_per_chip(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+
+
 def _writable(path: str) -> tuple[bool, str]:
     """Whether ``path`` (or, if it does not exist yet, its nearest existing parent) accepts a file."""
     probe = path
@@ -416,10 +436,22 @@ def check_tpu_chips(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
     if not n:
         return [("TPU chips", FAIL, f"no /dev/accel* or /dev/vfio chips{tpu_text}",
                  "run this node on a TPU VM, or start Ray there without a TPU resource")]
-    if tpus is not None and tpus != n:
-        return [("TPU chips", WARN, f"{n} chips{tpu_text}",
-                 f"restart Ray on this node with --resources='{{\"TPU\": {n}}}'")]
-    return [("TPU chips", OK, f"{n} chips{tpu_text}", "")]
+    per_chip = tpu_devices_per_chip()
+    per_device = os.environ.get("RAY_TPU_RESOURCE_PER_CHIP", "1")
+    counted = int(per_device) if per_device.isdigit() and int(per_device) > 0 else 1
+    detail = f"{n} chips, {per_chip} device{'s' if per_chip > 1 else ''} per chip"
+    if per_chip > 1:
+        detail += (f" (TPU v7: one worker per device; Ray counts TPU per "
+                   f"{'device' if counted > 1 else 'chip'}, RAY_TPU_RESOURCE_PER_CHIP={per_device})")
+    if tpus is not None and tpus != n * counted:
+        return [("TPU chips", WARN, detail + tpu_text,
+                 f"restart Ray on this node with --resources='{{\"TPU\": {n * counted}}}'")]
+    if per_chip > 1 and counted == 1:
+        return [("TPU chips", WARN, detail + tpu_text,
+                 "start Ray on this node with RAY_TPU_RESOURCE_PER_CHIP=2 and --resources="
+                 f"'{{\"TPU\": {n * per_chip}}}' (TorchTPUConfig, TorchXLAConfig without SPMD: "
+                 "one worker per device)")]
+    return [("TPU chips", OK, detail + tpu_text, "")]
 
 
 def check_compile_caches(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
