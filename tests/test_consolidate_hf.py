@@ -242,15 +242,17 @@ def test_help_says_how_to_export_for_hugging_face(capsys):
         assert words in text, words
 
 
-# A fresh interpreter where torch_xla cannot be imported, nor even looked up (as in
-# test_core_imports.py): Transformers and Accelerate, which import it at their import where it is
-# installed, must be kept from trying.
+# A fresh interpreter where torch_xla cannot be imported (as in test_core_imports.py), and where
+# every attempt to find it is counted: Transformers and Accelerate, which import it at their
+# import where it is installed, must not even look for it.
 WITHOUT_XLA = r"""
 import importlib.abc, json, os, sys
 
+tried = []
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "torch_xla":
+            tried.append(name)
             raise ImportError(f"{name} is blocked in this test")
         return None
 
@@ -258,6 +260,7 @@ sys.meta_path.insert(0, Block())
 from ray_train_xla.tools.cli import main
 assert main(["consolidate", sys.argv[1], sys.argv[2], "--hf", "--json"]) == 0
 assert "torch_xla" not in sys.modules
+assert not tried, tried  # so, where it is installed, it is not imported either
 assert "USE_TORCH_XLA" not in os.environ  # set only while Transformers was imported and used
 print("ok")
 """
