@@ -156,12 +156,13 @@ def test_the_config_saved_in_the_checkpoint(capsys, tmp_path, kind):
     out = tmp_path / "out"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")  # other files are kept
+    (out / "training_args.bin").write_bytes(b"")
     code, stdout, err = run(capsys, ["consolidate", str(tmp_path / "with"), str(out), "--hf"])
     assert code == 0, err
     assert "LlamaForCausalLM (bfloat16)" in stdout and "config from the checkpoint's hf_config" in stdout
     with open(out / "config.json") as f:
         assert json.load(f)["dtype"] == "bfloat16"
-    assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "tokenizer.json").read_text() == "{}" and (out / "training_args.bin").exists()
     assert_same_model(out, model, tie=False)
 
     save(tmp_path / "without", state_of(model), {"step": 1})
@@ -215,6 +216,11 @@ def test_refusals_are_one_line(capsys, tmp_path, monkeypatch):
     line = error_line(capsys, ["consolidate", str(ckpt), str(held), "--hf"], 2)
     assert f"OUT_DIR {held} already holds a model (model.safetensors)" in line
     assert (held / "model.safetensors").read_bytes() == b""  # not overwritten
+    old_weights = tmp_path / "old-weights"
+    old_weights.mkdir()
+    (old_weights / "pytorch_model.bin").write_bytes(b"")
+    line = error_line(capsys, ["consolidate", str(ckpt), str(old_weights), "--hf"], 2)
+    assert "already holds a model (pytorch_model.bin)" in line
     for extra, words in [
         (["--torch", str(tmp_path / "x.pt")], "--torch does not go with --hf"),
         (["--max-shard-size", "5 potatoes"], "--max-shard-size '5 potatoes' is not a size"),
@@ -231,7 +237,7 @@ def test_refusals_are_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "o"), "--hf"], 1)
     assert "pip install transformers" in line
-    assert sorted(os.listdir(tmp_path)) == ["a-file", "ckpt", "held"]
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "ckpt", "held", "old-weights"]
 
 
 def test_help_says_how_to_export_for_hugging_face(capsys):

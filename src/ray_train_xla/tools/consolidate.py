@@ -49,9 +49,11 @@ CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 HF_CONFIG_KEY = "hf_config"
 # save_pretrained's largest shard, as the Hub recommends (Transformers' own default is 50GB).
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Files of a save_pretrained directory: --hf refuses an OUT_DIR that already holds any of them.
+# Files of a model directory: --hf refuses an OUT_DIR that already holds any of them (stale
+# shards of another export would stay beside the new ones).
 HF_MODEL_FILES = ("config.json", "generation_config.json")
-HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
+HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
 # Bound on the first answer of a remote checkpoint's storage (s3://, gs://, ...): without a
 # network, some clients retry for many minutes before they fail.
 DEFAULT_TIMEOUT_S = 60.0
@@ -277,7 +279,8 @@ def _check_out_dir(out_dir: str) -> None:
             names = os.listdir(out_dir)
         except OSError as exc:
             raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: {_one_line(exc)}") from exc
-        held = sorted(n for n in names if n in HF_MODEL_FILES or n.endswith(HF_MODEL_SUFFIXES))
+        held = sorted(n for n in names if n in HF_MODEL_FILES or n.endswith(HF_MODEL_SUFFIXES)
+                      or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
         if held:
             more = f" and {len(held) - 4} more" if len(held) > 4 else ""
             raise NotConsolidatableError(
