@@ -40,6 +40,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PER_PARAMETER_MB = 1e-9  # a bucket size smaller than any tensor: one bucket per parameter
+# What a child process (--task, run by in_subprocess) can measure.
+TASKS = ("quick_bare", "throughput_bare", "throughput_bare_mp", "profile_step", "recompile_ours",
+         "recompile_naive")
 
 
 def log(message: str) -> None:
@@ -783,7 +786,7 @@ def main() -> None:
                         help="directory for results.json, results.md and ratios.png")
     parser.add_argument("--only", default=None,
                         help="comma-separated subset of: startup,throughput,recompile,grad_sync")
-    parser.add_argument("--task", help=argparse.SUPPRESS)
+    parser.add_argument("--task", choices=TASKS, help=argparse.SUPPRESS)
     parser.add_argument("--task-config", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path[:0] = [HERE, os.path.join(ROOT, "examples")]
@@ -797,11 +800,11 @@ def main() -> None:
                 "bare_mp": throughput_bare(models["mlp"], "mp"),
                 "profile": profile_step(config["profile"]),
             }))
-        elif args.task.startswith("throughput_bare"):
+        elif args.task in ("throughput_bare", "throughput_bare_mp"):
             print(json.dumps(throughput_bare(config, "mp" if args.task.endswith("_mp") else "to")))
         elif args.task == "profile_step":
             print(json.dumps(profile_step(config)))
-        else:
+        else:  # recompile_ours, recompile_naive (argparse refused any other task)
             print(json.dumps(recompile_count(config, args.task.removeprefix("recompile_"))))
         return
 

@@ -284,7 +284,8 @@ def pytest_collection_finish(session):
     """On a machine without the cached torch-tpu environment of the TorchTPU contract tests
     (``test_native_tpu_contract.py``), start building it in the background at once: the
     install (about half a minute, mostly downloads and unpacking) overlaps the tests that run
-    before that module, which waits for it (under the same lock) when it gets there."""
+    before that module, which waits for it (under the same lock) when it gets there. Not with
+    ``RTX_SKIP_TORCH_TPU_CONTRACT=1``, which skips that module."""
     if not any(item.nodeid.startswith("tests/test_native_tpu_contract.py") or
                "test_native_tpu_contract.py" in item.nodeid for item in session.items):
         return
@@ -292,13 +293,13 @@ def pytest_collection_finish(session):
 
     import test_native_tpu_contract as contract
 
-    if os.path.exists(os.path.join(contract.VENV, ".complete")):
+    if contract.skipped() or os.path.exists(os.path.join(contract.VENV, ".complete")):
         return
 
     def build() -> None:
         try:
             contract.torch_tpu_python()
-        except BaseException:  # noqa: BLE001 (the module reports its own skip or failure)
+        except BaseException:  # noqa: BLE001 (the module reports its own failure)
             pass
 
     threading.Thread(target=build, name="torch-tpu-venv", daemon=True).start()

@@ -160,7 +160,46 @@ def _tpu_cases():
             planned(facts_for([[(0, 1, 2, 3)]] * 4, "TPU", [2, 0, 3, 1]), "TPU", "tpu",
                     spmd=True),
             [2, 0, 3, 1], 4),
+        # TPU v7x (4 chips of 2 devices per host). Per device: Ray counts devices
+        # (RAY_TPU_RESOURCE_PER_CHIP=2), one worker each; SPMD: Ray counting chips (TPU: 4) or
+        # devices (TPU: 8, ids collapsed to chips), one worker per host.
+        "v7-per-device-1x8": (
+            planned(v7_facts([[(d,) for d in range(8)]], [0], "tpu7x-8", 2), "TPU", "tpu"),
+            [0], 4, 2),
+        "v7-per-device-4x8": (
+            planned(v7_facts([[(d,) for d in range(8)]] * 4, [2, 0, 3, 1], "tpu7x-32", 2),
+                    "TPU", "tpu"),
+            [2, 0, 3, 1], 4, 2),
+        "v7-spmd-1x4": (
+            planned(v7_facts([[(0, 1, 2, 3)]], [0], "v7x-8", 1), "TPU", "tpu", spmd=True),
+            [0], 4, 1),
+        "v7-spmd-4x8": (
+            planned(v7_facts([[tuple(range(8))]] * 4, [2, 0, 3, 1], "tpu7x-32", 2), "TPU",
+                    "tpu", spmd=True),
+            [2, 0, 3, 1], 4, 2),
     }
+
+
+V7_TOPOLOGIES = {"tpu7x-8": "2x2x1", "v7x-8": "2x2x1", "tpu7x-32": "2x2x4"}
+
+
+def v7_facts(ids_per_node, worker_ids, accelerator_type, per_chip):
+    """TPU v7x hosts as Ray reports them: the slice's type and topology, Ray's TPU count per
+    chip (``RAY_TPU_RESOURCE_PER_CHIP``; the ids are device ids with 2)."""
+    import dataclasses
+
+    return [dataclasses.replace(f, tpu_accelerator_type=accelerator_type,
+                                tpu_topology=V7_TOPOLOGIES[accelerator_type],
+                                tpu_resource_per_chip=per_chip)
+            for f in facts_for(ids_per_node, "TPU", worker_ids)]
+
+
+def _gce_metadata(accelerator_type: str, hosts: int, worker_id: int, ips: list) -> dict:
+    """The GCE metadata of a TPU v7x host (``tpu-env``: host bounds, each host's 2x2x1 chips;
+    the worker IPs), served to torch_xla's metadata path (``contracts/tpu_configure.py``)."""
+    return {"RTX_GCE_TPU_METADATA": json.dumps({
+        "ACCELERATOR_TYPE": accelerator_type, "TPU_PROCESS_BOUNDS": f"1,1,{hosts}",
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "WORKER_ID": str(worker_id), "ips": ips})}
 
 
 def _slice_metadata(num_hosts: int, worker_id: int) -> dict:
@@ -170,24 +209,32 @@ def _slice_metadata(num_hosts: int, worker_id: int) -> dict:
             "TPU_WORKER_ID": str(worker_id)}
 
 
+_V7_TYPE = {"v7-per-device-1x8": "tpu7x-8", "v7-per-device-4x8": "tpu7x-32",
+            "v7-spmd-1x4": "v7x-8", "v7-spmd-4x8": "tpu7x-32"}
+
+
 def _tpu_payload():
     cases = _tpu_cases()
     payload, index = [], []
-    for name, (rows, worker_ids, _) in cases.items():
+    for name, (rows, worker_ids, *_) in cases.items():
         hosts = len(worker_ids)
         by_id = sorted(range(hosts), key=lambda n: worker_ids[n])
         ips = ",".join(f"10.0.0.{n + 1}" for n in by_id)
         for row in rows:
-            meta = _slice_metadata(hosts, worker_ids[row["node_rank"]])
-            meta["TPU_WORKER_HOSTNAMES"] = ips
-            spmd = name.startswith("spmd")
+            if name.startswith("v7"):  # torch_xla's GCE metadata path (see tpu_configure.py)
+                meta = _gce_metadata(_V7_TYPE[name], hosts,
+                                     worker_ids[row["node_rank"]], ips.split(","))
+            else:
+                meta = _slice_metadata(hosts, worker_ids[row["node_rank"]])
+                meta["TPU_WORKER_HOSTNAMES"] = ips
+            spmd = "spmd" in name
             local = (0, 1) if spmd else (row["local_rank"], row["local_world_size"])
             payload.append([{**row["env"], **meta}, *local])
             index.append(name)
             if not spmd:
                 # torch_xla's own derivation for the same process from the slice metadata alone.
-                own = {**meta, "TPU_HOST_BOUNDS": f"1,1,{hosts}",
-                       "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
+                own = dict(meta) if name.startswith("v7") else {
+                    **meta, "TPU_HOST_BOUNDS": f"1,1,{hosts}", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
                 payload.append([own, *local])
                 index.append(name + "/own")
     return cases, index, payload
@@ -217,10 +264,13 @@ def tpu_results(contract_runs):
 @pytest.mark.parametrize("name", list(_tpu_cases()))
 def test_tpu_plans_pass_torch_xla_topology(name, tpu_results):
     cases, results = tpu_results
-    rows, worker_ids, chips_per_host = cases[name]
+    rows, worker_ids, chips_per_host, *rest = cases[name]
+    ray_per_chip = rest[0] if rest else 1  # Ray's TPU ids per chip (2: device ids on v7x)
     after = results[name]
-    spmd = name.startswith("spmd")
+    spmd = "spmd" in name
     hosts = len(worker_ids)
+    # devices per process on v7x per device: TPU_PROCESS_BOUNDS counts devices (",2")
+    per_chip = 2 if name.startswith("v7") and not spmd else 1
     assert all(r["ok"] for r in after), after
     for row, res in zip(rows, after):
         env = res["env"]
@@ -228,12 +278,21 @@ def test_tpu_plans_pass_torch_xla_topology(name, tpu_results):
             assert value == row["env"].get(key), (key, value, row["env"].get(key))
         assert res["is_spmd"] is spmd
         chips = env["TPU_VISIBLE_CHIPS"].split(",")
-        assert sorted(chips) == sorted(row["accelerator_ids"])  # every chip Ray gave is kept
+        given = row["accelerator_ids"]
+        if spmd:  # Ray's device ids name chips id // ray_per_chip (as Ray masks them)
+            given = sorted({str(int(i) // ray_per_chip) for i in given})
+        assert sorted(chips) == sorted(given)  # every chip (device) Ray gave is kept
         per_process = math.prod(int(d) for d in env["TPU_CHIPS_PER_PROCESS_BOUNDS"].split(","))
         assert per_process == len(chips)
-        # libtpu's grid holds every process of the job, and every chip of the slice.
-        assert res["process_bounds_size"] == len(rows)
-        assert res["process_bounds_size"] * per_process == hosts * chips_per_host
+        # libtpu's grid holds every process of the job, and every chip (device) of the slice.
+        bounds = [int(d) for d in env["TPU_PROCESS_BOUNDS"].split(",")]
+        assert len(bounds) == (4 if per_chip > 1 else 3) and bounds[3:] in ([], [per_chip])
+        assert math.prod(bounds) == len(rows)
+        assert math.prod(bounds) * per_process == hosts * chips_per_host * per_chip
+        if per_chip == 1:
+            assert res["process_bounds_size"] == len(rows)  # torch_xla's own reading
+        else:  # torch_xla 2.9 reads 3 entries only: xmp.spawn could not size a v7 host
+            assert "should be length 3" in res["process_bounds_size"]
         # The task id orders hosts by TPU worker id, as torch_xla and libtpu number them.
         worker_id = worker_ids[row["node_rank"]]
         assert res["task_id"] == worker_id * (len(rows) // hosts) + (

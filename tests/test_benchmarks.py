@@ -68,3 +68,15 @@ def test_scale_benchmark_each_node_fetches_only_its_own_workers():
         assert {env["RAY_TRAIN_XLA_DEVICE"] for env in envs.values()} == {"neuron"}
         assert all(len("".join(k + v for k, v in env.items())) < 4096 for env in envs.values())
     assert len(store.sizes) == 1 + 4  # the index and one object per node
+
+
+def test_an_unknown_task_is_refused_with_the_valid_names():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--task", "recompile_typo",
+         "--task-config", "{}"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "invalid choice: 'recompile_typo'" in proc.stderr
+    for name in ("quick_bare", "throughput_bare_mp", "profile_step", "recompile_ours",
+                 "recompile_naive"):
+        assert name in proc.stderr
+    assert proc.stdout == ""  # nothing was measured

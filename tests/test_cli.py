@@ -9,17 +9,25 @@ import pytest
 from ray_train_xla.tools.cli import build_parser, format_plan_table, main
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"], ["consolidate"]])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([*command, "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: ray-train-xla")
-    for word in {(): ["demo", "plan", "doctor"], ("demo",): ["--workers", "--iterations"],
-                 ("plan",): ["--nodes", "--workers-per-node", "--json", "--cores-per-worker"],
-                 ("doctor",): ["--cluster", "--json"]}[tuple(command)]:
-        assert word in out
+    assert out.startswith(" ".join(["usage: ray-train-xla", *command]))
+    parser = build_parser()
+    if command:  # every option of the command is listed, with its help
+        parser = parser.command_parsers[command[0]]
+        for action in parser._actions:
+            for option in action.option_strings:
+                assert option in out, option
+            if action.help:  # (argparse wraps lines, also after hyphens)
+                assert "".join(action.help.split()) in "".join(out.split()), action.help
+    else:  # the top level lists every command with its one-line help, and the exit statuses
+        for name, sub in parser.command_parsers.items():
+            assert name in out and sub.description
+        assert "Exit status: 0 success" in " ".join(out.split())
 
 
 def test_plan_json_for_two_nodes_of_two_workers(capsys):
@@ -28,18 +36,52 @@ def test_plan_json_for_two_nodes_of_two_workers(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["rank"], r["local_rank"], r["node_rank"]) for r in rows] == [
         (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    assert all(r["env"]["WORLD_SIZE"] == "4" and r["env"]["GROUP_WORLD_SIZE"] == "2"
-               for r in rows)
+    assert [r["node_ip"] for r in rows] == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
+    for r in rows:
+        env = r["env"]
+        assert env["WORLD_SIZE"] == "4" and env["GROUP_WORLD_SIZE"] == "2"
+        assert (env["RANK"], env["LOCAL_RANK"], env["NODE_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+            str(r["rank"]), str(r["local_rank"]), str(r["node_rank"]), "2")
+        assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29500"
+        assert env["PJRT_DEVICE"] == "CPU" and r["accelerator_ids"] == []
+
+
+def table_of(out: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """(variables shared by every worker, one dict per worker row) of plan's table."""
+    lines = out.splitlines()
+    at = lines.index("Per worker:")
+    shared = dict(line.strip().split("=", 1) for line in lines[1:at])
+    header, *rows = (line.split() for line in lines[at + 1:])
+    return shared, [dict(zip(header, row)) for row in rows]
 
 
 def test_plan_table_lists_shared_variables_once_and_the_rest_per_worker(capsys):
     assert main(["plan", "--nodes", "2", "--workers-per-node", "3,1", "--env", "X=1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("4 workers. Shared by every worker:")
-    assert "  X=1\n" in out and "  WORLD_SIZE=4\n" in out
-    header = next(line for line in out.splitlines() if line.strip().startswith("rank"))
-    assert "LOCAL_WORLD_SIZE" in header and "RANK" in header
-    assert format_plan_table([{"rank": 0, "local_rank": 0, "node_rank": 0, "env": {"A": "1"}}])
+    assert out.startswith("4 workers. Shared by every worker:\n")
+    shared, workers = table_of(out)
+    assert shared["X"] == "1" and shared["WORLD_SIZE"] == "4" and shared["MASTER_ADDR"] == "10.0.0.1"
+    assert [(w["rank"], w["local"], w["node"]) for w in workers] == [
+        ("0", "0", "0"), ("1", "1", "0"), ("2", "2", "0"), ("3", "0", "1")]
+    assert [w["LOCAL_WORLD_SIZE"] for w in workers] == ["3", "3", "3", "1"]
+    for w in workers:
+        assert (w["RANK"], w["LOCAL_RANK"], w["NODE_RANK"]) == (w["rank"], w["local"], w["node"])
+    # A variable is in one place only: shared, or a column.
+    assert not set(shared) & set(workers[0])
+
+
+def test_plan_table_format():
+    # Shared variables once, sorted; the others as aligned columns, "-" where a worker has none.
+    rows = [{"rank": 0, "local_rank": 0, "node_rank": 0, "env": {"B": "x", "A": "1", "C": "y"}},
+            {"rank": 1, "local_rank": 0, "node_rank": 1, "env": {"A": "1", "B": "long"}}]
+    assert format_plan_table(rows).splitlines() == [
+        "2 workers. Shared by every worker:",
+        "  A=1",
+        "Per worker:",
+        "  rank  local  node  B     C",
+        "  0     0      0     x     y",
+        "  1     0      1     long  -",
+    ]
 
 
 def test_plan_reports_bad_input_without_a_traceback():
@@ -47,9 +89,12 @@ def test_plan_reports_bad_input_without_a_traceback():
         [sys.executable, "-m", "ray_train_xla.tools.cli", "plan", "--device", "neuron",
          "--cores-per-worker", "2", "--workers-per-node", "2"],
         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("ray-train-xla plan: error: ")
+    assert out.stderr.count("\n") == 1  # one line, no traceback
     assert "num_workers=4" in out.stderr
     bad = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "plan",
                           "--workers-per-node", "0"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "every node needs at least one worker" in bad.stderr
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("ray-train-xla plan: error: ")
+    assert bad.stderr.count("\n") == 1 and "every node needs at least one worker" in bad.stderr

@@ -15,12 +15,22 @@ from ray_train_xla.tools import doctor
 def start_doctor(*args: str, env: dict | None = None) -> subprocess.Popen:
     """Start the CLI as a user would."""
     full_env = {k: v for k, v in os.environ.items()
-                if k not in ("PJRT_DEVICE", "NEURON_RT_VISIBLE_CORES", "XLA_PERSISTENT_CACHE_PATH",
-                             doctor.FAKE_VERSIONS_VAR)}
+                if k not in ("PJRT_DEVICE", "NEURON_RT_VISIBLE_CORES", "XLA_PERSISTENT_CACHE_PATH")}
     full_env.update(env or {})
     return subprocess.Popen([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env)
+
+
+def fake_dist(site, name: str, version: str) -> dict:
+    """The environment of a CLI that sees ``name`` installed at ``version``: a metadata-only
+    dist-info in ``site``, put first on PYTHONPATH (so it shadows the real one; nothing is
+    imported from it as long as the load check is off)."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH"))
+                                          if p)}
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240):
@@ -47,7 +57,7 @@ def runs(tmp_path_factory):
     procs = {
         "table": start_doctor(),
         "mismatch": start_doctor("--no-load-check",
-                                 env={doctor.FAKE_VERSIONS_VAR: "torch_xla=2.8.0"}),
+                                 env=fake_dist(tmp / "site", "torch_xla", "2.8.0")),
         "bad-env": start_doctor(
             "--no-load-check", "--json",
             env={"NEURON_RT_VISIBLE_CORES": "0-1",
@@ -229,6 +239,20 @@ def test_device_files_are_counted(tmp_path):
     assert [os.path.basename(p) for p in doctor.tpu_chips(str(tmp_path))] == ["0", "1", "2"]
 
 
+def test_tpu_devices_per_chip_from_the_pci_bus(tmp_path, monkeypatch):
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    for n, (vendor, device) in enumerate([("0x8086", "0x0076"), ("0x1ae0", "0x006f")]):
+        (tmp_path / str(n)).mkdir()
+        (tmp_path / str(n) / "vendor").write_text(vendor + "\n")
+        (tmp_path / str(n) / "device").write_text(device + "\n")
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 1  # v6e; 0x0076 of another vendor
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "tpu7x-32")
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 2
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE")
+    (tmp_path / "1" / "device").write_text("0x0076\n")  # TPU v7
+    assert doctor.tpu_devices_per_chip(str(tmp_path)) == 2
+
+
 def test_help_names_the_options(capsys):
     from ray_train_xla.tools.cli import build_parser
 
@@ -239,3 +263,25 @@ def test_help_names_the_options(capsys):
         assert option in text
     assert build_parser().parse_args(["doctor", "--cluster"]).cluster == "auto"
     assert build_parser().parse_args(["doctor"]).cluster is None
+
+
+def test_check_node_runs_the_table_in_order(monkeypatch):
+    """check_node runs every function of NODE_CHECKS in order, on shared facts, and keeps a fix
+    only on a non-OK row: adding a check is adding a function and a row of the table."""
+    seen = []
+
+    def first(ctx, facts):
+        seen.append(("first", facts.versions["torch"]))
+        return [("first", doctor.OK, "fine", "ignored fix"), ("second", doctor.WARN, "hm", "do x")]
+
+    def last(ctx, facts):
+        seen.append(("last", facts.versions["torch"]))
+        return [("last", doctor.FAIL, "bad", "do y")]
+
+    monkeypatch.setattr(doctor, "NODE_CHECKS", (first, last))
+    rows = doctor.check_node(doctor.NodeContext(node="n1"))
+    assert seen == [("first", doctor.installed_version("torch"))] + [
+        ("last", doctor.installed_version("torch"))]
+    assert rows == [doctor.Check("first", "n1", "OK", "fine", ""),
+                    doctor.Check("second", "n1", "WARN", "hm", "do x"),
+                    doctor.Check("last", "n1", "FAIL", "bad", "do y")]

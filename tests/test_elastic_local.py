@@ -120,6 +120,27 @@ def test_scaling_ranges_are_checked_before_fit(monkeypatch):
     assert check_scaling_config(ScalingConfig(num_workers=(1, 1)), spmd_cpu) == (1, 1)
     with pytest.raises(XLAConfigError, match=r"num_workers=\(1, 2\).*SPMD on the CPU is one worker"):
         check_scaling_config(ScalingConfig(num_workers=(1, 2)), spmd_cpu)
+    # TPU v7x (2 devices per chip): one worker per device needs Ray counting devices; slices
+    # are then counted in devices (2x2x4: 16 chips, 32 workers), else in chips (SPMD: hosts).
+    v7x = dict(use_tpu=True, topology="2x2x4", accelerator_type="TPU-V7X")
+    one = {"TPU": 1}
+    monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
+    with pytest.raises(XLAConfigError, match=r"Ray counts TPU per chip here.*"
+                                             r"RAY_TPU_RESOURCE_PER_CHIP=2 in the driver"):
+        check_scaling_config(ScalingConfig(num_workers=16, resources_per_worker=one, **v7x),
+                             TorchTPUConfig())
+    assert check_scaling_config(ScalingConfig(num_workers=(4, 4), **v7x),
+                                TorchXLAConfig(spmd=True)) == (4, 4)
+    monkeypatch.setenv("RAY_TPU_RESOURCE_PER_CHIP", "2")
+    assert check_scaling_config(ScalingConfig(num_workers=(32, 64), resources_per_worker=one,
+                                              **v7x), TorchTPUConfig()) == (32, 64)
+    with pytest.raises(XLAConfigError, match=r"at most 32 workers .*counted in devices"):
+        check_scaling_config(ScalingConfig(num_workers=(32, 64), resources_per_worker=one,
+                                           **v7x), TorchXLAConfig())
+    with pytest.raises(XLAConfigError, match=r"\{'TPU': 1\} with TorchTPUConfig.*got 8"):
+        check_scaling_config(ScalingConfig(num_workers=4, **v7x), TorchTPUConfig())
+    with pytest.raises(ValueError, match=r"must be a multiple of 32"):  # part of a slice
+        ScalingConfig(num_workers=(16, 32), resources_per_worker=one, **v7x)
 
 
 # ---- the same global batches on every world size ---------------------------------------------
@@ -219,6 +240,42 @@ def test_the_position_is_saved_and_checked():
         loaders(2, state=worker.state_dict(), global_batch=8)
     with pytest.raises(ValueError, match="sample=6 is not valid"):
         loaders(1, state={"epoch": 0, "sample": 6, "global_batch_size": 4})
+
+
+def test_the_position_follows_iterations_and_set_epoch():
+    def rows(batch):
+        return [float(v) for v in batch[0]]
+
+    def batch_of(epoch, index):
+        (fresh,) = loaders(1)
+        fresh.set_epoch(epoch)
+        it = iter(fresh)
+        for _ in range(index):
+            next(it)
+        return rows(next(it))
+
+    (worker,) = loaders(1)
+    assert worker.epoch == 0
+    assert worker.state_dict() == {"epoch": 0, "sample": 0, "global_batch_size": 4}
+    next(iter(worker))
+    assert worker.epoch == 1  # the next iter() is epoch 1 ...
+    assert worker.state_dict() == {"epoch": 0, "sample": 4, "global_batch_size": 4}
+    # ... from its start, even though epoch 0 was left after one batch.
+    assert rows(next(iter(worker))) == batch_of(1, 0)
+    assert worker.state_dict() == {"epoch": 1, "sample": 4, "global_batch_size": 4}
+    worker.set_epoch(5)
+    assert worker.state_dict() == {"epoch": 5, "sample": 0, "global_batch_size": 4}
+    # A loaded position keeps its sample through set_epoch until it is iterated.
+    (resumed,) = loaders(1, state={"epoch": 0, "sample": 8, "global_batch_size": 4})
+    resumed.set_epoch(2)
+    assert resumed.epoch == 2 and len(resumed) == 3
+    assert resumed.state_dict() == {"epoch": 2, "sample": 8, "global_batch_size": 4}
+    assert rows(next(iter(resumed))) == batch_of(2, 2)
+    assert resumed.state_dict() == {"epoch": 2, "sample": 12, "global_batch_size": 4}
+    resumed.set_epoch(3)
+    assert resumed.state_dict() == {"epoch": 3, "sample": 0, "global_batch_size": 4}
+    assert [rows(b) for b in resumed] == [batch_of(3, i) for i in range(ROWS // GLOBAL)]
+    assert resumed.state_dict() == {"epoch": 4, "sample": 0, "global_batch_size": 4}
 
 
 def test_world_sizes_that_do_not_divide_the_global_batch_are_refused():

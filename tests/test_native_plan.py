@@ -239,7 +239,6 @@ def test_doctor_checks_native_package_pin_and_cache(tmp_path, torch_spec, cache,
     cache_dir = str(tmp_path / "neff") if cache == "writable" else cache
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]),
                TORCH_NEURONX_NEFF_CACHE_DIR=cache_dir)
-    env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
     out = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor", "--no-load-check",
                           "--json"], capture_output=True, text=True, timeout=120, env=env)
     rows = {r["check"]: r for r in json.loads(out.stdout)["checks"]}

@@ -20,10 +20,13 @@ CHIPS = (2, 2, 1)
 
 
 def host_facts(topology, order, per_host=4, slice_name="", ip_base=1, coords=True,
-               worker_ids=True, first_chip=0, node_prefix="n"):
+               worker_ids=True, first_chip=0, node_prefix="n", accelerator_type="",
+               resource_per_chip=None):
     """Facts for the hosts of one slice as Ray lists them: Ray's node n is the slice's host
     ``order[n]`` (its position in TorchTPU's topological order); each host reports one chip's
-    coordinates (its host coordinates times the chips per host, plus the chip's own offset)."""
+    coordinates (its host coordinates times the chips per host, plus the chip's own offset).
+    ``accelerator_type`` and ``resource_per_chip`` as Ray reports them (TPU v7x: "TPU-V7X", and
+    2 where Ray counts devices; the ids are then device ids, ``per_host`` devices)."""
     hosts = slice_hosts(topology) if len(order) > 1 else [(0, 0, 0)]
     facts = []
     for n, position in enumerate(order):
@@ -37,7 +40,8 @@ def host_facts(topology, order, per_host=4, slice_name="", ip_base=1, coords=Tru
                 tpu_topology=topology, tpu_worker_id=position if worker_ids else None,
                 tpu_chip_coords=(tuple(h * c + o for h, c, o in zip(host, CHIPS, offset))
                                  if coords else None),
-                free_port=40000 + 10 * n + local))
+                free_port=40000 + 10 * n + local, tpu_accelerator_type=accelerator_type,
+                tpu_resource_per_chip=resource_per_chip))
     return facts
 
 
@@ -129,6 +133,52 @@ def test_multislice_by_slice_name():
 def test_refusals_name_the_fix(change, match):
     with pytest.raises(XLAConfigError, match=match):
         tpu_plan(change(host_facts("2x2x4", SHUFFLED)))
+
+
+V7X = {"per_host": 8, "accelerator_type": "TPU-V7X", "resource_per_chip": 2}
+
+
+@pytest.mark.parametrize("facts, match", [
+    # Ray counting per chip (its default) on v7x: each TPU: 1 worker holds a whole chip.
+    (lambda: host_facts("2x2x4", SHUFFLED, per_host=4, accelerator_type="TPU-V7X",
+                        resource_per_chip=1),
+     r"2 devices and TorchTPU runs one process per device, but Ray counts TPU per chip on "
+     r"10\.0\.1\.1.*RAY_TPU_RESOURCE_PER_CHIP=2"),
+    # Part of a v7x slice: 2 of its 4 hosts.
+    (lambda: host_facts("2x2x4", SHUFFLED, **V7X)[:16],
+     r"every device of the TPU slice.*2,2,4,2 has 4 hosts of 4 chips \(8 devices\), got 2 "
+     r"hosts and 16 workers; request num_workers=32"),
+    # Two devices (a whole chip) per worker, Ray counting devices.
+    (lambda: [f.__class__(**{**f.__dict__, "accelerator_ids": {"TPU": ("0", "1")}})
+              for f in host_facts("2x2x4", SHUFFLED, **V7X)],
+     r"2 TPU devices per worker.*one device per process"),
+    (lambda: host_facts("", [0], **{**V7X, "per_host": 6}),
+     r"2, 4 or 8 workers \(one device each"),
+])
+def test_v7x_refusals_name_the_fix(facts, match):
+    with pytest.raises(XLAConfigError, match=match):
+        tpu_plan(facts())
+
+
+def test_v7x_plan_per_device():
+    """A v7x host of 4 chips runs 8 workers, one per device: the device Ray assigned is the
+    one TorchTPU sees; ranks, addresses and the 4-D topology count devices."""
+    facts = host_facts("2x2x2", [1, 0], **V7X)
+    plans = tpu_plan(facts)
+    assert [p.env["NODE_RANK"] for p in plans] == ["1"] * 8 + ["0"] * 8
+    for f, p in zip(facts, plans):
+        env = p.env
+        device = f.accelerator_ids["TPU"][0]
+        assert env["TPU_VISIBLE_DEVICES"] == env["TPU_VISIBLE_CHIPS"] == device
+        assert env["LOCAL_RANK"] == device and env["WORLD_SIZE"] == "16"
+        assert env["RANK"] == str(8 * int(env["NODE_RANK"]) + int(device))
+        assert env["TORCH_TPU_TOPOLOGY"] == "2,2,2,2"
+        assert env["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")[int(env["RANK"])] == (
+            f"{f.node_ip}:{f.free_port}")
+    # one host: TorchTPU's own local topologies, by the devices
+    for devices, topology in ((2, "1,1,1,2"), (4, "1,2,1,2"), (8, "2,2,1,2")):
+        env = tpu_plan(host_facts("", [0], **{**V7X, "per_host": devices}))[0].env
+        assert env["TORCH_TPU_TOPOLOGY"] == topology
 
 
 def test_auto_device_and_config_errors():
@@ -259,7 +309,6 @@ def test_doctor_checks_torch_tpu_pin_and_libtpu(tmp_path, torch_spec, libtpu, na
 
     site = fake_dists(tmp_path, torch_spec, libtpu)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]))
-    env.pop("RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS", None)
     out = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "doctor",
                           "--no-load-check", "--json"], capture_output=True, text=True,
                          timeout=120, env=env)

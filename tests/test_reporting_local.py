@@ -202,3 +202,40 @@ def test_unequal_calls_across_ranks_are_an_error_not_a_hang():
 
     run_ranks([lambda: train(0), lambda: train(1)])
     assert seen, "neither rank noticed"
+
+
+def test_a_long_run_leaves_no_decisions_in_the_store():
+    """Every decision key rank 0 puts in the store is deleted once every other rank read it:
+    hundreds of reports keep the store at a few keys during the run and none after it."""
+    fake = FakeRay(world=3)
+    reps = reporters(fake, timeout_s=20)
+    store = reps[0]._store
+    before = store.num_keys()
+    most, running = [before], threading.Event()
+    running.set()
+
+    def watch():
+        while running.is_set():
+            most.append(store.num_keys())
+            time.sleep(0.01)
+
+    def train(rank: int):
+        rep = reps[rank]
+        for step in range(200):
+            rep.checkpoint({"step": step}, None)  # each its own report: 200 decisions
+            if step % 10 == 0:
+                rep.metrics({"step": step})
+        rep.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run_ranks([lambda r=r: train(r) for r in range(3)])
+    finally:
+        running.clear()
+        watcher.join()
+    assert len(fake.calls[0]) == len(fake.calls[2]) >= 200
+    # At most the decision being read, its readers' count and the next one (and the
+    # watcher's own samples: none of them can have seen hundreds).
+    assert max(most) - before <= 4, max(most) - before
+    assert store.num_keys() == before

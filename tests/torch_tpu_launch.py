@@ -10,6 +10,8 @@ process (the C++ ``GetEnvOnce`` behind ``torch_tpu._internal.env``). A case:
   ``set_tpu_launch_env(nnodes=..., nproc_per_node=...)``; the result is the environment after.
 - ``kind: "node_rank"``: ``_calculate_topological_node_rank(coords, topology, fallback)`` and
   ``_get_slice_host_coordinates(topology)``.
+- ``kind: "hardware"``: devices per chip by generation (``hardware.get_devices_per_chip``) and
+  the v7 local topologies (``hardware._V7_TOPOLOGY``).
 
 Only the reads of real TPU hardware are replaced: the PCI/VFIO scan of ``hardware.py``
 (``_scan_pci_tpus``: the case's chip count and TPU generation) and the child-process query of the
@@ -34,7 +36,21 @@ from torch_tpu._internal.utils import hardware  # noqa: E402
 PCI_IDS = {"v4": "0x005e", "v5p": "0x0062", "v5e": "0x0063", "v6e": "0x006f", "v7": "0x0076"}
 
 
+def hardware_facts() -> dict:
+    """Devices per chip of each generation (``get_devices_per_chip`` with the PCI scan's
+    generation replaced) and the v7 local topologies."""
+    per_chip, original = {}, hardware.get_tpu_version
+    for generation, version in (("v4", "V4"), ("v5p", "V5P"), ("v5e", "V5E"), ("v6e", "V6E"),
+                                ("v7", "V7")):
+        hardware.get_tpu_version = lambda v=version: hardware.TpuVersion[v]
+        per_chip[generation] = hardware.get_devices_per_chip()
+    hardware.get_tpu_version = original
+    return {"devices_per_chip": per_chip, "v7_topology": dict(hardware._V7_TOPOLOGY)}
+
+
 def run(case: dict) -> dict:
+    if case["kind"] == "hardware":
+        return hardware_facts()
     if case["kind"] == "node_rank":
         try:
             rank = distributed._calculate_topological_node_rank(
@@ -61,7 +77,7 @@ def main() -> None:
     cases = json.load(sys.stdin)
     results = []
     for case in cases:
-        if case["kind"] == "node_rank":  # pure functions: no environment read
+        if case["kind"] in ("node_rank", "hardware"):  # pure functions: no environment read
             results.append(run(case))
             continue
         read, write = os.pipe()

@@ -238,10 +238,16 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
       exceed the workers per slice; ``TorchTPUConfig`` runs multislice (Ray's ``ScalingConfig``
       itself requires whole slices at both ends);
     - SPMD on the CPU (``TorchXLAConfig(device="cpu", spmd=True)``): one worker only (torch_xla's
-      CPU client has no collectives across processes), so no range can grow past 1.
+      CPU client has no collectives across processes), so no range can grow past 1;
+    - TPU v7x (``accelerator_type`` ``TPU-V7X``/``tpu7x-...``/``v7x-...``), fixed or a range:
+      ``TorchTPUConfig`` and ``TorchXLAConfig`` without SPMD run one worker per device (two per
+      chip), so Ray must count TPU per device (``RAY_TPU_RESOURCE_PER_CHIP=2``, read here as
+      Ray's ``get_tpu_worker_resources`` reads it, in the driver) with ``{'TPU': 1}`` per
+      worker; slices are then counted in devices (a 2x2x4 slice: 32 workers).
     """
     import os
 
+    _check_v7x_count(scaling_config, torch_config)
     num = scaling_config.num_workers
     if not isinstance(num, tuple):
         return (num, num)
@@ -274,13 +280,50 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
         if isinstance(torch_config, TorchTPUConfig):
             return (low, high)
         if high > per_slice:
+            unit = ("devices" if _v7x(scaling_config) and not getattr(torch_config, "spmd", False)
+                    else "workers")
             raise config_error(
                 "num_workers", num,
                 f"at most {per_slice} workers (one TPU slice of topology "
-                f"{scaling_config.topology}): torch_xla's PJRT TPU runtime has no multislice, so "
+                f"{scaling_config.topology}, counted in {unit}): torch_xla's PJRT TPU runtime has "
+                "no multislice, so "
                 f"an elastic TPU run is one whole slice, num_workers=({per_slice}, {per_slice})",
                 owner="ScalingConfig")
     return (low, high)
+
+
+def _v7x(scaling_config: Any) -> bool:
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    return bool(getattr(scaling_config, "use_tpu", False)) and devices_per_chip(
+        getattr(scaling_config, "accelerator_type", None) or "") > 1
+
+
+def _check_v7x_count(scaling_config: Any, torch_config: Any) -> None:
+    """TPU v7x with one worker per device: Ray counting TPU per device, one each."""
+    if not _v7x(scaling_config) or getattr(torch_config, "spmd", False) or not isinstance(
+            torch_config, (TorchTPUConfig, TorchXLAConfig)):
+        return
+    from ray._private.accelerators.tpu import get_tpu_resource_per_chip
+
+    from ray_train_xla.planning.runtimes.tpu import PER_DEVICE_SETTING
+
+    owner = type(torch_config).__name__
+    tpus = (scaling_config.resources_per_worker or {}).get("TPU")
+    if get_tpu_resource_per_chip() == 1:
+        raise config_error(
+            "accelerator_type", scaling_config.accelerator_type,
+            f"TPU resources counted per device with {owner}: each TPU v7x chip exposes 2 devices "
+            "and each worker runs one, but Ray counts TPU per chip here (RAY_TPU_RESOURCE_PER_CHIP "
+            f"unset), so a worker would hold a whole chip. Set {PER_DEVICE_SETTING} in the "
+            "driver and on every TPU node, with resources_per_worker={'TPU': 1}"
+            + (", or TorchXLAConfig(spmd=True) for one worker per host"
+               if owner == "TorchXLAConfig" else ""), owner="ScalingConfig")
+    if tpus != 1:
+        raise config_error(
+            "resources_per_worker", scaling_config.resources_per_worker,
+            f"{{'TPU': 1}} with {owner} on TPU v7x: one worker per device (Ray counts "
+            f"devices, {PER_DEVICE_SETTING}), got {tpus} per worker", owner="ScalingConfig")
 
 
 def _tpu_workers_per_slice(scaling_config: Any) -> int | None:

@@ -49,6 +49,10 @@ class WorkerFacts:
     # host for this worker's slicebuilder address (None if not taken).
     tpu_chip_coords: tuple[int, ...] | None = None
     free_port: int | None = None
+    # TPU hosts only: how many Ray ``TPU`` resources one chip counts for, as Ray reads
+    # ``RAY_TPU_RESOURCE_PER_CHIP`` on the worker (1: per chip, Ray's default; 2: per device on
+    # TPU v7x, whose chips expose two devices each); None when not read (described clusters).
+    tpu_resource_per_chip: int | None = None
 
     @property
     def key(self) -> str:
@@ -76,6 +80,7 @@ class WorkerPlace:
     tpu_slice_hosts: int | None = None
     tpu_chip_coords: tuple[int, ...] | None = None
     free_port: int | None = None
+    tpu_resource_per_chip: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Topology:
                     tpu_slice_hosts=f.tpu_slice_hosts,
                     tpu_chip_coords=f.tpu_chip_coords,
                     free_port=f.free_port,
+                    tpu_resource_per_chip=f.tpu_resource_per_chip,
                 )
             )
         return cls(workers=tuple(places))

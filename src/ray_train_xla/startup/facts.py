@@ -66,7 +66,21 @@ def gather_facts(timeout_s: float | None = None, device: str | None = None) -> W
         tpu_accelerator_type=tpu_type,
         tpu_topology=tpu_topology,
         tpu_slice_hosts=tpu_slice_hosts,
+        tpu_resource_per_chip=tpu_resource_per_chip() if accelerators.get("TPU") else None,
     )
+
+
+def tpu_resource_per_chip() -> int | None:
+    """How many Ray ``TPU`` resources one chip counts for on this node, as Ray reads it
+    (``RAY_TPU_RESOURCE_PER_CHIP``, default 1; 2 counts TPU v7x devices); None if unreadable."""
+    try:
+        from ray._private.accelerators.tpu import get_tpu_resource_per_chip
+    except ImportError:  # a Ray without per-device counting counts chips
+        return 1
+    try:
+        return get_tpu_resource_per_chip()
+    except ValueError:
+        return None
 
 
 def tpu_host_identity() -> tuple[int | None, str, str, str, int | None]:
@@ -122,7 +136,8 @@ def gather_native_tpu_facts(timeout_s: float, device: str = "auto") -> WorkerFac
     return dataclasses.replace(
         facts, free_port=port, tpu_worker_id=worker_id, tpu_name=name,
         tpu_topology=topology, tpu_accelerator_type=accelerator_type,
-        tpu_chip_coords=tuple(coords) if coords else None)
+        tpu_chip_coords=tuple(coords) if coords else None,
+        tpu_resource_per_chip=tpu_resource_per_chip())
 
 
 def _read_tpu_slice_facts():

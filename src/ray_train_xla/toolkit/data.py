@@ -256,19 +256,30 @@ class XLADataLoader:
                  background: bool | None = None) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.epoch = 0
         self._to_device = to_device
         self._background = background
         self._device_loader = None  # one MpDeviceLoader: it closes the previous epoch's threads
         self._global = isinstance(sampler, _GlobalBatchSampler)
-        self._resume_at = 0  # global sample where the next epoch begins (global batches only)
-        self._position = (0, 0)  # (epoch, global sample) of the next batch handed out
+        # The position, the only state of the iteration: (epoch, global sample) of the next batch
+        # (the sample moves with global batches only), and whether iter() has begun that epoch
+        # (then the next iter() begins the following epoch, at sample 0).
+        self._position = (0, 0)
+        self._begun = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` uses."""
+        return self._position[0] + self._begun
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration (the shuffle order depends on it)."""
-        self.epoch = epoch
-        if self._global:
-            self._position = (epoch, self._resume_at)
+        # A position loaded by load_state_dict and not iterated yet keeps its sample.
+        self._position = (epoch, 0 if self._begun else self._position[1])
+        self._begun = False
 
     def state_dict(self) -> dict[str, int]:
         """Where the next batch starts: ``{"epoch", "sample", "global_batch_size"}``, ``sample``
@@ -293,8 +304,8 @@ class XLADataLoader:
         if sample < 0 or sample % sampler.global_batch:
             raise ValueError(f"XLADataLoader.load_state_dict: sample={sample} is not valid: "
                              f"expected a multiple of global_batch_size={sampler.global_batch}")
-        self._resume_at = self.sampler.start = sample  # len() is then what is left of it
-        self.set_epoch(int(state["epoch"]))
+        self._position, self._begun = (int(state["epoch"]), sample), False
+        sampler.start = sample  # len() is then what is left of it
 
     def _global_sampler(self, what: str) -> _GlobalBatchSampler:
         if not self._global:
@@ -306,13 +317,14 @@ class XLADataLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch = self.epoch
+        if self._begun:  # the previous epoch (whole or not): the next one, from its start
+            self._position = (self._position[0] + 1, 0)
+        self._begun = True
+        epoch, start = self._position
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        self.epoch += 1
         if self._global:
-            self.sampler.start, self._resume_at = self._resume_at, 0
-            self._position = (epoch, self.sampler.start)
+            self.sampler.start = start
         if not self._to_device:
             batches = iter(self.loader)
         elif not _use_background(self._background):
@@ -398,14 +410,13 @@ def prepare_data_loader(
     ``ragged`` applies to the last global batch; a ``DistributedSampler`` is refused (its order
     interleaves by rank and changes with the world size).
     """
-    from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     _check_ragged(ragged)
+    pad = ragged == "pad"
     if global_batch_size is not None:
-        return _global_batch_loader(loader, ragged, shuffle, seed, to_device, background,
-                                    global_batch_size)
-    if loader.batch_size is None:
+        _check_global_batch_size(global_batch_size, world_size())
+    elif loader.batch_size is None:
         raise ValueError(
             "prepare_data_loader: the DataLoader has batch_size=None (a batch_sampler or "
             "unbatched data); give it a fixed batch_size so every batch has the same shape"
@@ -415,46 +426,34 @@ def prepare_data_loader(
             "prepare_data_loader: an IterableDataset cannot be sharded by a sampler; shard it "
             "yourself by rank() and world_size(), or use Ray Data with iter_xla_batches()"
         )
-    dataset = loader.dataset
-    if isinstance(loader.sampler, DistributedSampler):
-        given = loader.sampler
-        sampler = given
-        if ragged == "pad":
-            # Its k-th index is position rank + k * num_replicas of its padded order.
-            n, r, w = len(given.dataset), given.rank, given.num_replicas
-            sampler = _GivenDistributed(given, lambda k: r + k * w < n)
-    else:
+    given = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+    if global_batch_size is not None:
+        if given is not None:
+            raise ValueError(
+                "prepare_data_loader: global_batch_size= shards the loader's own order by global "
+                "batch; a DistributedSampler interleaves rows by rank (its order changes with the "
+                "world size): give the DataLoader its plain sampler (shuffle=True or False)")
         order, length = _sampler_order(loader, shuffle)
-        sampler = _ShardSampler(order, rank(), world_size(), length, seed, ragged == "pad")
-    if ragged == "pad":
-        dataset = _Flagged(dataset)
-    collate = loader.collate_fn
-    if ragged == "pad":
-        collate = _PaddingCollate(collate, loader.batch_size)
-    rebuilt = DataLoader(
-        dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=collate,
-        pin_memory=False,
-        drop_last=ragged == "drop",
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers else False,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
-    )
+        sampler = _GlobalBatchSampler(order, rank(), world_size(), length, seed,
+                                      global_batch_size, pad)
+        # The sampler yields whole global batches only (a short last one padded or dropped).
+        rebuilt = _rebuild(loader, sampler, sampler.per_worker, pad, drop_last=False)
+    else:
+        if given is not None:
+            sampler = given
+            if pad:
+                # Its k-th index is position rank + k * num_replicas of its padded order.
+                n, r, w = len(given.dataset), given.rank, given.num_replicas
+                sampler = _GivenDistributed(given, lambda k: r + k * w < n)
+        else:
+            order, length = _sampler_order(loader, shuffle)
+            sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
+        rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
     return XLADataLoader(rebuilt, sampler, to_device, background)
 
 
-def _global_batch_loader(loader: Any, ragged: str, shuffle: bool | None, seed: int,
-                         to_device: bool, background: bool | None,
-                         global_batch_size: int) -> XLADataLoader:
-    """``prepare_data_loader(global_batch_size=...)``: see there."""
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-
-    world = world_size()
+def _check_global_batch_size(global_batch_size: Any, world: int) -> None:
+    """A ValueError unless ``global_batch_size`` is an int >= 1 that ``world`` divides."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or (
             global_batch_size < 1):
         raise ValueError(f"prepare_data_loader: global_batch_size={global_batch_size!r} is not "
@@ -466,33 +465,28 @@ def _global_batch_loader(loader: Any, ragged: str, shuffle: bool | None, seed: i
             f"{world} workers: every worker takes global_batch_size / world_size rows, so the "
             f"world size must be one of {sizes} (in an elastic run, a ScalingConfig num_workers "
             "range whose sizes all divide it, or another global batch)")
-    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
-        raise ValueError(
-            "prepare_data_loader: an IterableDataset cannot be sharded by a sampler; shard it "
-            "yourself by rank() and world_size(), or use Ray Data with iter_xla_batches()")
-    if isinstance(loader.sampler, DistributedSampler):
-        raise ValueError(
-            "prepare_data_loader: global_batch_size= shards the loader's own order by global "
-            "batch; a DistributedSampler interleaves rows by rank (its order changes with the "
-            "world size): give the DataLoader its plain sampler (shuffle=True or False)")
-    order, length = _sampler_order(loader, shuffle)
-    pad = ragged == "pad"
-    sampler = _GlobalBatchSampler(order, rank(), world, length, seed, global_batch_size, pad)
-    per_worker = global_batch_size // world
-    rebuilt = DataLoader(
+
+
+def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
+             drop_last: bool) -> torch.utils.data.DataLoader:
+    """``loader`` with ``sampler`` and ``batch_size``, its other settings kept. ``pad``: the
+    sampler yields ``(index, real)`` and every batch is padded to ``batch_size`` and comes with
+    its mask (``_Flagged``, ``_PaddingCollate``)."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
         _Flagged(loader.dataset) if pad else loader.dataset,
-        batch_size=per_worker,
+        batch_size=batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
-        collate_fn=_PaddingCollate(loader.collate_fn, per_worker) if pad else loader.collate_fn,
+        collate_fn=_PaddingCollate(loader.collate_fn, batch_size) if pad else loader.collate_fn,
         pin_memory=False,
-        drop_last=False,  # the sampler yields whole batches only
+        drop_last=drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         persistent_workers=loader.persistent_workers if loader.num_workers else False,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
     )
-    return XLADataLoader(rebuilt, sampler, to_device, background)
 
 
 class _RayDataBatches:

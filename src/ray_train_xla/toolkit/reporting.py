@@ -16,7 +16,9 @@ only hands the report over and goes on:
   Rank 0 decides where a coalesced report ends (through the process group's store) and every
   rank follows, so every rank makes the same sequence of ``ray.train.report`` calls (Ray's
   barrier needs it). Rank 0's metrics are exactly those of the last call of the report; the
-  other ranks send their latest;
+  other ranks send their latest. Each decision is one key of the store; every other rank counts
+  itself in once it has read it, and the last one deletes it, so the store holds only the
+  decisions some rank has yet to read, however long the run;
 - **errors**: an error in the background (a failed write, a failed report) is raised as
   :class:`ReportError` at this worker's next call and at the end of the training function;
   nothing after it is reported;
@@ -221,13 +223,19 @@ class Reporter:
             head.frozen = head.frozen or freeze
             return "metrics", head.count
 
+    @property
+    def _agreeing(self) -> bool:
+        """Whether the ranks agree on the reports through the store (else every call is its own
+        report, or there is one rank)."""
+        return self._store is not None and self._world > 1 and self._coalesce
+
     def _publish(self, step: int, decision: tuple[str, int]) -> None:
-        if self._store is not None and self._world > 1:
+        if self._agreeing:
             self._store.set(f"{self._prefix}/{step}", f"{decision[0]}:{decision[1]}")
 
     def _follow(self, step: int):
         """Other ranks: rank 0's decision for report number ``step``."""
-        if self._store is None or self._world == 1 or not self._coalesce:
+        if not self._agreeing:
             return self._next_in_queue()  # no agreement needed: every call is its own report
         key = f"{self._prefix}/{step}"
         pause = 0.005
@@ -240,6 +248,7 @@ class Reporter:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
         kind, _, count = self._store.get(key).decode().partition(":")
+        self._done_reading(key)
         if kind == "stop":
             with self._cv:
                 if self._events:
@@ -249,6 +258,17 @@ class Reporter:
                         "number of times on every worker")
             return None
         return kind, int(count)
+
+    def _done_reading(self, key: str) -> None:
+        """Count this rank in as a reader of ``key``; the last of the other ranks deletes it (and
+        its count), no rank needing it any more. Barrier-free: ``add`` is atomic in the store."""
+        readers = f"{key}/read"
+        if self._store.add(readers, 1) == self._world - 1:
+            for done in (key, readers):
+                try:
+                    self._store.delete_key(done)
+                except (AttributeError, NotImplementedError, RuntimeError):
+                    pass  # a store that cannot delete keeps them, as before
 
     def _execute(self, decision: tuple[str, int]) -> None:
         kind, count = decision

@@ -22,8 +22,8 @@ EXIT_STATUS_HELP = (
     "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
     "consolidate could not read the checkpoint's storage or write OUT); 2 the command line is "
     "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
-    "that does not exist or holds no model, an OUT that is a directory). Every error is one line "
-    "on stderr."
+    "that does not exist or holds no model, an OUT that is a directory, a --hf config that is "
+    "missing or does not fit the checkpoint). Every error is one line on stderr."
 )
 
 
@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.command_parsers = {name: add(sub) for name, add in COMMANDS}
+    return parser
 
+
+def _add_demo(sub) -> argparse.ArgumentParser:
+    """``demo``: the seed check, or a training run (--train, --sharded), on a local Ray."""
     demo = sub.add_parser(
         "demo",
         help="run the seed check (or, with --train, a training run) on an embedded local Ray",
@@ -145,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
         help="TorchXLAConfig.device (default cpu)",
     )
+    return demo
 
+
+def _add_plan(sub) -> argparse.ArgumentParser:
+    """``plan``: every worker's environment for a described topology."""
     plan = sub.add_parser(
         "plan",
         help="print the environment each worker would get",
@@ -213,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--accelerator-type", default="", metavar="TYPE",
         help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
-        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256); without --tpu-topology, that type's "
-        "standard topology",
+        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
+        "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
+        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd",
     )
     plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
@@ -235,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
     )
     plan.add_argument("--json", action="store_true", help="print a JSON list, one object a worker")
+    return plan
 
+
+def _add_doctor(sub) -> argparse.ArgumentParser:
+    """``doctor``: checks of this machine or of every node of a Ray cluster."""
     doctor = sub.add_parser(
         "doctor",
         help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
@@ -260,32 +274,71 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+    return doctor
 
+
+def _add_consolidate(sub) -> argparse.ArgumentParser:
+    """``consolidate``: one file of the full model from a checkpoint."""
     consolidate = sub.add_parser(
         "consolidate",
-        help="write one file of the full model from a (sharded or replicated) checkpoint",
+        help="write the full model of a (sharded or replicated) checkpoint: one safetensors "
+        "file, or with --hf a Hugging Face save_pretrained directory",
         description="Read a checkpoint written by save_checkpoint (sharded: every rank's "
         "torch.distributed.checkpoint files; or replicated: checkpoint.pt) on the CPU, without "
         "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
         "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
-        "safetensors.torch.load_file(OUT) and model.load_state_dict(...). The whole model must "
+        "safetensors.torch.load_file(OUT) and model.load_state_dict(...). "
+        "With --hf (consolidate CHECKPOINT OUT_DIR --hf [--config MODEL_DIR] "
+        "[--max-shard-size SIZE]), OUT is a directory written as Hugging Face Transformers' "
+        "save_pretrained writes it (config.json, generation_config.json, model.safetensors, "
+        "or shards of at most --max-shard-size with model.safetensors.index.json; tied weights "
+        "written once), for "
+        "AutoModelForCausalLM.from_pretrained(OUT) (or the class config.json names): the "
+        "model is built from the config of --config, else from the checkpoint's 'hf_config' "
+        "entry (save_checkpoint({..., 'hf_config': model.config.to_dict()})), the checkpoint's "
+        "tensors are checked against it (names, shapes, dtypes; the exported dtype is the "
+        "checkpoint's) and saved with save_pretrained. OUT is created if missing; OUT holding "
+        "model files already (config.json, *.safetensors, ...) is refused, never overwritten; "
+        "other files in it (a tokenizer) are kept. --hf needs transformers "
+        "(pip install 'ray-train-xla[hf]'). The whole model must "
         "fit in this machine's memory. Exits 2 when CHECKPOINT does not exist, is not a "
-        "checkpoint or has no model, or OUT is a directory; 1 when the checkpoint's storage "
-        "cannot be read or OUT cannot be written. OUT is written whole or not at all.",
+        "checkpoint or has no model, OUT is a directory (with --hf: a file, or holds a model), "
+        "or (--hf) the config is missing or does not fit the checkpoint; 1 when the "
+        "checkpoint's storage cannot be read or OUT cannot be written. OUT is written whole or "
+        "not at all.",
     )
     consolidate.add_argument("checkpoint", metavar="CHECKPOINT",
                              help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
-    consolidate.add_argument("out", metavar="OUT", help="safetensors file to write")
+    consolidate.add_argument("out", metavar="OUT",
+                             help="safetensors file to write (with --hf: the directory)")
     consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
                              help="also write the same tensors with torch.save to FILE")
+    consolidate.add_argument(
+        "--hf", action="store_true",
+        help="write a Hugging Face save_pretrained directory (config.json, safetensors) to OUT",
+    )
+    consolidate.add_argument(
+        "--config", metavar="MODEL_DIR", default=None,
+        help="--hf: the model's config, a directory holding config.json (a model directory or "
+        "a saved config) or a config.json file (default: the checkpoint's 'hf_config' entry)",
+    )
+    consolidate.add_argument(
+        "--max-shard-size", metavar="SIZE", default=None,
+        help="--hf: the largest safetensors file, as transformers parses it: digits and TB, "
+        "GB, MB or KB (powers of 10), e.g. 2GB, 500MB (default 5GB); a larger tensor gets a "
+        "file of its own",
+    )
     consolidate.add_argument(
         "--timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
         help="bound on the first answer of a remote CHECKPOINT's storage (default 60)",
     )
     consolidate.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.command_parsers = {"demo": demo, "plan": plan, "doctor": doctor,
-                              "consolidate": consolidate}
-    return parser
+    return consolidate
+
+
+# Each command and the function adding its parser, in the order --help lists them.
+COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
+            ("consolidate", _add_consolidate))
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -328,6 +381,12 @@ def _describe_topology(args: argparse.Namespace):
         # What every TPU host reports (Ray reads it from GKE's variables or the GCE metadata).
         facts = [dataclasses.replace(f, tpu_accelerator_type=tpu_type, tpu_topology=tpu_topology)
                  for f in facts]
+    if args.runtime == "native" and args.device == "tpu":
+        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
+
+        # TorchTPUConfig's hosts: slices, each host at its place in its slice's chip grid.
+        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
+    # The workers own accelerator ids only when they were described with some (not on cpu).
     return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
 
@@ -349,13 +408,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     topology, facts = _describe_topology(args)
     runtime = get_runtime(args.device, args.runtime)
-    if args.runtime == "native" and args.device == "tpu":
-        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
-        from ray_train_xla.planning.topology import Topology
-
-        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
-        topology = Topology.from_facts(facts, "accelerator" if args.cores_per_worker != 0 else None)
-    elif args.tpu_slices > 1:
+    if args.tpu_slices > 1 and not (args.runtime == "native" and args.device == "tpu"):
         raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
                            "--device tpu --runtime native")
     runtime.check(config, topology)
@@ -536,12 +589,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from ray_train_xla.tools.consolidate import ConsolidateError, consolidate
+    from ray_train_xla.tools import consolidate as tool
 
+    if args.hf:
+        return _consolidate_hf(args)
+    if args.config is not None or args.max_shard_size is not None:
+        raise CommandError("--config and --max-shard-size go with --hf (a Hugging Face export)")
     try:
-        summary = consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
-                              timeout_s=args.timeout)
-    except ConsolidateError as exc:
+        summary = tool.consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
+                                   timeout_s=args.timeout)
+    except tool.ConsolidateError as exc:
         raise CommandError(str(exc), exc.exit_code) from exc
     if args.json:
         print(json.dumps(summary))
@@ -549,6 +606,33 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         kind = "sharded" if summary["sharded"] else "replicated"
         print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
               f"{summary['bytes']} bytes (from a {kind} checkpoint)")
+    return 0
+
+
+def _consolidate_hf(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools import consolidate as tool
+
+    if args.torch_file is not None:
+        raise CommandError("--torch does not go with --hf: the Hugging Face export is safetensors")
+    try:
+        summary = tool.consolidate_hf(
+            args.checkpoint, args.out, config=args.config,
+            max_shard_size=(tool.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
+                            else args.max_shard_size),
+            timeout_s=args.timeout)
+    except tool.ConsolidateError as exc:
+        raise CommandError(str(exc), exc.exit_code) from exc
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        kind = "sharded" if summary["sharded"] else "replicated"
+        tied = f", tied: {', '.join(summary['tied'])}" if summary["tied"] else ""
+        print(f"{summary['out_dir']}: {summary['architecture']} ({summary['dtype']}), "
+              f"{summary['tensors']} tensors, {summary['parameters']} parameters, "
+              f"{summary['bytes']} bytes in {summary['shards']} safetensors "
+              f"file{'s' if summary['shards'] > 1 else ''}{tied} (from a {kind} checkpoint, "
+              f"config from {summary['config']}); load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({summary['out_dir']!r})")
     return 0
 
 

@@ -1,9 +1,15 @@
-"""``ray-train-xla consolidate``: one file of the full model from a checkpoint, for plain torch.
+"""``ray-train-xla consolidate``: the full model from a checkpoint, for plain torch or Hugging Face.
 
 Reads a sharded checkpoint (``torch.distributed.checkpoint``, written by ``save_checkpoint`` of
 SPMD state) or a replicated one (``checkpoint.pt``) on the CPU, without torch_xla, and writes the
 model's full tensors as safetensors (and, on request, a ``torch.save`` file). FSDPv2's
 ``_orig_module.`` key prefixes are removed, so the file loads into the unwrapped model.
+
+:func:`consolidate_hf` (``--hf``) writes a Transformers ``save_pretrained`` directory instead
+(``config.json``, ``generation_config.json``, ``model.safetensors`` or shards with their index),
+through Transformers' own code: the model is built from its config on the meta device, the
+checkpoint's tensors are assigned to it (after checking that they fit), weights are tied as the
+config says, and ``save_pretrained`` writes it.
 
 Everything a user can get wrong (a missing or foreign directory, no model in it, unreachable
 storage, an output that cannot be written) raises ``ConsolidateError`` with a one-line message.
@@ -11,24 +17,43 @@ storage, an output that cannot be written) raises ``ConsolidateError`` with a on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import secrets
+import shutil
+import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.format import (
+    EXTRA_FILE,
     NotACheckpointError,
+    check_fits,
     is_sharded_checkpoint,
     read_full_state,
+    spec_of,
 )
 
 FSDP_V2_PREFIX = "_orig_module."
+# torch's activation checkpointing wrapper (checkpoint_wrapper); its own state_dict hook removes
+# it, but a state dict taken below the hook (or through another wrapper) keeps it.
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+# The entry of the checkpoint's rest of state that --hf reads the model's config from, when no
+# --config is given: save_checkpoint({..., "hf_config": model.config.to_dict()}).
+HF_CONFIG_KEY = "hf_config"
+# save_pretrained's largest shard, as the Hub recommends (Transformers' own default is 50GB).
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Files of a model directory: --hf refuses an OUT_DIR that already holds any of them (stale
+# shards of another export would stay beside the new ones).
+HF_MODEL_FILES = ("config.json", "generation_config.json")
+HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
+HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
 # Bound on the first answer of a remote checkpoint's storage (s3://, gs://, ...): without a
 # network, some clients retry for many minutes before they fail.
 DEFAULT_TIMEOUT_S = 60.0
@@ -81,9 +106,9 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
         if torch_file:
             outputs[torch_file] = _reserve(torch_file, "--torch file")
         if remote:
-            sharded, model = _read_remote(checkpoint, filesystem, path)
+            sharded, model, _ = _read_remote(checkpoint, filesystem, path)
         else:
-            sharded, model = _read_model(checkpoint)
+            sharded, model, _ = _read_model(checkpoint)
         source = checkpoint if remote else os.path.abspath(checkpoint)
         metadata = {"format": "pt", "source": json.dumps({"checkpoint": source, "sharded": sharded})}
         _write(lambda p: _save_safetensors(model, p, metadata), outputs[out], out)
@@ -104,6 +129,317 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
     }
 
 
+def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
+                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Write the model of ``checkpoint`` (a local checkpoint directory, or a URI Ray Train can
+    read) into ``out_dir`` as Hugging Face Transformers' ``save_pretrained`` does; returns a
+    summary.
+
+    The model's config comes from ``config`` (a directory holding ``config.json``, or a
+    ``config.json`` file), else from the ``hf_config`` entry of the checkpoint's rest of state
+    (``save_checkpoint({..., "hf_config": model.config.to_dict()})``). The model is built from it
+    on the meta device (the architecture ``config.json`` names, else ``AutoModelForCausalLM``) in
+    the checkpoint's dtype, the checkpoint's tensors are checked against it (keys, shapes,
+    dtypes) and assigned to it, its weights are tied as the config says, and
+    ``save_pretrained(out_dir, max_shard_size=...)`` writes ``config.json``,
+    ``generation_config.json`` (for models that generate) and ``model.safetensors``, or shards
+    of at most ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"10KB"``, or bytes) with
+    ``model.safetensors.index.json``. Tied weights are written once, as Transformers writes them.
+
+    ``out_dir`` is created if missing; a file, or a directory that already holds model files
+    (``config.json``, ``*.safetensors``, ...), is refused. Everything is written into a new
+    directory next to it first and moved into place at the end: a failure leaves nothing.
+
+    Needs ``transformers`` (the ``hf`` extra), not torch_xla: when torch_xla is not imported yet,
+    Transformers and Accelerate are imported with ``USE_TORCH_XLA=0`` (which they read at their
+    import), so that they do not import it. Raises ``ConsolidateError`` (one line) for anything
+    a user can get wrong."""
+    remote = "://" in checkpoint
+    if remote:
+        filesystem, path = _look(checkpoint, timeout_s)
+    else:
+        _check_directory(checkpoint)
+    _check_out_dir(out_dir)
+    config_dict = _read_config_file(config) if config is not None else None
+    with _transformers() as transformers:
+        shard_bytes = _shard_size(max_shard_size)
+        hf_config = None
+        if config_dict is not None:
+            config_name = f"--config {config}"
+            hf_config = _config_of(transformers, config_dict, config_name)
+        tmp = _reserve_dir(out_dir)
+        try:
+            if remote:
+                sharded, model_state, extras = _read_remote(checkpoint, filesystem, path,
+                                                            (HF_CONFIG_KEY,))
+            else:
+                sharded, model_state, extras = _read_model(checkpoint, extra_keys=(HF_CONFIG_KEY,))
+            if hf_config is None:
+                if HF_CONFIG_KEY not in extras:
+                    raise NotConsolidatableError(
+                        f"checkpoint {checkpoint} holds no '{HF_CONFIG_KEY}' entry: name the "
+                        "model's config with --config MODEL_DIR (a directory holding config.json, "
+                        "or a config.json file), or save it with save_checkpoint({..., "
+                        f"'{HF_CONFIG_KEY}': model.config.to_dict()}})")
+                config_name = f"the checkpoint's {HF_CONFIG_KEY}"
+                hf_config = _config_of(transformers, extras[HF_CONFIG_KEY], config_name)
+            model, tied = _hf_model(transformers, hf_config, hf_model_state(model_state),
+                                    checkpoint, config_name)
+            try:
+                model.save_pretrained(tmp, max_shard_size=shard_bytes)
+                files = _move_into(tmp, out_dir)
+            except (OSError, RuntimeError) as exc:  # incl. safetensors' SafetensorError
+                raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: {_one_line(exc)}") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        weights = [f for f in files if f.endswith(".safetensors")]
+        return {
+            "checkpoint": checkpoint,
+            "sharded": sharded,
+            "out_dir": out_dir,
+            "config": config_name,
+            "architecture": type(model).__name__,
+            "dtype": str(model.dtype).replace("torch.", ""),
+            "tensors": _count_tensors(out_dir, weights),
+            "parameters": model.num_parameters(),
+            "tied": sorted(tied),
+            "files": files,
+            "shards": len(weights),
+            "bytes": sum(os.path.getsize(os.path.join(out_dir, f)) for f in weights),
+            "max_shard_size": shard_bytes,
+        }
+
+
+def hf_model_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model_state`` (already without FSDPv2's prefixes) without the activation checkpoint
+    wrapper's ``_checkpoint_wrapped_module.`` either: the names of the plain Transformers model."""
+    return {key.replace(CHECKPOINT_WRAPPER_PREFIX, ""): value for key, value in model_state.items()}
+
+
+@contextlib.contextmanager
+def _transformers() -> Iterator[Any]:
+    """The ``transformers`` module, imported (with Accelerate) so that it does not import
+    torch_xla when nothing has yet, and without its progress bars."""
+    hide_xla = sys.modules.get("torch_xla") is None
+    before = os.environ.get("USE_TORCH_XLA")
+    if hide_xla:
+        os.environ["USE_TORCH_XLA"] = "0"
+    try:
+        try:
+            import transformers
+            from transformers.utils import logging as hf_logging
+        except ImportError as exc:
+            if getattr(exc, "name", None) == "transformers":
+                raise ConsolidateError(
+                    "--hf needs Hugging Face Transformers, which is not installed: pip install "
+                    "transformers (or pip install 'ray-train-xla[hf]')") from exc
+            raise ConsolidateError(f"--hf cannot import transformers: {_one_line(exc)}") from exc
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield transformers
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+    finally:
+        if hide_xla:
+            if before is None:
+                os.environ.pop("USE_TORCH_XLA", None)
+            else:
+                os.environ["USE_TORCH_XLA"] = before
+
+
+def _shard_size(size: int | str) -> int:
+    """``size`` in bytes, parsed as Transformers' save_pretrained parses ``max_shard_size``
+    (huggingface_hub: digits and TB, GB, MB or KB, powers of 10), or plain bytes."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if isinstance(size, int) or str(size).strip().isdigit():
+            value = int(size)
+        else:
+            value = parse_size_to_int(str(size))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise NotConsolidatableError(
+            f"--max-shard-size {size!r} is not a size: give digits and a unit, e.g. 5GB, 500MB, "
+            "10KB (powers of 10), or bytes")
+    return value
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Refuse an ``out_dir`` that is a file, or a directory that already holds model files."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise NotConsolidatableError(
+            f"OUT_DIR {out_dir} is a file: name the directory to write the model into")
+    if os.path.isdir(out_dir):
+        try:
+            names = os.listdir(out_dir)
+        except OSError as exc:
+            raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: {_one_line(exc)}") from exc
+        held = sorted(n for n in names if n in HF_MODEL_FILES or n.endswith(HF_MODEL_SUFFIXES)
+                      or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
+        if held:
+            more = f" and {len(held) - 4} more" if len(held) > 4 else ""
+            raise NotConsolidatableError(
+                f"OUT_DIR {out_dir} already holds a model ({', '.join(held[:4])}{more}): name "
+                "another directory, or remove those files first")
+
+
+def _reserve_dir(out_dir: str) -> str:
+    """A new empty directory next to ``out_dir``, where save_pretrained writes before its files
+    are moved into ``out_dir``."""
+    target = os.path.realpath(out_dir)
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: cannot create directory "
+                               f"{exc.filename or parent} ({exc.strerror or exc})") from exc
+    tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: cannot create a directory in "
+                               f"{parent} ({exc.strerror or exc})") from exc
+    return tmp
+
+
+def _move_into(tmp: str, out_dir: str) -> list[str]:
+    """Move what ``tmp`` holds into ``out_dir`` (renamed to it when missing); the names."""
+    names = sorted(os.listdir(tmp))
+    if not os.path.lexists(out_dir):
+        os.rename(tmp, os.path.realpath(out_dir))
+    else:
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    return names
+
+
+def _read_config_file(config: str) -> dict[str, Any]:
+    """The JSON of ``config``: a directory holding ``config.json``, or such a file."""
+    file = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    if not os.path.exists(config):
+        raise NotConsolidatableError(f"--config {config} does not exist")
+    if not os.path.isfile(file):
+        raise NotConsolidatableError(
+            f"--config {config} holds no config.json: name a model directory (as "
+            "save_pretrained writes it) or a config.json file")
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise NotConsolidatableError(f"--config {config}: cannot read {file} as JSON "
+                                     f"({_one_line(exc)})") from exc
+    if not isinstance(data, dict):
+        raise NotConsolidatableError(f"--config {config}: {file} holds a JSON "
+                                     f"{type(data).__name__}, not a model config")
+    return data
+
+
+def _config_of(transformers, value: Any, name: str):
+    """The Transformers config that ``value`` (a ``to_dict()`` dict, or a config) describes."""
+    if isinstance(value, transformers.PretrainedConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise NotConsolidatableError(
+            f"{name} is a {type(value).__name__}, not a model config (save "
+            "model.config.to_dict())")
+    model_type = value.get("model_type")
+    if not model_type:
+        raise NotConsolidatableError(
+            f"{name} has no model_type: it is not a Transformers model config")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise NotConsolidatableError(
+            f"{name}: model_type {model_type!r} is not a model transformers "
+            f"{transformers.__version__} has (models with their own code are not supported)"
+        ) from None
+    try:
+        return config_class.from_dict(dict(value))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise NotConsolidatableError(
+            f"{name} is not a valid {config_class.__name__}: {_one_line(exc)}") from exc
+
+
+def _dominant_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The floating-point dtype of most of ``state``'s elements (float32 when none is)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
+
+
+def _hf_model(transformers, hf_config, state: dict[str, torch.Tensor], checkpoint: str,
+              config_name: str):
+    """(the Transformers model of ``hf_config`` holding ``state``, its tied parameter names)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    dtype = _dominant_dtype(state)
+    if architectures:
+        model_class = getattr(transformers, architectures[0], None)
+        if not (isinstance(model_class, type)
+                and issubclass(model_class, transformers.PreTrainedModel)):
+            raise NotConsolidatableError(
+                f"{config_name} names architecture {architectures[0]!r}, which transformers "
+                f"{transformers.__version__} does not have")
+        build = model_class._from_config
+    else:
+        build = transformers.AutoModelForCausalLM.from_config
+    try:
+        with torch.device("meta"):
+            model = build(hf_config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError, ImportError) as exc:
+        what = architectures[0] if architectures else "AutoModelForCausalLM"
+        hint = ("" if architectures else " (it names no architectures: add "
+                "\"architectures\": [\"...ForCausalLM\"] or the model's class)")
+        raise NotConsolidatableError(
+            f"cannot build {what} from {config_name}{hint}: {_one_line(exc)}") from exc
+    arch = type(model).__name__
+    # {tied name: the name it is tied to}, as the config says (tie_word_embeddings, ...).
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    state = dict(state)
+    for target, source in tied.items():  # a checkpoint may hold one name of a tied pair only
+        if target not in state and source in state:
+            state[target] = state[source]
+        elif source not in state and target in state:
+            state[source] = state[target]
+    expected = {k: spec_of(v) for k, v in model.state_dict().items()}
+    try:
+        check_fits({k: spec_of(v) for k, v in state.items()}, expected, f"checkpoint {checkpoint}",
+                   f"the {arch} of {config_name}")
+    except CheckpointMismatchError as exc:
+        raise NotConsolidatableError(str(exc)) from exc
+    for target, source in tied.items():
+        if not torch.equal(state[target], state[source]):
+            raise NotConsolidatableError(
+                f"checkpoint {checkpoint}: {config_name} ties {target} to {source} (e.g. "
+                "tie_word_embeddings), but the checkpoint holds different values for them: name "
+                "the config the model was trained with (tie_word_embeddings=false for untied "
+                "weights)")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    left = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
+    if left:  # load_state_dict is strict: a tensor the check above let through unassigned
+        raise ConsolidateError(f"cannot consolidate checkpoint {checkpoint}: {', '.join(left)} "
+                               "remained unset")
+    return model, set(tied)
+
+
+def _count_tensors(directory: str, files: list[str]) -> int:
+    """How many tensors the safetensors ``files`` of ``directory`` hold (from their headers)."""
+    from safetensors import safe_open
+
+    count = 0
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            count += len(list(f.keys()))
+    return count
+
+
 def _check_directory(path: str) -> None:
     """Refuse a local checkpoint ``path`` that does not exist or is a file."""
     if not os.path.exists(path):
@@ -112,13 +448,20 @@ def _check_directory(path: str) -> None:
         raise NotConsolidatableError(f"checkpoint {path} is a file: name the checkpoint's directory")
 
 
-def _read_model(checkpoint: str, name: str | None = None) -> tuple[bool, dict[str, torch.Tensor]]:
-    """(sharded, the model's full tensors) of the checkpoint directory ``checkpoint`` (``name``:
-    what to call it in errors, default the directory)."""
+def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str, ...] = ()
+                ) -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
+    """(sharded, the model's full tensors, the ``extra_keys`` entries of the rest of the state
+    that it holds) of the checkpoint directory ``checkpoint`` (``name``: what to call it in
+    errors, default the directory)."""
     name = name or checkpoint
     sharded = is_sharded_checkpoint(checkpoint)
     try:
-        state = read_full_state(checkpoint)
+        state = read_full_state(checkpoint, keys=("model",) if sharded else ("model", *extra_keys))
+        extra_file = os.path.join(checkpoint, EXTRA_FILE)
+        if sharded and extra_keys and os.path.exists(extra_file):
+            rest = torch.load(extra_file, map_location="cpu", weights_only=False)
+            if isinstance(rest, Mapping):
+                state.update({k: rest[k] for k in extra_keys if k in rest})
     except NotACheckpointError as exc:
         raise NotConsolidatableError(f"checkpoint {str(exc).replace(checkpoint, name, 1)}") from exc
     except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
@@ -136,7 +479,8 @@ def _read_model(checkpoint: str, name: str | None = None) -> tuple[bool, dict[st
         raise NotConsolidatableError(
             f"checkpoint {name}: its 'model' entry is a {type(state['model']).__name__}, "
             "not a state dict (save model.state_dict())")
-    return sharded, plain_model_state(dict(state["model"]))
+    extras = {k: state[k] for k in extra_keys if k in state}
+    return sharded, plain_model_state(dict(state["model"])), extras
 
 
 def _read_failure(exc: BaseException) -> str | None:
@@ -223,14 +567,15 @@ def _look(uri: str, timeout_s: float):
     return filesystem, path
 
 
-def _read_remote(uri: str, filesystem, path: str) -> tuple[bool, dict[str, torch.Tensor]]:
+def _read_remote(uri: str, filesystem, path: str, extra_keys: tuple[str, ...] = ()
+                 ) -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
     """_read_model of the checkpoint at ``uri``, downloaded by Ray Train's Checkpoint."""
     import pyarrow
     import ray.train
 
     try:
         with ray.train.Checkpoint(path, filesystem=filesystem).as_directory() as local:
-            return _read_model(local, uri)
+            return _read_model(local, uri, extra_keys)
     except (OSError, pyarrow.ArrowException) as exc:  # the download failed
         raise ConsolidateError(f"cannot read checkpoint {uri}: {_one_line(exc)}") from exc
 

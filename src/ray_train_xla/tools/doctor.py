@@ -6,9 +6,8 @@ the environment, ``/dev`` and ``/sys``, and the resources Ray advertises for eac
 imports torch_xla in a subprocess to prove it loads. In cluster mode one small task runs on each
 alive node (``NodeAffinitySchedulingStrategy``), and every wait is bounded by ``timeout_s``.
 
-Test-only override: ``RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS`` (for example ``torch_xla=2.8.0`` or
-``torch=2.9.0,libneuronxla=-``; ``-`` means "not installed") replaces the installed versions the
-checks see. It exists so tests can force a mismatch; do not set it otherwise.
+Every check of a node is one function in ``NODE_CHECKS``; ``check_node`` runs them in that
+order. Adding a check is adding a function (``(NodeContext, NodeFacts) -> rows``) and a row there.
 """
 
 from __future__ import annotations
@@ -19,13 +18,12 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ray_train_xla.startup import netinfo
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
-FAKE_VERSIONS_VAR = "RAY_TRAIN_XLA_DOCTOR_FAKE_VERSIONS"
 NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
 NEFF_CACHE_VAR, NEFF_CACHE_DEFAULT = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
 PACKAGES = ("torch", "torch_xla", "torch-neuronx", "libneuronxla")
@@ -66,24 +64,12 @@ class NodeContext:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fake_versions() -> dict[str, str | None]:
-    text = os.environ.get(FAKE_VERSIONS_VAR, "")
-    out: dict[str, str | None] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, version = part.partition("=")
-        out[_norm(name)] = None if version in ("", "-") else version
-    return out
-
-
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-")
 
 
 def installed_version(dist: str) -> str | None:
     """The installed version of a distribution (from metadata, nothing imported); None if absent."""
-    fake = _fake_versions()
-    if _norm(dist) in fake:
-        return fake[_norm(dist)]
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -213,6 +199,26 @@ def tpu_chips(dev: str = "/dev") -> list[str]:
     return sorted(p for p in glob.glob(os.path.join(dev, "vfio", "*")) if os.path.basename(p).isdigit())
 
 
+# TPU v7's PCI device id (torch-tpu 0.2.0 ``hardware._PCI_DEVICE_ID_TO_NAME``, torch_xla 2.9
+# ``_TPU_PCI_DEVICE_IDS``): its chips expose 2 devices each (``hardware._DEVICES_PER_CHIP``).
+TPU_V7_PCI_ID, GOOGLE_PCI_VENDOR = "0x0076", "0x1ae0"
+
+
+def tpu_devices_per_chip(pci: str = "/sys/bus/pci/devices") -> int:
+    """Devices per TPU chip on this host: 2 on TPU v7 (a Google PCI device 0x0076, as torch-tpu's
+    PCI scan finds it, or ``TPU_ACCELERATOR_TYPE`` naming a v7x slice), else 1."""
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    for vendor in glob.glob(os.path.join(pci, "*", "vendor")):
+        try:
+            with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
+                if f.read().strip() == GOOGLE_PCI_VENDOR and g.read().strip() == TPU_V7_PCI_ID:
+                    return 2
+        except OSError:
+            continue
+    return devices_per_chip(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+
+
 def _writable(path: str) -> tuple[bool, str]:
     """Whether ``path`` (or, if it does not exist yet, its nearest existing parent) accepts a file."""
     probe = path
@@ -246,175 +252,269 @@ def _load_torch_xla(timeout_s: float) -> tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The checks of one node.
+# The checks of one node: one function each, run in the order of NODE_CHECKS.
 # ---------------------------------------------------------------------------------------------
 
+# A check's row before it is placed on a node: (check, status, detail, fix).
+Row = tuple[str, str, str, str]
 
-def check_node(ctx: NodeContext) -> list[Check]:
-    """All checks of the machine this runs on (the driver, or a node's task in cluster mode)."""
-    rows: list[Check] = []
 
-    def add(check: str, status: str, detail: str, fix: str = "") -> None:
-        rows.append(Check(check, ctx.node, status, detail, fix if status != OK else ""))
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the checks of one node share, read once per node."""
 
+    versions: Mapping[str, str | None]  # PACKAGES -> installed version (None: absent)
+    torch_tpu: str | None  # installed torch-tpu
+    native_neuronx: bool  # torch-neuronx is native TorchNeuron
+    nc_devices: Sequence[str]  # /dev/neuron*
+    chips: Sequence[str]  # TPU chips
+    ray_cores: int | None  # neuron_cores Ray advertises; None when not connected
+    ray_tpus: int | None  # TPU Ray advertises; None when not connected
+
+    @property
+    def neuron_present(self) -> bool:
+        """A Neuron node: it has the devices, or Ray hands out NeuronCores there."""
+        return bool(self.nc_devices) or bool(self.ray_cores)
+
+
+def node_facts(ctx: NodeContext) -> NodeFacts:
+    """Read the facts of the machine this runs on (and what Ray advertises for it)."""
     versions = {name: installed_version(name) for name in PACKAGES}
-    ctx.extra["versions"] = versions
-    nc_devices, chips = neuron_devices(), tpu_chips()
     res = ctx.ray_resources
-    ray_cores = int(res.get(NEURON_RESOURCE, 0)) if res is not None else None
-    ray_tpus = int(res.get(TPU_RESOURCE, 0)) if res is not None else None
-    # A Neuron node: it has the devices, or Ray hands out NeuronCores there.
-    neuron_present = bool(nc_devices) or bool(ray_cores)
+    return NodeFacts(
+        versions=versions,
+        torch_tpu=installed_version("torch-tpu"),
+        native_neuronx=is_native_neuronx(versions["torch-neuronx"]),
+        nc_devices=neuron_devices(),
+        chips=tpu_chips(),
+        ray_cores=int(res.get(NEURON_RESOURCE, 0)) if res is not None else None,
+        ray_tpus=int(res.get(TPU_RESOURCE, 0)) if res is not None else None,
+    )
 
-    # -- packages --
-    torch_v, xla_v = versions["torch"], versions["torch_xla"]
-    native = is_native_neuronx(versions["torch-neuronx"])
-    torch_tpu_v = installed_version("torch-tpu")
+
+def check_torch(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    if facts.versions["torch"] is None:
+        return [("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")]
+    return []
+
+
+def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """torch_xla is paired with torch (not needed under a native runtime), and, with
+    ``ctx.load_check``, imports in a subprocess."""
+    torch_v, xla_v = facts.versions["torch"], facts.versions["torch_xla"]
+    if xla_v is None and (facts.native_neuronx or facts.torch_tpu):
+        which = "native TorchNeuron" if facts.native_neuronx else "native TorchTPU"
+        return [("torch/torch_xla", OK, f"torch_xla not installed (not needed with {which})", "")]
+    if xla_v is None:
+        return [("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
+                 f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")]
     if torch_v is None:
-        add("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")
-    if xla_v is None and (native or torch_tpu_v):
-        which = "native TorchNeuron" if native else "native TorchTPU"
-        add("torch/torch_xla", OK, f"torch_xla not installed (not needed with {which})")
-    elif xla_v is None:
-        add("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
-            f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")
-    elif torch_v is not None:
-        ok, how = pairing("torch_xla", xla_v, torch_v)
-        tmm, xmm = (".".join(map(str, _major_minor(v))) for v in (torch_v, xla_v))
-        add("torch/torch_xla", OK if ok else FAIL,
-            f"torch {torch_v}, torch_xla {xla_v} ({how})",
-            f"install a matching pair: pip install 'torch=={xmm}.*' (for torch_xla {xla_v}) "
-            f"or 'torch-xla=={tmm}.*' (for torch {torch_v})")
-        if ctx.load_check:
-            ok, detail = _load_torch_xla(ctx.timeout_s)
-            add("torch_xla loads", OK if ok else FAIL, detail,
-                "reinstall torch and torch-xla as a matching pair in this Python environment "
-                f"({sys.executable})")
-    if torch_tpu_v:
-        for row in native_tpu_rows(torch_tpu_v, torch_v, installed_version("libtpu")):
-            add(*row)
+        return []
+    ok, how = pairing("torch_xla", xla_v, torch_v)
+    tmm, xmm = (".".join(map(str, _major_minor(v))) for v in (torch_v, xla_v))
+    rows = [("torch/torch_xla", OK if ok else FAIL, f"torch {torch_v}, torch_xla {xla_v} ({how})",
+             f"install a matching pair: pip install 'torch=={xmm}.*' (for torch_xla {xla_v}) "
+             f"or 'torch-xla=={tmm}.*' (for torch {torch_v})")]
+    if ctx.load_check:
+        ok, detail = _load_torch_xla(ctx.timeout_s)
+        rows.append(("torch_xla loads", OK if ok else FAIL, detail,
+                     "reinstall torch and torch-xla as a matching pair in this Python environment "
+                     f"({sys.executable})"))
+    return rows
+
+
+def check_torch_tpu(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """Native TorchTPU's package and libtpu, when torch-tpu is installed."""
+    if not facts.torch_tpu:
+        return []
+    return native_tpu_rows(facts.torch_tpu, facts.versions["torch"], installed_version("libtpu"))
+
+
+def check_neuron_packages(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """torch-neuronx (XLA or native) and libneuronxla."""
+    torch_v, rows = facts.versions["torch"], []
     for name in ("torch-neuronx", "libneuronxla"):
-        version = versions[name]
-        if name == "torch-neuronx" and native:
-            for row in native_rows(version, torch_v, ctx.multi_node):
-                add(*row)
+        version = facts.versions[name]
+        if name == "torch-neuronx" and facts.native_neuronx:
+            rows += native_rows(version, torch_v, ctx.multi_node)
         elif version is None:
-            needed = neuron_present and not native
-            add(name, FAIL if needed else OK,
-                "not installed" + ("" if needed else " (not needed: no Neuron on this node)"),
-                "pip install torch-neuronx libneuronxla "
-                "--extra-index-url https://pip.repos.neuron.amazonaws.com")
+            needed = facts.neuron_present and not facts.native_neuronx
+            rows.append((name, FAIL if needed else OK,
+                         "not installed" + ("" if needed else " (not needed: no Neuron on this node)"),
+                         "pip install torch-neuronx libneuronxla "
+                         "--extra-index-url https://pip.repos.neuron.amazonaws.com"))
         elif name == "torch-neuronx" and torch_v is not None:
             ok, how = pairing(name, version, torch_v)
-            add(name, OK if ok else FAIL, f"{version} ({how}; torch {torch_v} installed)",
-                "install the torch-neuronx release built for the installed torch (see the Neuron "
-                "SDK release notes), or the torch it requires")
+            rows.append((name, OK if ok else FAIL, f"{version} ({how}; torch {torch_v} installed)",
+                         "install the torch-neuronx release built for the installed torch (see the "
+                         "Neuron SDK release notes), or the torch it requires"))
         else:
-            add(name, OK, version)
+            rows.append((name, OK, version, ""))
+    return rows
 
-    # -- device: PJRT_DEVICE and what device="auto" resolves to --
+
+def check_device(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """PJRT_DEVICE and what device="auto" resolves to; records it in ``ctx.extra["device"]``."""
     from ray_train_xla.errors import XLAConfigError
     from ray_train_xla.planning.planner import resolve_device
     from ray_train_xla.planning.topology import WorkerFacts
 
-    pjrt = os.environ.get("PJRT_DEVICE", "")
+    pjrt, res = os.environ.get("PJRT_DEVICE", ""), ctx.ray_resources
     if res is not None:  # connected: what Ray would give a worker asking for all of them
         source = "Ray resources"
         accel = {r: tuple(str(i) for i in range(int(res.get(r, 0))))
                  for r in (NEURON_RESOURCE, TPU_RESOURCE) if int(res.get(r, 0))}
     else:  # not connected: what Ray would detect on this machine
         source = "local devices"
-        accel = {r: ("0",) for r, found in ((NEURON_RESOURCE, nc_devices), (TPU_RESOURCE, chips))
-                 if found}
-    facts = WorkerFacts(node_id=ctx.node_id or "local", node_ip=ctx.node_ip or "127.0.0.1",
-                        pid=os.getpid(), accelerator_ids=accel, pjrt_device=pjrt)
+        accel = {r: ("0",) for r, found in ((NEURON_RESOURCE, facts.nc_devices),
+                                            (TPU_RESOURCE, facts.chips)) if found}
+    worker = WorkerFacts(node_id=ctx.node_id or "local", node_ip=ctx.node_ip or "127.0.0.1",
+                         pid=os.getpid(), accelerator_ids=accel, pjrt_device=pjrt)
     try:
-        device = resolve_device("auto", [facts])
-        add("device", OK, f"PJRT_DEVICE={pjrt or 'unset'}; device='auto' -> {device} "
-            f"(from {source})")
+        device = resolve_device("auto", [worker])
+        row = ("device", OK, f"PJRT_DEVICE={pjrt or 'unset'}; device='auto' -> {device} "
+               f"(from {source})", "")
     except XLAConfigError as exc:
         device = ""
-        add("device", FAIL, f"PJRT_DEVICE={pjrt}: {exc}",
-            "unset PJRT_DEVICE (or set CPU, TPU or NEURON), or pass TorchXLAConfig(device=...)")
+        row = ("device", FAIL, f"PJRT_DEVICE={pjrt}: {exc}",
+               "unset PJRT_DEVICE (or set CPU, TPU or NEURON), or pass TorchXLAConfig(device=...)")
     ctx.extra["device"] = device
+    return [row]
 
-    # -- Neuron --
-    cores_text = "" if ray_cores is None else f"; Ray advertises neuron_cores={ray_cores}"
-    if not nc_devices and not ray_cores:
-        add("neuron devices", OK, "not present" + cores_text)
-    elif not nc_devices:
-        add("neuron devices", FAIL, f"no /dev/neuron* devices{cores_text}",
-            "install the Neuron driver (aws-neuronx-dkms) on this node, or start Ray there "
-            "without a neuron_cores resource")
-    elif ray_cores is None:
-        add("neuron devices", OK, f"{len(nc_devices)} devices (/dev/neuron*)")
-    elif ray_cores == 0:
-        add("neuron devices", WARN, f"{len(nc_devices)} devices{cores_text}",
-            "make neuron-ls work for the user running Ray (/opt/aws/neuron/bin), or start Ray "
-            "with --resources='{\"neuron_cores\": N}'")
-    elif ray_cores % len(nc_devices):
-        add("neuron devices", WARN, f"{len(nc_devices)} devices{cores_text} (not a multiple)",
-            "restart Ray on this node so that it advertises every NeuronCore (see neuron-ls)")
-    else:
-        add("neuron devices", OK, f"{len(nc_devices)} devices{cores_text}")
+
+def check_neuron_devices(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """/dev/neuron* against the neuron_cores Ray advertises."""
+    n, cores = len(facts.nc_devices), facts.ray_cores
+    cores_text = "" if cores is None else f"; Ray advertises neuron_cores={cores}"
+    if not n and not cores:
+        return [("neuron devices", OK, "not present" + cores_text, "")]
+    if not n:
+        return [("neuron devices", FAIL, f"no /dev/neuron* devices{cores_text}",
+                 "install the Neuron driver (aws-neuronx-dkms) on this node, or start Ray there "
+                 "without a neuron_cores resource")]
+    if cores is None:
+        return [("neuron devices", OK, f"{n} devices (/dev/neuron*)", "")]
+    if cores == 0:
+        return [("neuron devices", WARN, f"{n} devices{cores_text}",
+                 "make neuron-ls work for the user running Ray (/opt/aws/neuron/bin), or start "
+                 "Ray with --resources='{\"neuron_cores\": N}'")]
+    if cores % n:
+        return [("neuron devices", WARN, f"{n} devices{cores_text} (not a multiple)",
+                 "restart Ray on this node so that it advertises every NeuronCore (see neuron-ls)")]
+    return [("neuron devices", OK, f"{n} devices{cores_text}", "")]
+
+
+def check_visible_cores(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """NEURON_RT_VISIBLE_CORES set by hand fights Ray's per-worker assignment."""
     visible = os.environ.get("NEURON_RT_VISIBLE_CORES", "")
     if visible:
-        add("NEURON_RT_VISIBLE_CORES", WARN, f"set by hand to {visible!r}: it fights Ray's "
-            "per-worker NeuronCore assignment",
-            "unset it where Ray and the driver start; request cores with "
-            "ScalingConfig(resources_per_worker={'neuron_cores': N})")
-    else:
-        add("NEURON_RT_VISIBLE_CORES", OK, "unset (Ray assigns cores per worker)")
-    efa = _has_efa()
-    if efa:
-        add("EFA", OK, "EFA devices present")
-    elif neuron_present and ctx.multi_node:
-        add("EFA", WARN, "no EFA devices: multi-node Neuron collectives fall back to TCP",
-            "use EFA-enabled instances (trn1.32xlarge, trn2.48xlarge) with EFA in the "
-            "security group and the EFA driver installed")
-    else:
-        add("EFA", OK, "not present" + ("" if neuron_present else " (not needed without Neuron)"))
+        return [("NEURON_RT_VISIBLE_CORES", WARN, f"set by hand to {visible!r}: it fights Ray's "
+                 "per-worker NeuronCore assignment",
+                 "unset it where Ray and the driver start; request cores with "
+                 "ScalingConfig(resources_per_worker={'neuron_cores': N})")]
+    return [("NEURON_RT_VISIBLE_CORES", OK, "unset (Ray assigns cores per worker)", "")]
 
-    # -- TPU --
-    tpu_text = "" if ray_tpus is None else f"; Ray advertises TPU={ray_tpus}"
-    if not chips and not ray_tpus:
-        add("TPU chips", OK, "not present" + tpu_text)
-    elif not chips:
-        add("TPU chips", FAIL, f"no /dev/accel* or /dev/vfio chips{tpu_text}",
-            "run this node on a TPU VM, or start Ray there without a TPU resource")
-    elif ray_tpus is not None and ray_tpus != len(chips):
-        add("TPU chips", WARN, f"{len(chips)} chips{tpu_text}",
-            f"restart Ray on this node with --resources='{{\"TPU\": {len(chips)}}}'")
-    else:
-        add("TPU chips", OK, f"{len(chips)} chips{tpu_text}")
 
-    # -- compile caches --
+def check_efa(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """EFA, which multi-node Neuron collectives need."""
+    if _has_efa():
+        return [("EFA", OK, "EFA devices present", "")]
+    if facts.neuron_present and ctx.multi_node:
+        return [("EFA", WARN, "no EFA devices: multi-node Neuron collectives fall back to TCP",
+                 "use EFA-enabled instances (trn1.32xlarge, trn2.48xlarge) with EFA in the "
+                 "security group and the EFA driver installed")]
+    return [("EFA", OK, "not present" + ("" if facts.neuron_present
+                                         else " (not needed without Neuron)"), "")]
+
+
+def check_tpu_chips(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """TPU chips against the TPU resource Ray advertises."""
+    n, tpus = len(facts.chips), facts.ray_tpus
+    tpu_text = "" if tpus is None else f"; Ray advertises TPU={tpus}"
+    if not n and not tpus:
+        return [("TPU chips", OK, "not present" + tpu_text, "")]
+    if not n:
+        return [("TPU chips", FAIL, f"no /dev/accel* or /dev/vfio chips{tpu_text}",
+                 "run this node on a TPU VM, or start Ray there without a TPU resource")]
+    per_chip = tpu_devices_per_chip()
+    per_device = os.environ.get("RAY_TPU_RESOURCE_PER_CHIP", "1")
+    counted = int(per_device) if per_device.isdigit() and int(per_device) > 0 else 1
+    detail = f"{n} chips, {per_chip} device{'s' if per_chip > 1 else ''} per chip"
+    if per_chip > 1:
+        detail += (f" (TPU v7: one worker per device; Ray counts TPU per "
+                   f"{'device' if counted > 1 else 'chip'}, RAY_TPU_RESOURCE_PER_CHIP={per_device})")
+    if tpus is not None and tpus != n * counted:
+        return [("TPU chips", WARN, detail + tpu_text,
+                 f"restart Ray on this node with --resources='{{\"TPU\": {n * counted}}}'")]
+    if per_chip > 1 and counted == 1:
+        return [("TPU chips", WARN, detail + tpu_text,
+                 "start Ray on this node with RAY_TPU_RESOURCE_PER_CHIP=2 and --resources="
+                 f"'{{\"TPU\": {n * per_chip}}}' (TorchTPUConfig, TorchXLAConfig without SPMD: "
+                 "one worker per device)")]
+    return [("TPU chips", OK, detail + tpu_text, "")]
+
+
+def check_compile_caches(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """The Neuron and XLA persistent compile caches can be written."""
     caches = []
-    if neuron_present or versions["torch-neuronx"]:
+    if facts.neuron_present or facts.versions["torch-neuronx"]:
         url = os.environ.get("NEURON_COMPILE_CACHE_URL", "")
         caches.append(("NEURON_COMPILE_CACHE_URL", url or NEURON_CACHE_DEFAULT, bool(url)))
     if os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
         caches.append(("XLA_PERSISTENT_CACHE_PATH", os.environ["XLA_PERSISTENT_CACHE_PATH"], True))
     if not caches:
-        add("compile cache", OK, "none configured (no Neuron, XLA_PERSISTENT_CACHE_PATH unset)")
+        return [("compile cache", OK,
+                 "none configured (no Neuron, XLA_PERSISTENT_CACHE_PATH unset)", "")]
+    rows = []
     for var, path, is_set in caches:
         where = f"{var}={path}" if is_set else f"{path} (default; {var} unset)"
         if path.startswith("s3://"):
-            add("compile cache", OK, f"{where}: S3, not checked from here")
+            rows.append(("compile cache", OK, f"{where}: S3, not checked from here", ""))
             continue
         ok, detail = _writable(path)
-        add("compile cache", OK if ok else FAIL, f"{where}: {detail}",
-            f"make {path} writable for the user running Ray, or set {var} to a writable "
-            "(shared) path")
+        rows.append(("compile cache", OK if ok else FAIL, f"{where}: {detail}",
+                     f"make {path} writable for the user running Ray, or set {var} to a writable "
+                     "(shared) path"))
+    return rows
 
-    # -- ports on the head --
-    if ctx.is_head:
-        try:
-            ports = netinfo.free_ports(2)
-            add("free ports", OK, f"bound two ephemeral ports ({ports[0]}, {ports[1]})")
-        except OSError as exc:
-            add("free ports", FAIL, f"cannot bind ephemeral TCP ports: {exc}",
-                "free ports in net.ipv4.ip_local_port_range or close stale listeners")
+
+def check_free_ports(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
+    """On the head only: two ephemeral TCP ports can be bound."""
+    if not ctx.is_head:
+        return []
+    try:
+        ports = netinfo.free_ports(2)
+    except OSError as exc:
+        return [("free ports", FAIL, f"cannot bind ephemeral TCP ports: {exc}",
+                 "free ports in net.ipv4.ip_local_port_range or close stale listeners")]
+    return [("free ports", OK, f"bound two ephemeral ports ({ports[0]}, {ports[1]})", "")]
+
+
+# The checks of a node, in report order.
+NODE_CHECKS: tuple[Callable[[NodeContext, NodeFacts], list[Row]], ...] = (
+    check_torch,
+    check_torch_xla,
+    check_torch_tpu,
+    check_neuron_packages,
+    check_device,
+    check_neuron_devices,
+    check_visible_cores,
+    check_efa,
+    check_tpu_chips,
+    check_compile_caches,
+    check_free_ports,
+)
+
+
+def check_node(ctx: NodeContext) -> list[Check]:
+    """All checks of the machine this runs on (the driver, or a node's task in cluster mode):
+    every function of ``NODE_CHECKS`` in order. A fix is kept only on a non-OK row."""
+    facts = node_facts(ctx)
+    ctx.extra["versions"] = dict(facts.versions)
+    rows: list[Check] = []
+    for check in NODE_CHECKS:
+        for name, status, detail, fix in check(ctx, facts):
+            rows.append(Check(name, ctx.node, status, detail, fix if status != OK else ""))
     return rows
 
 

@@ -33,6 +33,11 @@ set, identically on every rank where TorchTPU requires it:
   TorchTPU sets itself); ranks are slice-major, every slice the same shape;
 - ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` from ``compile_cache``.
 
+TPU v7x (two devices per chip, torch-tpu 0.2.0 ``hardware._DEVICES_PER_CHIP``): one worker per
+device, Ray counting ``TPU`` per device (``RAY_TPU_RESOURCE_PER_CHIP=2``; a per-chip count is
+refused); ``TORCH_TPU_TOPOLOGY`` 4-D (chips and ``,2``; one host: ``hardware._V7_TOPOLOGY``),
+addresses, ranks and ``TPU_VISIBLE_DEVICES`` per device.
+
 ``TORCH_TPU_DEVICES_PER_HOST`` is left unset on purpose: with it, the ranks of a host share a
 FileStore under ``/dev/shm`` named after their parent pid, which under Ray is the raylet, the
 same for every run on the node.
@@ -48,6 +53,11 @@ import re
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.options import TPU_OWNER
 from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
+from ray_train_xla.planning.runtimes.tpu import (
+    PER_DEVICE_SETTING,
+    check_per_device_count,
+    devices_per_chip,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +69,10 @@ MEGASCALE_BASE_PORT = 8080  # TorchTPU's AssignMegascalePorts: 8080 + 2 * LOCAL_
 # Chips on one host -> their grid (hardware.py's maps agree on 1, 2 and 4 chips; 8 chips on one
 # host are v5e/v6e, "2,4,1").
 HOST_GRIDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+# TPU v7 (two devices per chip): devices on one host -> TorchTPU's local topology, the chip grid
+# with the devices per chip as a 4th entry (torch-tpu 0.2.0 ``hardware._V7_TOPOLOGY``, keyed by
+# the devices its PCI scan counts).
+V7_HOST_GRIDS = {2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"}
 
 
 def _err(expected: str) -> XLAConfigError:
@@ -108,6 +122,13 @@ def host_position(coords, topology: str) -> int | None:
     return hosts.index(host) if host in hosts else None
 
 
+def slice_devices_per_chip(workers) -> int:
+    """Devices per chip of the slice these workers run on: 2 where a host reports a TPU v7x
+    accelerator type or Ray counts its TPU per device (``RAY_TPU_RESOURCE_PER_CHIP=2``)."""
+    return max((max(devices_per_chip(w.tpu_accelerator_type), w.tpu_resource_per_chip or 1)
+                for w in workers), default=1)
+
+
 def _chip_key(w) -> tuple[int, str]:
     chip = w.accelerator_ids[0] if w.accelerator_ids else str(w.local_rank)
     return (int(chip), chip) if chip.isdigit() else (1 << 30, chip)
@@ -146,8 +167,9 @@ class Layout:
         hosts_per_slice = len(slices[0])
         slice_world = sum(len(n) for n in slices[0])
         master_host = ""
+        self.devices_per_chip = slice_devices_per_chip([n[0] for n in nodes])
         for slice_id, hosts in enumerate(slices):
-            topo = self._topology(hosts, names[slice_id])
+            topo = self._topology(hosts, names[slice_id], self.devices_per_chip)
             ordered = self._host_order(hosts, topo, names[slice_id])
             entries = []
             for host_index, node in enumerate(ordered):
@@ -176,10 +198,14 @@ class Layout:
         self.num_nodes = len(nodes)
 
     @staticmethod
-    def _topology(hosts, name: str) -> str:
-        """The slice's topology in comma form, and checks that the workers fill it."""
+    def _topology(hosts, name: str, per_chip: int = 1) -> str:
+        """The slice's topology in comma form, and checks that the workers fill it. With two
+        devices per chip (TPU v7x: one worker per device), TorchTPU's 4-D form: the chip grid
+        and the devices per chip ("2,2,4,2"), whose product is the processes of the slice."""
         workers = sum(len(n) for n in hosts)
         where = f" (slice {name})" if name else ""
+        if per_chip > 1:
+            return Layout._device_topology(hosts, where, workers, per_chip)
         if len(hosts) == 1:
             dims = parse_topology(hosts[0][0].tpu_topology)
             if dims and math.prod(dims) == workers:  # v7's 4th entry (cores per chip) kept
@@ -204,6 +230,41 @@ class Layout:
                        f"{len(slice_hosts(topo))} hosts of {math.prod(CHIPS_PER_HOST)} chips, "
                        f"got {len(hosts)} hosts and {workers} workers; request "
                        f"num_workers={chips_in(topo) * 1} with {ONE_CHIP_FIX}")
+        return topo
+
+    @staticmethod
+    def _device_topology(hosts, where: str, workers: int, per_chip: int) -> str:
+        """``_topology`` on TPU v7x: one worker per device, ``TORCH_TPU_TOPOLOGY`` 4-D."""
+        chips = [parse_topology(n[0].tpu_topology) or () for n in hosts]
+        if len(hosts) == 1:
+            dims = chips[0]
+            if len(dims) == 4 and math.prod(dims) == workers:
+                return ",".join(map(str, dims))
+            if dims and len(dims) <= 3 and math.prod(dims) * per_chip == workers:
+                return f"{comma_topology(hosts[0][0].tpu_topology)},{per_chip}"
+            if workers not in V7_HOST_GRIDS:
+                raise _err(f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x "
+                           f"chip) on one TPU host{where}, got {workers}")
+            return V7_HOST_GRIDS[workers]
+        reported = {n[0].tpu_topology and comma_topology(n[0].tpu_topology) for n in hosts}
+        if "" in reported or None in reported:
+            missing = [n[0].node_ip for n in hosts if not n[0].tpu_topology][:4]
+            raise _err(f"the topology of the TPU slice{where} on every host (TPU_TOPOLOGY on "
+                       f"GKE, else the GCE metadata), but {', '.join(missing)} report none: "
+                       "TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice on every rank")
+        if len(reported) > 1:
+            raise _err(f"one topology for the hosts of a slice{where}, got "
+                       + ", ".join(sorted(reported)))
+        grid = reported.pop()
+        dims = grid.split(",")
+        topo = grid if len(dims) == 4 else f"{','.join(dims[:3])},{per_chip}"
+        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
+            per_host = math.prod(CHIPS_PER_HOST)
+            raise _err(f"every device of the TPU slice{where} in the job: topology {topo} has "
+                       f"{len(slice_hosts(topo))} hosts of {per_host} chips ({per_host * per_chip}"
+                       f" devices), got {len(hosts)} hosts and {workers} workers; request "
+                       f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}, one worker per "
+                       f"device (Ray counting devices: {PER_DEVICE_SETTING})")
         return topo
 
     @staticmethod
@@ -237,10 +298,14 @@ class NativeTPURuntime(Runtime):
     resource = TPU_RESOURCE
 
     def check(self, config, topology) -> None:
+        per_chip = slice_devices_per_chip(topology.workers)
+        unit = "device" if per_chip > 1 else "chip"
         check_one_accelerator_each(
-            topology, "TorchTPUConfig", "tpu", "TPU chips", "chip", ONE_CHIP_FIX,
-            "TorchTPU drives exactly one chip per process (every process's device is tpu:0)",
+            topology, "TorchTPUConfig", "tpu", f"TPU {unit}s", unit, ONE_CHIP_FIX,
+            f"TorchTPU drives exactly one {unit} per process (every process's device is tpu:0)",
             logger)
+        if per_chip > 1:
+            check_per_device_count(topology, "TorchTPUConfig", "TorchTPU", per_chip)
         self.layout(topology)
 
     def layout(self, topology) -> Layout:

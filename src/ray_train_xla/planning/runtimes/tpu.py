@@ -41,6 +41,11 @@ topology variable itself, from the chips Ray assigned each worker:
   Not planned on CPU (torch_xla 2.9's CPU client cannot deserialize executables) nor on Neuron
   (Neuron keeps its own cache, ``NEURON_COMPILE_CACHE_URL``).
 
+TPU v7x (two devices per chip): per process, one worker per device as torch_xla 2.9's
+``configure_topology`` runs them (Ray counting devices, ``RAY_TPU_RESOURCE_PER_CHIP=2``; a
+per-chip count is refused): ``TPU_VISIBLE_CHIPS`` the device, bounds with the trailing ``,2``;
+in SPMD the chips of Ray's device ids, bounds without it.
+
 Multislice (hosts of several TPU slices, which Ray's JAX support joins with ``MEGASCALE_*``
 variables) is refused before start: torch_xla 2.9's PJRT TPU path has no multislice support.
 """
@@ -51,7 +56,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ray_train_xla.errors import config_error
+from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.runtimes.base import Runtime
 from ray_train_xla.planning.topology import WorkerPlace
 
@@ -77,6 +82,44 @@ DEFAULT_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64:
                          128: "8x16", 256: "16x16", 512: "16x32", 1024: "32x32"}
 # Host counts laid out as a TPU v4 slice (hosts stacked along z) when no topology is known.
 V4_STACKED_HOSTS = (1, 2, 4)
+# Separately addressable devices per chip, by generation: TPU v7 (Ironwood, "tpu7x"/"v7x")
+# exposes two (torch-tpu 0.2.0 ``hardware._DEVICES_PER_CHIP = {V7: 2}``, default 1; torch_xla
+# 2.9 ``_internal/tpu.py`` appends ",2" to the v7 process bounds); every other generation one.
+MULTI_DEVICE_GENERATIONS = {"v7": 2}
+# Ray's setting that counts ``TPU`` resources per device instead of per chip (Ray 2.60
+# ``ray._private.accelerators.tpu.get_tpu_resource_per_chip``).
+PER_DEVICE_SETTING = "RAY_TPU_RESOURCE_PER_CHIP=2"
+
+
+def tpu_generation(accelerator_type: str) -> str:
+    """The generation of a TPU accelerator type as Ray spells it ("v7x"), from any spelling:
+    "tpu7x-32", "v7x-32", Ray's "TPU-V7X"; "" when none is given."""
+    normal = re.sub(r"^tpu-?v?", "v", (accelerator_type or "").strip().lower())
+    return normal.split("-")[0] if normal.startswith("v") else ""
+
+
+def devices_per_chip(accelerator_type: str) -> int:
+    """Devices per chip of a TPU accelerator type (2 on v7x, else 1; see
+    MULTI_DEVICE_GENERATIONS)."""
+    match = re.match(r"v(\d+)", tpu_generation(accelerator_type))
+    return MULTI_DEVICE_GENERATIONS.get(f"v{match.group(1)}", 1) if match else 1
+
+
+def check_per_device_count(topology, owner: str, runtime: str, per_chip: int,
+                           alternative: str = "") -> None:
+    """On TPU v7x a worker runs one device: refuse hosts where Ray counts ``TPU`` per chip
+    (``RAY_TPU_RESOURCE_PER_CHIP`` unset or 1) and gave each worker a whole chip."""
+    per_chip_hosts = sorted({w.node_ip for w in topology.workers
+                             if w.tpu_resource_per_chip == 1 and w.accelerator_ids})
+    if per_chip_hosts:
+        raise XLAConfigError(
+            f"{owner}: on TPU v7x each chip exposes {per_chip} devices and {runtime} runs one "
+            f"process per device, but Ray counts TPU per chip on {', '.join(per_chip_hosts[:4])}"
+            f"{' ...' if len(per_chip_hosts) > 4 else ''}, so each worker holds a whole chip. "
+            f"Start Ray on every TPU node with {PER_DEVICE_SETTING} (a host of 4 chips then has "
+            f"TPU=8) and keep resources_per_worker={{'TPU': 1}}, one worker per device"
+            + alternative + ".")
+
 
 
 @dataclass(frozen=True)
@@ -100,6 +143,10 @@ class TPUSlice:
     @property
     def chips_per_host(self) -> int:
         return math.prod(self.host_chips)
+
+    @property
+    def devices_per_chip(self) -> int:
+        return devices_per_chip(self.generation)
 
     def __str__(self) -> str:
         dims = self.topology[:2] if self.topology[2] == 1 and self.generation in TWO_D_GENERATIONS \
@@ -170,9 +217,17 @@ def _bounds(grid: tuple[int, ...]) -> str:
 
 
 def _chips(place: WorkerPlace, spmd: bool) -> tuple[str, ...]:
-    """The chips this worker owns: as Ray assigned them, else (per chip) its local rank."""
-    if place.accelerator_ids:
-        return place.accelerator_ids
+    """The chips this worker owns: as Ray assigned them, else (per chip) its local rank. In SPMD
+    where Ray counts TPU per device (TPU v7x with ``RAY_TPU_RESOURCE_PER_CHIP=2``), Ray's device
+    ids collapsed to their chips (id // devices per chip), as Ray masks ``TPU_VISIBLE_CHIPS``;
+    one process per device keeps its device id (torch_xla's ``TPU_VISIBLE_CHIPS=local_rank``
+    counts devices on v7)."""
+    ids = place.accelerator_ids
+    per = place.tpu_resource_per_chip or 1
+    if ids and spmd and per > 1 and all(i.isdigit() for i in ids):
+        return tuple(dict.fromkeys(str(int(i) // per) for i in ids))
+    if ids:
+        return ids
     return () if spmd else (str(place.local_rank),)
 
 
@@ -206,18 +261,23 @@ class TPURuntime(Runtime):
                         f"worker rank {w.rank} was given {len(chips)} ({','.join(chips)}): use "
                         "resources_per_worker={'TPU': 1}, or spmd=True for one process per host")
         self._check_hosts(nodes)
+        per_chip = 1 if config.spmd else self.devices_per_chip(topology)
+        if per_chip > 1:
+            check_per_device_count(topology, "TorchXLAConfig", "torch_xla", per_chip,
+                                   ", or spmd=True for one process per host owning its chips")
         per_host = [len(_chips(n[0], True)) if config.spmd else len(n) for n in nodes]
-        what = "chips per SPMD worker" if config.spmd else "workers (chips) per host"
+        what = ("chips per SPMD worker" if config.spmd else "workers (chips) per host"
+                if per_chip == 1 else f"workers (devices, {per_chip} per TPU v7 chip) per host")
         if len(set(per_host)) != 1:
             raise config_error("device", "tpu", f"the same number of {what} on every host "
                                f"(torch_xla assumes it), got {per_host}")
-        if per_host[0] not in CHIP_GRIDS:
-            raise config_error("device", "tpu", f"{what} in {sorted(CHIP_GRIDS)}, got "
-                               f"{per_host[0]}")
+        grids = sorted(c * per_chip for c in CHIP_GRIDS)
+        if per_host[0] % per_chip or per_host[0] // per_chip not in CHIP_GRIDS:
+            raise config_error("device", "tpu", f"{what} in {grids}, got {per_host[0]}")
         layout = self.slice_of(topology)
         hosts = len(nodes)
         if layout is not None and hosts > 1 and (
-                hosts != layout.hosts or per_host[0] != layout.chips_per_host):
+                hosts != layout.hosts or per_host[0] != layout.chips_per_host * per_chip):
             raise config_error(
                 "device", "tpu", f"every host of the TPU slice with all its chips: the slice is "
                 f"{layout}, the job has {hosts} hosts of {per_host[0]} chips. Reserve the whole "
@@ -235,12 +295,12 @@ class TPURuntime(Runtime):
                     "(ray-train-xla plan: --tpu-topology or --accelerator-type)")
             return
         parts = bounds.split(",")
-        if len(parts) == 3 and math.prod(int(b) for b in parts) != processes:
+        if len(parts) in (3, 4) and math.prod(int(b) for b in parts) != processes:
             raise config_error("tpu_process_bounds", bounds,
-                               f"a grid of {processes} processes (x*y*z = the number of "
-                               f"{'hosts' if config.spmd else 'workers'})")
+                               f"a grid of {processes} processes (the product of its entries = "
+                               f"the number of {'hosts' if config.spmd else 'workers'})")
         if layout is not None and hosts > 1:
-            derived = self.planned_bounds(layout, hosts, per_host[0], config.spmd)
+            derived = self.planned_bounds(layout, hosts, per_host[0], config.spmd, per_chip)
             if bounds.replace(" ", "") != derived:
                 raise config_error(
                     "tpu_process_bounds", bounds,
@@ -248,6 +308,13 @@ class TPURuntime(Runtime):
                     f"(and TPU_HOST_BOUNDS) {derived} with {per_host[0] if config.spmd else 1} "
                     "chip(s) per process (TPU_CHIPS_PER_PROCESS_BOUNDS); other bounds would "
                     "contradict the chips libtpu finds")
+
+    def devices_per_chip(self, topology) -> int:
+        """Devices per chip of the workers' slice: 2 on TPU v7x (its accelerator type, or Ray
+        counting TPU per device on a host), else 1."""
+        layout = self.slice_of(topology)
+        return max([layout.devices_per_chip if layout is not None else 1]
+                   + [w.tpu_resource_per_chip or 1 for w in topology.workers])
 
     def slice_of(self, topology) -> TPUSlice | None:
         """The slice the workers' hosts report (see :func:`tpu_slice`), None when none does.
@@ -287,13 +354,15 @@ class TPURuntime(Runtime):
         return tuple(a * b for a, b in zip(self._chip_grid(layout, per_host), host_grid))
 
     def planned_bounds(self, layout: TPUSlice | None, hosts: int, per_host: int,
-                       spmd: bool) -> str:
-        """TPU_PROCESS_BOUNDS as planned without ``tpu_process_bounds`` (per chip on TPU v7
-        with torch_xla's trailing ``,2``)."""
-        bounds = _bounds(self._process_grid(layout, hosts, per_host, spmd))
-        if not spmd and layout is not None and layout.generation.startswith("v7"):
-            bounds += ",2"  # as torch_xla's configure_topology does for TPU v7
-        return bounds
+                       spmd: bool, per_chip: int = 1) -> str:
+        """TPU_PROCESS_BOUNDS as planned without ``tpu_process_bounds``: ``per_host`` is the
+        chips of an SPMD worker, else the processes of a host. On TPU v7 (``per_chip`` 2) one
+        process per device: the grid of the host's chips (``per_host // 2``) times the host
+        grid, and torch_xla's trailing ``,2`` (``configure_topology``: ``if tpu_version == 7:
+        process_bounds_str += ',2'``)."""
+        if spmd or per_chip == 1:
+            return _bounds(self._process_grid(layout, hosts, per_host, spmd))
+        return f"{_bounds(self._process_grid(layout, hosts, per_host // per_chip, spmd))},{per_chip}"
 
     @staticmethod
     def _check_hosts(nodes) -> None:
@@ -371,7 +440,8 @@ class TPURuntime(Runtime):
         task_id, port = by_rank[place.rank]
         chips = sorted(_chips(place, spmd), key=_chip_key)
         process_bounds = (config.tpu_process_bounds or self.planned_bounds(
-            layout, topology.num_nodes, place.local_world_size, spmd)).replace(" ", "")
+            layout, topology.num_nodes, place.local_world_size, spmd,
+            1 if spmd else self.devices_per_chip(topology))).replace(" ", "")
         return {
             "PJRT_DEVICE": "TPU",
             "TPU_VISIBLE_CHIPS": ",".join(chips),
