@@ -123,7 +123,7 @@ def test_names_are_checked():
                      "rtx.no_such_helper()\n")
     refs = package_names(tree)
     assert "ray_train_xla:no_such_helper" in refs and "ray_train_xla:TorchXLAConfig" in refs
-    with pytest.raises(AttributeError):
+    with pytest.raises((AttributeError, ImportError)):
         resolve("ray_train_xla:no_such_helper")
     resolve("ray_train_xla:tools.consolidate.consolidate_hf")
 
