@@ -96,3 +96,9 @@ def exact(a, b) -> bool:
 def max_diff(model_state: dict, ref: dict) -> float:
     assert sorted(model_state) == sorted(ref), (sorted(model_state), sorted(ref))
     return max(float((model_state[k].float() - ref[k].float()).abs().max()) for k in ref)
+
+
+def mean_diff(a: dict, b: dict) -> float:
+    """The mean absolute difference over every element of every tensor."""
+    total = sum(float((a[k].float() - b[k].float()).abs().sum()) for k in b)
+    return total / sum(b[k].numel() for k in b)

@@ -1,6 +1,8 @@
 """An elastic run on a Ray cluster of its own (``ray.cluster_utils.Cluster``): Ray Train V2 with
-``ScalingConfig(num_workers=(2, 4))``, ``TorchXLAConfig`` on CPU workers, replicated data
-parallelism with ``prepare_data_loader(global_batch_size=...)``, a checkpoint every 4 steps. A
+``ScalingConfig(num_workers=(2, 4))``, twice: ``TorchXLAConfig`` on CPU workers with a replicated
+model, and ``TorchNeuronConfig``'s CPU twin with the model sharded by FSDP2
+(``prepare_sharded_model``: its checkpoints resharded 4 -> 2 -> 4); data parallelism with
+``prepare_data_loader(global_batch_size=...)``, a checkpoint every 4 steps. A
 node is drained mid-run as a spot reclaim is (reason PREEMPTION, with a deadline): the workers
 see it, ``checkpoint_if_preempted`` saves the step they are at, and when Ray takes the node down
 at the deadline the group shrinks to 2 and resumes from that step, none lost. The node is then
@@ -77,7 +79,10 @@ def train_elastic(config):
     loader = rtx.prepare_data_loader(
         torch.utils.data.DataLoader(dataset(), shuffle=True),
         seed=3, global_batch_size=GLOBAL_BATCH)
-    model = rtx.prepare_model(new_model())
+    if config.get("sharded"):
+        model = rtx.prepare_sharded_model(new_model())
+    else:
+        model = rtx.prepare_model(new_model())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     state = rtx.load_checkpoint(model, opt)
     applied = list(state["applied"]) if state else []
@@ -145,8 +150,14 @@ def train_elastic(config):
     rtx.flush_reports()
     write_record(config, f"final_r{r}_pid{os.getpid()}", {
         "world": world, "rank": r, "applied": applied,
-        "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()],
+        "params": [whole(p).reshape(-1).tolist() for p in model.parameters()],
     })
+
+
+def whole(param):
+    """A parameter's whole value on the CPU (a DTensor gathered)."""
+    full = getattr(param, "full_tensor", None)
+    return (full() if full is not None else param).detach().cpu()
 
 
 def fixed_size_run():
@@ -235,23 +246,26 @@ def elastic_cluster():
 
 
 @pytest.mark.skipif(not is_train_v2(), reason="elastic training is Ray Train V2's")
-def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_cluster):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated-xla", "fsdp2-native"])
+def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_cluster, sharded):
     import torch
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_train_xla import TorchXLAConfig, check_scaling_config
+    from ray_train_xla import TorchNeuronConfig, TorchXLAConfig, check_scaling_config
 
     cluster, nodes = elastic_cluster
     out_dir = tempfile.mkdtemp(prefix="rtx-test-elastic-")
     scaling = ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 1, "slot": 1},
                             elastic_resize_monitor_interval_s=1)
-    config = TorchXLAConfig(device="cpu", timeout_s=60)
+    config = (TorchNeuronConfig(device="cpu", timeout_s=60) if sharded
+              else TorchXLAConfig(device="cpu", timeout_s=60))
     assert check_scaling_config(scaling, config) == (2, 4)
     trainer = TorchTrainer(
-        train_elastic, train_loop_config={"out_dir": out_dir}, torch_config=config,
+        train_elastic, train_loop_config={"out_dir": out_dir, "sharded": sharded},
+        torch_config=config,
         scaling_config=scaling,
         run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="rtx-test-results-"),
                              failure_config=FailureConfig(max_failures=3)))
@@ -281,7 +295,7 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     except Exception:  # noqa: BLE001 (nothing is left to stop)
         pass
     t_grow = time.time()
-    cluster.add_node(num_cpus=2, resources={"slot": 2})
+    nodes[1] = cluster.add_node(num_cpus=2, resources={"slot": 2})  # the next run drains it
     thread.join(timeout=240)
     assert not thread.is_alive(), "fit() did not end within 240 s of the node's return"
     took = time.monotonic() - t0

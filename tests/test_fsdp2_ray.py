@@ -7,8 +7,8 @@ of the same model and data; every restored state with the state saved, bit for b
 Five fits, each using the checkpoints of the ones before:
 
 - xla: FSDPv2 trains and saves (``ckpt_xla``);
-- four: FSDP2 on 4 workers trains (with and without per-block sharding) and saves (``ckpt4``);
-  loads ``ckpt_xla``;
+- four: FSDP2 on 4 workers trains (with and without per-block sharding, with activation
+  checkpointing, in bf16) and saves (``ckpt4``); loads ``ckpt_xla``;
 - two: 2 workers (TorchTPUConfig's twin): a mismatched model refused and untouched; ``ckpt4``
   restored and trained on like the fixed run; ``ckpt_xla`` restored and saved again
   (``ckpt_back``); ``ckpt4`` into a replicated model; a replicated checkpoint into FSDP2;
@@ -62,13 +62,14 @@ def _errors(call) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _sharded_lm(policy: bool = True, hidden: int = 32):
+def _sharded_lm(policy: bool = True, hidden: int = 32, **options):
     import fsdp2_worker as w
 
     import ray_train_xla as rtx
 
     model = rtx.prepare_sharded_model(w.make_lm(hidden),
-                                      auto_wrap_policy={w.block_class()} if policy else None)
+                                      auto_wrap_policy={w.block_class()} if policy else None,
+                                      **options)
     return model, w.optimizer(model)
 
 
@@ -120,6 +121,17 @@ def train_and_save(config):
         _train(plain, plain_opt, 0, STEPS, config)
         record["diff_unwrapped"] = w.max_diff(w.named_state(plain)["model"], ref)
         record["placements"] = str(next(model.parameters()).placements)
+        # Activation checkpointing recomputes each block: the same numbers.
+        recomputed, recomputed_opt = _sharded_lm(activation_checkpointing=True)
+        _train(recomputed, recomputed_opt, 0, STEPS, config)
+        record["diff_recomputed"] = w.max_diff(w.named_state(recomputed)["model"], ref)
+        # bf16 compute, fp32 parameters and gradient reduction: close to the fp32 run, not equal.
+        half, half_opt = _sharded_lm(mixed_precision="bf16")
+        _train(half, half_opt, 0, STEPS, config)
+        half_state = w.named_state(half)["model"]
+        record["bf16_dtypes"] = sorted({str(v.dtype) for v in half_state.values()})
+        record["bf16_off"] = w.mean_diff(half_state, ref)  # from the fp32 run
+        record["fp32_moved"] = w.mean_diff(ref, w.make_lm().state_dict())  # from the start
     if rtx.rank() == 0:
         torch.save(state, config["dump"])
     if config.get("load"):
@@ -249,7 +261,7 @@ def runs(one_node, tmp_path_factory):
     _, out["xla_back"] = fit(
         restore, loop_config={"spmd": True, "dump_xla": str(tmp / "xla.pt"), "ckpt_xla": ckpt_back},
         torch_config=xla_config(), scaling_config=xla_scaling())
-    out["ckpt4"] = ckpt4
+    out["ckpt4"], out["dump4"] = ckpt4, str(tmp / "four.pt")
     return out
 
 
@@ -263,6 +275,10 @@ def test_fsdpv2_and_fsdp2_train_like_the_unsharded_run(runs):
         assert rec["moved"] > 1e-3
         assert rec["diff"] <= 1e-5 and rec["diff_unwrapped"] <= 1e-5
         assert rec["placements"] == "(Shard(dim=0),)"
+        assert rec["diff_recomputed"] <= 1e-5
+        assert rec["bf16_dtypes"] == ["torch.float32"]  # parameters stay fp32
+        # Computed in bf16: off the fp32 run, but by far less than training moved it.
+        assert 0 < rec["bf16_off"] < 0.25 * rec["fp32_moved"], (rec["bf16_off"], rec["fp32_moved"])
 
 
 def test_sharded_checkpoints_hold_every_ranks_shards_under_module_names(runs):
@@ -303,3 +319,21 @@ def test_checkpoints_cross_the_replicated_sharded_seam_both_ways(runs):
     for rec in runs["two"]:
         assert rec["sharded_into_replicated"] is True
         assert rec["replicated_into_sharded"] is True
+
+
+def test_consolidate_hf_of_an_fsdp2_checkpoint_loads_with_the_trained_models_logits(runs, tmp_path):
+    import fsdp2_worker as w
+    from transformers import AutoModelForCausalLM
+
+    from ray_train_xla.tools.consolidate import consolidate_hf
+
+    w.lm_config().save_pretrained(tmp_path / "config")
+    consolidate_hf(runs["ckpt4"], str(tmp_path / "hf"), config=str(tmp_path / "config"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = w.make_lm().eval()
+    trained.load_state_dict(torch.load(runs["dump4"], weights_only=False)["model"])
+    ids = w.tokens(99)
+    with torch.no_grad():
+        want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert not torch.allclose(want, w.make_lm().eval()(input_ids=ids).logits, atol=1e-3)  # trained
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
