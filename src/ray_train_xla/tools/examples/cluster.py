@@ -116,6 +116,10 @@ def scaling_config(device: str, workers: int, per_worker: int = 1, tpu_topology:
         return ScalingConfig(num_workers=workers)
     if device == "neuron":
         return ScalingConfig(num_workers=workers, resources_per_worker={NEURON_RESOURCE: per_worker})
-    return ScalingConfig(num_workers=workers, use_tpu=True, topology=tpu_topology,
-                         accelerator_type=accelerator_type,
-                         resources_per_worker={TPU_RESOURCE: per_worker})
+    try:
+        return ScalingConfig(num_workers=workers, use_tpu=True, topology=tpu_topology,
+                             accelerator_type=accelerator_type,
+                             resources_per_worker={TPU_RESOURCE: per_worker})
+    except ValueError as exc:  # Ray's own check of the slice (workers per slice, the names)
+        raise ExampleUsageError(f"--device tpu: Ray's ScalingConfig refuses {workers} workers "
+                                f"with {TPU_RESOURCE}={per_worker} each: {exc}") from exc
