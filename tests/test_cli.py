@@ -98,3 +98,26 @@ def test_plan_reports_bad_input_without_a_traceback():
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("ray-train-xla plan: error: ")
     assert bad.stderr.count("\n") == 1 and "every node needs at least one worker" in bad.stderr
+
+
+def test_examples_ask_ray_for_each_workers_accelerators():
+    """The examples' and the demo's ScalingConfig (no Ray started): NeuronCores per worker on
+    Neuron; on TPU, Ray Train V2's slice fields with TPU chips per worker; Ray's own refusal of
+    a slice is a usage error."""
+    from ray_train_xla import TorchXLAConfig, check_scaling_config
+    from ray_train_xla.tools.examples.cluster import ExampleUsageError, scaling_config
+
+    cpu = scaling_config("cpu", 2)
+    assert cpu.num_workers == 2 and not cpu.resources_per_worker and not cpu.use_tpu
+    assert scaling_config("neuron", 4).resources_per_worker == {"neuron_cores": 1}
+    assert scaling_config("neuron", 2, 32).resources_per_worker == {"neuron_cores": 32}
+    tpu = scaling_config("tpu", 16, 1, "4x4", "TPU-V6E")
+    assert (tpu.use_tpu, tpu.topology, tpu.accelerator_type, tpu.resources_per_worker) == (
+        True, "4x4", "TPU-V6E", {"TPU": 1})
+    assert check_scaling_config(tpu, TorchXLAConfig(device="tpu")) == (16, 16)
+    spmd = scaling_config("tpu", 4, 4, "4x4", "TPU-V6E")  # one SPMD worker per host of 4 chips
+    assert spmd.resources_per_worker == {"TPU": 4}
+    with pytest.raises(ExampleUsageError, match="must be a multiple of 16"):
+        scaling_config("tpu", 8, 1, "4x4", "TPU-V6E")
+    with pytest.raises(ExampleUsageError, match="needs --tpu-topology and --accelerator-type"):
+        scaling_config("tpu", 2)

@@ -44,3 +44,27 @@ def test_demo_seed_check(ray_local):
     assert summary.ok and summary.workers == 2 and summary.iterations == 3
     assert summary.device.startswith("xla") and summary.pjrt_device == "CPU"
     assert summary.process_group == "xla_host"
+
+
+def test_train_demo_then_a_resumed_run_that_fails_midway_ends_at_its_target(ray_local, tmp_path):
+    """`demo --train`'s run (8 steps, the packaged train_mlp), then `train_mlp.py --resume` for
+    8 more: it fails once after step 12 and restarts from its step-12 checkpoint, and still ends
+    at step 16, the target fixed when it started (not 8 steps past the restart's checkpoint)."""
+    import os
+
+    from ray_train_xla.tools.demo import load_example, run_train_demo
+
+    storage = str(tmp_path / "runs")
+    first = run_train_demo(workers=2, steps=8, device="cpu", storage_path=storage, report_every=4)
+    assert first.ok and [m["step"] for m in first.history] == [4, 8]
+
+    mlp = load_example("train_mlp")
+    config = mlp.default_config(steps=8, report_every=4)
+    config.update(more=True, crash_at=12, marker_dir=str(tmp_path / "markers"))
+    result = mlp.build_trainer(2, config, storage, "train_mlp", "cpu", keep=None).fit()
+    # every rank failed once, after step 12
+    assert sorted(os.listdir(tmp_path / "markers")) == ["train_mlp_crashed_rank0",
+                                                         "train_mlp_crashed_rank1"]
+    assert result.metrics["step"] == 16
+    steps = sorted(m["step"] for _, m in result.best_checkpoints)
+    assert 12 in steps and max(steps) == 16, steps

@@ -85,8 +85,8 @@ import torch_xla.runtime as xr
 os.environ["RAY_TRAIN_XLA_SPMD"] = "1"
 xr.use_spmd()
 from ray_train_xla.tools.demo import load_example
-lm = load_example(sys.argv[1])
-torch.save(lm.train_without_ray(lm.lm_config(steps=int(sys.argv[2]))), sys.argv[3])
+lm = load_example("train_lm")
+torch.save(lm.train_without_ray(lm.lm_config(steps=int(sys.argv[1]))), sys.argv[2])
 """
 
 
@@ -99,10 +99,9 @@ def test_lm_crashes_resumes_and_ends_like_an_uninterrupted_run(two_nodes, tmp_pa
 
     import torch
 
-    from ray_train_xla.tools.demo import EXAMPLE_PATH, load_example
+    from ray_train_xla.tools.demo import load_example
 
-    path = os.path.join(os.path.dirname(EXAMPLE_PATH), "train_lm.py")
-    lm = load_example(path)
+    lm = load_example("train_lm")
     steps = 12
     config = lm.lm_config(steps=steps, report_every=4, crash_at=8, marker_dir=str(tmp_path),
                           out_dir=str(tmp_path))
@@ -110,7 +109,7 @@ def test_lm_crashes_resumes_and_ends_like_an_uninterrupted_run(two_nodes, tmp_pa
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", TF_CPP_MIN_LOG_LEVEL="2")
     ref_file = tmp_path / "reference.pt"
     with open(tmp_path / "reference.err", "w+") as err:
-        reference = subprocess.Popen([sys.executable, "-c", LM_REFERENCE, path, str(steps),
+        reference = subprocess.Popen([sys.executable, "-c", LM_REFERENCE, str(steps),
                                       str(ref_file)], env=env, stdout=subprocess.DEVNULL,
                                      stderr=err)
         try:

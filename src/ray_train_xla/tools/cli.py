@@ -113,43 +113,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_demo(sub) -> argparse.ArgumentParser:
-    """``demo``: the seed check, or a training run (--train, --sharded), on a local Ray."""
+    """``demo``: the seed check, or a training run (--train, --sharded), on Ray."""
+    from ray_train_xla.tools.examples.cluster import add_cluster_args
+
     demo = sub.add_parser(
         "demo",
-        help="run the seed check (or, with --train, a training run) on an embedded local Ray",
-        description="Start a local Ray, run TorchTrainer with TorchXLAConfig, and have every "
-        "worker all-reduce torch.ones(2, 3) on its XLA device N times, checking the result "
-        "equals ones * world_size. With --train, train the MLP of examples/train_mlp.py "
-        "instead and print the loss and XLA compile counts as it goes down. With --sharded, "
-        "train the transformer LM of examples/train_lm.py sharded (FSDPv2) over --devices "
-        "virtual XLA CPU devices of one SPMD worker, with Ray Data batches and sharded "
-        "checkpoints, and print loss, compile counts and checkpoint sizes (about 40 s). "
-        "Exits non-zero on failure.",
+        help="run the seed check (or, with --train, a training run) on an embedded local Ray "
+        "or a cluster",
+        description="Run TorchTrainer with TorchXLAConfig on an embedded local Ray (or the "
+        "cluster at --address), and have every worker all-reduce torch.ones(2, 3) on its XLA "
+        "device N times, checking the result equals ones * world_size. With --train, train "
+        "the packaged MLP example (examples/train_mlp.py) instead and print the loss and XLA "
+        "compile counts as it goes down. With --sharded, train the packaged transformer LM "
+        "example (examples/train_lm.py) sharded (FSDPv2) over --devices devices of each SPMD "
+        "worker (virtual XLA CPU devices of one worker on the CPU), with Ray Data batches and "
+        "sharded checkpoints, and print loss, compile counts and checkpoint sizes (about 40 s "
+        "on the CPU). With --device neuron or tpu every worker asks Ray for its NeuronCores or "
+        "TPU chips. Exits non-zero on failure.",
     )
-    demo.add_argument("--workers", type=_positive_int, default=2, help="workers (default 2)")
-    demo.add_argument(
-        "--iterations", type=_positive_int, default=10, help="all-reduces per worker (default 10)"
-    )
-    demo.add_argument(
+    mode = demo.add_mutually_exclusive_group()
+    mode.add_argument(
         "--train", action="store_true",
-        help="train the example MLP (examples/train_mlp.py, from a source checkout) instead",
+        help="train the example MLP (ray_train_xla.tools.examples.train_mlp) instead",
     )
-    demo.add_argument(
+    mode.add_argument(
         "--sharded", action="store_true",
-        help="train the example transformer LM sharded (examples/train_lm.py) instead",
+        help="train the example transformer LM sharded (ray_train_xla.tools.examples.train_lm) "
+        "instead",
     )
     demo.add_argument(
-        "--devices", type=_positive_int, default=4,
-        help="virtual XLA CPU devices of the SPMD worker with --sharded (default 4)",
+        "--workers", type=_positive_int, default=None,
+        help="workers (default 2; with --sharded: SPMD workers, one per node, default 1, and 1 "
+        "on the CPU)")
+    demo.add_argument(
+        "--iterations", type=_positive_int, default=None,
+        help="all-reduces per worker of the seed check (default 10; not with --train or --sharded)"
     )
     demo.add_argument(
-        "--steps", type=_positive_int, default=40,
+        "--devices", type=_positive_int, default=None,
+        help="with --sharded: each SPMD worker's devices, virtual XLA CPU devices on the CPU, "
+        "else NeuronCores / TPU chips asked of Ray (default 4)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=None,
         help="training steps with --train or --sharded (default 40)",
     )
     demo.add_argument(
-        "--device", default="cpu", choices=["auto", "cpu", "neuron", "tpu"],
-        help="TorchXLAConfig.device (default cpu)",
+        "--storage-path", default=None, metavar="PATH",
+        help="with --train or --sharded: where checkpoints go (default: a temporary directory, "
+        "deleted after); on a cluster of several nodes a path every node reaches (shared "
+        "filesystem, s3://, gs://)",
     )
+    add_cluster_args(demo)
     return demo
 
 
@@ -475,10 +490,17 @@ def format_plan_table(rows: Sequence[dict]) -> str:
 
 def _run_job(banner: str, job, **kwargs):
     """Print what runs, run it; a training failure is printed as one FAILED line (None
-    returned)."""
+    returned). A configuration refused before the run starts is a usage error."""
+    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.tools.examples.cluster import ExampleUsageError
+
     print(banner, flush=True)
     try:
         return job(**kwargs)
+    except ExampleUsageError as exc:
+        raise CommandError(str(exc)) from exc
+    except XLAConfigError:
+        raise
     except Exception as exc:  # any training failure is a failed demo, not a traceback
         print(f"FAILED: {_failure(exc)}", file=sys.stderr)
         return None
@@ -504,13 +526,61 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines)}"
 
 
+# demo: which flags each mode takes, and their defaults there (None: refused in that mode).
+DEMO_DEFAULTS = {
+    "seed check": {"workers": 2, "iterations": 10, "steps": None, "devices": None,
+                   "storage_path": None},
+    "--train": {"workers": 2, "iterations": None, "steps": 40, "devices": None,
+                "storage_path": ""},
+    "--sharded": {"workers": 1, "iterations": None, "steps": 40, "devices": 4,
+                  "storage_path": ""},
+}
+
+
+def _demo_flags(args: argparse.Namespace) -> str:
+    """Fill in the demo's defaults for its mode; refuse a flag the mode does not take. Returns
+    the mode."""
+    mode = "--sharded" if args.sharded else "--train" if args.train else "seed check"
+    for name, default in DEMO_DEFAULTS[mode].items():
+        given = getattr(args, name)
+        if default is None and given is not None:
+            flag = "--" + name.replace("_", "-")
+            takes = [m for m, d in DEMO_DEFAULTS.items() if d[name] is not None]
+            raise CommandError(f"{flag} goes with {' or '.join(takes)}, not the {mode}"
+                               if mode == "seed check" else
+                               f"{flag} does not go with {mode} (it goes with "
+                               f"{' or '.join(takes)})")
+        if given is None:
+            setattr(args, name, default or None)
+    from ray_train_xla.tools.examples.cluster import ExampleUsageError, check_cluster
+    from ray_train_xla.tools.examples.train_lm import check_workers
+
+    try:  # refused before Ray starts
+        if mode == "--sharded":
+            check_workers(args.device, args.workers)
+        check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
+    except ExampleUsageError as exc:
+        raise CommandError(str(exc)) from exc
+    return mode
+
+
+def _where(args: argparse.Namespace) -> str:
+    return f"the Ray cluster at {args.address}" if args.address else "an embedded local Ray"
+
+
+def _cluster_kwargs(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "address": args.address, "tpu_topology": args.tpu_topology,
+            "accelerator_type": args.accelerator_type}
+
+
 def cmd_train_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.tools.demo import run_train_demo
 
     summary = _run_job(
         f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
-        f"{args.steps} steps of examples/train_mlp.py on an embedded local Ray...",
-        run_train_demo, workers=args.workers, steps=args.steps, device=args.device)
+        f"{args.steps} steps of the example MLP (train_mlp) on {_where(args)}...",
+        run_train_demo, workers=args.workers, steps=args.steps, storage_path=args.storage_path,
+        **_cluster_kwargs(args))
     if summary is None:
         return 1
     print(f"{'step':>6}  {'loss':>10}  {'compiles':>8}  {'after warm-up':>13}  {'compile s':>9}")
@@ -528,10 +598,14 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 def cmd_sharded_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.tools.demo import run_sharded_demo
 
+    what = (f"1 SPMD worker, {args.devices} virtual XLA CPU devices" if args.device == "cpu" else
+            f"{args.workers} SPMD worker{'s' if args.workers > 1 else ''}, {args.devices} "
+            f"devices each, device={args.device}")
     summary = _run_job(
-        f"ray-train-xla demo --sharded: 1 SPMD worker, {args.devices} virtual XLA CPU devices, "
-        f"{args.steps} steps of examples/train_lm.py on an embedded local Ray...",
-        run_sharded_demo, devices=args.devices, steps=args.steps)
+        f"ray-train-xla demo --sharded: {what}, {args.steps} steps of the example transformer "
+        f"LM (train_lm) on {_where(args)}...",
+        run_sharded_demo, devices=args.devices, steps=args.steps, workers=args.workers,
+        storage_path=args.storage_path, **_cluster_kwargs(args))
     if summary is None:
         return 1
     print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
@@ -543,22 +617,23 @@ def cmd_sharded_demo(args: argparse.Namespace) -> int:
     first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
     print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
           f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
-          f"devices; time={summary.seconds:.1f}s")
+          f"devices per worker; time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from ray_train_xla.tools.demo import run_demo
 
-    if args.sharded:
+    mode = _demo_flags(args)
+    if mode == "--sharded":
         return cmd_sharded_demo(args)
-    if args.train:
+    if mode == "--train":
         return cmd_train_demo(args)
 
     summary = _run_job(
         f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
-        f"{args.iterations} all-reduces each, on an embedded local Ray...",
-        run_demo, workers=args.workers, iterations=args.iterations, device=args.device)
+        f"{args.iterations} all-reduces each, on {_where(args)}...",
+        run_demo, workers=args.workers, iterations=args.iterations, **_cluster_kwargs(args))
     if summary is None:
         return 1
     status = "OK" if summary.ok else "FAILED"

@@ -1,16 +1,24 @@
-"""The demo job: the project's seed check, on an embedded local Ray.
+"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check,
+and the packaged examples (``ray_train_xla.tools.examples``) for ``demo --train`` / ``--sharded``.
 
-Every worker all-reduces ``torch.ones(2, 3)`` on its XLA device ``iterations`` times with
-``ray_train_xla.all_reduce`` and checks that the result equals ``ones * world_size``.
+In the seed check every worker all-reduces ``torch.ones(2, 3)`` on its XLA device ``iterations``
+times with ``ray_train_xla.all_reduce`` and checks that the result equals ``ones * world_size``.
+On ``neuron`` / ``tpu`` every worker asks Ray for its NeuronCores / TPU chips
+(``tools/examples/cluster.py``).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+import importlib.util
 import os
 import tempfile
 import time
 from dataclasses import dataclass
+
+from ray_train_xla.tools.examples.cluster import ray_session, resolve_device, scaling_config
+
+EXAMPLES = ("train_mlp", "train_lm")  # the packaged examples, ray_train_xla.tools.examples.*
 
 
 @dataclass
@@ -24,8 +32,24 @@ class DemoSummary:
     ok: bool
 
 
+class Records:
+    """A Ray actor the seed check's workers hand their records to: it works on any cluster
+    (Ray Train V2 keeps no metrics reported without a checkpoint, and workers on other nodes
+    cannot write into the driver's files)."""
+
+    def __init__(self):
+        self.records = []
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+
+    def get(self) -> list:
+        return sorted(self.records, key=lambda r: r["rank"])
+
+
 def seed_check_loop(config: dict) -> None:
     """Training function: all-reduce ones N times and assert the sum; record what it saw."""
+    import ray
     import torch
 
     import ray_train_xla as rtx
@@ -43,55 +67,44 @@ def seed_check_loop(config: dict) -> None:
                 f"expected {expected.tolist()}"
             )
     elapsed = time.perf_counter() - start
-    record = {
+    ray.get(config["records"].add.remote({
         "rank": rtx.rank(),
         "device": str(device),
         "pjrt_device": os.environ.get("PJRT_DEVICE", ""),
         "process_group": worker_context().pg_backend,
         "loop_seconds": elapsed,
-    }
-    with open(os.path.join(config["out_dir"], f"rank{rtx.rank()}.json"), "w") as f:
-        json.dump(record, f)
+    }))
 
 
-def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto") -> DemoSummary:
-    """Start a local Ray, run the seed check on ``workers`` workers, shut Ray down."""
+def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto",
+             address: str | None = None, tpu_topology: str | None = None,
+             accelerator_type: str | None = None) -> DemoSummary:
+    """Run the seed check on ``workers`` workers: on an embedded local Ray (started and shut
+    down here), or on the cluster at ``address``."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_train_xla import TorchXLAConfig
+    from ray_train_xla import TorchXLAConfig, check_scaling_config
 
-    config = TorchXLAConfig(device=device, timeout_s=120)
-    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp:
-        out_dir = os.path.join(tmp, "out")
-        os.makedirs(out_dir)
-        started_ray = not ray.is_initialized()
-        if started_ray:
-            # address="local": never attach to a stale cluster another program left behind.
-            ray.init(
-                address="local",
-                num_cpus=max(2, workers + 1),
-                include_dashboard=False,
-                log_to_driver=False,
-            )
-        try:
-            start = time.perf_counter()
-            TorchTrainer(
-                seed_check_loop,
-                train_loop_config={"iterations": iterations, "out_dir": out_dir},
-                torch_config=config,
-                scaling_config=ScalingConfig(num_workers=workers),
-                run_config=RunConfig(storage_path=os.path.join(tmp, "results"), name="demo"),
-            ).fit()
-            seconds = time.perf_counter() - start
-        finally:
-            if started_ray:
-                ray.shutdown()
-        records = []
-        for name in sorted(os.listdir(out_dir)):
-            with open(os.path.join(out_dir, name)) as f:
-                records.append(json.load(f))
+    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
+            ray_session(address, num_cpus=max(2, workers + 1), log_to_driver=False):
+        device = resolve_device(device)
+        config = TorchXLAConfig(device=device, timeout_s=120)
+        scaling = scaling_config(device, workers, 1, tpu_topology, accelerator_type)
+        check_scaling_config(scaling, config)
+        collector = ray.remote(Records).options(num_cpus=0).remote()
+        start = time.perf_counter()
+        TorchTrainer(
+            seed_check_loop,
+            train_loop_config={"iterations": iterations, "records": collector},
+            torch_config=config,
+            scaling_config=scaling,
+            run_config=RunConfig(storage_path=os.path.join(tmp, "results"), name="demo"),
+        ).fit()
+        seconds = time.perf_counter() - start
+        records = ray.get(collector.get.remote())
+        ray.kill(collector)
     first = records[0] if records else {}
     return DemoSummary(
         workers=workers,
@@ -100,14 +113,8 @@ def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto") -> De
         process_group=first.get("process_group", "?"),
         iterations=iterations,
         seconds=seconds,
-        ok=len(records) == workers,
+        ok=[r["rank"] for r in records] == list(range(workers)),
     )
-
-
-EXAMPLE_PATH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-    "examples", "train_mlp.py",
-)
 
 
 @dataclass
@@ -123,47 +130,50 @@ class TrainSummary:
         return len(self.history) >= 2 and self.history[-1]["loss"] < self.history[0]["loss"]
 
 
-def load_example(path: str = EXAMPLE_PATH):
-    """Import an example (``examples/train_mlp.py`` by default, from a source checkout) so Ray
-    ships it by value."""
-    import importlib.util
+def load_example(name_or_path: str = "train_mlp"):
+    """An example's module: a packaged one by name (``train_mlp``, ``train_lm``: workers import
+    it as any module of the package), or a file of your own by path, imported here and
+    registered so that Ray ships it by value (workers cannot import it by name)."""
+    if name_or_path in EXAMPLES:
+        return importlib.import_module(f"ray_train_xla.tools.examples.{name_or_path}")
     import sys
 
     import ray.cloudpickle
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path} not found: `demo --train` and `demo --sharded` run examples/ from a source "
-            "checkout of ray-train-xla (pip install -e .)"
-        )
-    name = "ray_train_xla_example_" + os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(name, path)
+    if not os.path.exists(name_or_path):
+        raise FileNotFoundError(f"{name_or_path} not found: an example is one of {EXAMPLES} "
+                                "or the path of a Python file")
+    name = "ray_train_xla_example_" + os.path.splitext(os.path.basename(name_or_path))[0]
+    spec = importlib.util.spec_from_file_location(name, name_or_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # workers cannot import it by name
+    ray.cloudpickle.register_pickle_by_value(module)
     return module
 
 
-def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto") -> TrainSummary:
-    """Start a local Ray, train the example MLP on ``workers`` workers, shut Ray down."""
-    import ray
+def _storage(storage_path: str | None, tmp: str) -> str:
+    return storage_path if storage_path is not None else tmp
 
-    example = load_example()
-    config = example.default_config(steps)
-    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp:
-        started_ray = not ray.is_initialized()
-        if started_ray:
-            ray.init(address="local", num_cpus=max(2, workers + 1), include_dashboard=False,
-                     log_to_driver=False)
-        try:
-            start = time.perf_counter()
-            trainer = example.build_trainer(workers, config, tmp, "train_mlp", device, keep=None)
-            result = trainer.fit()
-            seconds = time.perf_counter() - start
-        finally:
-            if started_ray:
-                ray.shutdown()
+
+def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
+                   address: str | None = None, tpu_topology: str | None = None,
+                   accelerator_type: str | None = None, storage_path: str | None = None,
+                   report_every: int = 20) -> TrainSummary:
+    """Train the example MLP (``tools/examples/train_mlp.py``) on ``workers`` workers: on an
+    embedded local Ray, or on the cluster at ``address``. Checkpoints go to ``storage_path``
+    (default: a temporary directory, deleted after) under the run name ``train_mlp``."""
+    example = load_example("train_mlp")
+    config = example.default_config(steps, report_every)
+    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
+            ray_session(address, num_cpus=max(2, workers + 1), log_to_driver=False):
+        start = time.perf_counter()
+        trainer = example.build_trainer(workers, config, _storage(storage_path, tmp), "train_mlp",
+                                        resolve_device(device), keep=None,
+                                        tpu_topology=tpu_topology,
+                                        accelerator_type=accelerator_type)
+        result = trainer.fit()
+        seconds = time.perf_counter() - start
         history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
         checkpoint = result.checkpoint.path if result.checkpoint else ""
     return TrainSummary(workers, steps, seconds, history, checkpoint)
@@ -183,28 +193,29 @@ class ShardedSummary:
         return len(self.history) >= 2 and self.history[-1]["loss"] < self.history[0]["loss"]
 
 
-def run_sharded_demo(devices: int = 4, steps: int = 40) -> ShardedSummary:
-    """Start a local Ray, train examples/train_lm.py sharded over ``devices`` virtual XLA CPU
-    devices of one SPMD worker, shut Ray down."""
-    import ray
-
-    example = load_example(os.path.join(os.path.dirname(EXAMPLE_PATH), "train_lm.py"))
+def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", workers: int = 1,
+                     address: str | None = None, tpu_topology: str | None = None,
+                     accelerator_type: str | None = None,
+                     storage_path: str | None = None) -> ShardedSummary:
+    """Train the example transformer LM (``tools/examples/train_lm.py``) sharded over
+    ``devices`` devices of each of ``workers`` SPMD workers (virtual XLA CPU devices of one
+    worker on the CPU, else NeuronCores / TPU chips asked of Ray): on an embedded local Ray, or
+    on the cluster at ``address``."""
+    example = load_example("train_lm")
     config = example.lm_config(steps=steps)
-    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp:
-        started_ray = not ray.is_initialized()
-        if started_ray:
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        try:
-            start = time.perf_counter()
-            trainer = example.build_trainer(config, devices, tmp, "train_lm", keep=None)
-            result = trainer.fit()
-            seconds = time.perf_counter() - start
-        finally:
-            if started_ray:
-                ray.shutdown()
+    with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
+            ray_session(address, num_cpus=4, log_to_driver=False):
+        start = time.perf_counter()
+        trainer = example.build_trainer(config, devices, _storage(storage_path, tmp), "train_lm",
+                                        resolve_device(device), keep=None, workers=workers,
+                                        tpu_topology=tpu_topology,
+                                        accelerator_type=accelerator_type)
+        result = trainer.fit()
+        seconds = time.perf_counter() - start
         history = []
         for checkpoint, metrics in result.best_checkpoints:
-            files = os.listdir(checkpoint.path)
+            # Sizes where the driver sees the checkpoint (a local path, or a mounted shared one).
+            files = os.listdir(checkpoint.path) if os.path.isdir(checkpoint.path) else []
             history.append({**metrics, "checkpoint_files": len(files), "checkpoint_bytes": sum(
                 os.path.getsize(os.path.join(checkpoint.path, f)) for f in files)})
         history.sort(key=lambda m: m["step"])
