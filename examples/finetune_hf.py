@@ -43,6 +43,7 @@ BUCKETS = (32, 64, 128)
 PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3
 BYTE_VOCAB = 264
 CONFIGS = ("xla", "neuron", "tpu")
+EVAL_FRACTION = 0.1  # of the texts, held out (the last ones)
 
 
 def ft_config(**overrides) -> dict:
@@ -143,7 +144,7 @@ def cut_to_bucket(batch: dict) -> tuple:
     return batch["input_ids"][:, :width], batch["labels"][:, :width]
 
 
-def make_datasets(texts: list[str], config: dict, eval_fraction: float = 0.1) -> dict:
+def make_datasets(texts: list[str], config: dict, eval_fraction: float = EVAL_FRACTION) -> dict:
     """{"train", "eval"}: Ray Data datasets of tokenized rows; the last ``eval_fraction`` of the
     texts is held out."""
     import ray.data
@@ -282,8 +283,8 @@ def train_loop(config: dict) -> None:
     batch_size, accum = config["batch_size"], config["accum"]
 
     def train_batches():
-        """CPU batches across epochs, with the (epoch, batches read in it) after each; after a
-        restart the batches of the epoch already trained on are skipped."""
+        """CPU batches across epochs; ``epoch`` and ``position`` (batches read in it) follow
+        them. After a restart the batches of the epoch already trained on are skipped."""
         nonlocal epoch, position
         while True:
             seen = 0
@@ -314,10 +315,12 @@ def train_loop(config: dict) -> None:
         model.train()
         both = torch.stack([total.detach().float().cpu(), torch.tensor(float(count))])
         if rtx.world_size() > 1 and not spmd:
-            both = rtx.all_reduce(both)
+            both = rtx.all_reduce(both.to(device)).cpu()
         return float(both[0] / both[1]) if both[1] else float("nan")
 
-    monitor = rtx.CompileMonitor(warmup_steps=2)
+    # Warm-up: until the first eval has compiled its graphs. A bucket first seen later is one
+    # more graph, counted in xla/compiles_after_warmup.
+    monitor = rtx.CompileMonitor(warmup_steps=min(config["eval_every"], config["steps"]))
     batches = train_batches()
     tokens, interval_start = 0, time.perf_counter()
     crash_marker = os.path.join(config.get("marker_dir") or tempfile.gettempdir(),
@@ -341,7 +344,6 @@ def train_loop(config: dict) -> None:
         rtx.sync()
         step += 1
         log({"event": "step", "step": step, "epoch": epoch, "position": position})
-        metrics = monitor.metrics(step)
         last = step >= config["steps"]
         do_eval = step % config["eval_every"] == 0 or last
         do_ckpt = step % config["checkpoint_every"] == 0 or last
@@ -354,9 +356,10 @@ def train_loop(config: dict) -> None:
             report = {"step": step, "epoch": epoch,
                       "loss": float(summed[0]) / (1 if spmd else rtx.world_size()),
                       "grad_norm": float(grad_norm.float().cpu()), "lr": lr_at(step - 1, config),
-                      "tokens_per_s": float(summed[1]) / seconds, "bf16": bf16, **metrics}
+                      "tokens_per_s": float(summed[1]) / seconds, "bf16": bf16}
             if do_eval:
                 report["eval_loss"] = evaluate()
+            report.update(monitor.metrics(step))  # after the eval: its graphs count here
             if rank == 0:
                 log({"event": "report", **report})
             if do_ckpt:
@@ -477,6 +480,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("steps", "workers", "batch_size", "accum", "eval_every", "checkpoint_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.accelerators_per_worker is not None and args.accelerators_per_worker < 1:
+        parser.error("--accelerators-per-worker must be at least 1")
+    if args.config == "xla" and args.device == "cpu" and args.batch_size % (args.devices or 4):
+        parser.error(f"--batch-size {args.batch_size} is split over the {args.devices or 4} "
+                     "devices of the SPMD worker: give a multiple of --devices")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     if args.crash_at is not None and not 1 <= args.crash_at < args.steps:
@@ -543,6 +551,10 @@ def main(argv: list[str] | None = None) -> None:
     check_args(parser, args)
 
     texts = read_texts(args.data)
+    n_eval = max(1, int(len(texts) * EVAL_FRACTION))
+    if (len(texts) - n_eval) // args.workers < args.batch_size or n_eval // args.workers < args.batch_size:
+        parser.error(f"{len(texts)} texts ({n_eval} held out for eval) give some of the "
+                     f"{args.workers} workers fewer than --batch-size {args.batch_size} rows")
     config = ft_config(model=args.model, steps=args.steps, batch_size=args.batch_size,
                        accum=args.accum, lr=args.lr, warmup=args.warmup,
                        max_grad_norm=args.max_grad_norm, eval_every=args.eval_every,

@@ -89,9 +89,9 @@ def test_trains_fails_once_and_resumes_from_its_checkpoint(run):
     assert m["eval_loss"] == pytest.approx(evals[-1]) and m["tokens_per_s"] > 0
     assert m["bf16"] is False  # fp32 on the CPU
     if run.name == "xla":
-        # XLA compiles per bucket (train and eval graphs), not per length: the restarted
-        # process compiled a bounded number of graphs.
-        assert 0 < m["xla/compiles"] <= 20, m
+        # XLA compiles per bucket, not per length: at most a train and an eval graph per
+        # bucket in the restarted process, and two more (the optimizer's priming, the load).
+        assert 0 < m["xla/compiles"] <= 2 * len(run.config["buckets"]) + 2, m
     else:
         assert m["xla/compiles"] == 0  # native eager: torch.compile graphs only, none here
     names = set(os.listdir(run.result.checkpoint.path))
