@@ -550,6 +550,12 @@ def main(argv: list[str] | None = None) -> None:
         args.workers = 1 if (args.config == "xla" and args.device == "cpu") else 2
     check_args(parser, args)
 
+    if not args.no_export:
+        try:  # fail now, not after training
+            from ray_train_xla.tools.consolidate import consolidate_hf  # noqa: F401
+        except ImportError:
+            parser.error("this ray_train_xla has no tools.consolidate.consolidate_hf to write "
+                         "the Hugging Face model: pass --no-export")
     texts = read_texts(args.data)
     n_eval = max(1, int(len(texts) * EVAL_FRACTION))
     if (len(texts) - n_eval) // args.workers < args.batch_size or n_eval // args.workers < args.batch_size:
