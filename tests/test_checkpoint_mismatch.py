@@ -27,7 +27,7 @@ HEAD = "CheckpointMismatchError: load_checkpoint: "
 @pytest.mark.parametrize("kind", ["sharded", "replicated"])
 def test_other_shapes_are_refused_naming_key_and_both_shapes(mismatch, kind):
     rec = mismatch[1][kind]
-    prefix = "model._orig_module." if kind == "sharded" else "model."
+    prefix = "model."  # both under the plain module's names (FSDPv2's prefix is not stored)
     smaller, larger = rec["smaller"], rec["larger"]
     assert smaller.startswith(HEAD) and larger.startswith(HEAD), (smaller, larger)
     # Each weight, with the saved and the target shape and dtype.
@@ -41,8 +41,9 @@ def test_other_shapes_are_refused_naming_key_and_both_shapes(mismatch, kind):
         # A model that fits with an optimizer that does not: the optimizer's entries named.
         subset = rec["optimizer_subset"]
         assert "does not fit the model and the optimizer" in subset
+        # The optimizer state is stored under the parameters' names.
         assert ("in the checkpoint but not in the model and the optimizer: "
-                "optimizer.state.2.exp_avg, optimizer.state.2.exp_avg_sq") in subset
+                "optimizer.state.2.bias.exp_avg, optimizer.state.2.bias.exp_avg_sq") in subset
     # Refused before anything was copied into the model (or the optimizer primed).
     for name in ("smaller", "larger", "bf16", "more_layers", "fewer_layers"):
         assert rec[f"{name}/untouched"], name
@@ -51,7 +52,7 @@ def test_other_shapes_are_refused_naming_key_and_both_shapes(mismatch, kind):
 @pytest.mark.parametrize("kind", ["sharded", "replicated"])
 def test_other_dtype_and_missing_or_unexpected_keys_are_named(mismatch, kind):
     rec = mismatch[1][kind]
-    prefix = "model._orig_module." if kind == "sharded" else "model."
+    prefix = "model."  # both under the plain module's names (FSDPv2's prefix is not stored)
     assert f"{prefix}0.weight: saved [64, 16] float32, into [64, 16] bfloat16" in rec["bf16"]
     more, fewer = rec["more_layers"], rec["fewer_layers"]
     # make_model(depth=2): Linear 0, 2, 4, 6; the checkpoint (depth=1) has 0, 2, 4.
@@ -83,7 +84,7 @@ def test_consolidate_refuses_shards_that_do_not_make_up_a_tensor(mismatch, tmp_p
     shutil.copytree(out / "sharded64", broken)
     with open(broken / ".metadata", "rb") as f:
         metadata = pickle.load(f)
-    key = "model._orig_module.2.weight"
+    key = "model.2.weight"
     md = metadata.state_dict_metadata[key]
     assert len(md.chunks) == 2  # split over the 2 devices
     md.chunks.pop()
