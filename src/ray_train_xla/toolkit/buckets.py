@@ -39,7 +39,7 @@ def unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
         offset += n
 
 
-def apply_inbuckets(tensors: list[torch.Tensor], fn, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+def apply_in_buckets(tensors: list[torch.Tensor], fn, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
     """For each bucket of ``tensors`` (same dtype, at most ``bucket_mb``): flatten it, replace
     the flat tensor by ``fn(flat)`` and copy the result back into the tensors."""
     for bucket in buckets(tensors, bucket_mb):
