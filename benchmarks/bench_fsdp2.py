@@ -463,8 +463,15 @@ def to_markdown(res: dict) -> str:
     lines = ["# FSDP2 on the native configs: speed and checkpoint stall", "",
              f"{res['date']}, {res['machine']['cpus']} CPUs, Python {res['machine']['python']}, "
              f"torch {res['machine']['torch']}, ray {res['machine']['ray']}; load average at the "
-             f"start {res['load_at_start']}{' (quick run)' if a['quick'] else ''}.", "",
+             f"start {res['load_at_start']}, at the end {res['load_at_end']} (1, 5, 15 min)"
+             f"{' (quick run)' if a['quick'] else ''}.", "",
              f"Command: `python benchmarks/bench_fsdp2.py {res['command']}`.", ""]
+    loads = [float(x) for k in ("load_at_start", "load_at_end") for x in res[k].split()[:1]]
+    if max(loads) > res["machine"]["cpus"]:
+        lines += [f"**Taken on a loaded machine** (1-minute load average above its "
+                  f"{res['machine']['cpus']} cores: other jobs ran at the same time): the "
+                  "figures below move by tens of percent between rounds; compare the ratios "
+                  "per round, not the absolute figures.", ""]
     if "speed" in res:
         s, p = res["speed_summary"], res["speed"]["plan"]
         lines += [
@@ -525,7 +532,16 @@ def main(argv=None) -> int:
     parser.add_argument("--stall-reps", type=int, default=None)
     parser.add_argument("--only", default="speed,stall")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--markdown", metavar="JSON",
+                        help="only write fsdp2.md again from a run's fsdp2.json")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            md = to_markdown(json.load(f))
+        with open(os.path.join(os.path.dirname(os.path.abspath(args.markdown)), "fsdp2.md"), "w") as f:
+            f.write(md)
+        print(md)
+        return 0
     q = args.quick
     args.rounds = args.rounds or (1 if q else 5)
     args.window = args.window or (5.0 if q else 30.0)
@@ -559,6 +575,7 @@ def main(argv=None) -> int:
     finally:
         ray.shutdown()
         shutil.rmtree(out_dir, ignore_errors=True)
+    res["load_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fsdp2.json"), "w") as f:
         json.dump(res, f, indent=1)
