@@ -525,7 +525,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="1 round of 5 s with a checkpoint every 2.5 s, a small stall model, "
-                             "2 repetitions (about 2 minutes)")
+                             "2 repetitions (a few minutes)")
     parser.add_argument("--rounds", type=int, default=None, help="speed rounds (default 5)")
     parser.add_argument("--window", type=float, default=None, help="seconds of steps per round")
     parser.add_argument("--cadence", type=float, default=None, help="seconds between checkpoints")
