@@ -80,3 +80,36 @@ def test_an_unknown_task_is_refused_with_the_valid_names():
                  "recompile_naive"):
         assert name in proc.stderr
     assert proc.stdout == ""  # nothing was measured
+
+
+def test_fsdp2_benchmark_takes_the_slower_rank_of_each_round():
+    """bench_fsdp2's summaries (no fit): each round's or repetition's figure is its slower
+    rank's, ratios are taken per round, and the targets follow the medians."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_fsdp2
+
+    def run(sps, end=0.0):
+        return {"steps_per_s": sps, "loop_steps_per_s": sps * 1.1, "end_s": end,
+                "checkpoints": 3, "save_call_s": [0.01]}
+
+    def speed_rank(toolkit, hand, gloo):
+        return ({"threads": 1, "runs": {"toolkit": [run(s, 0.5) for s in toolkit],
+                                        "hand": [run(s) for s in hand]}},
+                {"threads": 1, "runs": {"hand": [run(s) for s in gloo]}})
+
+    (n0, g0), (n1, g1) = speed_rank([10, 8, 9], [10, 10, 9], [11, 9, 9]), \
+        speed_rank([9, 9, 10], [10, 8, 10], [10, 10, 10])
+    s = bench_fsdp2.summarise_speed({"native": [n0, n1], "gloo": [g0, g1]})
+    assert s["toolkit_steps_per_s"] == [9, 8, 9] and s["hand_steps_per_s"] == [10, 8, 9]
+    assert s["toolkit_over_hand"] == [0.9, 1.0, 1.0] and s["toolkit_over_hand_median"] == 1.0
+    assert s["target_met"] and s["hand_gloo_steps_per_s"] == [10, 9, 9]
+
+    def stall_rank(tk, dc):
+        return {"state_bytes": 120e6, "params": 1e7, "threads": 1,
+                "blocked_s": {"toolkit": tk, "dcp": dc}, "after_s": {"toolkit": tk, "dcp": dc}}
+
+    t = bench_fsdp2.summarise_stall({"ranks": [stall_rank([0.1, 0.3], [2.0, 1.0]),
+                                               stall_rank([0.2, 0.1], [1.0, 3.0])]})
+    assert t["toolkit_blocked_s"] == [0.2, 0.3] and t["dcp_blocked_s"] == [2.0, 3.0]
+    assert abs(t["ratio"] - 0.25 / 2.5) < 1e-12 and t["target_met"]
+    assert [round(r, 9) for r in t["ratio_per_rep"]] == [0.1, 0.1]
