@@ -46,7 +46,9 @@ def rows(step: int, rank: int, world: int) -> torch.Tensor:
 
 
 def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=ids).loss
+    # No key/value cache: with activation checkpointing the recomputed forward would append to
+    # the cache a second time (Transformers turns it off for its own gradient checkpointing).
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:

@@ -295,6 +295,7 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     except Exception:  # noqa: BLE001 (nothing is left to stop)
         pass
     t_grow = time.time()
+    drained = nodes[1]
     nodes[1] = cluster.add_node(num_cpus=2, resources={"slot": 2})  # the next run drains it
     thread.join(timeout=240)
     assert not thread.is_alive(), "fit() did not end within 240 s of the node's return"
@@ -314,7 +315,7 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
     # checkpoint and before the drain's deadline: the shrink lost no step.
     saved = records["preempt_saved"]
     assert SHRINK_AFTER < saved["step"] < GROW_AFTER, saved
-    assert saved["deadline_ms"] == deadline_ms and saved["nodes"] == [nodes[1].node_id]
+    assert saved["deadline_ms"] == deadline_ms and saved["nodes"] == [drained.node_id]
     assert saved["t"] * 1000 < deadline_ms
     assert [s for s, _ in groups] == [0, saved["step"], GROW_AFTER], groups
     for (_, world), members in by_group.items():

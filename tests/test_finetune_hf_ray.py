@@ -30,9 +30,10 @@ def cluster(one_node):
 
 
 def example():
-    from ray_train_xla.tools.demo import EXAMPLE_PATH, load_example
+    from ray_train_xla.tools.demo import load_example
 
-    return load_example(os.path.join(os.path.dirname(EXAMPLE_PATH), "finetune_hf.py"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return load_example(os.path.join(root, "examples", "finetune_hf.py"))
 
 
 def read_logs(out_dir: str) -> dict[int, list[dict]]:

@@ -122,7 +122,7 @@ def test_lm_crashes_resumes_and_ends_like_an_uninterrupted_run(two_nodes, tmp_pa
     assert os.path.exists(tmp_path / "train_lm_crashed")  # it did fail once
     assert result.metrics["step"] == steps
     assert sorted(os.listdir(result.checkpoint.path)) == [
-        ".metadata", "__0_0.distcp", "extra.pt", "sharded.json"]
+        ".metadata", "__0_0.distcp", "extra.pt", "param_groups.pt", "sharded.json"]
     # Saved at 4 and 8, then (after the restart from 8) at 12 only: never from scratch again.
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ckpt_step")) == [
         "ckpt_step12_rank0", "ckpt_step4_rank0", "ckpt_step8_rank0"]
