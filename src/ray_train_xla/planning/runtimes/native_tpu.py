@@ -215,6 +215,18 @@ class Layout:
                 raise _err(f"1, 2, 4 or 8 workers (one chip each) on one TPU host{where}, "
                            f"got {workers}")
             return HOST_GRIDS[workers]
+        topo = Layout._reported_topology(hosts, where)
+        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
+            raise _err(f"every chip of the TPU slice{where} in the job: topology {topo} has "
+                       f"{len(slice_hosts(topo))} hosts of {math.prod(CHIPS_PER_HOST)} chips, "
+                       f"got {len(hosts)} hosts and {workers} workers; request "
+                       f"num_workers={chips_in(topo) * 1} with {ONE_CHIP_FIX}")
+        return topo
+
+    @staticmethod
+    def _reported_topology(hosts, where: str) -> str:
+        """The one topology every host of a slice reports (comma form); refused when a host
+        reports none or the hosts disagree."""
         reported = {n[0].tpu_topology and comma_topology(n[0].tpu_topology) for n in hosts}
         if "" in reported or None in reported:
             missing = [n[0].node_ip for n in hosts if not n[0].tpu_topology][:4]
@@ -224,13 +236,7 @@ class Layout:
         if len(reported) > 1:
             raise _err(f"one topology for the hosts of a slice{where}, got "
                        + ", ".join(sorted(reported)))
-        topo = reported.pop()
-        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            raise _err(f"every chip of the TPU slice{where} in the job: topology {topo} has "
-                       f"{len(slice_hosts(topo))} hosts of {math.prod(CHIPS_PER_HOST)} chips, "
-                       f"got {len(hosts)} hosts and {workers} workers; request "
-                       f"num_workers={chips_in(topo) * 1} with {ONE_CHIP_FIX}")
-        return topo
+        return reported.pop()
 
     @staticmethod
     def _device_topology(hosts, where: str, workers: int, per_chip: int) -> str:
@@ -246,16 +252,7 @@ class Layout:
                 raise _err(f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x "
                            f"chip) on one TPU host{where}, got {workers}")
             return V7_HOST_GRIDS[workers]
-        reported = {n[0].tpu_topology and comma_topology(n[0].tpu_topology) for n in hosts}
-        if "" in reported or None in reported:
-            missing = [n[0].node_ip for n in hosts if not n[0].tpu_topology][:4]
-            raise _err(f"the topology of the TPU slice{where} on every host (TPU_TOPOLOGY on "
-                       f"GKE, else the GCE metadata), but {', '.join(missing)} report none: "
-                       "TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice on every rank")
-        if len(reported) > 1:
-            raise _err(f"one topology for the hosts of a slice{where}, got "
-                       + ", ".join(sorted(reported)))
-        grid = reported.pop()
+        grid = Layout._reported_topology(hosts, where)
         dims = grid.split(",")
         topo = grid if len(dims) == 4 else f"{','.join(dims[:3])},{per_chip}"
         if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
