@@ -76,6 +76,7 @@ _EXPORTS = {
         "shard_batch",
         "sharding_spec",
         "spmd_global",
+        "step_done",
         "sync",
         "to_cpu",
         "uses_host_collectives",

@@ -11,7 +11,8 @@ backend). Each module is one concern:
   torch_xla, FSDP2 on the native stacks);
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
-- ``preemption``: a checkpoint before a drained node goes away.
+- ``preemption``: a checkpoint before a drained node goes away;
+- ``steps``: step boundaries (``optimizer_step`` / ``step_done``) and the hooks that run at each.
 """
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
@@ -42,6 +43,7 @@ from ray_train_xla.toolkit.sharding import (
     prepare_sharded_model,
 )
 from ray_train_xla.toolkit.spmd import get_mesh, shard_batch, sharding_spec
+from ray_train_xla.toolkit.steps import step_done
 
 __all__ = [
     "CompileMonitor",
@@ -77,6 +79,7 @@ __all__ = [
     "sharding_spec",
     "save_checkpoint",
     "spmd_global",
+    "step_done",
     "sync",
     "to_cpu",
     "uses_host_collectives",

@@ -27,6 +27,7 @@ from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.sharding import refuse_sharded
+from ray_train_xla.toolkit.steps import step_done
 
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
                 "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
@@ -202,4 +203,5 @@ def optimizer_step(
     result = optimizer.step(**step_kwargs)
     if sync:
         _sync()
+    step_done()
     return result
