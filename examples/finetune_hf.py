@@ -242,10 +242,8 @@ def train_loop(config: dict) -> None:
     spmd = device.type == "xla"  # TorchXLAConfig(spmd=True): FSDPv2; else FSDP2
     on_cpu = device.type == "cpu" or (spmd and os.environ.get("PJRT_DEVICE", "").upper() == "CPU")
     bf16 = use_bf16(config, on_cpu)
-    if not spmd:
-        # transformers imports torch_xla wherever it is installed (is_torch_xla_available);
-        # a native worker must not load it.
-        os.environ["USE_TORCH_XLA"] = "0"
+    # (On the native configs the plan sets USE_TORCH_XLA=0: transformers, imported below,
+    # keeps off torch_xla where it is installed.)
     model = make_model(config)
     blocks = block_classes(model)
     if spmd:

@@ -143,6 +143,10 @@ def train_and_save(config):
         record["load_extra"] = extra
     rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                          "step": STEPS}, {"step": STEPS})
+    import sys
+
+    # The plan's USE_TORCH_XLA=0 kept transformers off torch_xla on the native workers.
+    record["torch_xla_loaded"] = "torch_xla" in sys.modules
     write_record(config, f"rank{rtx.rank()}", record)
 
 
@@ -273,6 +277,7 @@ def test_fsdpv2_and_fsdp2_train_like_the_unsharded_run(runs):
     assert xla["moved"] > 1e-3 and xla["diff"] <= 1e-4
     assert len(runs["four"]) == 4
     for rec in runs["four"]:
+        assert rec["torch_xla_loaded"] is False
         assert rec["moved"] > 1e-3
         assert rec["diff"] <= 1e-5 and rec["diff_unwrapped"] <= 1e-5
         assert rec["placements"] == "(Shard(dim=0),)"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ray_train_xla import TorchNeuronConfig, XLAConfigError
+from ray_train_xla import TorchNeuronConfig, TorchXLAConfig, XLAConfigError
 from ray_train_xla.planning import Rendezvous, plan, resolve_device
 from ray_train_xla.planning.options import NeuronOptions
 from ray_train_xla.planning.topology import Topology, WorkerFacts
@@ -139,6 +139,12 @@ def test_plan_variables():
     assert {(p.env["RAY_TRAIN_XLA_PG_BACKEND"], p.env["ACCELERATE_TORCH_DEVICE"]) for p in cpu} == {
         ("gloo", "cpu")}
     assert not any(k.startswith(("NEURON_", "PJRT")) for k in cpu[0].env)
+    # Transformers/Accelerate keep off torch_xla on native workers (and their CPU twin), unless
+    # env sets it back; XLA plans leave it alone.
+    assert {p.env["USE_TORCH_XLA"] for p in plans + cpu} == {"0"}
+    assert native_plan(facts, env={"USE_TORCH_XLA": "1"})[0].env["USE_TORCH_XLA"] == "1"
+    xla = plan(Topology.from_facts(facts), TorchXLAConfig(device="cpu"), RDZV, "cpu", facts)
+    assert "USE_TORCH_XLA" not in xla[0].env
 
 
 def test_auto_device_and_refusals():

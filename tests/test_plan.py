@@ -132,7 +132,7 @@ def test_every_planned_variable_has_an_owner():
     user_settable = {"ACCELERATE_TORCH_DEVICE", "NEURON_COMPILE_CACHE_URL", "FI_PROVIDER",
                      "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE", "CCOM_SOCKET_IFNAME",
                      "NCCL_SOCKET_IFNAME", "XLA_TRANSFER_SEED_ASYNC", "NCCL_ASYNC_ERROR_HANDLING",
-                     "TORCH_NEURONX_NEFF_CACHE_DIR"}
+                     "TORCH_NEURONX_NEFF_CACHE_DIR", "USE_TORCH_XLA"}
     rdzv = Rendezvous(master_addr="10.0.0.1", master_port=1, run_id="r", extra_ports=(2,))
     seen: set[str] = set()
     for device, kwargs, per_worker in (

@@ -38,6 +38,8 @@ DEVMODE_BACKEND = "xla_host"
 SPMD_PROCESS_GROUP = ("gloo", "xla://")
 # Every XLA worker drives one XLA device, xla:0 (Accelerate reads this, as Ray's TorchConfig sets it).
 XLA_TORCH_DEVICE = "xla:0"
+# Transformers' and Accelerate's switch for their torch_xla path: "0" on native workers.
+USE_TORCH_XLA_VAR = "USE_TORCH_XLA"
 
 # How long rendezvous, process-group initialisation and its operations may wait (timeout_s).
 DEFAULT_TIMEOUT_S = 1800

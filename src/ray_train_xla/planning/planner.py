@@ -29,6 +29,7 @@ from ray_train_xla.planning.contract import (
     RUNTIME_VAR,
     SPMD_VAR,
     TIMEOUT_VAR,
+    USE_TORCH_XLA_VAR,
     XLA_SPMD_VAR,
     timeout_text,
 )
@@ -142,6 +143,12 @@ def plan(
         # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process
         # core mapping only if it is already set); xr.use_spmd() after the import is too late.
         ours[XLA_SPMD_VAR] = "1"
+    if config.runtime == NATIVE:
+        # Transformers and Accelerate take their torch_xla path whenever torch_xla imports
+        # (``USE_TORCH_XLA``, read at their import, default on), and importing it costs every
+        # worker seconds: a native worker's device is native even where torch_xla is installed
+        # (the Neuron DLAMI has both). Planned, not owned: ``env`` may set it back.
+        ours[USE_TORCH_XLA_VAR] = "0"
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:
