@@ -303,3 +303,67 @@ def pytest_collection_finish(session):
             pass
 
     threading.Thread(target=build, name="torch-tpu-venv", daemon=True).start()
+
+
+# ---- where the suite's time goes --------------------------------------------------------------
+# Each test's wall time and the CPU time of this process and every process it started (Ray's
+# clusters and workers included: a process's children's times reach it when it reaps them, and
+# the living ones are read from /proc). A test whose wall time is far above half its CPU time
+# (two cores here) waits rather than computes. The slowest are listed at the end of the run
+# (RTX_TEST_TIME_TOP, default 25; 0 for none), with the suite's totals.
+_times: list[tuple[float, float, str]] = []
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process, its reaped descendants and every living descendant."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    try:
+        children: dict[int, list[int]] = {}
+        stats: dict[int, list[str]] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            pid = int(name)
+            stats[pid] = fields
+            children.setdefault(int(fields[1]), []).append(pid)
+        todo = list(children.get(os.getpid(), []))
+        while todo:
+            pid = todo.pop()
+            todo.extend(children.get(pid, []))
+            f = stats[pid]  # utime, stime, cutime, cstime: fields 14-17 of /proc/<pid>/stat
+            total += sum(int(x) for x in f[11:15]) / _TICKS
+    except OSError:  # no /proc: this process and its reaped children only
+        pass
+    return total
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import time
+
+    wall, cpu = time.monotonic(), _tree_cpu_s()
+    yield
+    _times.append((time.monotonic() - wall, _tree_cpu_s() - cpu, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    top = int(os.environ.get("RTX_TEST_TIME_TOP", "25"))
+    if not top or not _times:
+        return
+    write = terminalreporter.write_line
+    wall = sum(t[0] for t in _times)
+    cpu = sum(t[1] for t in _times)
+    terminalreporter.section("where the time goes (wall s, CPU s of every process the test ran)")
+    for w, c, nodeid in sorted(_times, reverse=True)[:top]:
+        write(f"{w:8.1f} {c:8.1f}  {nodeid}")
+    write(f"{wall:8.1f} {cpu:8.1f}  all {len(_times)} tests")

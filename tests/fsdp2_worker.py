@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-VOCAB, SEQ, BATCH, LR, WD = 64, 16, 8, 1e-2, 0.1
+VOCAB, SEQ, BATCH, LR, WD = 64, 16, 12, 1e-2, 0.1  # BATCH: split evenly over 1-4 ranks
 
 
 def lm_config(hidden: int = 32):
