@@ -119,8 +119,8 @@ def crash_once(config: dict, step: int) -> None:
         return
     open(marker, "w").close()
     rtx.flush_reports()  # the checkpoints so far reach Ray ...
-    # ... and Ray Train V2 registers them when its controller next polls the workers (every 2 s).
-    time.sleep(5)
+    # ... and Ray Train V2 registers them when its controller next polls the workers.
+    time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
     raise RuntimeError(f"train_mlp: simulated crash after step {step}")
 
 
