@@ -306,64 +306,84 @@ def pytest_collection_finish(session):
 
 
 # ---- where the suite's time goes --------------------------------------------------------------
-# Each test's wall time and the CPU time of this process and every process it started (Ray's
-# clusters and workers included: a process's children's times reach it when it reaps them, and
-# the living ones are read from /proc). A test whose wall time is far above half its CPU time
-# (two cores here) waits rather than computes. The slowest are listed at the end of the run
-# (RTX_TEST_TIME_TOP, default 25; 0 for none), with the suite's totals.
+# With RTX_TEST_CPU=1: each test's wall time and the CPU time of this process and every process
+# it started (Ray's clusters and workers, subprocesses), sampled from /proc every 0.2 s (a
+# process's own time, kept after it ends: Ray reaps its workers without adding their time to any
+# parent). A test whose wall time is far above half its CPU time (two cores here) waits rather
+# than computes. The slowest RTX_TEST_CPU_TOP (default 30) are listed at the end, with totals.
 _times: list[tuple[float, float, str]] = []
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_cpu_seen: dict[tuple[int, str], float] = {}
+_cpu_lock = None
 
 
-def _tree_cpu_s() -> float:
-    """CPU seconds of this process, its reaped descendants and every living descendant."""
-    import resource
-
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
-    try:
-        children: dict[int, list[int]] = {}
-        stats: dict[int, list[str]] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
+def _sample_cpu() -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                    stats[int(name)] = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            pid = int(name)
-            stats[pid] = fields
-            children.setdefault(int(fields[1]), []).append(pid)
-        todo = list(children.get(os.getpid(), []))
-        while todo:
-            pid = todo.pop()
-            todo.extend(children.get(pid, []))
-            f = stats[pid]  # utime, stime, cutime, cstime: fields 14-17 of /proc/<pid>/stat
-            total += sum(int(x) for x in f[11:15]) / _TICKS
-    except OSError:  # no /proc: this process and its reaped children only
-        pass
-    return total
+    ours = {os.getpid()}
+    for pid in sorted(stats):  # a child's pid is almost always above its parent's: iterate
+        chain, p = [], pid
+        while p not in ours and p in stats and p > 1 and len(chain) < 64:
+            chain.append(p)
+            p = int(stats[p][1])  # ppid
+        if p in ours:
+            ours.update(chain)
+    for pid in ours:
+        fields = stats.get(pid)
+        if fields is not None:
+            # utime, stime: fields 14-15 of /proc/<pid>/stat; starttime (22) tells pids apart
+            _cpu_seen[(pid, fields[19])] = (int(fields[11]) + int(fields[12])) / ticks
+
+
+def _cpu_total() -> float:
+    with _cpu_lock:
+        _sample_cpu()
+        return sum(_cpu_seen.values())
+
+
+def pytest_sessionstart(session):
+    global _cpu_lock
+    if os.environ.get("RTX_TEST_CPU") != "1" or not os.path.isdir("/proc"):
+        return
+    import threading
+    import time
+
+    _cpu_lock = threading.Lock()
+
+    def sample() -> None:
+        while True:
+            with _cpu_lock:
+                _sample_cpu()
+            time.sleep(0.2)
+
+    threading.Thread(target=sample, name="rtx-test-cpu", daemon=True).start()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    if _cpu_lock is None:
+        yield
+        return
     import time
 
-    wall, cpu = time.monotonic(), _tree_cpu_s()
+    wall, cpu = time.monotonic(), _cpu_total()
     yield
-    _times.append((time.monotonic() - wall, _tree_cpu_s() - cpu, item.nodeid))
+    _times.append((time.monotonic() - wall, _cpu_total() - cpu, item.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    top = int(os.environ.get("RTX_TEST_TIME_TOP", "25"))
-    if not top or not _times:
+    if not _times:
         return
+    top = int(os.environ.get("RTX_TEST_CPU_TOP", "30"))
     write = terminalreporter.write_line
-    wall = sum(t[0] for t in _times)
-    cpu = sum(t[1] for t in _times)
-    terminalreporter.section("where the time goes (wall s, CPU s of every process the test ran)")
+    terminalreporter.section("where the time goes (wall s, CPU s of the processes it started)")
     for w, c, nodeid in sorted(_times, reverse=True)[:top]:
         write(f"{w:8.1f} {c:8.1f}  {nodeid}")
-    write(f"{wall:8.1f} {cpu:8.1f}  all {len(_times)} tests")
+    write(f"{sum(t[0] for t in _times):8.1f} {sum(t[1] for t in _times):8.1f}  "
+          f"all {len(_times)} tests")
