@@ -1,12 +1,11 @@
 """The CPU development mode under real Ray Train and real torch_xla: code written for torch_xla
-runs unchanged on 2, 3 and 4 CPU workers and gets the results of a multi-device runtime.
+runs unchanged on CPU workers and gets the results of a multi-device runtime.
 
 One training function runs every check as an ``_mp_fn(rank)``-style function (our own tests of
 the behaviours pytorch/xla's ``test/test_mp_*.py`` check) and writes one record per worker; the
-tests assert on the records. Three fits: 2 workers and 3 workers (every check, among them
-ray_train_xla's own collectives and the run id, each fit shared by the tests of its worker count;
-the helpers' tests also run under Train V1), 4 workers (the seed check, the world view and the
-pad-mask loader).
+tests assert on the records. One fit of 4 workers runs every check (under Train V1: the seed
+check, the world view, Ray's helpers, the pad-mask loader and ray_train_xla's own collectives);
+2 workers run in test_toolkit_ray and test_reporting_ray.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import traceback
 
 import pytest
 
-from conftest import fit, write_record
+from conftest import fit, is_train_v2, write_record
 
 pytestmark = [pytest.mark.ray]
 
@@ -458,23 +457,18 @@ def _assert_world(records, n):
 
 
 @pytest.fixture(scope="module")
-def all_checks(ray_local):
-    """The records of one fit running every check per worker count, run when first asked for
-    (the tests of a worker count share its fit)."""
-    done = {}
-
-    def records(workers: int) -> list[dict]:
-        if workers not in done:
-            _, recs = fit(run_checks, num_workers=workers, loop_config={"checks": ALL_CHECKS})
-            done[workers] = _by_rank(recs)
-        return done[workers]
-
-    return records
+def four_workers(ray_local):
+    """One fit of 4 workers running every check (Train V1: the checks whose Ray helpers differ
+    between V1 and V2, and the seed, world and loader checks)."""
+    checks = ALL_CHECKS if is_train_v2() else ["seed", "world", "ray_helpers", "pad_loader",
+                                                 "helpers"]
+    _, records = fit(run_checks, num_workers=4, loop_config={"checks": checks})
+    return _by_rank(records)
 
 
-@pytest.mark.parametrize("workers", [3])  # 2 workers: test_toolkit_ray, test_reporting_ray
-def test_torch_xla_code_runs_unchanged_on_cpu_workers(all_checks, workers):
-    records = all_checks(workers)
+def test_torch_xla_code_runs_unchanged_on_cpu_workers(four_workers):
+    workers = 4
+    records = four_workers
     assert [r["rank"] for r in records] == list(range(workers))
     for rec in records:
         assert rec["failures"] == {}, f"rank {rec['rank']}: {rec['failures']}"
@@ -504,14 +498,6 @@ def _assert_ray_helpers(records):
     assert sorted(set(all_rows)) == [float(i) for i in range(8)] and len(all_rows) == per * len(records)
 
 
-@pytest.fixture(scope="module")
-def four_workers(ray_local):
-    _, records = fit(run_checks, num_workers=4,
-                     loop_config={"checks": ["seed", "world", "ray_helpers", "pad_loader",
-                                             "helpers"]})
-    return _by_rank(records)
-
-
 @pytest.mark.train_v1  # Ray's helpers differ between Train V1 and V2
 def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(four_workers):
     records = four_workers
@@ -524,14 +510,14 @@ def test_seed_check_world_view_ray_helpers_and_pad_masks_with_four_workers(four_
     assert real == [float(i) for i in range(10)]
 
 
-# Train V1 runs the development mode in test_seed_check_world_view_ray_helpers_and_pad_masks_
-# with_four_workers (suite budget: this module's checks fit is V2 only).
-@pytest.mark.parametrize("workers", [3])  # 2 workers: test_toolkit_ray, test_reporting_ray
-def test_several_workers_reduce_through_gloo(all_checks, workers):
-    """ray_train_xla's helpers (the "helpers" check of the fit above)."""
-    for rec in all_checks(workers):
+@pytest.mark.train_v1
+def test_several_workers_reduce_through_gloo(four_workers):
+    """ray_train_xla's helpers (the "helpers" check of the fit above). Fresh run ids per
+    worker-group start: test_elastic_local and test_neuron_ray."""
+    workers = 4
+    for rec in four_workers:
         assert "helpers" not in rec["failures"], rec["failures"]["helpers"]
-    records = [rec["results"]["helpers"] for rec in all_checks(workers)]
+    records = [rec["results"]["helpers"] for rec in four_workers]
     assert sorted(r["rank"] for r in records) == list(range(workers))
     expected_mean = sum(range(workers)) / workers
     for rec in records:
@@ -544,9 +530,3 @@ def test_several_workers_reduce_through_gloo(all_checks, workers):
         assert rec["max"] == [float(workers - 1)]
         assert rec["broadcast"] == [float((workers - 1) * 10)]
     assert len({r["run_id"] for r in records}) == 1
-
-
-def test_run_id_is_fresh_for_every_fit(all_checks, four_workers):
-    first, second = (recs[0]["results"]["helpers"] for recs in (all_checks(3), four_workers))
-    assert first["run_id"] != second["run_id"]  # two fits of this module
-    assert len({rec["results"]["helpers"]["run_id"] for rec in four_workers}) == 1
