@@ -41,7 +41,8 @@ def where_am_i(config):
     })
 
 
-@pytest.mark.train_v1
+# Train V1 on two nodes: test_native_ray and test_native_tpu_ray (the same worker group, ranks
+# renumbered by the plan).
 def test_ranks_on_two_nodes(two_nodes):
     from ray.train import ScalingConfig
 
