@@ -17,7 +17,7 @@ from conftest import fit, is_train_v2, start_cluster, stop_cluster
 
 pytestmark = [pytest.mark.ray]
 
-TOTAL_STEPS, STEP_SLEEP_S, DRAIN_AT, DEADLINE_S = 40, 0.5, 3, 10
+TOTAL_STEPS, STEP_SLEEP_S, DRAIN_AT, DEADLINE_S = 40, 0.5, 3, 6
 
 
 def preempted_train(config):
