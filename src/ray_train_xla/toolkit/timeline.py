@@ -113,18 +113,27 @@ def _compile_reader() -> tuple[Callable[[], float], Callable[[], float]] | None:
 
 # ---- device memory, off the step path ---------------------------------------------------------
 
+_xla_memory_info = True  # False once the XLA device said it has no allocator statistics
+
 
 def device_memory() -> tuple[float, float] | None:
     """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info on XLA
     devices that report it, the native device's allocator, else this process's resident memory
     (current, peak). None when nothing can be read."""
+    global _xla_memory_info
     from ray_train_xla.toolkit import device as _device
 
     try:
         if not _device.is_native():
+            if not _xla_memory_info:
+                return _process_memory()
             import torch_xla.core.xla_model as xm
 
-            info = xm.get_memory_info(_device.get_device())
+            try:
+                info = xm.get_memory_info(_device.get_device())
+            except RuntimeError:  # the XLA CPU device: "GetAllocatorStats is not supported"
+                _xla_memory_info = False
+                return _process_memory()
             used = float(info.get("bytes_used", 0))
             return used, float(info.get("peak_bytes_used", used))
         import torch
