@@ -145,6 +145,30 @@ def test_a_group_stopped_without_an_end_ends_at_its_last_write(tmp_path):
     assert result.buckets["restart"] == pytest.approx(3.0 + 1.0)
 
 
+def test_a_group_shut_down_while_running_ends_when_it_was_told(tmp_path):
+    storage = RunStorage.at(str(tmp_path))
+    tl, clock, _ = _worker(storage, "A", 0, 0.0, 0.5)
+    _step(tl, clock, 1.0)
+    tl.stall_s += 0.1
+    clock.t = 1.5
+    tl.checkpoint_saved(1)
+    tl.checkpoint_committed()
+    _step(tl, clock, 2.0)
+    clock.t = 2.5
+    tl.end(stopped=True)  # shutdown_worker: Ray resizes the run
+    tl2, clock2, _ = _worker(storage, "B", 0, 3.0, 3.5)
+    _step(tl2, clock2, 4.0)
+    clock2.t = 4.0
+    tl2.end()
+    result = goodput.goodput_of(str(tmp_path))
+    assert [a.outcome for a in result.attempts] == ["stopped", "finished"]
+    assert result.attempts[0].end == pytest.approx(2.5)
+    assert result.buckets["lost"] == pytest.approx(1.0)
+    assert result.buckets["checkpoint_stall"] == pytest.approx(0.1)
+    assert result.buckets["restart"] == pytest.approx(0.5 + 1.0)
+    assert sum(result.buckets.values()) == pytest.approx(result.wall) == pytest.approx(3.5)
+
+
 def test_files_are_parts_and_a_torn_line_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(tl_mod, "PART_LINES", 3)
     storage = RunStorage.at(str(tmp_path))

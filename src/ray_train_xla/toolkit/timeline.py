@@ -301,8 +301,10 @@ class Timeline:
         self._thread = threading.Thread(target=self._run, name="ray_train_xla-timeline", daemon=True)
         self._thread.start()
 
-    def end(self, failed: bool = False, error: str = "", timeout_s: float = 30.0) -> None:
-        """The training function returned (or raised): its last span, then every event written."""
+    def end(self, failed: bool = False, error: str = "", stopped: bool = False,
+            timeout_s: float = 30.0) -> None:
+        """The training function returned (or raised; ``stopped``: Ray shut the worker group
+        down while it ran): its last span, then every event written."""
         self._boundary(END, -1)
         self._stop = True
         self._wake.set()
@@ -310,8 +312,10 @@ class Timeline:
             self._thread.join(timeout_s)
         with self._lock:
             self._drain()
-            self._lines.append(json.dumps({"kind": "end", "t": self._last, "failed": failed,
-                                           "error": error[:500]}))
+            end = {"kind": "end", "t": self._last, "failed": failed, "error": error[:500]}
+            if stopped:
+                end["stopped"] = True
+            self._lines.append(json.dumps(end))
             self._dirty = True
             self._write(force=True)
 
@@ -512,9 +516,10 @@ def begin() -> Timeline:
     return tl
 
 
-def end(failed: bool = False, error: str = "") -> None:
+def end(failed: bool = False, error: str = "", stopped: bool = False) -> None:
     """End this worker's timeline: write its last events (the backend does, when the training
-    function returns or raises)."""
+    function returns or raises, and at shutdown, ``stopped``, when Ray shuts down a worker
+    group whose function still runs: another worker failed, or an elastic resize)."""
     global _active
     tl, _active = _active, None
     if tl is None:
@@ -522,4 +527,4 @@ def end(failed: bool = False, error: str = "") -> None:
     from ray_train_xla.toolkit import steps
 
     steps.remove_step_hook(tl.on_step)
-    tl.end(failed=failed, error=error)
+    tl.end(failed=failed, error=error, stopped=stopped)

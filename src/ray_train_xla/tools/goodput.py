@@ -24,8 +24,9 @@ last worker group ended. Every second of it falls in one bucket:
   between checkpoints and the next step, and a worker that ended before its group's last one.
 
 A worker group failed when a training function raised (its end is the earliest failure), or
-when its workers stopped writing without an end (killed, or replaced by a resize: its end is
-then their last write, known to within ``storage_interval_s``). Each group's buckets are the
+when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
+the first worker was told), or its workers stopped writing (killed: its end is then their last
+write, known to within ``storage_interval_s``). Each group's buckets are the
 mean over its workers: they step together.
 """
 
@@ -91,7 +92,7 @@ class Attempt:
     id: str
     start: float
     end: float
-    outcome: str  # "finished", "failed", "stopped" (no end written: killed or resized), "running"
+    outcome: str  # "finished", "failed", "stopped" (shut down while running, or killed), "running"
     workers: list[Worker]
     buckets: dict[str, float] = field(default_factory=dict)
     lost_from: float | None = None  # mean over workers: where lost work starts
@@ -195,18 +196,18 @@ def _attempts(workers: list[Worker]) -> list[Attempt]:
     for attempt_id, group in by_attempt.items():
         start = min(w.group_start for w in group)
         failures = [float(w.end["t"]) for w in group if w.end and w.end.get("failed")]
-        ended = [w for w in group if w.end is not None]
+        ended = [w for w in group if w.end is not None and not w.end.get("stopped")]
         if failures:
             outcome, end = "failed", min(failures)
         elif len(ended) == len(group):
             outcome, end = "finished", max(float(w.end["t"]) for w in group)
-        else:  # no end written by some: killed, resized away, or still running
+        else:  # stopped by Ray while running (a resize), killed, or still running
             outcome = "stopped"
-            end = min(w.last_seen for w in group if w.end is None)
+            end = min(w.last_seen for w in group if w not in ended)
         attempts.append(Attempt(attempt_id, start, max(end, start), outcome,
                                 sorted(group, key=lambda w: w.rank)))
     attempts.sort(key=lambda a: a.start)
-    if attempts and attempts[-1].outcome == "stopped":
+    if attempts and attempts[-1].outcome == "stopped" and all(w.end is None for w in attempts[-1].workers):
         last = attempts[-1]
         last.outcome = "running"  # nothing after it: still going (or the run was killed)
         last.end = max(w.last_seen for w in last.workers)
