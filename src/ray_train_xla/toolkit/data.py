@@ -537,13 +537,14 @@ def iter_xla_batches(
 def _timed(batches: Iterable[Any]) -> Iterator[Any]:
     """``batches``, the time the training thread waits for each one added to the step
     timeline's data wait (``timeline.py``): two clock reads a batch."""
-    it = iter(batches)
     clock = time.perf_counter
+    start = clock()  # from when the loop asks (the iterator is made at the first batch)
+    it = iter(batches)
     while True:
-        start = clock()
         try:
             batch = next(it)
         except StopIteration:
             return
         add_data_wait(clock() - start)
         yield batch
+        start = clock()

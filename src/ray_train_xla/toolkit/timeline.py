@@ -47,7 +47,7 @@ MAX_COMPILE_EVENTS = 500  # compilation events kept per worker and attempt (stor
 GOODPUT_DIR = "goodput"
 
 # Record kinds in the buffer.
-STEP, CHECKPOINT, COMMIT, END = 0, 1, 2, 3
+STEP, CHECKPOINT, END = 0, 1, 2
 
 _settings: dict[str, Any] = {
     "samples_per_step": None,
@@ -191,6 +191,7 @@ class Timeline:
         self._compile_s = self._compile_total() if self._compile_total else 0.0
         self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
         self._appended = 0  # records appended (the training thread), to count drops
+        self._commits: collections.deque = collections.deque()  # when Ray took each checkpoint
         # What metrics() reports: steps since its last call.
         self._m = [0, 0.0, 0.0, 0.0, 0.0]  # steps, step s, data s, stall s, compile s
         # The background side.
@@ -290,8 +291,7 @@ class Timeline:
 
     def checkpoint_committed(self) -> None:
         """Ray took the oldest checkpoint still in flight (the background reporter's thread)."""
-        self._buf.append((COMMIT, 0, 0.0, self._clock(), 0.0, 0.0, 0.0))
-        self._appended += 1
+        self._commits.append(self._clock())
         self.wake()
 
     def wake(self) -> None:
@@ -344,6 +344,10 @@ class Timeline:
         """(Holding the lock) turn the buffered records into spans and events; returns the
         totals of the steps drained (for the Ray metrics)."""
         window = {"steps": 0, "step_s": 0.0, "data_s": 0.0, "stall_s": 0.0, "compile_s": 0.0}
+        while self._commits:  # (lost work is counted from the checkpoints Ray took: write now)
+            self._lines.append(json.dumps({"kind": "commit", "t": self._commits.popleft()}))
+            self._dirty = True
+            self._last_write = 0.0
         appended = self._appended
         while True:
             try:
@@ -363,12 +367,6 @@ class Timeline:
 
     def _record(self, rec: tuple, window: dict[str, float]) -> None:
         kind, steps, t0, t1, data, stall, compile_s = rec
-        if kind == COMMIT:
-            self._close_span()
-            self._lines.append(json.dumps({"kind": "commit", "t": t1}))
-            self._dirty = True
-            self._last_write = 0.0  # write it now: lost work is counted from commits
-            return
         if kind == END:
             self._close_span()  # the tail after the last step is a span of its own
         span = self._span
