@@ -51,8 +51,9 @@ def _prometheus(port: int, ranks: int, run: str, timeout_s: float = 30.0) -> lis
             text = ""
         lines = [ln for ln in text.splitlines()
                  if ln.startswith("ray_train_xla_") and f'run="{run}"' in ln]
-        steps = [ln for ln in lines if ln.startswith("ray_train_xla_steps")]
-        if all(any(f'rank="{r}"' in ln for ln in steps) for r in range(ranks)):
+        names = ("ray_train_xla_steps", "ray_train_xla_step_time_seconds", "ray_train_xla_time_seconds")
+        if all(any(ln.startswith(name) and f'rank="{r}"' in ln for ln in lines)
+               for r in range(ranks) for name in names):
             return lines
         time.sleep(0.5)
     return lines
@@ -108,8 +109,10 @@ def audit_loop(config: dict) -> None:
             rec["t_fail"] = time.time()
             write_record(config, f"a0-rank{rank}", rec)
             raise RuntimeError("injected failure")
-    if rank == 0 and config.get("metrics_port"):
-        rec["prometheus"] = _prometheus(config["metrics_port"], rtx.world_size(), RUN_NAME)
+    if config.get("metrics_port"):  # every rank's timeline runs until rank 0 has read them
+        if rank == 0:
+            rec["prometheus"] = _prometheus(config["metrics_port"], rtx.world_size(), RUN_NAME)
+        rtx.rendezvous("prometheus-read")
     rec["t_end"] = time.time()
     write_record(config, f"a1-rank{rank}", rec)
 

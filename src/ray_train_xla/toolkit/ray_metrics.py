@@ -5,7 +5,7 @@ Set from the timeline's background thread every ``interval_s`` (``configure_time
 from the step. Every metric is tagged ``run`` (the run's name), ``rank``, ``node`` (the node's
 IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
 
-- ``ray_train_xla_step_time_seconds``: mean step time over the last interval;
+- ``ray_train_xla_step_time_seconds``: mean step time over the last interval with steps;
 - ``ray_train_xla_samples_per_second`` / ``ray_train_xla_tokens_per_second`` (when
   ``configure_timeline`` says what a step processes);
 - ``ray_train_xla_device_memory_bytes`` / ``ray_train_xla_device_memory_peak_bytes``;
@@ -51,6 +51,7 @@ class _Metrics:
         self.seconds = Counter("train_xla_time_seconds", "Seconds of step time, by bucket",
                                tag_keys=(*TAG_KEYS, "bucket"))
         self.productive = 0.0
+        self.step_s: float | None = None  # the last interval's mean step time
 
 
 def exporter() -> Callable[[Any, dict], None] | None:
@@ -73,14 +74,18 @@ def exporter() -> Callable[[Any, dict], None] | None:
         tags = {"run": tl.run or "unnamed", "rank": str(tl.rank), "node": node_ip,
                 "device": tl.device}
         if window["steps"]:
-            step_s = window["step_s"] / window["steps"]
+            m.step_s = window["step_s"] / window["steps"]
+            m.steps.inc(window["steps"], tags=tags)
+        # Gauges are set again every interval, new steps or not: Ray's agent drops a gauge not
+        # refreshed within two export intervals (a worker that stopped).
+        step_s = m.step_s
+        if step_s is not None:
             m.step_time.set(step_s, tags=tags)
             samples, tokens = window.get("samples_per_step"), window.get("tokens_per_step")
             if step_s > 0 and samples:
                 m.samples.set(samples / step_s, tags=tags)
             if step_s > 0 and tokens:
                 m.tokens.set(tokens / step_s, tags=tags)
-            m.steps.inc(window["steps"], tags=tags)
         for bucket, key in zip(BUCKETS, ("step_s", "data_s", "stall_s", "compile_s")):
             if window[key] > 0:
                 m.seconds.inc(window[key], tags={**tags, "bucket": bucket})
