@@ -1,5 +1,5 @@
-"""The step timeline of one worker: where each step's time goes, at a cost of about a
-microsecond a step.
+"""The step timeline of one worker: where each step's time goes, at a cost of a few
+microseconds a step.
 
 The training thread only stamps boundaries. At the end of every step (``optimizer_step`` /
 ``step_done``, through ``steps.py``) it appends one record to a bounded buffer: the step's end
