@@ -184,7 +184,6 @@ class Timeline:
         self.data_s = 0.0
         self.stall_s = 0.0
         self._last = self._prev_step_end = self.begin
-        self._checkpoints = 0
         reader = compile_reader
         self._count, self._compile_total = reader if reader is not None else (None, None)
         self._compiles = self._count() if self._count else 0.0
@@ -253,7 +252,6 @@ class Timeline:
     def checkpoint_saved(self, steps: int) -> None:
         """``save_checkpoint`` returned: the state of this step is on its way to storage. The
         time so far belongs before the checkpoint (goodput's lost work starts here)."""
-        self._checkpoints += 1
         self._boundary(CHECKPOINT, steps)
 
     def report_metrics(self) -> dict[str, float]:

@@ -121,7 +121,8 @@ class Goodput:
             "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
                           "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
                                                                   default=0),
-                          "buckets_s": dict(a.buckets)} for a in self.attempts],
+                          "lost_from": a.lost_from, "buckets_s": dict(a.buckets)}
+                         for a in self.attempts],
         }
 
 
