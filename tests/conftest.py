@@ -52,8 +52,11 @@ def local_ray(num_cpus: int = 6, **init_kwargs):
 # NEURON_RT_VISIBLE_CORES only for workers that ask for them). two_nodes: per node 3 CPUs,
 # 2 "slot"s (two workers asking for {"slot": 1} land per node), 2 fake NeuronCores and 2 fake
 # TPU chips.
+# one_node also exports Ray's metrics for Prometheus on a port of its own (its
+# ``metrics_export_port``; only where Ray's metrics agent is installed, ``ray[default]``),
+# every second rather than every 10 s, for ``test_goodput_ray.py``.
 CLUSTERS = {
-    "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4},
+    "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4, "metrics": True},
     "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2, "TPU": 2},
 }
 _shared: dict = {}  # kind -> the running Cluster (at most one at a time)
@@ -237,25 +240,40 @@ NEURON_ON_CPU = {"RTX_TEST_NEURON_ON_CPU": "1"}
 TPU_WITHOUT_CLIENT = {"RTX_TEST_TPU_WITHOUT_CLIENT": "1"}
 
 
-def new_cluster(nodes: int = 2, cpus_per_node: int = 3, **node_resources):
+def new_cluster(nodes: int = 2, cpus_per_node: int = 3, metrics: bool = False, **node_resources):
     """A Ray cluster of ``nodes`` nodes on this machine (``ray.cluster_utils.Cluster``), not
     connected. Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land
-    per node."""
+    per node. ``metrics``: the head node serves Ray's metrics for Prometheus on a free port,
+    ``cluster.metrics_export_port``, exported every second."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster()
+    cluster.metrics_export_port = None
     try:
-        for _ in range(nodes):
+        for i in range(nodes):
+            extra = {}
+            if metrics and i == 0:
+                cluster.metrics_export_port = extra["metrics_export_port"] = _free_port()
+                extra["_system_config"] = {"metrics_report_interval_ms": 1000}
             cluster.add_node(
                 num_cpus=cpus_per_node,
                 resources={"slot": 2, **node_resources},
                 include_dashboard=False,
+                **extra,
             )
         cluster.wait_for_nodes()
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_cluster(nodes: int = 2, cpus_per_node: int = 3, runtime_env=None, **node_resources):

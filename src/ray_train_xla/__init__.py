@@ -52,6 +52,7 @@ _EXPORTS = {
         "checkpoint_if_preempted",
         "clip_grad_norm_",
         "configure_reports",
+        "configure_timeline",
         "flush_reports",
         "get_device",
         "get_mesh",

@@ -17,6 +17,7 @@ is set up. The range itself never reaches a Backend: ``check_scaling_config`` ch
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -45,12 +46,14 @@ class XLABackend(Backend):
     gather = staticmethod(gather_facts)
 
     def on_start(self, worker_group, backend_config: XLAOptions) -> None:
+        started_at = time.time()  # this worker group's start: goodput's clock starts here
         backend_config.validate()  # again: a field may have been changed after construction
         facts: list[WorkerFacts] = worker_group.execute(
             self.gather, backend_config.timeout_s, backend_config.device)
         plans = plan_workers(
             facts, backend_config,
             lambda worker, count: worker_group.execute_single(worker, reserve_ports, count),
+            started_at=started_at,
         )
         env0 = plans[0].env
         logger.info(
@@ -98,7 +101,8 @@ class NativeTPUBackend(XLABackend):
 
 
 def plan_workers(
-    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int, int], Sequence[int]]
+    facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int, int], Sequence[int]],
+    started_at: float = 0.0,
 ) -> list[WorkerPlan]:
     """The driver's planning step: resolve the device, derive the topology, check the config
     against it, take the ports it needs on the node of the process group's rank 0
@@ -116,6 +120,7 @@ def plan_workers(
         master_port=ports[0],
         extra_ports=tuple(ports[1:]),
         run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
+        started_at=started_at,
     )
     return plan(topology, config, rdzv, device, facts)
 

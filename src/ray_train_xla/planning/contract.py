@@ -56,8 +56,11 @@ SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
 DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
 # "1" with neuron_parallel_compile=True: the worker compiles the extracted graphs at shutdown.
 PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
+# When the driver started this worker group (Unix seconds, the backend's on_start): where a
+# run's wall clock starts for goodput (``toolkit/goodput.py``). Absent in plans made offline.
+GROUP_START_VAR = "RAY_TRAIN_XLA_GROUP_START"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
-            DEVMODE_VAR, PARALLEL_COMPILE_VAR)
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
@@ -157,6 +160,13 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     return int(value) if value.strip().lstrip("-").isdigit() else default
 
 
+def _float(environ: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        return float(environ.get(name, ""))
+    except ValueError:
+        return default
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     """The planned environment of one worker, typed. Outside a planned worker (a plain process,
@@ -179,6 +189,7 @@ class WorkerContext:
     master_addr: str = ""
     master_port: int = 0
     run_id: str = ""
+    group_start: float = 0.0  # Unix seconds; 0.0 when unknown
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -202,6 +213,7 @@ class WorkerContext:
             master_addr=e.get("MASTER_ADDR", ""),
             master_port=_int(e, "MASTER_PORT", 0),
             run_id=e.get(RUN_ID_VAR, ""),
+            group_start=_float(e, GROUP_START_VAR, 0.0),
         )
 
     @property

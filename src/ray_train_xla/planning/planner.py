@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from ray_train_xla.errors import config_error
 from ray_train_xla.planning.contract import (
     DEVICE_VAR,
+    GROUP_START_VAR,
     INIT_METHOD_VAR,
     NATIVE,
     PG_BACKEND_VAR,
@@ -138,6 +139,8 @@ def plan(
         INIT_METHOD_VAR: init_method,
         TIMEOUT_VAR: timeout_text(config.timeout_s),
     }
+    if rdzv.started_at:
+        ours[GROUP_START_VAR] = repr(float(rdzv.started_at))
     if config.spmd:
         ours[SPMD_VAR] = "1"
         # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process

@@ -4,6 +4,10 @@ reporter (``toolkit/reporting.py``) to hand every report to Ray, and raises its 
 failed. While it waits the worker still counts as running, so Ray's controller keeps taking
 reports. A training function that raises is not held (the run fails with its error).
 
+The same wrapper starts the worker's step timeline (``toolkit/timeline.py``) with the function
+and ends it when the function returns or raises (a failure, for goodput), writing its last
+events into the run's storage.
+
 Ray Train V2 starts the function in ``ThreadRunner.run`` (``worker_group/thread_runner.py``),
 after the backend's ``on_training_start``: that method is wrapped. V1 creates its session (and
 the thread that will run the function) before ``on_training_start``
@@ -24,13 +28,29 @@ _patches = Patches()
 def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
     @functools.wraps(fn)
     def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
-        from ray_train_xla.toolkit import reporting
+        from ray_train_xla.toolkit import reporting, timeline
 
-        result = fn(*args, **kwargs)
-        reporting.flush_reports()
+        _begin_timeline(timeline)
+        try:
+            result = fn(*args, **kwargs)
+            reporting.flush_reports()
+        except BaseException as exc:
+            timeline.end(failed=True, error=f"{type(exc).__name__}: {exc}")
+            raise
+        timeline.end()
         return result
 
     return train_fn_then_flush
+
+
+def _begin_timeline(timeline) -> None:
+    try:
+        timeline.begin()
+    except Exception as exc:  # noqa: BLE001 (the run goes on without its timeline)
+        import logging
+
+        logging.getLogger(__name__).warning("the step timeline did not start: %s: %s",
+                                            type(exc).__name__, exc)
 
 
 def install() -> None:

@@ -1,4 +1,5 @@
-"""Shutdown, on every worker: destroy the process group (bounded by ``timeout_s``: a dead peer
+"""Shutdown, on every worker: end the step timeline of a training function still running, destroy
+the process group (bounded by ``timeout_s``: a dead peer
 must not hang it), undo the worker-side patches, then run the runtime's clean-up."""
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ logger = logging.getLogger(__name__)
 
 def shutdown_worker() -> None:
     ctx = worker_context()
+    if "ray_train_xla.toolkit.timeline" in sys.modules:  # the function still runs: Ray stops it
+        from ray_train_xla.toolkit import timeline
+
+        try:
+            timeline.end(stopped=True)
+        except Exception as exc:  # noqa: BLE001 (shutdown goes on)
+            logger.warning("%s: the step timeline did not end: %s", who(), exc)
 
     def destroy() -> None:
         try:

@@ -12,7 +12,9 @@ backend). Each module is one concern:
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
 - ``preemption``: a checkpoint before a drained node goes away;
-- ``steps``: step boundaries (``optimizer_step`` / ``step_done``) and the hooks that run at each.
+- ``steps``: step boundaries (``optimizer_step`` / ``step_done``) and the hooks that run at each;
+- ``timeline``: where each step's time goes (data, checkpoints, compilation, memory), off the
+  step path; ``ray_metrics`` exports it to Ray's metrics, ``goodput`` adds up a whole run.
 """
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
@@ -44,6 +46,7 @@ from ray_train_xla.toolkit.sharding import (
 )
 from ray_train_xla.toolkit.spmd import get_mesh, shard_batch, sharding_spec
 from ray_train_xla.toolkit.steps import step_done
+from ray_train_xla.toolkit.timeline import configure_timeline
 
 __all__ = [
     "CompileMonitor",
@@ -55,6 +58,7 @@ __all__ = [
     "checkpoint_if_preempted",
     "clip_grad_norm_",
     "configure_reports",
+    "configure_timeline",
     "flush_reports",
     "get_device",
     "get_mesh",

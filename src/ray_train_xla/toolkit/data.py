@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.ranks import rank, world_size
+from ray_train_xla.toolkit.timeline import add_data_wait
 
 RAGGED_MODES = ("drop", "pad")
 
@@ -335,7 +337,7 @@ class XLADataLoader:
 
                 self._device_loader = MpDeviceLoader(self.loader, get_device())
             batches = iter(self._device_loader)
-        return self._counted(batches, epoch) if self._global else batches
+        return _timed(self._counted(batches, epoch) if self._global else batches)
 
     def _counted(self, batches: Iterator[Any], epoch: int) -> Iterator[Any]:
         """The batches, the position moved past each one as it is handed out."""
@@ -524,9 +526,25 @@ def iter_xla_batches(
     iter_torch_batches_kwargs.setdefault("device", "cpu")
     batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
     if not to_device:
-        return iter(batches)
+        return _timed(batches)
     if not _use_background(background):
-        return _on_device(batches)
+        return _timed(_on_device(batches))
     from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
-    return iter(MpDeviceLoader(batches, get_device()))
+    return _timed(MpDeviceLoader(batches, get_device()))
+
+
+def _timed(batches: Iterable[Any]) -> Iterator[Any]:
+    """``batches``, the time the training thread waits for each one added to the step
+    timeline's data wait (``timeline.py``): two clock reads a batch."""
+    clock = time.perf_counter
+    start = clock()  # from when the loop asks (the iterator is made at the first batch)
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        add_data_wait(clock() - start)
+        yield batch
+        start = clock()

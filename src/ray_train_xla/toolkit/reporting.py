@@ -41,6 +41,7 @@ from typing import Any
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit import timeline
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ class Reporter:
 
     def __init__(self, report_fn: Callable[..., None], *, rank: int, world: int,
                  max_in_flight: int, timeout_s: float, store: Any = None, key_prefix: str = "",
-                 coalesce: bool = True) -> None:
+                 coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None) -> None:
         self._report_fn = report_fn
+        self._on_checkpoint = on_checkpoint  # called once Ray took each checkpoint
         self._rank, self._world = rank, world
         self._max = max_in_flight
         self._timeout_s = timeout_s
@@ -312,6 +314,8 @@ class Reporter:
             return
         try:
             item.written = self._report_checkpoint(item)
+            if self._on_checkpoint is not None:
+                self._on_checkpoint()
         finally:
             item.done.set()
             with self._cv:
@@ -370,7 +374,8 @@ def reporter() -> Reporter:
                 _ray_report, rank=ctx.rank, world=ctx.world_size, max_in_flight=_max_in_flight,
                 timeout_s=ctx.timeout_s, store=store,
                 key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{_generation}",
-                coalesce=ctx.world_size == 1 or store is not None)
+                coalesce=ctx.world_size == 1 or store is not None,
+                on_checkpoint=timeline.checkpoint_committed)
         return _reporter
 
 
@@ -389,7 +394,11 @@ def report(metrics: Mapping[str, Any]) -> None:
     number of times, like ``ray.train.report``."""
     if not isinstance(metrics, Mapping):
         raise TypeError(f"report: metrics must be a dict, got {type(metrics).__name__}")
-    reporter().metrics(metrics)
+    start = time.perf_counter()
+    try:
+        reporter().metrics(metrics)
+    finally:
+        timeline.add_stall(time.perf_counter() - start)
 
 
 def flush_reports(timeout_s: float | None = None) -> None:
@@ -400,4 +409,8 @@ def flush_reports(timeout_s: float | None = None) -> None:
     with _lock:
         rep, _reporter = _reporter, None
     if rep is not None:
-        rep.close(timeout_s)
+        start = time.perf_counter()
+        try:
+            rep.close(timeout_s)
+        finally:
+            timeline.add_stall(time.perf_counter() - start)

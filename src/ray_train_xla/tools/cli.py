@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan, doctor, consolidate from the command line."""
+"""``ray-train-xla``: demo, plan, doctor, consolidate, goodput from the command line."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ TIMEOUT_MAX_S = 86_400.0
 
 EXIT_STATUS_HELP = (
     "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
-    "consolidate could not read the checkpoint's storage or write OUT); 2 the command line is "
+    "consolidate could not read the checkpoint's storage or write OUT, goodput could not read the "
+    "run's storage or write the PNG); 2 the command line is "
     "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
     "that does not exist or holds no model, an OUT that is a directory, a --hf config that is "
-    "missing or does not fit the checkpoint). Every error is one line on stderr."
+    "missing or does not fit the checkpoint, a RUN_PATH without goodput events). Every error is "
+    "one line on stderr."
 )
 
 
@@ -103,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ray-train-xla",
         description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
-        "consolidate. Without a command, prints this help.",
+        "consolidate, goodput. Without a command, prints this help.",
         epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
@@ -351,9 +353,33 @@ def _add_consolidate(sub) -> argparse.ArgumentParser:
     return consolidate
 
 
+def _add_goodput(sub) -> argparse.ArgumentParser:
+    """``goodput``: where a run's time went, from its storage."""
+    goodput = sub.add_parser(
+        "goodput",
+        help="print a run's goodput (productive step time over wall-clock time) and where the "
+        "rest went; --png draws it",
+        description="Read the goodput events every worker's step timeline wrote into the run's "
+        "storage (RUN_PATH/goodput/, written by runs of this package's backend) and print the "
+        "run's wall-clock time by bucket: productive, start-up, compilation, data wait, "
+        "checkpoint stall, lost to failures, restart, other; then one line per worker group "
+        "(restarts and elastic resizes start a new one). The wall clock starts when the first "
+        "worker group started. Exits 2 when RUN_PATH holds no goodput events, 1 when its "
+        "storage cannot be read or FILE cannot be written.",
+    )
+    goodput.add_argument("run_path", metavar="RUN_PATH",
+                         help="the run's directory: RunConfig(storage_path=...)/<name>, a local "
+                         "path or a URI (s3://..., gs://...)")
+    goodput.add_argument("--png", metavar="FILE", default=None,
+                         help="also draw the run: one lane per worker, steps in their buckets, "
+                         "compilations, checkpoints, failures and restarts (needs matplotlib)")
+    goodput.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return goodput
+
+
 # Each command and the function adding its parser, in the order --help lists them.
 COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
-            ("consolidate", _add_consolidate))
+            ("consolidate", _add_consolidate), ("goodput", _add_goodput))
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -711,6 +737,36 @@ def _consolidate_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools import goodput as tool
+
+    try:
+        result = tool.goodput_of(args.run_path)
+    except tool.GoodputError as exc:
+        raise CommandError(f"{args.run_path}: {exc}") from exc
+    except OSError as exc:
+        raise CommandError(f"{args.run_path}: cannot read the run's storage: {exc}",
+                           EXIT_FAILED) from exc
+    if args.png is not None:
+        try:
+            tool.draw(result, args.png)
+        except ImportError as exc:
+            raise CommandError(f"--png needs matplotlib (pip install matplotlib): {exc}",
+                               EXIT_FAILED) from exc
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.png}: {exc}", EXIT_FAILED) from exc
+    if args.json:
+        out = result.to_json()
+        if args.png is not None:
+            out["png"] = args.png
+        print(json.dumps(out))
+    else:
+        print(tool.format_table(result))
+        if args.png is not None:
+            print(f"\nwrote {args.png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: sys.argv[1:]); returns the exit status.
 
@@ -731,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else 0
     commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
-                "consolidate": cmd_consolidate}
+                "consolidate": cmd_consolidate, "goodput": cmd_goodput}
     prog = f"{parser.prog} {args.command}"
     try:
         code = commands[args.command](args)

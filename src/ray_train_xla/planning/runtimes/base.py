@@ -26,6 +26,7 @@ class Rendezvous:
     master_port: int
     run_id: str
     extra_ports: tuple[int, ...] = ()
+    started_at: float = 0.0  # when the driver started this worker group (Unix seconds); 0: unknown
 
 
 def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> dict[str, str]:

@@ -20,11 +20,13 @@ refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in ``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ray_train_xla.toolkit import timeline
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
     GROUPS_FILE,
@@ -89,6 +91,15 @@ def save_checkpoint(
     ShardedStateError for sharded state that neither format restores (torch_xla FSDP v1 shards,
     SPMD tensors mixed with DTensors, an optimizer state dict without parameter names).
     """
+    start = time.perf_counter()
+    try:
+        return _save_checkpoint(state, metrics, filename, wait)
+    finally:  # the training thread was blocked this long: the step timeline's checkpoint stall
+        timeline.add_stall(time.perf_counter() - start)
+        timeline.checkpoint_saved()
+
+
+def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any] | None:
     layout = sharded_layout(state, "save_checkpoint")
     sync()  # on every worker: the snapshot below only transfers materialised tensors
     metrics = dict(metrics or {})

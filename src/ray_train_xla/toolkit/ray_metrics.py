@@ -1,0 +1,104 @@
+"""The step timeline's figures as Ray metrics (``ray.util.metrics``), for Ray's dashboard,
+Prometheus and Grafana (``docs/grafana-dashboard.json``).
+
+Set from the timeline's background thread every ``interval_s`` (``configure_timeline``), never
+from the step. Every metric is tagged ``run`` (the run's name), ``rank``, ``node`` (the node's
+IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
+
+- ``ray_train_xla_step_time_seconds``: mean step time over the last interval with steps;
+- ``ray_train_xla_samples_per_second`` / ``ray_train_xla_tokens_per_second`` (when
+  ``configure_timeline`` says what a step processes);
+- ``ray_train_xla_device_memory_bytes`` / ``ray_train_xla_device_memory_peak_bytes``;
+- ``ray_train_xla_steps_total``: steps finished;
+- ``ray_train_xla_time_seconds_total{bucket=...}``: seconds of step time by bucket: ``step``
+  (all of it), ``data_wait``, ``checkpoint_stall``, ``compilation``;
+- ``ray_train_xla_goodput_ratio``: this worker's productive step time over the time since its
+  worker group started (the run's goodput across restarts is ``ray-train-xla goodput``).
+
+Needs Ray's metrics agent (``pip install 'ray[default]'``) to leave the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TAG_KEYS = ("run", "rank", "node", "device")
+BUCKETS = ("step", "data_wait", "checkpoint_stall", "compilation")
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self.step_time = Gauge("train_xla_step_time_seconds",
+                               "Mean step time over the last interval (host time between step ends)",
+                               tag_keys=TAG_KEYS)
+        self.samples = Gauge("train_xla_samples_per_second", "Samples per second over the last "
+                             "interval", tag_keys=TAG_KEYS)
+        self.tokens = Gauge("train_xla_tokens_per_second", "Tokens per second over the last "
+                            "interval", tag_keys=TAG_KEYS)
+        self.memory = Gauge("train_xla_device_memory_bytes", "Device memory in use (process RSS on "
+                            "CPU)", tag_keys=TAG_KEYS)
+        self.peak = Gauge("train_xla_device_memory_peak_bytes", "Peak device memory in use",
+                          tag_keys=TAG_KEYS)
+        self.goodput = Gauge("train_xla_goodput_ratio", "Productive step time over the time since "
+                             "this worker group started", tag_keys=TAG_KEYS)
+        self.steps = Counter("train_xla_steps", "Training steps finished", tag_keys=TAG_KEYS)
+        self.seconds = Counter("train_xla_time_seconds", "Seconds of step time, by bucket",
+                               tag_keys=(*TAG_KEYS, "bucket"))
+        self.productive = 0.0
+        self.step_s: float | None = None  # the last interval's mean step time
+
+
+def exporter() -> Callable[[Any, dict], None] | None:
+    """A function the timeline calls with itself and the totals of each interval; None when
+    Ray's metrics cannot be used here."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        node_ip = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 (outside Ray)
+        return None
+    state: dict[str, Any] = {}
+
+    def export(tl: Any, window: dict) -> None:
+        m = state.get("m")
+        if m is None:
+            m = state["m"] = _Metrics()
+        tags = {"run": tl.run or "unnamed", "rank": str(tl.rank), "node": node_ip,
+                "device": tl.device}
+        if window["steps"]:
+            m.step_s = window["step_s"] / window["steps"]
+            m.steps.inc(window["steps"], tags=tags)
+        # Gauges are set again every interval, new steps or not: Ray's agent drops a gauge not
+        # refreshed within two export intervals (a worker that stopped).
+        step_s = m.step_s
+        if step_s is not None:
+            m.step_time.set(step_s, tags=tags)
+            samples, tokens = window.get("samples_per_step"), window.get("tokens_per_step")
+            if step_s > 0 and samples:
+                m.samples.set(samples / step_s, tags=tags)
+            if step_s > 0 and tokens:
+                m.tokens.set(tokens / step_s, tags=tags)
+        for bucket, key in zip(BUCKETS, ("step_s", "data_s", "stall_s", "compile_s")):
+            if window[key] > 0:
+                m.seconds.inc(window[key], tags={**tags, "bucket": bucket})
+        m.productive += max(0.0, window["step_s"] - window["data_s"] - window["stall_s"]
+                            - window["compile_s"])
+        import time
+
+        elapsed = time.time() - tl.group_start
+        if elapsed > 0:
+            m.goodput.set(min(1.0, m.productive / elapsed), tags=tags)
+        memory = tl.memory
+        if memory is not None:
+            m.memory.set(memory[0], tags=tags)
+            m.peak.set(memory[1], tags=tags)
+
+    return export

@@ -1,0 +1,526 @@
+"""The step timeline of one worker: where each step's time goes, at a cost of a few
+microseconds a step.
+
+The training thread only stamps boundaries. At the end of every step (``optimizer_step`` /
+``step_done``, through ``steps.py``) it appends one record to a bounded buffer: the step's end
+(host wall clock), and what the step spent, since the previous end,
+
+- waiting for data: time blocked in the toolkit's loaders (``prepare_data_loader``,
+  ``iter_xla_batches``) handing out a batch;
+- blocked in ``save_checkpoint``, ``report`` and ``flush_reports`` (the checkpoint/report stall:
+  the snapshot, a wait for an in-flight slot, ``wait=True``);
+- compiling: the growth of torch_xla's ``CompileTime`` (native stacks: Dynamo's compile time),
+  read again only when the compile counter moved (a counter read, about 0.6 us).
+
+Step time is host time between step ends. XLA runs asynchronously, but its queue is short:
+in steady state the host waits for the device every step, so the host's step time is the
+device's, without forcing a sync. A background thread, every ``interval_s``, drains the buffer,
+reads device memory (torch_xla's memory info, the native device's allocator, or the process's
+resident memory on CPU), sets the Ray metrics (``ray_metrics.py``) and, every
+``storage_interval_s``, at checkpoints and at the end, writes this worker's goodput events into
+the run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``).
+
+The backend starts the timeline when the training function starts and ends it when it returns
+or raises (``startup/report_flush.py``); :func:`configure_timeline` says what one step
+processes (samples, tokens) and how often the background thread runs. ``metrics()`` adds the
+steps since its previous call as ``timeline/...`` keys (:func:`report_metrics`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 5.0
+DEFAULT_STORAGE_INTERVAL_S = 30.0
+BUFFER_RECORDS = 65536  # steps (and marks) held between two background runs; older ones drop
+PART_LINES = 2000  # lines per goodput file part (a part is rewritten whole: bounded)
+MAX_COMPILE_EVENTS = 500  # compilation events kept per worker and attempt (storms are summed)
+GOODPUT_DIR = "goodput"
+
+# Record kinds in the buffer.
+STEP, CHECKPOINT, END = 0, 1, 2
+
+_settings: dict[str, Any] = {
+    "samples_per_step": None,
+    "tokens_per_step": None,
+    "interval_s": DEFAULT_INTERVAL_S,
+    "storage_interval_s": DEFAULT_STORAGE_INTERVAL_S,
+}
+
+
+def configure_timeline(samples_per_step: float | None = None, tokens_per_step: float | None = None,
+                       interval_s: float | None = None,
+                       storage_interval_s: float | None = None) -> None:
+    """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
+    the timeline then gives samples/s and tokens/s) and how often the background thread runs
+    (``interval_s``: Ray metrics and memory, 5 s by default; ``storage_interval_s``: goodput
+    events written to the run's storage, 30 s by default, and always at checkpoints and at the
+    end). Call it on every worker, at any time; values left None are kept."""
+    for name, value in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step),
+                        ("interval_s", interval_s), ("storage_interval_s", storage_interval_s)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"configure_timeline: {name}={value!r} must be a number > 0")
+        _settings[name] = float(value)
+    tl = _active
+    if tl is not None:
+        tl.wake()
+
+
+def step_size() -> tuple[float | None, float | None]:
+    """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
+    return _settings["samples_per_step"], _settings["tokens_per_step"]
+
+
+# ---- compile time, read cheaply ---------------------------------------------------------------
+
+
+def _compile_reader() -> tuple[Callable[[], float], Callable[[], float]] | None:
+    """(count, total seconds) of this process's compilations: torch_xla's counters, or Dynamo's
+    on the native stacks; None when neither is loaded."""
+    from ray_train_xla.toolkit import device as _device
+
+    if _device.is_native():
+        try:
+            from torch._dynamo.utils import compilation_time_metrics, counters
+        except ImportError:
+            return None
+        stats = counters["stats"]
+        return (lambda: float(stats["unique_graphs"]),
+                lambda: float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))))
+    try:
+        import torch_xla
+    except ImportError:
+        return None
+    counter, metric = torch_xla._XLAC._xla_counter_value, torch_xla._XLAC._xla_metric_data
+
+    def total() -> float:
+        data = metric("CompileTime")
+        return float(data[1]) * 1e-9 if data else 0.0
+
+    return (lambda: float(counter("UncachedCompile") or 0)), total
+
+
+# ---- device memory, off the step path ---------------------------------------------------------
+
+_xla_memory_info = True  # False once the XLA device said it has no allocator statistics
+
+
+def device_memory() -> tuple[float, float] | None:
+    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info on XLA
+    devices that report it, the native device's allocator, else this process's resident memory
+    (current, peak). None when nothing can be read."""
+    global _xla_memory_info
+    from ray_train_xla.toolkit import device as _device
+
+    try:
+        if not _device.is_native():
+            if not _xla_memory_info:
+                return _process_memory()
+            import torch_xla.core.xla_model as xm
+
+            try:
+                info = xm.get_memory_info(_device.get_device())
+            except RuntimeError:  # the XLA CPU device: "GetAllocatorStats is not supported"
+                _xla_memory_info = False
+                return _process_memory()
+            used = float(info.get("bytes_used", 0))
+            return used, float(info.get("peak_bytes_used", used))
+        import torch
+
+        dev = _device.get_device()
+        if dev.type != "cpu":
+            mod = getattr(torch, dev.type, None)
+            if mod is not None and hasattr(mod, "memory_allocated"):
+                return float(mod.memory_allocated()), float(mod.max_memory_allocated())
+            if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
+                return (float(torch.accelerator.memory_allocated()),
+                        float(torch.accelerator.max_memory_allocated()))
+    except Exception:  # noqa: BLE001 (the XLA CPU device has no allocator stats: RSS below)
+        pass
+    return _process_memory()
+
+
+def _process_memory() -> tuple[float, float] | None:
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            rss = float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+        return rss, max(rss, peak)
+    except (OSError, ValueError, ImportError, IndexError):
+        return None
+
+
+# ---- the timeline -----------------------------------------------------------------------------
+
+
+class Timeline:
+    """The timeline of one worker for one training function (see the module docstring)."""
+
+    def __init__(self, *, attempt: str = "", rank: int = 0, world: int = 1, local_rank: int = 0,
+                 node: str = "", device: str = "", group_start: float = 0.0,
+                 storage: Any = None, run: str = "", export: Any = None,
+                 compile_reader: Any = None, clock: Callable[[], float] = time.time) -> None:
+        self.attempt, self.rank, self.world = attempt, rank, world
+        self.node, self.device, self.run = node, device, run
+        self._clock = clock
+        self.begin = clock()
+        self.group_start = group_start or self.begin
+        self._storage = storage
+        self._export = export
+        # The training thread's accumulators since the last boundary.
+        self.data_s = 0.0
+        self.stall_s = 0.0
+        self._last = self._prev_step_end = self.begin
+        reader = compile_reader
+        self._count, self._compile_total = reader if reader is not None else (None, None)
+        self._compiles = self._count() if self._count else 0.0
+        self._compile_s = self._compile_total() if self._compile_total else 0.0
+        self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
+        self._appended = 0  # records appended (the training thread), to count drops
+        self._commits: collections.deque = collections.deque()  # when Ray took each checkpoint
+        # What metrics() reports: steps since its last call.
+        self._m = [0, 0.0, 0.0, 0.0, 0.0]  # steps, step s, data s, stall s, compile s
+        # The background side.
+        self._lock = threading.Lock()
+        self._drained = 0
+        self._dropped = 0
+        self._span: dict[str, Any] | None = None
+        self._first_done = False
+        self._lines: list[str] = []
+        self._part = 0
+        self._compile_events = 0
+        self._dirty = True
+        self._last_write = 0.0
+        self._memory: tuple[float, float] | None = None
+        self._write_error_logged = False
+        self._header = {
+            "kind": "worker", "attempt": attempt, "rank": rank, "world": world,
+            "local_rank": local_rank, "node": node, "device": device,
+            "group_start": self.group_start, "begin": self.begin, "pid": os.getpid(),
+            "samples_per_step": _settings["samples_per_step"],
+            "tokens_per_step": _settings["tokens_per_step"],
+        }
+        self._lines.append(json.dumps(self._header))
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- the training thread: microseconds ----------------------------------------------------
+
+    def _boundary(self, kind: int, steps: int) -> None:
+        now = self._clock()
+        compile_s = 0.0
+        count = self._count
+        if count is not None:
+            c = count()
+            if c != self._compiles:
+                self._compiles = c
+                total = self._compile_total()
+                compile_s, self._compile_s = total - self._compile_s, total
+        data, stall = self.data_s, self.stall_s
+        self._buf.append((kind, steps, self._last, now, data, stall, compile_s))
+        self._appended += 1
+        self.data_s = 0.0
+        self.stall_s = 0.0
+        self._last = now
+        m = self._m  # what metrics() reports: whole steps, their checkpoints included
+        m[2] += data
+        m[3] += stall
+        m[4] += compile_s
+        if kind == STEP:
+            m[0] += 1
+            m[1] += now - self._prev_step_end
+            self._prev_step_end = now
+
+    def on_step(self, steps: int) -> None:
+        """The step hook (``steps.add_step_hook``): one step ended."""
+        self._boundary(STEP, steps)
+
+    def checkpoint_saved(self, steps: int) -> None:
+        """``save_checkpoint`` returned: the state of this step is on its way to storage. The
+        time so far belongs before the checkpoint (goodput's lost work starts here)."""
+        self._boundary(CHECKPOINT, steps)
+
+    def report_metrics(self) -> dict[str, float]:
+        """The steps since the previous call, as ``timeline/...`` metrics (empty when none)."""
+        m = self._m
+        n = m[0]
+        if not n:
+            return {}
+        step_s = m[1] / n if m[1] else 0.0
+        out = {
+            "timeline/steps": n,
+            "timeline/step_time_s": step_s,
+            "timeline/data_wait_s": m[2] / n,
+            "timeline/checkpoint_stall_s": m[3] / n,
+            "timeline/compile_s": m[4] / n,
+        }
+        if step_s > 0:
+            if _settings["samples_per_step"]:
+                out["timeline/samples_per_s"] = _settings["samples_per_step"] / step_s
+            if _settings["tokens_per_step"]:
+                out["timeline/tokens_per_s"] = _settings["tokens_per_step"] / step_s
+        memory = self._memory
+        if memory is not None:
+            out["timeline/device_memory_bytes"] = memory[0]
+            out["timeline/device_memory_peak_bytes"] = memory[1]
+        self._m = [0, 0.0, 0.0, 0.0, 0.0]
+        return out
+
+    # ---- other threads ------------------------------------------------------------------------
+
+    @property
+    def memory(self) -> tuple[float, float] | None:
+        """(bytes in use, peak bytes) of the device, as last read by the background thread."""
+        return self._memory
+
+    def checkpoint_committed(self) -> None:
+        """Ray took the oldest checkpoint still in flight (the background reporter's thread)."""
+        self._commits.append(self._clock())
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ray_train_xla-timeline", daemon=True)
+        self._thread.start()
+
+    def end(self, failed: bool = False, error: str = "", stopped: bool = False,
+            timeout_s: float = 30.0) -> None:
+        """The training function returned (or raised; ``stopped``: Ray shut the worker group
+        down while it ran): its last span, then every event written."""
+        self._boundary(END, -1)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            self._drain()
+            end = {"kind": "end", "t": self._last, "failed": failed, "error": error[:500]}
+            if stopped:
+                end["stopped"] = True
+            self._lines.append(json.dumps(end))
+            self._dirty = True
+            self._write(force=True)
+
+    def _run(self) -> None:
+        next_memory = 0.0
+        while not self._stop:
+            self._wake.wait(_settings["interval_s"])
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                now = time.monotonic()
+                if now >= next_memory:
+                    self._memory = device_memory()
+                    next_memory = now + _settings["interval_s"]
+                with self._lock:
+                    window = self._drain()
+                    self._write()
+                if self._export is not None:
+                    window["samples_per_step"], window["tokens_per_step"] = step_size()
+                    self._export(self, window)
+            except Exception as exc:  # noqa: BLE001 (never take the run down for its timeline)
+                logger.warning("rank %d: timeline: %s: %s", self.rank, type(exc).__name__, exc)
+
+    def _drain(self) -> dict[str, float]:
+        """(Holding the lock) turn the buffered records into spans and events; returns the
+        totals of the steps drained (for the Ray metrics)."""
+        window = {"steps": 0, "step_s": 0.0, "data_s": 0.0, "stall_s": 0.0, "compile_s": 0.0}
+        while self._commits:  # (lost work is counted from the checkpoints Ray took: write now)
+            self._lines.append(json.dumps({"kind": "commit", "t": self._commits.popleft()}))
+            self._dirty = True
+            self._last_write = 0.0
+        appended = self._appended
+        while True:
+            try:
+                rec = self._buf.popleft()
+            except IndexError:
+                break
+            self._drained += 1
+            self._record(rec, window)
+        lost = appended - self._drained - len(self._buf)
+        if lost > self._dropped:  # the deque dropped its oldest records: the timeline is behind
+            logger.warning("rank %d: timeline: %d step records dropped (the background thread "
+                           "fell behind)", self.rank, lost - self._dropped)
+            self._lines.append(json.dumps({"kind": "dropped", "records": lost - self._dropped}))
+            self._dropped = lost
+        self._close_span()
+        return window
+
+    def _record(self, rec: tuple, window: dict[str, float]) -> None:
+        kind, steps, t0, t1, data, stall, compile_s = rec
+        if kind == END:
+            self._close_span()  # the tail after the last step is a span of its own
+        span = self._span
+        if span is None:
+            span = self._span = {"kind": "span", "t0": t0, "t1": t1, "steps": 0, "data_s": 0.0,
+                                 "stall_s": 0.0, "compile_s": 0.0}
+        span["t1"] = t1
+        span["data_s"] += data
+        span["stall_s"] += stall
+        span["compile_s"] += compile_s
+        if kind == STEP:
+            span["steps"] += 1
+            span["last_step"] = steps
+            window["steps"] += 1
+        if kind != END:
+            window["step_s"] += t1 - t0
+            window["data_s"] += data
+            window["stall_s"] += stall
+            window["compile_s"] += compile_s
+        if compile_s > 0 and self._compile_events < MAX_COMPILE_EVENTS:
+            self._compile_events += 1
+            self._lines.append(json.dumps({"kind": "compile", "t": t1, "compile_s": compile_s,
+                                           "step": steps}))
+        if kind == STEP and not self._first_done:
+            self._first_done = True
+            span["first"] = True  # begin -> the end of the first step: start-up
+            self._close_span()
+        elif kind == CHECKPOINT:
+            self._close_span()
+            self._lines.append(json.dumps({"kind": "checkpoint", "t": t1, "step": steps}))
+            self._last_write = 0.0
+        elif kind == END:
+            self._close_span()
+
+    def _close_span(self) -> None:
+        if self._span is not None:
+            self._lines.append(json.dumps(self._span))
+            self._span = None
+            self._dirty = True
+
+    def _write(self, force: bool = False) -> None:
+        """(Holding the lock) write this worker's current part when it changed and is due."""
+        if self._storage is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_write < _settings["storage_interval_s"]:
+            return
+        if self._part == 0:  # what one step processes may have been configured since
+            self._header["samples_per_step"] = _settings["samples_per_step"]
+            self._header["tokens_per_step"] = _settings["tokens_per_step"]
+            self._lines[0] = json.dumps(self._header)
+        self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
+        try:
+            self._storage.write_bytes(self.path(self._part),
+                                      ("\n".join(self._lines) + "\n").encode())
+        except Exception as exc:  # noqa: BLE001 (the run goes on; the next write tries again)
+            if not self._write_error_logged:
+                self._write_error_logged = True
+                logger.warning("rank %d: timeline: cannot write goodput events to the run's "
+                               "storage: %s: %s", self.rank, type(exc).__name__, exc)
+            self._lines.pop()
+            return
+        self._lines.pop()  # the heartbeat stays only in what was written
+        self._last_write = now
+        self._dirty = False
+        if len(self._lines) >= PART_LINES:
+            self._part += 1
+            self._lines = []
+
+    def path(self, part: int) -> str:
+        return f"{GOODPUT_DIR}/attempt-{self.attempt or 'local'}/rank-{self.rank}.{part:04d}.jsonl"
+
+
+# ---- this worker's timeline -------------------------------------------------------------------
+
+_active: Timeline | None = None
+
+
+def active() -> Timeline | None:
+    """This worker's timeline while a training function runs, else None."""
+    return _active
+
+
+def add_data_wait(seconds: float) -> None:
+    """Time the training thread spent waiting for a batch (the toolkit's loaders call it)."""
+    tl = _active
+    if tl is not None:
+        tl.data_s += seconds
+
+
+def add_stall(seconds: float) -> None:
+    """Time the training thread spent blocked in checkpoint/report calls."""
+    tl = _active
+    if tl is not None:
+        tl.stall_s += seconds
+
+
+def checkpoint_saved() -> None:
+    tl = _active
+    if tl is not None:
+        from ray_train_xla.toolkit.steps import steps_done
+
+        tl.checkpoint_saved(steps_done())
+
+
+def checkpoint_committed() -> None:
+    tl = _active
+    if tl is not None:
+        tl.checkpoint_committed()
+
+
+def report_metrics() -> dict[str, float]:
+    """``timeline/...`` metrics of the steps since the previous call (``metrics()`` adds them)."""
+    tl = _active
+    return tl.report_metrics() if tl is not None else {}
+
+
+def begin() -> Timeline:
+    """Start this worker's timeline (the backend does, when the training function starts)."""
+    global _active
+    if _active is not None:
+        end()
+    from ray_train_xla.planning.contract import worker_context
+    from ray_train_xla.toolkit import ray_metrics, steps
+    from ray_train_xla.toolkit.run_storage import RunStorage
+
+    ctx = worker_context()
+    storage = RunStorage.of_worker() if ctx.planned else None
+    node = ""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 (outside Ray)
+        pass
+    tl = Timeline(
+        attempt=ctx.run_id, rank=ctx.rank, world=ctx.world_size, local_rank=ctx.local_rank,
+        node=node, device=ctx.device or "cpu", group_start=ctx.group_start, storage=storage,
+        run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
+        export=ray_metrics.exporter() if ctx.planned else None, compile_reader=_compile_reader())
+    steps.add_step_hook(tl.on_step)
+    _active = tl
+    tl.start()
+    return tl
+
+
+def end(failed: bool = False, error: str = "", stopped: bool = False) -> None:
+    """End this worker's timeline: write its last events (the backend does, when the training
+    function returns or raises, and at shutdown, ``stopped``, when Ray shuts down a worker
+    group whose function still runs: another worker failed, or an elastic resize)."""
+    global _active
+    tl, _active = _active, None
+    if tl is None:
+        return
+    from ray_train_xla.toolkit import steps
+
+    steps.remove_step_hook(tl.on_step)
+    tl.end(failed=failed, error=error, stopped=stopped)
