@@ -2,7 +2,9 @@
 
 A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
 them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
-``CompileMonitor`` counts them and warns once, naming the step and the usual causes.
+``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as the
+stack reports it (``compile_causes``: torch_xla's compilation analysis with
+``TorchXLAConfig(compile_causes=True)``, Dynamo's guard failures on the native stacks).
 """
 
 from __future__ import annotations
@@ -152,14 +154,22 @@ class CompileMonitor:
         return out
 
     def _warn(self, step: int, after: float) -> None:
+        from ray_train_xla.toolkit import compile_causes
+
         self.warned_at_step = step
+        ctx = worker_context()
+        since = int(self._baseline["compiles"] + (self._at_warmup or 0))
+        what = "torch.compile" if ctx.native else "XLA"
         message = (
-            f"XLA compiled {int(after)} new graph(s) after warm-up ({self.warmup_steps} "
-            f"steps), by step {step}: every new input shape or constant is a new graph. "
-            "Usual causes: changing input shapes (a short last batch: use "
+            f"rank {ctx.rank}: {what} compiled {int(after)} new graph(s) after warm-up "
+            f"({self.warmup_steps} steps), by step {step}. Cause: "
+            f"{compile_causes.causes_text(since)}. Every new input shape or constant is a new "
+            "graph. Usual causes: changing input shapes (a short last batch: use "
             "prepare_data_loader/iter_xla_batches, which keep batch shapes constant), "
             "Python scalars that change every step baked into the graph (pass them as "
-            "tensors), and reading values (.item(), print) in the middle of the step."
+            "tensors), and reading values (.item(), print) in the middle of the step. Whether "
+            "the ranks compile the same graphs is compared every "
+            f"{compile_causes.check_interval()} steps (rank 0 warns when they do not)."
         )
         logger.warning(message)
         warnings.warn(message, RecompilationWarning, stacklevel=3)
