@@ -54,12 +54,16 @@ SPMD_VAR = "RAY_TRAIN_XLA_SPMD"
 DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
 # "1" with neuron_parallel_compile=True: the worker compiles the extracted graphs at shutdown.
 PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
+# "start,count" with profile_steps=(start, count): every rank profiles those steps.
+PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
-            DEVMODE_VAR, PARALLEL_COMPILE_VAR)
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR, PROFILE_STEPS_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
 # ---- torch_xla and device variables the plan owns -------------------------------------------
+# torch_xla's compilation analysis, planned with compile_causes=True (a file per worker).
+XLA_DEBUG_VARS = ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 XLA_SPMD_VAR = "XLA_USE_SPMD"  # torch_xla's own SPMD switch, read at ``import torch_xla``
 RUN_ID_VAR = "TORCHELASTIC_RUN_ID"
 NEURON_VISIBLE_CORES_VAR = "NEURON_RT_VISIBLE_CORES"
@@ -109,6 +113,7 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "TPU_PROCESS_PORT": "the chips Ray assigns (8476 + the first chip id)",
     "TPU_PROCESS_ADDRESSES": _RANKS,
     **{var: "the config itself (our own variable)" for var in OUR_VARS},
+    **{var: "the compile_causes option (a file per worker)" for var in XLA_DEBUG_VARS},
     # Native TorchTPU (TorchTPUConfig; planning/runtimes/native_tpu.py).
     "TPU_VISIBLE_DEVICES": "ScalingConfig(resources_per_worker={'TPU': 1})",
     "TORCH_TPU_SLICEBUILDER_ADDRESSES": "the backend (one address per rank, hosts in "
@@ -155,6 +160,18 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     return int(value) if value.strip().lstrip("-").isdigit() else default
 
 
+def _steps_pair(value: str) -> tuple[int, int] | None:
+    start, _, count = value.partition(",")
+    if start.strip().isdigit() and count.strip().isdigit():
+        return int(start), int(count)
+    return None
+
+
+def compile_debug_file(run_id: str, rank: int) -> str:
+    """Where a worker's torch_xla writes its compilation analysis (compile_causes=True)."""
+    return f"/tmp/ray_train_xla-{run_id}-rank{rank}-compiles.txt"
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     """The planned environment of one worker, typed. Outside a planned worker (a plain process,
@@ -177,6 +194,7 @@ class WorkerContext:
     master_addr: str = ""
     master_port: int = 0
     run_id: str = ""
+    profile_steps: tuple[int, int] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -200,6 +218,7 @@ class WorkerContext:
             master_addr=e.get("MASTER_ADDR", ""),
             master_port=_int(e, "MASTER_PORT", 0),
             run_id=e.get(RUN_ID_VAR, ""),
+            profile_steps=_steps_pair(e.get(PROFILE_STEPS_VAR, "")),
         )
 
     @property

@@ -26,10 +26,12 @@ from ray_train_xla.planning.contract import (
     INIT_METHOD_VAR,
     NATIVE,
     PG_BACKEND_VAR,
+    PROFILE_STEPS_VAR,
     RUNTIME_VAR,
     SPMD_VAR,
     TIMEOUT_VAR,
     XLA_SPMD_VAR,
+    compile_debug_file,
     timeout_text,
 )
 from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_env
@@ -142,12 +144,17 @@ def plan(
         # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process
         # core mapping only if it is already set); xr.use_spmd() after the import is too late.
         ours[XLA_SPMD_VAR] = "1"
+    if config.profile_steps is not None:
+        ours[PROFILE_STEPS_VAR] = ",".join(str(v) for v in config.profile_steps)
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:
         env = torchrun_env(place, topology, rdzv)
         env.update(runtime.device_env(place, topology, rdzv, config, facts[place.rank] if facts else None))
         env.update(ours)
+        if config.compile_causes:  # torch_xla's compilation analysis, read at its first compile
+            env["PT_XLA_DEBUG_LEVEL"] = "1"
+            env["PT_XLA_DEBUG_FILE"] = compile_debug_file(rdzv.run_id, place.rank)
         env.update(user)
         plans.append(WorkerPlan(place=place, env=env))
     return plans

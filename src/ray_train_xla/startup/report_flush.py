@@ -1,8 +1,9 @@
 """The training function ends after its reports: on every worker, Ray Train's training thread
 runs the training function wrapped so that, when it returns, it waits for the background
 reporter (``toolkit/reporting.py``) to hand every report to Ray, and raises its error if one
-failed. While it waits the worker still counts as running, so Ray's controller keeps taking
-reports. A training function that raises is not held (the run fails with its error).
+failed, then for the uploads of finished profiles (``toolkit/profiling.py``). While it waits
+the worker still counts as running, so Ray's controller keeps taking reports. A training
+function that raises is not held (the run fails with its error).
 
 Ray Train V2 starts the function in ``ThreadRunner.run`` (``worker_group/thread_runner.py``),
 after the backend's ``on_training_start``: that method is wrapped. V1 creates its session (and
@@ -24,10 +25,11 @@ _patches = Patches()
 def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
     @functools.wraps(fn)
     def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
-        from ray_train_xla.toolkit import reporting
+        from ray_train_xla.toolkit import profiling, reporting
 
         result = fn(*args, **kwargs)
         reporting.flush_reports()
+        profiling.flush()  # the traces of finished profile windows reach the run's storage
         return result
 
     return train_fn_then_flush

@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan, doctor, consolidate from the command line."""
+"""``ray-train-xla``: demo, plan, doctor, consolidate, profile from the command line."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ TIMEOUT_MAX_S = 86_400.0
 
 EXIT_STATUS_HELP = (
     "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
-    "consolidate could not read the checkpoint's storage or write OUT); 2 the command line is "
+    "consolidate could not read the checkpoint's storage or write OUT, profile could not write "
+    "its request or --wait ran out); 2 the command line is "
     "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
     "that does not exist or holds no model, an OUT that is a directory, a --hf config that is "
     "missing or does not fit the checkpoint). Every error is one line on stderr."
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ray-train-xla",
         description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
-        "consolidate. Without a command, prints this help.",
+        "consolidate, profile. Without a command, prints this help.",
         epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
@@ -351,9 +352,32 @@ def _add_consolidate(sub) -> argparse.ArgumentParser:
     return consolidate
 
 
+def _add_profile(sub) -> argparse.ArgumentParser:
+    """``profile``: ask a running run for a profile of every rank."""
+    profile = sub.add_parser(
+        "profile",
+        help="ask a running run for a profile of the next N steps on every rank",
+        description="Write a profile request into the run's storage (RUN: the run's directory, "
+        "RunConfig(storage_path=...)/name, a local path or a URI such as s3://bucket/runs/x). "
+        "Rank 0 of the run looks for requests every 2 s, picks the first step a few seconds of "
+        "steps ahead and every rank captures those steps with its stack's profiler (torch_xla's "
+        "profiler; torch.profiler on native TorchNeuron, TorchTPU and CPU), into "
+        "RUN/profiles/<first step>/rank-<r>/. A run that is not going takes the request when it "
+        "(re)starts. With --wait, waits for the traces of every rank and prints where they are. "
+        "Exits 1 when --wait runs out or the storage cannot be written.",
+    )
+    profile.add_argument("run", metavar="RUN", help="the run's directory (a path or a URI)")
+    profile.add_argument("--steps", type=_positive_int, required=True, metavar="N",
+                         help="how many steps to capture")
+    profile.add_argument("--wait", type=_positive_seconds, default=None, metavar="SECONDS",
+                         help="wait up to SECONDS for every rank's trace")
+    profile.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    return profile
+
+
 # Each command and the function adding its parser, in the order --help lists them.
 COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
-            ("consolidate", _add_consolidate))
+            ("consolidate", _add_consolidate), ("profile", _add_profile))
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -711,6 +735,34 @@ def _consolidate_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ray_train_xla.toolkit import profiling
+    from ray_train_xla.toolkit.run_storage import RunStorage
+
+    try:
+        storage = RunStorage.at(args.run)
+        request_id = profiling.write_request(storage, args.steps)
+    except Exception as exc:  # noqa: BLE001 (storage errors are the user's to fix)
+        raise CommandError(f"could not write a profile request under {args.run}: "
+                           f"{type(exc).__name__}: {exc}", EXIT_FAILED) from exc
+    out = {"id": request_id, "run": storage.path, "steps": args.steps}
+    if args.wait is not None:
+        out.update(profiling.wait_for_profile(storage, request_id, args.wait))
+    if args.json:
+        print(json.dumps(out))
+    elif args.wait is None:
+        print(f"profile request {request_id} ({args.steps} steps) written under "
+              f"{storage.full(profiling.REQUESTS)}; the traces will be under "
+              f"{storage.full(profiling.PROFILES)}/<first step>/rank-<r>/")
+    elif out.get("complete"):
+        print(f"steps {out['start']}-{out['start'] + out['count'] - 1} of every rank "
+              f"({out['world_size']}): {storage.full(out['directory'])}")
+    if args.wait is not None and not out.get("complete"):
+        raise CommandError(f"profile request {request_id}: {out.get('state')} after "
+                           f"{args.wait:g} s", EXIT_FAILED)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: sys.argv[1:]); returns the exit status.
 
@@ -731,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else 0
     commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
-                "consolidate": cmd_consolidate}
+                "consolidate": cmd_consolidate, "profile": cmd_profile}
     prog = f"{parser.prog} {args.command}"
     try:
         code = commands[args.command](args)
