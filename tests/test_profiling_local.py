@@ -178,5 +178,6 @@ def test_profile_steps_in_the_config_reach_the_worker_context():
         with pytest.raises(XLAConfigError, match="profile_steps"):
             TorchXLAConfig(device="cpu", profile_steps=bad)
     with pytest.raises(XLAConfigError, match="compile_causes"):
-        TorchXLAConfig(device="cpu", env={"PT_XLA_DEBUG_LEVEL": "2"})
+        TorchXLAConfig(device="cpu", compile_causes=True, env={"PT_XLA_DEBUG_LEVEL": "2"})
+    assert TorchXLAConfig(device="cpu", env={"PT_XLA_DEBUG_LEVEL": "2"}).env  # without: allowed
     assert TorchNeuronConfig(device="cpu", profile_steps=(2, 1)).profile_steps == (2, 1)

@@ -62,7 +62,8 @@ OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VA
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
 # ---- torch_xla and device variables the plan owns -------------------------------------------
-# torch_xla's compilation analysis, planned with compile_causes=True (a file per worker).
+# torch_xla's compilation analysis, planned with compile_causes=True (a file per worker); a user
+# may set them in env otherwise (the analysis then goes where they say).
 XLA_DEBUG_VARS = ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 XLA_SPMD_VAR = "XLA_USE_SPMD"  # torch_xla's own SPMD switch, read at ``import torch_xla``
 RUN_ID_VAR = "TORCHELASTIC_RUN_ID"
@@ -113,7 +114,6 @@ PLANNED_BY_OPTION: dict[str, str] = {
     "TPU_PROCESS_PORT": "the chips Ray assigns (8476 + the first chip id)",
     "TPU_PROCESS_ADDRESSES": _RANKS,
     **{var: "the config itself (our own variable)" for var in OUR_VARS},
-    **{var: "the compile_causes option (a file per worker)" for var in XLA_DEBUG_VARS},
     # Native TorchTPU (TorchTPUConfig; planning/runtimes/native_tpu.py).
     "TPU_VISIBLE_DEVICES": "ScalingConfig(resources_per_worker={'TPU': 1})",
     "TORCH_TPU_SLICEBUILDER_ADDRESSES": "the backend (one address per rank, hosts in "

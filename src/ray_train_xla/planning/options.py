@@ -18,7 +18,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ray_train_xla.errors import config_error
-from ray_train_xla.planning.contract import DEFAULT_TIMEOUT_S, NATIVE, check_user_env
+from ray_train_xla.planning.contract import (
+    DEFAULT_TIMEOUT_S,
+    NATIVE,
+    XLA_DEBUG_VARS,
+    check_user_env,
+)
 
 DEVICES = ("auto", "neuron", "tpu", "cpu")
 RUNTIMES = ("pjrt", "xrt")
@@ -95,6 +100,11 @@ class XLAOptions:
             raise err("neuron_parallel_compile", self.neuron_parallel_compile,
                       f"False with device={self.device!r} (parallel compile is a Neuron feature)")
         check_shared_options(self, err)
+        for var in XLA_DEBUG_VARS:
+            if self.compile_causes and var in self.env:
+                raise err(f"env[{var!r}]", self.env[var],
+                          f"no entry with compile_causes=True, which plans {var} for every "
+                          "worker (a file of its own)")
         if self.compile_cache is not None and (
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):

@@ -175,10 +175,12 @@ def debug_log() -> DebugLog:
 def dynamo_reasons(limit: int = 5) -> list[str]:
     """Why ``torch.compile`` compiled a frame again: Dynamo's guard failures, newest last, as
     "function (file:line): reason" (at most ``limit``)."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:
+    import sys
+
+    if "torch._dynamo.utils" not in sys.modules:  # torch.compile never ran here
         return []
+    from torch._dynamo.utils import guard_failures
+
     out = []
     for code, reasons in list(guard_failures.items()):
         name = getattr(code, "co_name", str(code))
@@ -237,6 +239,10 @@ def graph_count() -> int:
     """Graphs this process compiled so far (torch_xla's ``UncachedCompile``; Dynamo's
     ``unique_graphs`` on the native stacks)."""
     if worker_context().native:
+        import sys
+
+        if "torch._dynamo.utils" not in sys.modules:  # nothing compiled (and its import is slow)
+            return 0
         from torch._dynamo.utils import counters
 
         return int(counters["stats"]["unique_graphs"])

@@ -296,14 +296,16 @@ class Profiles:
         self.missed: list[Window] = []
         self._uploads: list[threading.Thread] = []
 
-    # storage: resolved on first use (a worker's run storage, else a local directory)
     @property
     def storage(self):
+        """The run's storage (resolved on first use, from any thread); outside a Ray Train run,
+        a local directory (``<tmp>/ray_train_xla-run``), looked up again next time."""
         if self._storage is None:
             from ray_train_xla.toolkit.run_storage import RunStorage
 
-            self._storage = RunStorage.of_worker() or RunStorage.at(
-                os.path.join(tempfile.gettempdir(), "ray_train_xla-run"))
+            self._storage = RunStorage.of_worker()
+            if self._storage is None:
+                return RunStorage.at(os.path.join(tempfile.gettempdir(), "ray_train_xla-run"))
         return self._storage
 
     def windows(self) -> list[Window]:
