@@ -8,7 +8,7 @@ medians:
   counter, write this rank's value to a real ``TCPStore``, and on rank 0 read every rank's),
   microseconds, and per step amortised over the default 100 steps;
 - ``compile_causes``: the MLP's step time after warm-up, and the time of a step that compiles
-  a new graph (a new batch size), with torch_xla's compilation analysis on
+  a new graph (5 new batch sizes, median), with torch_xla's compilation analysis on
   (``PT_XLA_DEBUG_LEVEL=1`` and a file, what ``compile_causes=True`` plans) against off; each
   side in fresh processes (torch_xla reads the level once);
 - ``profile_window``: a 10-step window with torch_xla's profiler: the MLP's step time inside
@@ -32,6 +32,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NEW_GRAPHS = 5  # steps compiling a new graph, timed in each process
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, os.path.join(ROOT, "examples"), os.path.join(ROOT, "src")]
 
@@ -78,15 +79,20 @@ def child_compile_causes(steps: int) -> dict:
         step()
         wait()
         times.append(time.perf_counter() - t)
-    x, y = torch.randn(65, config["features"]), torch.randn(65, 1)
     import torch_xla
 
     device = torch_xla.device()
-    t = time.perf_counter()
-    step(x.to(device), y.to(device))
-    wait()
-    new_graph = time.perf_counter() - t
-    return {"step_us": statistics.median(times) * 1e6, "new_graph_ms": new_graph * 1e3}
+    new_graphs = []
+    for rows in range(65, 65 + NEW_GRAPHS):  # each batch size is a new graph
+        x = torch.randn(rows, config["features"]).to(device)
+        y = torch.randn(rows, 1).to(device)
+        wait()
+        t = time.perf_counter()
+        step(x, y)
+        wait()
+        new_graphs.append(time.perf_counter() - t)
+    return {"step_us": statistics.median(times) * 1e6,
+            "new_graph_ms": statistics.median(new_graphs) * 1e3}
 
 
 def compile_causes(reps: int, steps: int) -> dict:

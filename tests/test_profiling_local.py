@@ -86,6 +86,21 @@ def test_exact_steps_and_upload(tmp_path):
     assert json.loads(storage.read_bytes("profiles/3/rank-1/missed.json"))["at_step"] == 9
 
 
+def test_a_config_window_of_step_one_starts_with_the_training_function(tmp_path):
+    FakeTracer.log = []
+    prof = Profiles(rank=0, world=1, storage=RunStorage.at(str(tmp_path)),
+                    tracer_factory=FakeTracer)
+    profiling._profiles = prof  # as install() leaves it, from the process-group start
+    steps.add_step_hook(prof.on_step)
+    prof.add(Window(1, 1, "config"), on_training_thread=False)
+    assert FakeTracer.log == []  # not on the thread that installed it
+    profiling.training_starts()  # the training function's thread, before step 1
+    profiling.training_starts()  # (again: the running window goes on)
+    run_steps(2)
+    assert [e[:2] for e in FakeTracer.log] == [("start", 1), ("stop", 0)]
+    prof.flush(10)
+
+
 def test_request_from_outside_reaches_every_rank_at_the_same_step(tmp_path):
     import torch.distributed as dist
 

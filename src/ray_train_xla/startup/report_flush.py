@@ -27,6 +27,7 @@ def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
     def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
         from ray_train_xla.toolkit import profiling, reporting
 
+        profiling.training_starts()  # a profile window of the first step starts here
         result = fn(*args, **kwargs)
         reporting.flush_reports()
         profiling.flush()  # the traces of finished profile windows reach the run's storage

@@ -326,15 +326,17 @@ class Profiles:
                                      f"overlaps the window of steps {other.start}-"
                                      f"{other.end_after}: one window at a time")
             done = _steps.steps_done()
-            if window.begin_after < done or (window.begin_after == done
+            if window.begin_after < done or (window.begin_after == done > 0
                                              and not on_training_thread):
                 self._miss(window, done)
                 return
             self._pending.append(window)
             self._pending.sort(key=lambda w: w.start)
             self._reschedule()
-        if window.begin_after == done:  # starts with the next step
+        if window.begin_after == done and on_training_thread:  # starts with the next step
             self.on_step(done, force=True)
+        # (a window of step 1 from another thread starts with the training function:
+        # training_starts)
 
     def _reschedule(self) -> None:
         if self._active is not None:
@@ -350,6 +352,8 @@ class Profiles:
             return
         with self._lock:
             if self._active is not None:
+                if force:  # no step ended: the running window goes on
+                    return
                 window, tracer, local = self._active
                 if n >= window.end_after:
                     self._active = None
@@ -504,7 +508,10 @@ class RequestWatcher:
         record_accepted(self._profiles.storage, window, self._profiles.world, done)
         store.set(f"{self._prefix}/{self._seq}", json.dumps(asdict(window)))
         self._seq += 1
-        self._profiles.add(window, on_training_thread=False)
+        try:
+            self._profiles.add(window, on_training_thread=False)
+        except ValueError as exc:  # a window the training function added meanwhile
+            logger.warning("rank 0: profile window not scheduled: %s", exc)
         logger.info("rank 0: profile request %s accepted: steps %d-%d (at step %d)",
                     window.source, window.start, window.end_after, done)
         return window
@@ -524,7 +531,11 @@ class RequestWatcher:
                 continue
             body = json.loads(store.get(key))
             self._seq += 1
-            self._profiles.add(Window(**body), on_training_thread=False)
+            try:
+                self._profiles.add(Window(**body), on_training_thread=False)
+            except ValueError as exc:  # overlaps a window of this rank's own
+                logger.warning("rank %d: profile window from rank 0 not scheduled: %s",
+                               self._profiles.rank, exc)
 
 
 def _alive(store) -> bool:
@@ -608,6 +619,13 @@ def profile_steps(start: int, count: int) -> Window:
 def profile_windows() -> list[Window]:
     """This worker's profile windows: captured, running and scheduled."""
     return _worker_profiles().windows() if _profiles is not None else []
+
+
+def training_starts() -> None:
+    """On the training thread, as the training function starts: a window of the first step
+    (``profile_steps=(1, n)`` in the config) starts now."""
+    if _profiles is not None:
+        _profiles.on_step(_steps.steps_done(), force=True)
 
 
 def flush(timeout_s: float = 300.0) -> None:

@@ -755,8 +755,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"{storage.full(profiling.REQUESTS)}; the traces will be under "
               f"{storage.full(profiling.PROFILES)}/<first step>/rank-<r>/")
     elif out.get("complete"):
-        print(f"steps {out['start']}-{out['start'] + out['count'] - 1} of every rank "
-              f"({out['world_size']}): {storage.full(out['directory'])}")
+        missed = sorted(r for r, state in out["ranks"].items() if state == "missed")
+        print(f"steps {out['start']}-{out['start'] + out['count'] - 1} of "
+              f"{out['world_size'] - len(missed)} of {out['world_size']} ranks: "
+              f"{storage.full(out['directory'])}"
+              + (f" (missed by ranks {missed}: they learned of it too late)" if missed else ""))
     if args.wait is not None and not out.get("complete"):
         raise CommandError(f"profile request {request_id}: {out.get('state')} after "
                            f"{args.wait:g} s", EXIT_FAILED)
