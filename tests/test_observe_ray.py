@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -46,7 +47,7 @@ def train_observe(config):
     model = rtx.prepare_model(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = rtx.CompileMonitor(warmup_steps=3)
-    step = 0
+    step, started = 0, time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         while step < MAX_STEPS:
@@ -65,7 +66,7 @@ def train_observe(config):
             if outside and step >= max(MIN_STEPS, outside[0].end_after + 1):
                 break
     write_record(config, f"rank{rtx.rank()}", {
-        "rank": rtx.rank(), "steps": step,
+        "rank": rtx.rank(), "steps": step, "loop_s": time.monotonic() - started,
         "windows": [dataclasses.asdict(w) for w in rtx.profile_windows()],
         "warnings": [{"category": w.category.__name__, "message": str(w.message)}
                      for w in caught
@@ -135,13 +136,17 @@ def test_profiles_of_every_rank_and_recompilation_causes(ray_local):
                   if w["category"] == "RecompilationWarning"]
     assert len(recompiled) == 1, ranks[1]["warnings"]
     text = recompiled[0]
-    assert text.startswith(f"rank 1: XLA compiled 1 new graph(s) after warm-up (3 steps), by "
-                           f"step {SHAPE_CHANGE_STEP}. Cause: torch_xla: user torch_xla.sync ")
-    assert "test_observe_ray.py" in text and "an input shape or a Python constant" in text
+    assert re.match(rf"rank 1: XLA compiled \d+ new graph\(s\) after warm-up \(3 steps\), by "
+                    rf"step {SHAPE_CHANGE_STEP}\. Cause: torch_xla: \w.* \(graph \w+, ", text), text
+    # the line of the training function that cut it, and that it cut another graph before
+    assert "train_observe (" in text and "an input shape or a Python constant" in text, text
     assert not any(w["category"] == "RecompilationWarning" for w in ranks[0]["warnings"])
-    [differ] = [w["message"] for w in ranks[0]["warnings"]
-                if w["category"] == "DivergentGraphsWarning"]
-    assert differ.startswith(f"ranks compile different graphs (compared at step "
-                             f"{SHAPE_CHANGE_STEP}): rank 0: ")
-    assert "; rank 1: " in differ
+    # (once per different outcome: rank 1 may compile one more graph of its own a step later)
+    differ = [w["message"] for w in ranks[0]["warnings"]
+              if w["category"] == "DivergentGraphsWarning"]
+    assert differ and all("; rank 1: " in m for m in differ), ranks[0]["warnings"]
+    assert differ[0].startswith(f"ranks compile different graphs (compared at step "
+                                f"{SHAPE_CHANGE_STEP}): rank 0: "), differ
+    print("\n".join([text, *differ]))  # (-s shows them)
+    print({r: (rec["steps"], round(rec["loop_s"], 1)) for r, rec in ranks.items()}, outside)
     assert not any(w["category"] == "DivergentGraphsWarning" for w in ranks[1]["warnings"])

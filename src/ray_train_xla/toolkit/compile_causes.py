@@ -204,6 +204,9 @@ def causes_text(since: int = 0, limit: int = 3) -> str:
         return ("cause not recorded: TorchXLAConfig(compile_causes=True) has torch_xla analyse "
                 "every compilation (PT_XLA_DEBUG_LEVEL=1) and names it here")
     log.read()
+    if not log.compilations:
+        return (f"not recorded: torch_xla wrote no analysis in this process ({log.path}; it "
+                f"analyses only where {LOCAL_RANK_VAR} is 0)")
     new = log.compilations[since:]
     if not new:
         return "torch_xla's analysis has not recorded it yet"
@@ -356,12 +359,50 @@ def _process_group_store():
     return None
 
 
+LOCAL_RANK_VAR = "PJRT_LOCAL_PROCESS_RANK"
+
+
+def analyse_every_process() -> bool:
+    """Make torch_xla write its compilation analysis in this process too.
+
+    torch_xla 2.9 writes it only in its "master" process, the one whose
+    ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that variable (with the level and the file) once,
+    at its first compilation. So this process makes its first compilation here, a graph of one
+    small op, with the variable at 0 for that moment only, after the device is up (the runtime
+    has read the real value). Returns False when torch_xla had compiled already (too late)."""
+    import torch
+    import torch_xla
+
+    if torch_xla._XLAC._xla_counter_value("UncachedCompile"):
+        return False
+    # A copy to the device (data, no graph): the runtime up, with the planned variables.
+    one = torch.zeros(1).to(torch_xla.device())
+    old = os.environ.get(LOCAL_RANK_VAR)
+    os.environ[LOCAL_RANK_VAR] = "0"
+    try:
+        one = one + 1  # noqa: F841 (the first compilation: torch_xla reads its debug settings)
+        torch_xla.sync()
+    finally:
+        if old is None:
+            os.environ.pop(LOCAL_RANK_VAR, None)
+        else:
+            os.environ[LOCAL_RANK_VAR] = old
+    return True
+
+
 def install(store=None, every: int = DEFAULT_CHECK_EVERY) -> GraphCheck | None:
     """Start the graph check on this worker (at process-group start, every rank), on the
-    process group's store unless given one."""
+    process group's store unless given one; with torch_xla's analysis on
+    (``compile_causes=True``), have it analyse this worker's compilations too."""
     global _check
     ctx = worker_context()
     uninstall()
+    if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
+        if not analyse_every_process():
+            logger.warning("rank %d: torch_xla compiled before the process group started, so "
+                           "it analyses compilations only where %s is 0 (local rank 0): this "
+                           "worker's recompilation warnings will not name their cause",
+                           ctx.rank, LOCAL_RANK_VAR)
     store = store if store is not None else _process_group_store()
     if store is None or ctx.world_size < 2:
         return None

@@ -118,6 +118,8 @@ class CompileMonitor:
         self._baseline = (dict.fromkeys(self._reader.read(True), 0.0) if since_start
                           else self._reader.read(True))
         self._at_warmup: float | None = None if warmup_steps else 0.0
+        # compilations torch_xla had analysed by the end of warm-up (compile_causes=True)
+        self._causes_from: int | None = None if warmup_steps else _analysed()
         self._steps = 0
         self.warned_at_step: int | None = None
 
@@ -135,6 +137,7 @@ class CompileMonitor:
         compiles = now["compiles"] - base["compiles"]
         if self._at_warmup is None and step >= self.warmup_steps:
             self._at_warmup = compiles
+            self._causes_from = _analysed()
         after = 0.0 if self._at_warmup is None else compiles - self._at_warmup
         if after >= self.warn_after and self.warned_at_step is None:
             self._warn(step, after)
@@ -158,7 +161,9 @@ class CompileMonitor:
 
         self.warned_at_step = step
         ctx = worker_context()
-        since = int(self._baseline["compiles"] + (self._at_warmup or 0))
+        since = self._causes_from
+        if since is None:
+            since = int(self._baseline["compiles"] + (self._at_warmup or 0))
         what = "torch.compile" if ctx.native else "XLA"
         message = (
             f"rank {ctx.rank}: {what} compiled {int(after)} new graph(s) after warm-up "
@@ -173,6 +178,17 @@ class CompileMonitor:
         )
         logger.warning(message)
         warnings.warn(message, RecompilationWarning, stacklevel=3)
+
+
+def _analysed() -> int | None:
+    """How many compilations torch_xla's analysis has written so far (None when it is off)."""
+    from ray_train_xla.toolkit import compile_causes
+
+    if worker_context().native or not compile_causes.debug_log().enabled:
+        return None
+    log = compile_causes.debug_log()
+    log.read()
+    return len(log.compilations)
 
 
 _default: CompileMonitor | None = None
