@@ -6,9 +6,11 @@
   inputs and outputs, and the Python frames that triggered it. It reads the level once, at the
   first compilation, so it cannot be switched on later: ``TorchXLAConfig(compile_causes=True)``
   plans it for every worker with ``PT_XLA_DEBUG_FILE`` set to a file of the worker's own, and
-  :class:`DebugLog` reads that file (only new bytes, only when asked: at a recompilation
-  warning and at a graph check). Level 1 is the analysis at compile time only; level 2 would
-  also analyse every execution (about 1 KB of text a step), which is not planned.
+  :class:`DebugLog` reads that file (only new bytes, only when asked: at the end of warm-up, at
+  a recompilation warning and at a graph check). torch_xla writes it only in the process whose
+  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_every_process` makes every worker one.
+  Level 1 is the analysis at compile time only; level 2 would also analyse every execution
+  (about 1 KB of text a step), which is not planned.
 - **Causes, native stacks** (``TorchNeuronConfig``, ``TorchTPUConfig``): ``torch.compile``'s
   Dynamo records why a compiled frame's guards failed (``torch._dynamo.utils.guard_failures``:
   "tensor 'x' size mismatch at index 0. expected 4, actual 6"); :func:`dynamo_reasons` reads
