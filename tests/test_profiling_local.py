@@ -171,8 +171,11 @@ def test_profile_command_without_a_run_going(tmp_path, capsys):
 
 
 def test_profile_steps_in_the_config_reach_the_worker_context():
-    from ray_train_xla import TorchNeuronConfig, TorchXLAConfig, XLAConfigError
+    # the options alone (what TorchXLAConfig/TorchNeuronConfig are, without Ray's side)
+    from ray_train_xla.errors import XLAConfigError
     from ray_train_xla.planning.contract import PROFILE_STEPS_VAR, WorkerContext
+    from ray_train_xla.planning.options import NeuronOptions as TorchNeuronConfig
+    from ray_train_xla.planning.options import XLAOptions as TorchXLAConfig
     from ray_train_xla.planning.planner import Rendezvous, plan
     from ray_train_xla.planning.topology import Topology, described_facts
 
