@@ -7,10 +7,11 @@ medians:
 - ``graph_check``: one check step of the comparison of the ranks' graphs (read the compile
   counter, write this rank's value to a real ``TCPStore``, and on rank 0 read every rank's),
   microseconds, and per step amortised over the default 100 steps;
-- ``compile_causes``: the MLP's step time after warm-up, and the time of a step that compiles
-  a new graph (5 new batch sizes, median), with torch_xla's compilation analysis on
-  (``PT_XLA_DEBUG_LEVEL=1`` and a file, what ``compile_causes=True`` plans) against off; each
-  side in fresh processes (torch_xla reads the level once);
+- ``compile_causes``: the MLP's step time after warm-up, the time of a step that compiles a
+  new graph (15 new batch sizes, median) and of a new graph of one small op (60 sizes), with
+  torch_xla's compilation analysis on (``PT_XLA_DEBUG_LEVEL=1`` and a file, what
+  ``compile_causes=True`` plans) against off; each side in fresh processes (torch_xla reads the
+  level once);
 - ``profile_window``: a 10-step window with torch_xla's profiler: the MLP's step time inside
   the window against outside it, the trace's start, and its stop and export (on the training
   thread; the upload is in the background).
@@ -32,7 +33,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NEW_GRAPHS = 5  # steps compiling a new graph, timed in each process
+NEW_GRAPHS = 15  # steps compiling a new graph, timed in each process
+TINY_GRAPHS = 60  # and new graphs of one small op
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, os.path.join(ROOT, "examples"), os.path.join(ROOT, "src")]
 
@@ -91,14 +93,24 @@ def child_compile_causes(steps: int) -> dict:
         step(x, y)
         wait()
         new_graphs.append(time.perf_counter() - t)
+    tiny = []  # a graph whose compilation is quick: the analysis's share shows
+    for n in range(1, TINY_GRAPHS + 1):
+        t = time.perf_counter()
+        z = torch.ones(n, device=device) * 3 + 1
+        torch_xla.sync()
+        wait()
+        tiny.append(time.perf_counter() - t)
+    del z
     return {"step_us": statistics.median(times) * 1e6,
-            "new_graph_ms": statistics.median(new_graphs) * 1e3}
+            "compiles": float(torch_xla._XLAC._xla_counter_value("UncachedCompile") or 0),
+            "new_graph_ms": statistics.median(new_graphs) * 1e3,
+            "tiny_new_graph_ms": statistics.median(tiny) * 1e3}
 
 
 def compile_causes(reps: int, steps: int) -> dict:
     sides: dict[str, list[dict]] = {"off": [], "on": []}
-    for _ in range(reps):
-        for side in ("off", "on"):
+    for rep in range(reps):
+        for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):  # neither always first
             env = dict(os.environ, PJRT_DEVICE="CPU")
             env.pop("PT_XLA_DEBUG_LEVEL", None)
             debug = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
@@ -110,8 +122,10 @@ def compile_causes(reps: int, steps: int) -> dict:
             if side == "on":
                 sides[side][-1]["analysis_bytes"] = os.path.getsize(debug)
             os.unlink(debug)
-    return {side: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-            for side, rows in sides.items()}
+    out: dict = {side: {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+                 for side, rows in sides.items()}
+    out["runs"] = sides
+    return out
 
 
 def hooks(reps: int, n: int = 200_000) -> dict:
@@ -220,14 +234,17 @@ def markdown(results: dict) -> str:
         f"{cc['on']['step_us']:.0f} |",
         f"| a step compiling a new graph, ms (compile_causes) | {cc['off']['new_graph_ms']:.1f} | "
         f"{cc['on']['new_graph_ms']:.1f} |",
+        f"| a new graph of one small op, ms (compile_causes) | "
+        f"{cc['off']['tiny_new_graph_ms']:.2f} | {cc['on']['tiny_new_graph_ms']:.2f} |",
         f"| MLP step, us (outside / inside a torch_xla profile window) | {p['outside_us']:.0f} | "
         f"{p['inside_us']:.0f} |",
         "",
         f"- graph check (2 ranks, a real TCPStore): {g['other_us']:.0f} us on a rank, "
         f"{g['rank0_us']:.0f} us on rank 0 per check; every 100 steps: "
         f"{g['rank0_per_step_us_every_100']:.2f} us per step on rank 0.",
-        f"- compile_causes writes {cc['on']['analysis_bytes']:.0f} bytes of analysis for the "
-        "run's graphs (about 1 KB per compilation).",
+        f"- compile_causes wrote {cc['on']['analysis_bytes']:.0f} bytes of analysis for "
+        f"{cc['on']['compiles']:.0f} compilations "
+        f"({cc['on']['analysis_bytes'] / cc['on']['compiles'] / 1000:.1f} KB each).",
         f"- profile window: trace start {p['start_ms']:.2f} ms, stop and export "
         f"{p['stop_export_ms']:.1f} ms (training thread, at the window's ends).",
         "",
