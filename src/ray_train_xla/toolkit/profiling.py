@@ -135,9 +135,12 @@ def read_json(storage, relative: str) -> dict | None:
 
 def pending_requests(storage) -> list[dict]:
     """Requests not accepted yet, oldest first."""
+    requests = storage.list(REQUESTS)
+    if not requests:  # (the usual answer: one listing per poll)
+        return []
     accepted = {p.rsplit("/", 1)[-1] for p in storage.list(ACCEPTED)}
     out = []
-    for path in storage.list(REQUESTS):
+    for path in requests:
         name = path.rsplit("/", 1)[-1]
         if not name.endswith(".json") or name in accepted:
             continue
@@ -488,8 +491,9 @@ class RequestWatcher:
         return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
     def _lead(self, store) -> None:
-        while not self._stop.is_set():
-            self._samples = (self._samples + [(time.monotonic(), _steps.steps_done())])[-2:]
+        # (the first look one interval in: not while the training function starts)
+        while not self._stop.wait(self._poll_s):
+            self._sample()
             try:
                 requests = pending_requests(self._profiles.storage)
             except Exception as exc:  # noqa: BLE001 (storage briefly unavailable)
@@ -497,9 +501,15 @@ class RequestWatcher:
                 requests = []
             for request in requests:
                 self.publish(store, request)
-            self._stop.wait(self._poll_s)
+
+    def _sample(self) -> None:
+        self._samples = (self._samples + [(time.monotonic(), _steps.steps_done())])[-2:]
 
     def publish(self, store, request: dict) -> Window:
+        if len(self._samples) < 2:  # no rate yet: measure one over a moment
+            self._sample()
+            self._stop.wait(0.25)
+            self._sample()
         done = _steps.steps_done()
         window = accept(request["id"], int(request["steps"]), done, self.steps_per_s())
         busy = [w for w in self._profiles.windows() if w.end_after >= window.start]
