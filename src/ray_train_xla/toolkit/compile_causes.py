@@ -141,13 +141,17 @@ class DebugLog:
         if self.path is None:
             return []
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
+            with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                text = f.read()
+                raw = f.read()
         except FileNotFoundError:
             return []
+        # whole lines only (ASCII newlines never occur inside a UTF-8 character)
+        raw = raw[:raw.rfind(b"\n") + 1]
+        text = raw.decode("utf-8", errors="replace")
         new, consumed = parse_analysis(text)
-        self._offset += len(text[:consumed].encode("utf-8", errors="replace"))
+        self._offset += (len(raw) if consumed == len(text)
+                         else len(text[:consumed].encode("utf-8")))
         self.compilations.extend(new)
         return new
 
