@@ -9,7 +9,8 @@ import pytest
 from ray_train_xla.tools.cli import build_parser, format_plan_table, main
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"], ["consolidate"], ["goodput"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"], ["consolidate"],
+                                     ["goodput"], ["profile"]])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([*command, "--help"])

@@ -67,6 +67,14 @@ class TorchXLAConfig(XLAOptions, TorchConfig):
         tpu_process_bounds: ``TPU_PROCESS_BOUNDS`` (and ``TPU_HOST_BOUNDS``) as "x,y,z", for
             TPU slices not laid out as TPU v4 (v5e/v6e pods; v7 takes a fourth entry); None
             plans the v4 layout (hosts stacked along z). TPU only.
+        compile_causes: have torch_xla analyse every compilation (``PT_XLA_DEBUG_LEVEL=1``,
+            written to a file per worker, ``PT_XLA_DEBUG_FILE``) so that the recompilation
+            warning names the cause, the graph and the line that cut it. Costs time at each
+            compilation only (measured in docs/debugging.md).
+        profile_steps: (start, count): every worker captures a profile of steps start ..
+            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
+            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here: the
     process group follows from the device and ``spmd``; setting them is an error.
@@ -131,6 +139,10 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
         compile_cache: ``TORCH_NEURONX_NEFF_CACHE_DIR``, a directory every node shares (FSx,
             NFS) so graphs compiled once are reused by every worker and later runs. None keeps
             the native default, ``/tmp/neff_cache``, which is per node.
+        profile_steps: (start, count): every worker captures a profile of steps start ..
+            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
+            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
@@ -190,6 +202,10 @@ class TorchTPUConfig(TPUOptions, TorchConfig):
             refused, naming what controls it.
         compile_cache: ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a directory every host
             shares. None keeps TorchTPU's default.
+        profile_steps: (start, count): every worker captures a profile of steps start ..
+            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
+            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker
     per chip of the slice (or slices). Ranks follow TorchTPU's order of the slice's hosts, not

@@ -59,12 +59,17 @@ PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
 # When the driver started this worker group (Unix seconds, the backend's on_start): where a
 # run's wall clock starts for goodput (``toolkit/goodput.py``). Absent in plans made offline.
 GROUP_START_VAR = "RAY_TRAIN_XLA_GROUP_START"
+# "start,count" with profile_steps=(start, count): every rank profiles those steps.
+PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
-            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR)
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, PROFILE_STEPS_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
 # ---- torch_xla and device variables the plan owns -------------------------------------------
+# torch_xla's compilation analysis, planned with compile_causes=True (a file per worker); a user
+# may set them in env otherwise (the analysis then goes where they say).
+XLA_DEBUG_VARS = ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE")
 XLA_SPMD_VAR = "XLA_USE_SPMD"  # torch_xla's own SPMD switch, read at ``import torch_xla``
 RUN_ID_VAR = "TORCHELASTIC_RUN_ID"
 NEURON_VISIBLE_CORES_VAR = "NEURON_RT_VISIBLE_CORES"
@@ -167,6 +172,18 @@ def _float(environ: Mapping[str, str], name: str, default: float) -> float:
         return default
 
 
+def _steps_pair(value: str) -> tuple[int, int] | None:
+    start, _, count = value.partition(",")
+    if start.strip().isdigit() and count.strip().isdigit():
+        return int(start), int(count)
+    return None
+
+
+def compile_debug_file(run_id: str, rank: int) -> str:
+    """Where a worker's torch_xla writes its compilation analysis (compile_causes=True)."""
+    return f"/tmp/ray_train_xla-{run_id}-rank{rank}-compiles.txt"
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     """The planned environment of one worker, typed. Outside a planned worker (a plain process,
@@ -190,6 +207,7 @@ class WorkerContext:
     master_port: int = 0
     run_id: str = ""
     group_start: float = 0.0  # Unix seconds; 0.0 when unknown
+    profile_steps: tuple[int, int] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -214,6 +232,7 @@ class WorkerContext:
             master_port=_int(e, "MASTER_PORT", 0),
             run_id=e.get(RUN_ID_VAR, ""),
             group_start=_float(e, GROUP_START_VAR, 0.0),
+            profile_steps=_steps_pair(e.get(PROFILE_STEPS_VAR, "")),
         )
 
     @property

@@ -18,7 +18,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ray_train_xla.errors import config_error
-from ray_train_xla.planning.contract import DEFAULT_TIMEOUT_S, NATIVE, check_user_env
+from ray_train_xla.planning.contract import (
+    DEFAULT_TIMEOUT_S,
+    NATIVE,
+    XLA_DEBUG_VARS,
+    check_user_env,
+)
 
 DEVICES = ("auto", "neuron", "tpu", "cpu")
 RUNTIMES = ("pjrt", "xrt")
@@ -48,6 +53,13 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
     check_user_env(options.env, err)
     if options.efa is not None and not _is_bool(options.efa):
         raise err("efa", options.efa, "None (detect), True or False")
+    steps = options.profile_steps
+    if steps is not None and not (
+            isinstance(steps, (tuple, list)) and len(steps) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in steps)):
+        raise err("profile_steps", steps,
+                  "None or (start, count): two ints >= 1, the first step to profile (steps count "
+                  "from 1) and how many")
 
 
 @dataclass(kw_only=True)
@@ -64,6 +76,8 @@ class XLAOptions:
     spmd: bool = False
     cpu_devices_per_worker: int | None = None
     tpu_process_bounds: str | None = None
+    compile_causes: bool = False
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +85,8 @@ class XLAOptions:
     def validate(self) -> None:
         """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
         err = config_error
+        if not _is_bool(self.compile_causes):
+            raise err("compile_causes", self.compile_causes, "True or False")
         if self.device not in DEVICES:
             raise err("device", self.device, DEVICES)
         if self.runtime not in RUNTIMES:
@@ -84,6 +100,11 @@ class XLAOptions:
             raise err("neuron_parallel_compile", self.neuron_parallel_compile,
                       f"False with device={self.device!r} (parallel compile is a Neuron feature)")
         check_shared_options(self, err)
+        for var in XLA_DEBUG_VARS:
+            if self.compile_causes and var in self.env:
+                raise err(f"env[{var!r}]", self.env[var],
+                          f"no entry with compile_causes=True, which plans {var} for every "
+                          "worker (a file of its own)")
         if self.compile_cache is not None and (
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):
@@ -135,12 +156,14 @@ class NeuronOptions:
     env: Mapping[str, str] = field(default_factory=dict)
     efa: bool | None = None
     compile_cache: str | None = None
+    profile_steps: tuple[int, int] | None = None
 
     # What the shared planner asks every config; fixed for native TorchNeuron.
     runtime: ClassVar[str] = NATIVE
     native_device: ClassVar[str] = "neuron"  # what device="auto" picks when Ray gave accelerators
     spmd: ClassVar[bool] = False
     neuron_parallel_compile: ClassVar[bool] = False  # XLA-only; native compiles just in time
+    compile_causes: ClassVar[bool] = False  # XLA-only; Dynamo's guard failures need no switch
     cpu_devices_per_worker: ClassVar[None] = None
     tpu_process_bounds: ClassVar[None] = None
 
@@ -186,11 +209,13 @@ class TPUOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
     compile_cache: str | None = None
+    profile_steps: tuple[int, int] | None = None
 
     runtime: ClassVar[str] = NATIVE
     native_device: ClassVar[str] = "tpu"
     spmd: ClassVar[bool] = False
     neuron_parallel_compile: ClassVar[bool] = False
+    compile_causes: ClassVar[bool] = False
     cpu_devices_per_worker: ClassVar[None] = None
     tpu_process_bounds: ClassVar[None] = None
     efa: ClassVar[None] = None  # no EFA on TPU hosts

@@ -27,11 +27,13 @@ from ray_train_xla.planning.contract import (
     INIT_METHOD_VAR,
     NATIVE,
     PG_BACKEND_VAR,
+    PROFILE_STEPS_VAR,
     RUNTIME_VAR,
     SPMD_VAR,
     TIMEOUT_VAR,
     USE_TORCH_XLA_VAR,
     XLA_SPMD_VAR,
+    compile_debug_file,
     timeout_text,
 )
 from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_env
@@ -152,12 +154,17 @@ def plan(
         # worker seconds: a native worker's device is native even where torch_xla is installed
         # (the Neuron DLAMI has both). Planned, not owned: ``env`` may set it back.
         ours[USE_TORCH_XLA_VAR] = "0"
+    if config.profile_steps is not None:
+        ours[PROFILE_STEPS_VAR] = ",".join(str(v) for v in config.profile_steps)
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:
         env = torchrun_env(place, topology, rdzv)
         env.update(runtime.device_env(place, topology, rdzv, config, facts[place.rank] if facts else None))
         env.update(ours)
+        if config.compile_causes:  # torch_xla's compilation analysis, read at its first compile
+            env["PT_XLA_DEBUG_LEVEL"] = "1"
+            env["PT_XLA_DEBUG_FILE"] = compile_debug_file(rdzv.run_id, place.rank)
         env.update(user)
         plans.append(WorkerPlan(place=place, env=env))
     return plans

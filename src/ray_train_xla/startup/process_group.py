@@ -75,6 +75,7 @@ def init_process_group() -> None:
     from ray_train_xla.startup import report_flush
 
     report_flush.install()
+    _install_step_observers()
     if not ctx.native:  # native runtimes point Ray at their own device (native_neuron/_tpu.py)
         from ray_train_xla.startup import ray_helpers
 
@@ -83,6 +84,19 @@ def init_process_group() -> None:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install_native()
+
+
+def _install_step_observers() -> None:
+    """What watches the steps on every worker: the profile windows (and the watcher of requests
+    from outside) and the comparison of the ranks' compiled graphs."""
+    from ray_train_xla.toolkit import compile_causes, profiling
+
+    try:
+        profiling.install()
+        compile_causes.install()
+    except Exception as exc:  # noqa: BLE001 (diagnostics never stop a run from starting)
+        logger.warning("%s: profiles and graph checks are off: %s: %s", who(),
+                       type(exc).__name__, exc)
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.

@@ -1,8 +1,9 @@
 """The training function ends after its reports: on every worker, Ray Train's training thread
 runs the training function wrapped so that, when it returns, it waits for the background
 reporter (``toolkit/reporting.py``) to hand every report to Ray, and raises its error if one
-failed. While it waits the worker still counts as running, so Ray's controller keeps taking
-reports. A training function that raises is not held (the run fails with its error).
+failed, then for the uploads of finished profiles (``toolkit/profiling.py``). While it waits
+the worker still counts as running, so Ray's controller keeps taking reports. A training
+function that raises is not held (the run fails with its error).
 
 The same wrapper starts the worker's step timeline (``toolkit/timeline.py``) with the function
 and ends it when the function returns or raises (a failure, for goodput), writing its last
@@ -28,12 +29,14 @@ _patches = Patches()
 def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
     @functools.wraps(fn)
     def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
-        from ray_train_xla.toolkit import reporting, timeline
+        from ray_train_xla.toolkit import profiling, reporting, timeline
 
         _begin_timeline(timeline)
         try:
+            profiling.training_starts()  # a profile window of the first step starts here
             result = fn(*args, **kwargs)
             reporting.flush_reports()
+            profiling.flush()  # the traces of finished profile windows reach the run's storage
         except BaseException as exc:
             timeline.end(failed=True, error=f"{type(exc).__name__}: {exc}")
             raise

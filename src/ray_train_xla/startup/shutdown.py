@@ -34,6 +34,10 @@ def shutdown_worker() -> None:
         except Exception as exc:
             logger.warning("%s: destroy_process_group failed: %s", who(), exc)
 
+    for name in ("profiling", "compile_causes"):  # their watcher and step hooks
+        module = sys.modules.get(f"ray_train_xla.toolkit.{name}")
+        if module is not None:
+            module.uninstall()
     thread = threading.Thread(target=destroy, name="ray_train_xla-shutdown", daemon=True)
     thread.start()
     thread.join(ctx.timeout_s)

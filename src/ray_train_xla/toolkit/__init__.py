@@ -7,6 +7,9 @@ backend). Each module is one concern:
 - ``data``: data loaders and Ray Data batches on the device, sharded per worker;
 - ``optim``: the replicated model and optimizer step (gradient reduction);
 - ``metrics``: compile and execution metrics, the recompilation warning;
+- ``compile_causes``: why graphs compiled (torch_xla's analysis, Dynamo's guard failures) and
+  whether the ranks compile the same graphs;
+- ``profiling``: profiles of a window of steps on every rank, into the run's storage;
 - ``spmd``, ``sharding`` and ``fsdp2``: meshes, sharded batches, sharded models (FSDPv2 under
   torch_xla, FSDP2 on the native stacks);
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
@@ -19,6 +22,7 @@ backend). Each module is one concern:
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
 from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
+from ray_train_xla.toolkit.compile_causes import DivergentGraphsWarning, check_graphs_every
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
 from ray_train_xla.toolkit.device import get_device, sync, to_cpu
 from ray_train_xla.toolkit.metrics import (
@@ -29,6 +33,7 @@ from ray_train_xla.toolkit.metrics import (
 )
 from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
+from ray_train_xla.toolkit.profiling import profile_steps, profile_windows
 from ray_train_xla.toolkit.ranks import (
     local_rank,
     node_rank,
@@ -50,11 +55,13 @@ from ray_train_xla.toolkit.timeline import configure_timeline
 
 __all__ = [
     "CompileMonitor",
+    "DivergentGraphsWarning",
     "RecompilationWarning",
     "ShardedStateError",
     "XLADataLoader",
     "all_reduce",
     "broadcast",
+    "check_graphs_every",
     "checkpoint_if_preempted",
     "clip_grad_norm_",
     "configure_reports",
@@ -75,6 +82,8 @@ __all__ = [
     "prepare_data_loader",
     "prepare_model",
     "prepare_sharded_model",
+    "profile_steps",
+    "profile_windows",
     "rank",
     "reduce_gradients",
     "report",

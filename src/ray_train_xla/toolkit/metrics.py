@@ -2,7 +2,9 @@
 
 A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
 them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
-``CompileMonitor`` counts them and warns once, naming the step and the usual causes.
+``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as the
+stack reports it (``compile_causes``: torch_xla's compilation analysis with
+``TorchXLAConfig(compile_causes=True)``, Dynamo's guard failures on the native stacks).
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class CompileMonitor:
         self._baseline = (dict.fromkeys(self._reader.read(True), 0.0) if since_start
                           else self._reader.read(True))
         self._at_warmup: float | None = None if warmup_steps else 0.0
+        # compilations torch_xla had analysed by the end of warm-up (compile_causes=True)
+        self._causes_from: int | None = None if warmup_steps else _analysed()
         self._steps = 0
         self.warned_at_step: int | None = None
 
@@ -134,6 +138,7 @@ class CompileMonitor:
         compiles = now["compiles"] - base["compiles"]
         if self._at_warmup is None and step >= self.warmup_steps:
             self._at_warmup = compiles
+            self._causes_from = _analysed()
         after = 0.0 if self._at_warmup is None else compiles - self._at_warmup
         if after >= self.warn_after and self.warned_at_step is None:
             self._warn(step, after)
@@ -153,17 +158,38 @@ class CompileMonitor:
         return out
 
     def _warn(self, step: int, after: float) -> None:
+        from ray_train_xla.toolkit import compile_causes
+
         self.warned_at_step = step
+        ctx = worker_context()
+        since = self._causes_from
+        if since is None:
+            since = int(self._baseline["compiles"] + (self._at_warmup or 0))
+        what = "torch.compile" if ctx.native else "XLA"
         message = (
-            f"XLA compiled {int(after)} new graph(s) after warm-up ({self.warmup_steps} "
-            f"steps), by step {step}: every new input shape or constant is a new graph. "
-            "Usual causes: changing input shapes (a short last batch: use "
+            f"rank {ctx.rank}: {what} compiled {int(after)} new graph(s) after warm-up "
+            f"({self.warmup_steps} steps), by step {step}. Cause: "
+            f"{compile_causes.causes_text(since)}. Every new input shape or constant is a new "
+            "graph. Usual causes: changing input shapes (a short last batch: use "
             "prepare_data_loader/iter_xla_batches, which keep batch shapes constant), "
             "Python scalars that change every step baked into the graph (pass them as "
-            "tensors), and reading values (.item(), print) in the middle of the step."
+            "tensors), and reading values (.item(), print) in the middle of the step. Whether "
+            "the ranks compile the same graphs is compared every "
+            f"{compile_causes.check_interval()} steps (rank 0 warns when they do not)."
         )
         logger.warning(message)
         warnings.warn(message, RecompilationWarning, stacklevel=3)
+
+
+def _analysed() -> int | None:
+    """How many compilations torch_xla's analysis has written so far (None when it is off)."""
+    from ray_train_xla.toolkit import compile_causes
+
+    if worker_context().native or not compile_causes.debug_log().enabled:
+        return None
+    log = compile_causes.debug_log()
+    log.read()
+    return len(log.compilations)
 
 
 _default: CompileMonitor | None = None

@@ -1,4 +1,4 @@
-"""``ray-train-xla``: demo, plan, doctor, consolidate, goodput from the command line."""
+"""``ray-train-xla``: demo, plan, doctor, consolidate, goodput, profile from the command line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ TIMEOUT_MAX_S = 86_400.0
 EXIT_STATUS_HELP = (
     "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
     "consolidate could not read the checkpoint's storage or write OUT, goodput could not read the "
-    "run's storage or write the PNG); 2 the command line is "
+    "run's storage or write the PNG, profile could not write its request or --wait ran out); "
+    "2 the command line is "
     "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
     "that does not exist or holds no model, an OUT that is a directory, a --hf config that is "
     "missing or does not fit the checkpoint, a RUN_PATH without goodput events). Every error is "
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ray-train-xla",
         description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
-        "consolidate, goodput. Without a command, prints this help.",
+        "consolidate, goodput, profile. Without a command, prints this help.",
         epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
@@ -377,9 +378,33 @@ def _add_goodput(sub) -> argparse.ArgumentParser:
     return goodput
 
 
+def _add_profile(sub) -> argparse.ArgumentParser:
+    """``profile``: ask a running run for a profile of every rank."""
+    profile = sub.add_parser(
+        "profile",
+        help="ask a running run for a profile of the next N steps on every rank",
+        description="Write a profile request into the run's storage (RUN: the run's directory, "
+        "RunConfig(storage_path=...)/name, a local path or a URI such as s3://bucket/runs/x). "
+        "Rank 0 of the run looks for requests every 2 s, picks the first step a few seconds of "
+        "steps ahead and every rank captures those steps with its stack's profiler (torch_xla's "
+        "profiler; torch.profiler on native TorchNeuron, TorchTPU and CPU), into "
+        "RUN/profiles/<first step>/rank-<r>/. A run that is not going takes the request when it "
+        "(re)starts. With --wait, waits for the traces of every rank and prints where they are. "
+        "Exits 1 when --wait runs out or the storage cannot be written.",
+    )
+    profile.add_argument("run", metavar="RUN", help="the run's directory (a path or a URI)")
+    profile.add_argument("--steps", type=_positive_int, required=True, metavar="N",
+                         help="how many steps to capture")
+    profile.add_argument("--wait", type=_positive_seconds, default=None, metavar="SECONDS",
+                         help="wait up to SECONDS for every rank's trace")
+    profile.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    return profile
+
+
 # Each command and the function adding its parser, in the order --help lists them.
 COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
-            ("consolidate", _add_consolidate), ("goodput", _add_goodput))
+            ("consolidate", _add_consolidate), ("goodput", _add_goodput),
+            ("profile", _add_profile))
 
 
 def _describe_topology(args: argparse.Namespace):
@@ -764,6 +789,36 @@ def cmd_goodput(args: argparse.Namespace) -> int:
         print(tool.format_table(result))
         if args.png is not None:
             print(f"\nwrote {args.png}")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from ray_train_xla.toolkit import profiling
+    from ray_train_xla.toolkit.run_storage import RunStorage
+
+    try:
+        storage = RunStorage.at(args.run)
+        request_id = profiling.write_request(storage, args.steps)
+    except Exception as exc:  # noqa: BLE001 (storage errors are the user's to fix)
+        raise CommandError(f"could not write a profile request under {args.run}: "
+                           f"{type(exc).__name__}: {exc}", EXIT_FAILED) from exc
+    out = {"id": request_id, "run": storage.path, "steps": args.steps}
+    if args.wait is not None:
+        out.update(profiling.wait_for_profile(storage, request_id, args.wait))
+    if args.json:
+        print(json.dumps(out))
+    elif args.wait is None:
+        print(f"profile request {request_id} ({args.steps} steps) written under "
+              f"{storage.full(profiling.REQUESTS)}; the traces will be under "
+              f"{storage.full(profiling.PROFILES)}/<first step>/rank-<r>/")
+    elif out.get("complete"):
+        missed = sorted(r for r, state in out["ranks"].items() if state == "missed")
+        print(f"steps {out['start']}-{out['start'] + out['count'] - 1} of "
+              f"{out['world_size'] - len(missed)} of {out['world_size']} ranks: "
+              f"{storage.full(out['directory'])}"
+              + (f" (missed by ranks {missed}: they learned of it too late)" if missed else ""))
+    if args.wait is not None and not out.get("complete"):
+        raise CommandError(f"profile request {request_id}: {out.get('state')} after "
+                           f"{args.wait:g} s", EXIT_FAILED)
     return 0
 
 
@@ -787,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else 0
     commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
-                "consolidate": cmd_consolidate, "goodput": cmd_goodput}
+                "consolidate": cmd_consolidate, "goodput": cmd_goodput, "profile": cmd_profile}
     prog = f"{parser.prog} {args.command}"
     try:
         code = commands[args.command](args)

@@ -1,0 +1,444 @@
+"""Why graphs compiled, and whether the ranks compile the same ones.
+
+- **Causes, torch_xla.** torch_xla analyses every compilation when ``PT_XLA_DEBUG_LEVEL`` is 1 or
+  more: what triggered it (``user torch_xla.sync``, ``most likely user code trying to access
+  tensor value before torch_xla.sync``, a Dynamo step...), the graph's hash, its numbers of
+  inputs and outputs, and the Python frames that triggered it. It reads the level once, at the
+  first compilation, so it cannot be switched on later: ``TorchXLAConfig(compile_causes=True)``
+  plans it for every worker with ``PT_XLA_DEBUG_FILE`` set to a file of the worker's own, and
+  :class:`DebugLog` reads that file (only new bytes, only when asked: at the end of warm-up, at
+  a recompilation warning and at a graph check). torch_xla writes it only in the process whose
+  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_every_process` makes every worker one.
+  Level 1 is the analysis at compile time only; level 2 would also analyse every execution
+  (about 1 KB of text a step), which is not planned.
+- **Causes, native stacks** (``TorchNeuronConfig``, ``TorchTPUConfig``): ``torch.compile``'s
+  Dynamo records why a compiled frame's guards failed (``torch._dynamo.utils.guard_failures``:
+  "tensor 'x' size mismatch at index 0. expected 4, actual 6"); :func:`dynamo_reasons` reads
+  them, with nothing to switch on. Eager code compiles nothing and has nothing to report.
+- **Ranks compiling different graphs** run different programs; with collectives in them that is
+  the usual cause of a hang. :class:`GraphCheck` compares them at a step every rank reaches
+  (every ``every`` steps, 100 by default, at the step seam of ``toolkit/steps.py``): each rank
+  writes its number of compiled graphs (and, with the causes on, a digest of their hashes) to
+  one key of the process group's store, overwriting its previous one, and rank 0 compares the
+  ranks' values of the previous check ``every`` steps later, which every rank has written by
+  then. No collective: one store write per rank and one read of every key on rank 0 per check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit import steps as _steps
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "Compilation Analysis: "
+_RULE = "=" * 20
+_END = "-" * 20
+# Frames inside these packages are how a graph was cut, not where the user's code cut it.
+_OWN_FRAMES = ("/torch_xla/", "/ray_train_xla/", "/torch/", "/ray/")
+
+
+@dataclass
+class Compilation:
+    """One compilation as torch_xla's analysis describes it."""
+
+    cause: str = ""
+    graph_hash: str = ""
+    inputs: int | None = None
+    outputs: int | None = None
+    frames: list[str] = field(default_factory=list)
+
+    @property
+    def user_frame(self) -> str:
+        """The first frame outside torch, torch_xla, Ray and this package (the user's line that
+        cut the graph), else the first frame."""
+        for frame in self.frames:
+            if not any(part in frame for part in _OWN_FRAMES):
+                return frame
+        return self.frames[0] if self.frames else ""
+
+    def describe(self) -> str:
+        where = f" at {self.user_frame}" if self.user_frame else ""
+        shape = ""
+        if self.inputs is not None:
+            shape = f", {self.inputs} inputs, {self.outputs} outputs"
+        return f"{self.cause or 'unknown cause'} (graph {self.graph_hash[:12] or '?'}{shape}){where}"
+
+
+def parse_analysis(text: str) -> tuple[list[Compilation], int]:
+    """The compilations in ``text`` (torch_xla's debug output) and how many characters of it
+    were consumed (a block still being written is left for the next read)."""
+    found: list[Compilation] = []
+    consumed = 0
+    pos = 0
+    current: Compilation | None = None
+    section = ""
+    while True:
+        end = text.find("\n", pos)
+        if end < 0:
+            break
+        line = text[pos:end]
+        pos = end + 1
+        if not line.startswith(_PREFIX):
+            if current is None:
+                consumed = pos
+            continue
+        body = line[len(_PREFIX):]
+        if current is None:
+            if body.startswith(_RULE):
+                current, section = Compilation(), ""
+            else:
+                consumed = pos
+            continue
+        if body.startswith(_END):
+            found.append(current)
+            current = None
+            consumed = pos
+            continue
+        if not body.startswith("  "):
+            section = body.strip().rstrip(":").strip()
+            continue
+        value = body.strip()
+        if section == "Compilation Cause":
+            current.cause = f"{current.cause}; {value}" if current.cause else value
+        elif section == "Graph Info":
+            key, _, val = value.partition(":")
+            val = val.strip()
+            if key == "Graph Hash":
+                current.graph_hash = val
+            elif key == "Number of Graph Inputs" and val.isdigit():
+                current.inputs = int(val)
+            elif key == "Number of Graph Outputs" and val.isdigit():
+                current.outputs = int(val)
+        elif section.startswith("Python Frame"):
+            current.frames.append(value)
+    return found, consumed
+
+
+class DebugLog:
+    """torch_xla's compilation analysis of this process, read from ``PT_XLA_DEBUG_FILE`` as it
+    grows (None of it when the analysis is off or goes to stderr)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        if path is None and _debug_level() >= 1:
+            path = os.environ.get("PT_XLA_DEBUG_FILE") or None
+        self.path = path
+        self._offset = 0
+        self.compilations: list[Compilation] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def read(self) -> list[Compilation]:
+        """The compilations written since the last read (also appended to ``compilations``)."""
+        if self.path is None:
+            return []
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                raw = f.read()
+        except FileNotFoundError:
+            return []
+        # whole lines only (ASCII newlines never occur inside a UTF-8 character)
+        raw = raw[:raw.rfind(b"\n") + 1]
+        text = raw.decode("utf-8", errors="replace")
+        new, consumed = parse_analysis(text)
+        self._offset += (len(raw) if consumed == len(text)
+                         else len(text[:consumed].encode("utf-8")))
+        self.compilations.extend(new)
+        return new
+
+    def hashes(self) -> list[str]:
+        self.read()
+        return sorted({c.graph_hash for c in self.compilations if c.graph_hash})
+
+
+def _debug_level() -> int:
+    value = os.environ.get("PT_XLA_DEBUG_LEVEL", "")
+    if value.strip().isdigit():
+        return int(value)
+    return 1 if os.environ.get("PT_XLA_DEBUG", "") == "1" else 0
+
+
+_log: DebugLog | None = None
+
+
+def debug_log() -> DebugLog:
+    """This process's :class:`DebugLog` (one reader, so each block is read once)."""
+    global _log
+    if _log is None:
+        _log = DebugLog()
+    return _log
+
+
+def dynamo_reasons(limit: int = 5) -> list[str]:
+    """Why ``torch.compile`` compiled a frame again: Dynamo's guard failures, newest last, as
+    "function (file:line): reason" (at most ``limit``)."""
+    import sys
+
+    if "torch._dynamo.utils" not in sys.modules:  # torch.compile never ran here
+        return []
+    from torch._dynamo.utils import guard_failures
+
+    out = []
+    for code, reasons in list(guard_failures.items()):
+        name = getattr(code, "co_name", str(code))
+        where = f"{getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')}"
+        for reason in reasons:
+            out.append(f"{name} ({where}): {reason}")
+    return out[-limit:]
+
+
+def causes_text(since: int = 0, limit: int = 3) -> str:
+    """What this worker's stack says about its compilations after the first ``since`` of them
+    (torch_xla: ``compilations[since:]``), as one sentence for a warning."""
+    if worker_context().native:
+        reasons = dynamo_reasons(limit)
+        if reasons:
+            return "torch.compile recompiled because its guards failed: " + "; ".join(reasons)
+        return ("the native stack exposes no cause for eager execution (torch.compile's guard "
+                "failures are reported when it recompiles)")
+    log = debug_log()
+    if not log.enabled:
+        return ("cause not recorded: TorchXLAConfig(compile_causes=True) has torch_xla analyse "
+                "every compilation (PT_XLA_DEBUG_LEVEL=1) and names it here")
+    log.read()
+    if not log.compilations:
+        return (f"not recorded: torch_xla wrote no analysis in this process ({log.path}; it "
+                f"analyses only where {LOCAL_RANK_VAR} is 0)")
+    new = log.compilations[since:]
+    if not new:
+        return "torch_xla's analysis has not recorded it yet"
+    shown = "; ".join(c.describe() for c in new[-limit:])
+    more = f" (and {len(new) - limit} more)" if len(new) > limit else ""
+    same_code = _same_code_other_graph(log.compilations[:since], new)
+    return f"torch_xla: {shown}{more}{same_code}"
+
+
+def _same_code_other_graph(before: list[Compilation], new: list[Compilation]) -> str:
+    """A hint when a new graph was cut at a line that had cut another graph before: the same
+    code traced a different graph (an input shape or a constant changed)."""
+    seen = {c.user_frame: c for c in before if c.user_frame}
+    for c in new:
+        old = seen.get(c.user_frame)
+        if old is not None and old.graph_hash != c.graph_hash:
+            return (f"; the same line cut graph {old.graph_hash[:12]} before: an input shape or "
+                    "a Python constant in the step changed")
+    return ""
+
+
+class DivergentGraphsWarning(UserWarning):
+    """The ranks compiled different graphs (different programs: collectives in them hang)."""
+
+
+# ---- comparing the ranks ------------------------------------------------------------------------
+
+DEFAULT_CHECK_EVERY = 100
+SHOWN_RANKS = 16
+
+
+def graph_count() -> int:
+    """Graphs this process compiled so far (torch_xla's ``UncachedCompile``; Dynamo's
+    ``unique_graphs`` on the native stacks)."""
+    if worker_context().native:
+        import sys
+
+        if "torch._dynamo.utils" not in sys.modules:  # nothing compiled (and its import is slow)
+            return 0
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    import torch_xla
+
+    return int(torch_xla._XLAC._xla_counter_value("UncachedCompile") or 0)
+
+
+def summary() -> str:
+    """This rank's graphs as ``"<count>:<digest of their hashes>"`` (digest empty without the
+    causes)."""
+    digest = ""
+    if not worker_context().native and debug_log().enabled:
+        hashes = debug_log().hashes()
+        digest = hashlib.sha1(",".join(hashes).encode()).hexdigest()[:12] if hashes else ""
+    return f"{graph_count()}:{digest}"
+
+
+def compare(values: dict[int, str]) -> str | None:
+    """None when every rank has the same graphs, else a sentence naming the ranks of each group
+    (the largest group first)."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in sorted(values.items()):
+        groups.setdefault(value, []).append(rank)
+    if len(groups) <= 1:
+        return None
+    parts = []
+    for value, ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0])):
+        count, _, digest = value.partition(":")
+        shown = ", ".join(str(r) for r in ranks[:SHOWN_RANKS])
+        if len(ranks) > SHOWN_RANKS:
+            shown += f" and {len(ranks) - SHOWN_RANKS} more"
+        what = f"{count} graphs" + (f" (hashes {digest})" if digest else "")
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {shown}: {what}")
+    return "; ".join(parts)
+
+
+class GraphCheck:
+    """Every ``every`` steps, each rank writes its :func:`summary` for that step to the store;
+    rank 0 compares the ranks' values of the previous check and warns (logs and
+    :class:`DivergentGraphsWarning`, on its training thread) when they differ, once per
+    different outcome. Each value holds this check's and the previous one's, so rank 0 finds
+    the previous check's whatever the order of the writes."""
+
+    def __init__(self, store, rank: int, world: int, prefix: str,
+                 every: int = DEFAULT_CHECK_EVERY) -> None:
+        self._store = store
+        self.rank, self.world = rank, world
+        self._prefix = prefix
+        self.every = every
+        self._next = _steps.steps_done() // every * every + every
+        self._last: tuple[int, str] | None = None  # (step, summary) of this rank's last check
+        self._last_verdict: str | None = None
+        self.verdicts: list[tuple[int, str]] = []  # (step compared, sentence): rank 0 only
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/{rank}"
+
+    def on_step(self, n: int) -> None:
+        if n >= self._next:
+            self._check(n)
+
+    def set_every(self, every: int) -> None:
+        self.every = every
+        self._next = _steps.steps_done() // every * every + every
+
+    def _check(self, n: int) -> None:
+        self._next = n // self.every * self.every + self.every
+        now, previous = summary(), self._last
+        self._last = (n, now)
+        value = f"{n}={now}" + (f";{previous[0]}={previous[1]}" if previous else "")
+        try:
+            self._store.set(self._key(self.rank), value)
+            if self.rank == 0 and previous is not None:
+                self._compare(previous[0])
+        except Exception as exc:  # noqa: BLE001 (a diagnostic: never fail the step)
+            logger.debug("graph check at step %d skipped: %s", n, exc)
+
+    def _compare(self, step: int) -> None:
+        keys = [self._key(r) for r in range(self.world)]
+        if not self._store.check(keys):
+            return  # a rank has not reached its first check yet
+        values: dict[int, str] = {}
+        for rank, raw in enumerate(self._store.multi_get(keys)):
+            entries = dict(part.split("=", 1) for part in raw.decode().split(";") if "=" in part)
+            if str(step) not in entries:
+                return  # a rank is more than one check away: compare at the next one
+            values[rank] = entries[str(step)]
+        verdict = compare(values)
+        if verdict is None or verdict == self._last_verdict:
+            self._last_verdict = verdict
+            return
+        self._last_verdict = verdict
+        self.verdicts.append((step, verdict))
+        message = (f"ranks compile different graphs (compared at step {step}): {verdict}. "
+                   "Ranks that run different graphs run different programs: with collectives "
+                   "in them they wait for each other forever. Look at the ranks outside the "
+                   "largest group: their recompilation warnings name the step and the cause.")
+        logger.warning(message)
+        warnings.warn(message, DivergentGraphsWarning, stacklevel=2)
+
+
+_check: GraphCheck | None = None
+
+
+def _process_group_store():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+LOCAL_RANK_VAR = "PJRT_LOCAL_PROCESS_RANK"
+
+
+def analyse_every_process() -> bool:
+    """Make torch_xla write its compilation analysis in this process too.
+
+    torch_xla 2.9 writes it only in its "master" process, the one whose
+    ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that variable (with the level and the file) once,
+    at its first compilation. So this process makes its first compilation here, a graph of one
+    small op, with the variable at 0 for that moment only, after the device is up (the runtime
+    has read the real value). Returns False when torch_xla had compiled already (too late)."""
+    import torch
+    import torch_xla
+
+    if torch_xla._XLAC._xla_counter_value("UncachedCompile"):
+        return False
+    # A copy to the device (data, no graph): the runtime up, with the planned variables.
+    one = torch.zeros(1).to(torch_xla.device())
+    old = os.environ.get(LOCAL_RANK_VAR)
+    os.environ[LOCAL_RANK_VAR] = "0"
+    try:
+        one = one + 1  # noqa: F841 (the first compilation: torch_xla reads its debug settings)
+        torch_xla.sync()
+    finally:
+        if old is None:
+            os.environ.pop(LOCAL_RANK_VAR, None)
+        else:
+            os.environ[LOCAL_RANK_VAR] = old
+    return True
+
+
+def install(store=None, every: int = DEFAULT_CHECK_EVERY) -> GraphCheck | None:
+    """Start the graph check on this worker (at process-group start, every rank), on the
+    process group's store unless given one; with torch_xla's analysis on
+    (``compile_causes=True``), have it analyse this worker's compilations too."""
+    global _check
+    ctx = worker_context()
+    uninstall()
+    if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
+        if not analyse_every_process():
+            logger.warning("rank %d: torch_xla compiled before the process group started, so "
+                           "it analyses compilations only where %s is 0 (local rank 0): this "
+                           "worker's recompilation warnings will not name their cause",
+                           ctx.rank, LOCAL_RANK_VAR)
+    store = store if store is not None else _process_group_store()
+    if store is None or ctx.world_size < 2:
+        return None
+    _check = GraphCheck(store, ctx.rank, ctx.world_size,
+                        f"ray_train_xla/graphs/{ctx.run_id or os.getpid()}", every)
+    _steps.add_step_hook(_check.on_step)
+    return _check
+
+
+def uninstall() -> None:
+    global _check
+    if _check is not None:
+        _steps.remove_step_hook(_check.on_step)
+        _check = None
+
+
+def check_graphs_every(steps: int) -> None:
+    """Compare the ranks' compiled graphs every ``steps`` steps (default 100). Call it with the
+    same value on every rank."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"check_graphs_every(steps={steps!r}): expected an int >= 1")
+    if _check is not None:
+        _check.set_every(steps)
+
+
+def check_interval() -> int:
+    """Steps between two graph checks on this worker."""
+    return _check.every if _check is not None else DEFAULT_CHECK_EVERY
+
+
+def checked() -> GraphCheck | None:
+    """This worker's graph check (None with one worker or outside a run)."""
+    return _check
