@@ -199,7 +199,25 @@ def rank_dir(window: Window, rank: int) -> str:
 # ---- the profilers ------------------------------------------------------------------------------
 
 
-class XLATracer:
+class _StepSpans:
+    """One named range per step, opened at a step's start and closed at its end."""
+
+    def _span_for(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def _open(self, step: int) -> None:
+        self._span = self._span_for(step)
+        self._span.__enter__()
+
+    def _close(self) -> None:
+        self._span.__exit__(None, None, None)
+
+    def step(self, next_step: int) -> None:
+        self._close()
+        self._open(next_step)
+
+
+class XLATracer(_StepSpans):
     """torch_xla's profiler session, one ``train_step`` event per step."""
 
     name = "torch_xla"
@@ -210,24 +228,19 @@ class XLATracer:
         xp.start_trace(local_dir)
         self._open(first_step)
 
-    def _open(self, step: int) -> None:
+    def _span_for(self, step: int) -> Any:
         import torch_xla
 
-        self._span = torch_xla._XLAC.profiler.TraceMe("train_step", step_num=step, _r=1)
-        self._span.__enter__()
-
-    def step(self, next_step: int) -> None:
-        self._span.__exit__(None, None, None)
-        self._open(next_step)
+        return torch_xla._XLAC.profiler.TraceMe("train_step", step_num=step, _r=1)
 
     def stop(self, local_dir: str, rank: int) -> None:
         import torch_xla.debug.profiler as xp
 
-        self._span.__exit__(None, None, None)
+        self._close()
         xp.stop_trace()
 
 
-class TorchTracer:
+class TorchTracer(_StepSpans):
     """``torch.profiler``: CPU and the device's activity where torch lists it, one
     ``ProfilerStep#<k>`` range per step, a Chrome trace."""
 
@@ -242,18 +255,13 @@ class TorchTracer:
         self._prof.start()
         self._open(first_step)
 
-    def _open(self, step: int) -> None:
+    def _span_for(self, step: int) -> Any:
         import torch.profiler as tp
 
-        self._span = tp.record_function(f"ProfilerStep#{step}")
-        self._span.__enter__()
-
-    def step(self, next_step: int) -> None:
-        self._span.__exit__(None, None, None)
-        self._open(next_step)
+        return tp.record_function(f"ProfilerStep#{step}")
 
     def stop(self, local_dir: str, rank: int) -> None:
-        self._span.__exit__(None, None, None)
+        self._close()
         self._prof.stop()
         self._prof.export_chrome_trace(os.path.join(local_dir, f"rank-{rank}.pt.trace.json"))
         self._prof = None
