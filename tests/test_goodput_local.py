@@ -39,10 +39,11 @@ class Compiles:
         return (lambda: self.count), (lambda: self.total)
 
 
-def _worker(storage, attempt: str, rank: int, group_start: float, begin: float):
+def _worker(storage, attempt: str, rank: int, group_start: float, begin: float,
+            run_start: float = 0.0):
     clock, compiles = Clock(begin), Compiles()
     tl = Timeline(attempt=attempt, rank=rank, world=2, group_start=group_start, storage=storage,
-                  compile_reader=compiles.reader(), clock=clock)
+                  run_start=run_start, compile_reader=compiles.reader(), clock=clock)
     return tl, clock, compiles
 
 
@@ -54,12 +55,13 @@ def _step(tl, clock, at: float, data: float = 0.0, compile_s: float = 0.0, compi
     tl.on_step(0)
 
 
-def write_run(run_dir, fail_at=(107.8, 107.6)) -> None:
+def write_run(run_dir, fail_at=(107.8, 107.6), run_start=0.0) -> None:
     """Two workers, two groups: group A (start 100) fails after a checkpoint at 105.3; group B
-    (start 109) restarts and finishes at 114."""
+    (start 109) restarts and finishes at 114. ``run_start``: when fit() handed the config to Ray
+    (0.0: events without it)."""
     storage = RunStorage.at(str(run_dir))
     for rank in (0, 1):
-        tl, clock, compiles = _worker(storage, "A", rank, 100.0, 101.0)
+        tl, clock, compiles = _worker(storage, "A", rank, 100.0, 101.0, run_start)
         _step(tl, clock, 103.0, data=0.5, compile_s=1.0, compiles=compiles)  # first step
         _step(tl, clock, 104.0, data=0.2)
         _step(tl, clock, 105.0, data=0.2)
@@ -105,6 +107,17 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
         assert result.buckets[bucket] == pytest.approx(seconds, abs=1e-9), bucket
     assert sum(result.buckets.values()) == pytest.approx(result.wall)
     assert result.goodput == pytest.approx(EXPECTED["productive"] / 14.0)
+
+
+def test_the_clock_starts_at_fit_where_the_workers_know_it(tmp_path):
+    """fit() handed the config to Ray at 96: Ray's controller and workers starting (96 to the
+    group's start at 100) are start-up; restarted groups keep their own starts."""
+    write_run(tmp_path, run_start=96.0)
+    result = goodput.goodput_of(str(tmp_path))
+    assert result.start == 96.0 and result.wall == pytest.approx(18.0)
+    assert result.buckets["start_up"] == pytest.approx(EXPECTED["start_up"] + 4.0)
+    assert result.buckets["restart"] == pytest.approx(EXPECTED["restart"])
+    assert sum(result.buckets.values()) == pytest.approx(result.wall)
 
 
 def test_lost_work_without_a_checkpoint_starts_after_the_first_step(tmp_path):

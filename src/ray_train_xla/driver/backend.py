@@ -25,6 +25,7 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
+from ray_train_xla.driver.config import SUBMITTED_AT
 from ray_train_xla.errors import NeuronCompileError
 from ray_train_xla.planning.contract import DEVICE_VAR
 from ray_train_xla.planning.options import XLAOptions
@@ -54,6 +55,7 @@ class XLABackend(Backend):
             facts, backend_config,
             lambda worker, count: worker_group.execute_single(worker, reserve_ports, count),
             started_at=started_at,
+            run_started_at=getattr(backend_config, SUBMITTED_AT, 0.0),
         )
         env0 = plans[0].env
         logger.info(
@@ -102,7 +104,7 @@ class NativeTPUBackend(XLABackend):
 
 def plan_workers(
     facts: Sequence[WorkerFacts], config: XLAOptions, reserve: Callable[[int, int], Sequence[int]],
-    started_at: float = 0.0,
+    started_at: float = 0.0, run_started_at: float = 0.0,
 ) -> list[WorkerPlan]:
     """The driver's planning step: resolve the device, derive the topology, check the config
     against it, take the ports it needs on the node of the process group's rank 0
@@ -121,6 +123,7 @@ def plan_workers(
         extra_ports=tuple(ports[1:]),
         run_id=uuid.uuid4().hex,  # fresh for every fit() and every restart
         started_at=started_at,
+        run_started_at=run_started_at,
     )
     return plan(topology, config, rdzv, device, facts)
 

@@ -31,13 +31,37 @@ from ray_train_xla.startup.import_env import rebuild_config
 __all__ = ["TorchNeuronConfig", "TorchTPUConfig", "TorchXLAConfig", "XLAConfigError",
            "check_scaling_config"]
 
+# When fit() handed the config to Ray: set in the pickled copy only (Ray pickles the config for
+# its controller when fit() starts; the user's object is unchanged), kept by later pickles
+# of that copy. The backend passes it to the workers: the run's goodput clock starts there.
+SUBMITTED_AT = "_rtx_submitted_at"
+
+
+def _submitted_state(config: Any) -> dict[str, Any]:
+    import time
+
+    state = dict(config.__dict__)
+    state.setdefault(SUBMITTED_AT, time.time())
+    return state
+
+
+class _SubmitTime:
+    """Pickling records when the config left the driver (``SUBMITTED_AT``)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _submitted_state(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
 # TorchConfig's own fields, which this config does not use: the process group follows from the
 # device and spmd. They keep these values (Ray's V2 TorchTrainer fills in an empty backend).
 _UNUSED = {"backend": "xla", "init_method": "env"}
 
 
 @dataclass(kw_only=True)
-class TorchXLAConfig(XLAOptions, TorchConfig):
+class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
     """Configure every Ray Train worker for PyTorch/XLA: environment, process group, clean-up.
 
     Every argument is keyword-only:
@@ -170,7 +194,7 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
         # Unpickling this module imports torch, which autoloads torch-neuronx, which reads its
         # settings at import: a worker gets them in its environment first (startup/import_env.py).
         cls = type(self)
-        return rebuild_config, (cls.__module__, cls.__qualname__, dict(self.__dict__),
+        return rebuild_config, (cls.__module__, cls.__qualname__, _submitted_state(self),
                                 import_env(self))
 
     @property
@@ -186,7 +210,7 @@ _TPU_UNUSED = {"backend": "tpu_dist", "init_method": "env"}
 
 
 @dataclass(kw_only=True)
-class TorchTPUConfig(TPUOptions, TorchConfig):
+class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
     """Configure every Ray Train worker for native TorchTPU (``torch-tpu`` 0.2+, no XLA): the
     ``tpu`` device and the ``tpu_dist`` process group, one TPU chip per worker.
 

@@ -59,10 +59,13 @@ PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
 # When the driver started this worker group (Unix seconds, the backend's on_start): where a
 # run's wall clock starts for goodput (``toolkit/goodput.py``). Absent in plans made offline.
 GROUP_START_VAR = "RAY_TRAIN_XLA_GROUP_START"
+# When fit() handed the config to Ray (Unix seconds, set when the config is pickled for Ray's
+# controller): where the run's goodput clock starts. Absent in plans made offline.
+RUN_START_VAR = "RAY_TRAIN_XLA_RUN_START"
 # "start,count" with profile_steps=(start, count): every rank profiles those steps.
 PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
-            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, PROFILE_STEPS_VAR)
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, RUN_START_VAR, PROFILE_STEPS_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
@@ -207,6 +210,7 @@ class WorkerContext:
     master_port: int = 0
     run_id: str = ""
     group_start: float = 0.0  # Unix seconds; 0.0 when unknown
+    run_start: float = 0.0  # Unix seconds: when fit() handed the config to Ray; 0.0 when unknown
     profile_steps: tuple[int, int] | None = None
 
     @classmethod
@@ -232,6 +236,7 @@ class WorkerContext:
             master_port=_int(e, "MASTER_PORT", 0),
             run_id=e.get(RUN_ID_VAR, ""),
             group_start=_float(e, GROUP_START_VAR, 0.0),
+            run_start=_float(e, RUN_START_VAR, 0.0),
             profile_steps=_steps_pair(e.get(PROFILE_STEPS_VAR, "")),
         )
 

@@ -28,6 +28,7 @@ from ray_train_xla.planning.contract import (
     NATIVE,
     PG_BACKEND_VAR,
     PROFILE_STEPS_VAR,
+    RUN_START_VAR,
     RUNTIME_VAR,
     SPMD_VAR,
     TIMEOUT_VAR,
@@ -143,6 +144,8 @@ def plan(
     }
     if rdzv.started_at:
         ours[GROUP_START_VAR] = repr(float(rdzv.started_at))
+    if rdzv.run_started_at:
+        ours[RUN_START_VAR] = repr(float(rdzv.run_started_at))
     if config.spmd:
         ours[SPMD_VAR] = "1"
         # torch_xla reads it at import (Neuron's configure_pjrt_environment skips its per-process

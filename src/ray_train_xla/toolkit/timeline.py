@@ -171,13 +171,14 @@ class Timeline:
 
     def __init__(self, *, attempt: str = "", rank: int = 0, world: int = 1, local_rank: int = 0,
                  node: str = "", device: str = "", group_start: float = 0.0,
-                 storage: Any = None, run: str = "", export: Any = None,
+                 run_start: float = 0.0, storage: Any = None, run: str = "", export: Any = None,
                  compile_reader: Any = None, clock: Callable[[], float] = time.time) -> None:
         self.attempt, self.rank, self.world = attempt, rank, world
         self.node, self.device, self.run = node, device, run
         self._clock = clock
         self.begin = clock()
         self.group_start = group_start or self.begin
+        self.run_start = run_start  # when fit() handed the config to Ray; 0.0 when unknown
         self._storage = storage
         self._export = export
         # The training thread's accumulators since the last boundary.
@@ -209,7 +210,8 @@ class Timeline:
         self._header = {
             "kind": "worker", "attempt": attempt, "rank": rank, "world": world,
             "local_rank": local_rank, "node": node, "device": device,
-            "group_start": self.group_start, "begin": self.begin, "pid": os.getpid(),
+            "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
+            "pid": os.getpid(),
             "samples_per_step": _settings["samples_per_step"],
             "tokens_per_step": _settings["tokens_per_step"],
         }
@@ -503,7 +505,8 @@ def begin() -> Timeline:
         pass
     tl = Timeline(
         attempt=ctx.run_id, rank=ctx.rank, world=ctx.world_size, local_rank=ctx.local_rank,
-        node=node, device=ctx.device or "cpu", group_start=ctx.group_start, storage=storage,
+        node=node, device=ctx.device or "cpu", group_start=ctx.group_start,
+        run_start=ctx.run_start, storage=storage,
         run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
         export=ray_metrics.exporter() if ctx.planned else None, compile_reader=_compile_reader())
     steps.add_step_hook(tl.on_step)

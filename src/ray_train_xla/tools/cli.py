@@ -789,6 +789,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
         print(tool.format_table(result))
         if args.png is not None:
             print(f"\nwrote {args.png}")
+    return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

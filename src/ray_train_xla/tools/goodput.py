@@ -3,15 +3,17 @@ went, from the events every worker's step timeline (``toolkit/timeline.py``) wro
 run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput`` prints
 it and draws the run.
 
-The run's wall clock starts when the driver started its first worker group (Ray Train's
-controller calls the backend's ``on_start``; the seconds ``fit()`` spends before, starting the
-controller and the worker actors, are not seen) and ends when the last training function of the
-last worker group ended. Every second of it falls in one bucket:
+The run's wall clock starts at ``fit()``: when it handed the config to Ray (the config records
+the time when Ray pickles it for its controller; runs whose events lack it start at the first
+worker group's start, when Ray Train's controller called the backend's ``on_start``), and ends
+when the last training function of the last worker group ended. Every second of it falls in one
+bucket:
 
 - ``productive``: step time less the three below, from the end of the first step of a worker
   group on;
-- ``start_up``: from the first worker group's start to the end of its first step (the first
-  step is mostly tracing and first transfers), less its compilation and data wait;
+- ``start_up``: from ``fit()`` (Ray starting its controller and the workers, the backend's set-up)
+  to the end of the first group's first step (mostly tracing and first transfers), less its
+  compilation and data wait;
 - ``compilation``: torch_xla's compile time (native stacks: Dynamo's), wherever it happened;
 - ``data_wait``: time the training thread waited for a batch of the toolkit's loaders;
 - ``checkpoint_stall``: time it was blocked in ``save_checkpoint``, ``report``, ``flush_reports``;
@@ -72,6 +74,11 @@ class Worker:
     @property
     def group_start(self) -> float:
         return float(self.header.get("group_start") or self.header.get("begin") or 0.0)
+
+    @property
+    def run_start(self) -> float:
+        """When fit() handed the config to Ray (0.0 in events written before it was kept)."""
+        return float(self.header.get("run_start") or 0.0)
 
     @property
     def first_step_end(self) -> float | None:
@@ -208,6 +215,13 @@ def _attempts(workers: list[Worker]) -> list[Attempt]:
         attempts.append(Attempt(attempt_id, start, max(end, start), outcome,
                                 sorted(group, key=lambda w: w.rank)))
     attempts.sort(key=lambda a: a.start)
+    if attempts:
+        # The run's clock starts at fit() (when it handed the config to Ray), where the workers
+        # know it: Ray's controller and the first workers starting are the first group's start-up.
+        first = attempts[0]
+        known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
+        if known:
+            first.start = min(known)
     if attempts and attempts[-1].outcome == "stopped" and all(w.end is None for w in attempts[-1].workers):
         last = attempts[-1]
         last.outcome = "running"  # nothing after it: still going (or the run was killed)
@@ -312,7 +326,7 @@ def format_table(result: Goodput) -> str:
     wall = result.wall
     workers = max(len(a.workers) for a in result.attempts)
     lines = [
-        f"run {result.run}: {wall:.1f} s of wall clock from its first worker group's start, "
+        f"run {result.run}: {wall:.1f} s of wall clock from fit(), "
         f"{len(result.attempts)} worker group(s), up to {workers} worker(s)",
         "",
         f"{'bucket':<18}{'seconds':>10}{'share':>9}",

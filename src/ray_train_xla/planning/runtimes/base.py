@@ -27,6 +27,7 @@ class Rendezvous:
     run_id: str
     extra_ports: tuple[int, ...] = ()
     started_at: float = 0.0  # when the driver started this worker group (Unix seconds); 0: unknown
+    run_started_at: float = 0.0  # when fit() handed the config to Ray (Unix seconds); 0: unknown
 
 
 def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> dict[str, str]:
