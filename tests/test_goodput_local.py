@@ -242,3 +242,55 @@ def test_cli_prints_the_table_and_draws_the_png(tmp_path, capsys):
     assert [a["outcome"] for a in data["attempts"]] == ["failed", "finished"]
     assert main(["goodput", str(tmp_path / "nothing")]) == 2
     assert "no goodput events" in capsys.readouterr().err
+
+
+class FlakyStorage:
+    """A run's storage whose first ``failures`` writes fail (an object store that is down)."""
+
+    def __init__(self, inner, failures: int) -> None:
+        self.inner, self.failures, self.calls = inner, failures, 0
+
+    def write_bytes(self, path, data) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError("storage unavailable (test)")
+        self.inner.write_bytes(path, data)
+
+
+def test_a_failing_storage_is_warned_once_retried_and_loses_no_event(tmp_path, caplog):
+    """The timeline is observation: a write that fails never fails the training function; it is
+    warned once, and the events wait for the next write (none lost, in order)."""
+    storage = FlakyStorage(RunStorage.at(str(tmp_path)), failures=2)
+    tl, clock, compiles = _worker(storage, "A", 0, 100.0, 101.0)
+    _step(tl, clock, 102.0)
+    with tl._lock:
+        tl._drain()
+        tl._write(force=True)  # fails: warned
+        tl._write(force=True)  # fails again: not warned again
+    _step(tl, clock, 103.0)
+    _step(tl, clock, 104.0)
+    clock.t = 104.5
+    tl.end()  # the third write succeeds, with everything
+    warnings = [r for r in caplog.records if "cannot write goodput events" in r.getMessage()]
+    assert len(warnings) == 1 and storage.calls == 3
+    (worker,) = goodput.read_run(RunStorage.at(str(tmp_path)))
+    spans = [(float(s["t0"]), float(s["t1"]), s["steps"]) for s in worker.spans]
+    # Every step once, in order, no gap: 101 -> 102 (the first), 102 -> 104 (two), the tail.
+    assert spans == [(101.0, 102.0, 1), (102.0, 104.0, 2), (104.0, 104.5, 0)], spans
+    assert worker.end is not None and worker.end["failed"] is False
+
+
+def test_a_timeline_behind_keeps_a_bounded_buffer_and_says_how_much_it_dropped(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setattr(tl_mod, "BUFFER_RECORDS", 4)
+    storage = RunStorage.at(str(tmp_path))
+    tl, clock, compiles = _worker(storage, "A", 0, 100.0, 101.0)
+    for i in range(10):  # the background thread never ran: the buffer holds the newest 4
+        _step(tl, clock, 102.0 + i)
+        assert len(tl._buf) <= 4
+    clock.t = 112.5
+    tl.end()
+    lines = [json.loads(line) for part in storage.list("goodput", recursive=True)
+             for line in storage.read_bytes(part).decode().splitlines()]
+    dropped = [line for line in lines if line.get("kind") == "dropped"]
+    assert len(dropped) == 1 and dropped[0]["records"] >= 6
