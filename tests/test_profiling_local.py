@@ -199,3 +199,33 @@ def test_profile_steps_in_the_config_reach_the_worker_context():
         TorchXLAConfig(device="cpu", compile_causes=True, env={"PT_XLA_DEBUG_LEVEL": "2"})
     assert TorchXLAConfig(device="cpu", env={"PT_XLA_DEBUG_LEVEL": "2"}).env  # without: allowed
     assert TorchNeuronConfig(device="cpu", profile_steps=(2, 1)).profile_steps == (2, 1)
+
+
+class RefusingStorage:
+    """A run's storage that refuses every write (an object store that is down)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.path = inner.path
+
+    def write_bytes(self, path, data) -> None:
+        raise OSError("storage unavailable (test)")
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_an_upload_that_fails_is_warned_and_the_steps_go_on(tmp_path, caplog):
+    """A profile never fails the run: a trace the storage refuses is warned about, naming the
+    steps, the training steps go on, and nothing claims a profile that is not there."""
+    inner = RunStorage.at(str(tmp_path / "run"))
+    FakeTracer.log = []
+    prof = Profiles(rank=0, world=1, storage=RefusingStorage(inner), tracer_factory=FakeTracer)
+    steps.add_step_hook(prof.on_step)
+    prof.add(Window(2, 2, "function"))
+    run_steps(6)
+    prof.flush(10)
+    assert steps.steps_done() == 6
+    assert [e[:2] for e in FakeTracer.log] == [("start", 2), ("step", 3), ("stop", 0)]
+    assert any("could not write the profile of steps 2-3" in r.getMessage() for r in caplog.records)
+    assert inner.read_bytes("profiles/2/rank-0/profile.json") is None
