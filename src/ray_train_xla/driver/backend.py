@@ -25,9 +25,8 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.train.backend import Backend
 
-from ray_train_xla.driver.config import SUBMITTED_AT
 from ray_train_xla.errors import NeuronCompileError
-from ray_train_xla.planning.contract import DEVICE_VAR
+from ray_train_xla.planning.contract import DEVICE_VAR, SUBMITTED_AT
 from ray_train_xla.planning.options import XLAOptions
 from ray_train_xla.planning.planner import Rendezvous, WorkerPlan, get_runtime, plan, resolve_device
 from ray_train_xla.planning.topology import Topology, WorkerFacts

@@ -18,6 +18,7 @@ from typing import Any
 from ray.train.torch import TorchConfig
 
 from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.planning.contract import SUBMITTED_AT
 from ray_train_xla.planning.options import (
     NEURON_OWNER,
     TPU_OWNER,
@@ -31,10 +32,9 @@ from ray_train_xla.startup.import_env import rebuild_config
 __all__ = ["TorchNeuronConfig", "TorchTPUConfig", "TorchXLAConfig", "XLAConfigError",
            "check_scaling_config"]
 
-# When fit() handed the config to Ray: set in the pickled copy only (Ray pickles the config for
-# its controller when fit() starts; the user's object is unchanged), kept by later pickles
-# of that copy. The backend passes it to the workers: the run's goodput clock starts there.
-SUBMITTED_AT = "_rtx_submitted_at"
+# When fit() handed the config to Ray (SUBMITTED_AT): set in the pickled copy only (Ray pickles
+# the config for its controller when fit() starts; the user's object is unchanged), kept by later
+# pickles of that copy. The backend passes it to the workers: the run's goodput clock starts there.
 
 
 def _submitted_state(config: Any) -> dict[str, Any]:

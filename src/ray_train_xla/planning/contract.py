@@ -62,6 +62,9 @@ GROUP_START_VAR = "RAY_TRAIN_XLA_GROUP_START"
 # When fit() handed the config to Ray (Unix seconds, set when the config is pickled for Ray's
 # controller): where the run's goodput clock starts. Absent in plans made offline.
 RUN_START_VAR = "RAY_TRAIN_XLA_RUN_START"
+# The attribute that carries that time in the pickled config (driver/config.py sets it, the
+# backend reads it): the user's own config object never has it.
+SUBMITTED_AT = "_rtx_submitted_at"
 # "start,count" with profile_steps=(start, count): every rank profiles those steps.
 PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
