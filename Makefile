@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-e2e lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,15 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks
 
-# Whole suite under Ray Train V2 (the default), then the Ray tests again under Train V1.
+# The suite under Ray Train V2 (the default), then the Ray tests marked train_v1 again under
+# Train V1: within 20 minutes on 2 cores. The long end-to-end scenarios (marker e2e) are
+# `make test-e2e` (about 20 minutes more); CI runs both.
 test: setup lint
-	$(PYTEST) -q tests
-	RAY_TRAIN_V2_ENABLED=0 $(PYTEST) -q -m train_v1 tests
+	$(PYTEST) -q -m "not e2e" tests
+	RAY_TRAIN_V2_ENABLED=0 $(PYTEST) -q -m "train_v1 and not e2e" tests
+
+test-e2e: setup
+	$(PYTEST) -q -m e2e tests
 
 # Every figure of benchmarks/run.py (about 15 minutes here); BENCH_ARGS=--quick for a few.
 bench: setup

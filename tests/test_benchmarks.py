@@ -24,6 +24,7 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@pytest.mark.e2e
 def test_quick_benchmark_writes_every_figure(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(

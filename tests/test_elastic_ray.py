@@ -24,7 +24,7 @@ import pytest
 
 from conftest import is_train_v2, write_record
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 ROWS, FEATURES, GLOBAL_BATCH = 40, 3, 4  # 10 global batches an epoch
 STEPS = 14  # into the second epoch

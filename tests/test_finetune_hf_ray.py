@@ -18,7 +18,7 @@ import pytest
 
 from conftest import connected
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 STEPS, CRASH_AT = 8, 4
 

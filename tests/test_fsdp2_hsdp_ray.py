@@ -9,7 +9,7 @@ import pytest
 
 from conftest import connected, fit, write_record
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 STEPS = 3
 

@@ -33,7 +33,6 @@ def neuron_ray(one_node):
         yield ray
 
 
-@pytest.mark.train_v1
 def test_workers_get_the_core_ray_assigned_them(neuron_ray):
     ray = neuron_ray
 
@@ -69,6 +68,7 @@ def compile_config(record_dir, **kw):
                           **kw)
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not is_train_v2(), reason="two trainers at once on one driver: Train V2")
 def test_two_trainers_at_once_compile_in_private_workdirs(neuron_ray):
     records_dir = tempfile.mkdtemp(prefix="rtx-compile-")
@@ -130,6 +130,7 @@ def test_a_missing_compile_module_fails_at_start_naming_the_worker(neuron_ray):
     assert compile_records(records_dir) == []
 
 
+@pytest.mark.e2e
 def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
     from ray_train_xla.startup import xrt as _xrt
 

@@ -98,7 +98,6 @@ def trace_steps(run_dir: str, start: int, rank: int) -> list[int]:
     return sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train_step")
 
 
-@pytest.mark.train_v1
 def test_profiles_of_every_rank_and_recompilation_causes(ray_local):
     from ray.train import RunConfig
 

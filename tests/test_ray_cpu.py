@@ -28,7 +28,6 @@ def raw_xla_all_reduce(config):
     })
 
 
-@pytest.mark.train_v1
 def test_one_worker_runs_raw_torch_xla(ray_local):
     _, records = fit(raw_xla_all_reduce, num_workers=1)
     (rec,) = records
@@ -46,6 +45,7 @@ def test_demo_seed_check(ray_local):
     assert summary.process_group == "xla_host"
 
 
+@pytest.mark.e2e
 def test_train_demo_then_a_resumed_run_that_fails_midway_ends_at_its_target(ray_local, tmp_path):
     """`demo --train`'s run (8 steps, the packaged train_mlp), then `train_mlp.py --resume` for
     8 more: it fails once after step 12 and restarts from its step-12 checkpoint, and still ends

@@ -156,7 +156,6 @@ def test_tpu_spmd_worker_owns_the_chips_ray_assigned(ray_tpu):
     assert (env["TPU_PROCESS_PORT"], env["CLOUD_TPU_TASK_ID"]) == ("8476", "0")
 
 
-@pytest.mark.train_v1
 def test_tpu_per_chip_follows_ray_assigned_chips(ray_tpu):
     from ray.train import ScalingConfig
 

@@ -412,6 +412,7 @@ print(json.dumps({"rank": rank, "started": started}))
 """
 
 
+@pytest.mark.e2e
 def test_the_development_mode_group_of_4_workers_on_2_nodes_starts_30_times_in_a_row():
     """The CPU plan of 4 workers on 2 nodes; its process group (the development mode's, as
     planned) started, used (host bridge and a gloo subgroup) and ended 30 times in a row in

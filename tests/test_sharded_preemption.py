@@ -15,7 +15,7 @@ import pytest
 
 from conftest import fit, is_train_v2, start_cluster, stop_cluster
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 TOTAL_STEPS, STEP_SLEEP_S, DRAIN_AT, DEADLINE_S = 40, 0.5, 3, 6
 

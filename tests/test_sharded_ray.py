@@ -90,6 +90,7 @@ torch.save(lm.train_without_ray(lm.lm_config(steps=int(sys.argv[1]))), sys.argv[
 """
 
 
+@pytest.mark.e2e
 def test_lm_crashes_resumes_and_ends_like_an_uninterrupted_run(two_nodes, tmp_path):
     """examples/train_lm.py: a transformer LM sharded over 4 devices with Ray Data batches fails
     once after step 4 and resumes from its step-4 sharded checkpoint; the final parameters equal

@@ -105,6 +105,41 @@ def assert_params_close(a, b, atol=1e-5):
         torch.testing.assert_close(torch.tensor(pa), torch.tensor(pb), atol=atol, rtol=0)
 
 
+def one_process_run():
+    """train_regression's steps in this process with plain torch on the CPU: one replica over
+    each whole global batch (the rows the two workers' halves make up), rank 0's start."""
+    import torch
+
+    # torch's autograd engine sizes its per-device queues at a process's first backward, from
+    # the devices known then: with torch_xla's device started first, later tests that run XLA
+    # backward passes in this process still find a queue for it.
+    import torch_xla
+
+    torch_xla.device()
+
+    import ray_train_xla as rtx
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    y = torch.sin(x).sum(dim=1, keepdim=True)
+    loader = rtx.prepare_data_loader(torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH, shuffle=True),
+        to_device=False)
+    torch.manual_seed(100)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader.set_epoch(0)
+    step = 0
+    while step < STEPS:
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            opt.step()
+            step += 1
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(ray_local):
     """2 workers, 6 steps, checkpoints every 2, a Ray Data shard read at the end."""
@@ -115,19 +150,16 @@ def uninterrupted(ray_local):
                loop_config={"ray_data": True})
 
 
-@pytest.mark.train_v1
 def test_two_workers_on_half_batches_match_one_worker_on_the_whole_batch(uninterrupted):
     result, records = uninterrupted
     two = finals(records)
     assert [r["rank"] for r in two] == [0, 1]
     assert_params_close(two[0]["params"], two[1]["params"], atol=0)  # same start, same grads
-    _, one_records = fit(train_regression, num_workers=1)
-    (one,) = finals(one_records)
-    assert_params_close(two[0]["params"], one["params"])
-    assert one["step"] == two[0]["step"] == STEPS
+    # Plain torch in one process over the whole global batches ends where the two workers did.
+    assert_params_close(two[0]["params"], one_process_run())
+    assert two[0]["step"] == STEPS
     # Gradients cross to the host once per bucket: 4 parameters, one float32 bucket.
     assert two[0]["transfers"][:2] == [4, 1] and set(two[0]["transfers"][1:]) == {1}
-    assert set(one["transfers"]) == {0}  # one worker: nothing to reduce
     # Loss goes down and the step graphs stopped compiling after warm-up.
     for rec in two:
         assert rec["losses"][-1] < rec["losses"][0]
@@ -212,6 +244,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
+@pytest.mark.e2e
 def test_dead_worker_is_replaced_and_training_resumes_from_the_last_checkpoint(uninterrupted):
     import tempfile
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import fit, write_record
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 pytest.importorskip("transformers")
 
