@@ -81,8 +81,25 @@ def close_shared_clusters() -> None:
         cluster.shutdown()
 
 
+_session_status: list[int] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
     close_shared_clusters()
+    _session_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Once pytest has reported everything, leave with its exit status without running the
+    native libraries' teardown at interpreter exit. The tests run torch_xla (its PJRT client is
+    never destroyed, pytorch/xla#9669), torch.distributed and Ray in this process; their
+    destructors at exit segfaulted here once after a green session (`make test-e2e`: "25
+    passed", then exit status 139), which CI would report as a failure of the suite."""
+    if _session_status and "torch" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_session_status[-1])
 
 
 def cluster_kind(item) -> str | None:
