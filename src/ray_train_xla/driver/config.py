@@ -32,12 +32,11 @@ from ray_train_xla.startup.import_env import rebuild_config
 __all__ = ["TorchNeuronConfig", "TorchTPUConfig", "TorchXLAConfig", "XLAConfigError",
            "check_scaling_config"]
 
-# When fit() handed the config to Ray (SUBMITTED_AT): set in the pickled copy only (Ray pickles
-# the config for its controller when fit() starts; the user's object is unchanged), kept by later
-# pickles of that copy. The backend passes it to the workers: the run's goodput clock starts there.
-
-
 def _submitted_state(config: Any) -> dict[str, Any]:
+    """The config's state with when fit() handed it to Ray (``SUBMITTED_AT``): set in the
+    pickled copy only (Ray pickles the config for its controller when fit() starts; the user's
+    object is unchanged), kept by later pickles of that copy. The backend passes it to the
+    workers: the run's goodput clock starts there."""
     import time
 
     state = dict(config.__dict__)
