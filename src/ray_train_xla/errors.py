@@ -55,3 +55,23 @@ def config_error(field_name: str, value: Any, expected: str | Iterable[str],
 class ReportError(RuntimeError):
     """A report or checkpoint handed to the background reporter failed, or could not be made
     within ``timeout_s``; raised in the training function at its next report and at its end."""
+
+
+def run_failure(exc: BaseException) -> str:
+    """One line for a failed Ray Train run: the first worker's (or the controller's) own error,
+    not the remote tracebacks Ray wraps around it."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        failures = getattr(exc, "worker_failures", None)  # ray.train.WorkerGroupError
+        inner = (failures[min(failures)] if failures
+                 else getattr(exc, "controller_failure", None)  # ray.train.ControllerError
+                 or getattr(exc, "cause", None))  # ray.exceptions.RayTaskError
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and any(line.startswith("Traceback") or line.startswith("File ")
+                              for line in lines):
+        return lines[-1]  # a traceback as text ends with "Type: message"
+    return f"{type(exc).__name__}: {' '.join(lines)}"

@@ -1,4 +1,5 @@
-"""``ray-train-xla``: demo, plan, doctor, consolidate, goodput, profile from the command line."""
+"""``ray-train-xla``: demo, check, plan, doctor, consolidate, goodput, profile from the command
+line."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ TIMEOUT_MAX_S = 86_400.0
 
 EXIT_STATUS_HELP = (
     "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
+    "a step of check failed, "
     "consolidate could not read the checkpoint's storage or write OUT, goodput could not read the "
     "run's storage or write the PNG, profile could not write its request or --wait ran out); "
     "2 the command line is "
@@ -105,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="ray-train-xla",
-        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, plan, doctor, "
-        "consolidate, goodput, profile. Without a command, prints this help.",
+        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, check, plan, "
+        "doctor, consolidate, goodput, profile. Without a command, prints this help.",
         epilog=EXIT_STATUS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ray_train_xla.__version__}")
@@ -169,6 +171,66 @@ def _add_demo(sub) -> argparse.ArgumentParser:
     )
     add_cluster_args(demo)
     return demo
+
+
+def _size(text: str) -> int:
+    """A byte count: digits with an optional K, M or G (powers of 2, with or without iB)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = body[-1:] if body[-1:] in ("K", "M", "G") else ""
+    digits = body[:-1] if unit else body
+    if not digits.isdigit() or int(digits) * units[unit] < 8:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of at least 8 bytes (e.g. 8, "
+                                         "64K, 256MiB, 1G)")
+    return int(digits) * units[unit]
+
+
+def _add_check(sub) -> argparse.ArgumentParser:
+    """``check``: prove a cluster trains, with a report to send back."""
+    from ray_train_xla.tools.examples.cluster import add_cluster_args
+
+    check = sub.add_parser(
+        "check",
+        help="run the cluster check: world, collectives, bandwidth, training, checkpoint, "
+        "restart; writes report.md, report.json and bandwidth.png",
+        description="Start a TorchTrainer with the chosen config (TorchXLAConfig, "
+        "TorchNeuronConfig or TorchTPUConfig) on an embedded local Ray (or the cluster at "
+        "--address), every worker asking Ray for its accelerators, and run in order: world "
+        "(every worker's rank, node, device and environment against the plan computed from "
+        "its own facts), correctness (all_reduce, all_gather, reduce_scatter, broadcast in "
+        "float32 and bfloat16, exact), bandwidth (all_reduce, all_gather, reduce_scatter from "
+        "8 B to --max-bytes, capped at an eighth of device memory; algbw and busbw as "
+        "nccl-tests define them, within a node and across nodes, against the hardware's "
+        "published figure where known), training (a small transformer, replicated under "
+        "TorchXLAConfig, FSDP2 under the native configs: step time, tokens/s, no graph "
+        "compiled after warm-up), checkpoint (saved through Ray, loaded on a fresh worker "
+        "group of the same and of half the size, compared bit for bit) and restart (the "
+        "graphs the restarted group compiles, cold and warm time to first step). Prints a "
+        "table and writes report.md, report.json and bandwidth.png under --out. Exits 0 only "
+        "when every step passes, 1 when one fails.",
+    )
+    check.add_argument("--config", default="xla", choices=["xla", "neuron", "tpu"],
+                       help="xla: TorchXLAConfig; neuron: TorchNeuronConfig (native TorchNeuron); "
+                       "tpu: TorchTPUConfig (native TorchTPU); default xla. Each runs on its "
+                       "device or the CPU")
+    check.add_argument("--workers", type=_positive_int, default=2,
+                       help="workers of the main run (default 2); the reload runs half of them")
+    check.add_argument("--cores-per-worker", type=_positive_int, default=1, metavar="N",
+                       help="NeuronCores or TPU chips each worker asks Ray for (default 1)")
+    check.add_argument("--out", default="ray-train-xla-check", metavar="DIR",
+                       help="where report.md, report.json, bandwidth.png and (without "
+                       "--storage-path) the checkpoints go (default ./ray-train-xla-check)")
+    check.add_argument("--storage-path", default=None, metavar="PATH",
+                       help="the runs' storage (RunConfig.storage_path): on several nodes a path "
+                       "every node reaches (shared filesystem, s3://, gs://); default OUT/storage")
+    check.add_argument("--max-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                       help="largest message of the bandwidth sweep (default 1GiB)")
+    check.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                       help="bound on the process group's start and on each collective, and on "
+                       "each answer to the driver (the config's timeout_s; default 300)")
+    check.add_argument("--json", action="store_true", help="print report.json's content")
+    add_cluster_args(check, device_default="auto")
+    return check
 
 
 def _add_plan(sub) -> argparse.ArgumentParser:
@@ -402,7 +464,7 @@ def _add_profile(sub) -> argparse.ArgumentParser:
 
 
 # Each command and the function adding its parser, in the order --help lists them.
-COMMANDS = (("demo", _add_demo), ("plan", _add_plan), ("doctor", _add_doctor),
+COMMANDS = (("demo", _add_demo), ("check", _add_check), ("plan", _add_plan), ("doctor", _add_doctor),
             ("consolidate", _add_consolidate), ("goodput", _add_goodput),
             ("profile", _add_profile))
 
@@ -542,7 +604,7 @@ def format_plan_table(rows: Sequence[dict]) -> str:
 def _run_job(banner: str, job, **kwargs):
     """Print what runs, run it; a training failure is printed as one FAILED line (None
     returned). A configuration refused before the run starts is a usage error."""
-    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.errors import XLAConfigError, run_failure
     from ray_train_xla.tools.examples.cluster import ExampleUsageError
 
     print(banner, flush=True)
@@ -553,28 +615,8 @@ def _run_job(banner: str, job, **kwargs):
     except XLAConfigError:
         raise
     except Exception as exc:  # any training failure is a failed demo, not a traceback
-        print(f"FAILED: {_failure(exc)}", file=sys.stderr)
+        print(f"FAILED: {run_failure(exc)}", file=sys.stderr)
         return None
-
-
-def _failure(exc: BaseException) -> str:
-    """One line for a failed Ray Train run: the first worker's (or the controller's) own error,
-    not the remote tracebacks Ray wraps around it."""
-    seen = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        failures = getattr(exc, "worker_failures", None)  # ray.train.WorkerGroupError
-        inner = (failures[min(failures)] if failures
-                 else getattr(exc, "controller_failure", None)  # ray.train.ControllerError
-                 or getattr(exc, "cause", None))  # ray.exceptions.RayTaskError
-        if not isinstance(inner, BaseException):
-            break
-        exc = inner
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if len(lines) > 1 and any(line.startswith("Traceback") or line.startswith("File ")
-                              for line in lines):
-        return lines[-1]  # a traceback as text ends with "Type: message"
-    return f"{type(exc).__name__}: {' '.join(lines)}"
 
 
 # demo: which flags each mode takes, and their defaults there (None: refused in that mode).
@@ -695,6 +737,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"time={summary.seconds:.1f}s"
     )
     return 0 if summary.ok else 1
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from ray_train_xla.tools import check as tool
+    from ray_train_xla.tools.examples.cluster import ExampleUsageError, check_cluster
+
+    options = tool.CheckOptions(
+        config=args.config, device=args.device, workers=args.workers,
+        cores_per_worker=args.cores_per_worker, address=args.address,
+        tpu_topology=args.tpu_topology, accelerator_type=args.accelerator_type, out=args.out,
+        storage_path=args.storage_path, max_bytes=args.max_bytes, timeout_s=args.timeout)
+    try:
+        options.validate()
+        check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
+    except (tool.CheckUsageError, ExampleUsageError) as exc:
+        raise CommandError(str(exc)) from exc
+    if not args.json:
+        print(f"ray-train-xla check: {tool.CONFIG_CLASSES[args.config]}, {args.workers} workers, "
+              f"device={args.device}, on {_where(args)}...", flush=True)
+    try:
+        result = tool.run_check(options)
+    except (tool.CheckUsageError, ExampleUsageError) as exc:
+        raise CommandError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        from ray_train_xla.tools.check_report import to_table
+
+        print(to_table(result))
+        for step in result["steps"]:
+            for failure in step.get("failures", []):
+                print(f"  {step['name']}: {failure}")
+        print(f"\nreport: {', '.join(result['files'].values())}")
+    return 0 if result["ok"] else 1
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -842,7 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else 0
-    commands = {"plan": cmd_plan, "demo": cmd_demo, "doctor": cmd_doctor,
+    commands = {"plan": cmd_plan, "demo": cmd_demo, "check": cmd_check, "doctor": cmd_doctor,
                 "consolidate": cmd_consolidate, "goodput": cmd_goodput, "profile": cmd_profile}
     prog = f"{parser.prog} {args.command}"
     try:

@@ -1,0 +1,426 @@
+"""``ray-train-xla check``: prove that a cluster trains, through Ray Train's own worker set-up.
+
+Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` on the chosen config (the
+steps are described there):
+
+1. ``main`` (``--workers`` workers): world, correctness, bandwidth, training, and a checkpoint
+   saved through Ray into the run's storage;
+2. ``restart`` (the same size): that checkpoint loaded on a fresh worker group (the same-size
+   round trip), then training on from it (what the restarted group compiles, its time to first
+   step);
+3. ``reload`` (half the size, when there are at least 2 workers): the checkpoint loaded again.
+
+The driver then judges each step (:func:`judge`): the world against the plan that ``plan``
+computes from the workers' own facts, the collectives' values, algbw and busbw against the
+hardware's published figures, compilations after warm-up, the loaded state's digests against
+the saved one's, and the restart's compilations against the persistent compile cache the
+device has. Every wait is bounded: the process group and its collectives by ``--timeout``
+(``timeout_s`` of the config), each answer of the records actor likewise.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray_train_xla.errors import run_failure
+from ray_train_xla.tools import check_report as report
+from ray_train_xla.tools import check_steps as steps
+
+CONFIGS = ("xla", "neuron", "tpu")
+# The devices each config runs on (its CPU twin included).
+CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
+                  "tpu": ("cpu", "tpu")}
+CONFIG_CLASSES = {"xla": "TorchXLAConfig", "neuron": "TorchNeuronConfig", "tpu": "TorchTPUConfig"}
+
+
+class CheckUsageError(ValueError):
+    """A check that cannot run as asked (refused before any worker starts)."""
+
+
+@dataclass
+class CheckOptions:
+    config: str = "xla"
+    device: str = "auto"
+    workers: int = 2
+    cores_per_worker: int = 1
+    address: str | None = None
+    tpu_topology: str | None = None
+    accelerator_type: str | None = None
+    out: str = "ray-train-xla-check"
+    storage_path: str | None = None
+    max_bytes: int = 1 << 30
+    timeout_s: float = 300.0
+    train_steps: int = 8
+    restart_steps: int = 3
+
+    def validate(self) -> None:
+        if self.config not in CONFIGS:
+            raise CheckUsageError(f"--config {self.config!r}: expected one of {', '.join(CONFIGS)}")
+        if self.device != "auto" and self.device not in CONFIG_DEVICES[self.config]:
+            raise CheckUsageError(
+                f"--config {self.config} runs on --device "
+                f"{' or '.join(CONFIG_DEVICES[self.config])}, not {self.device}")
+        if self.train_steps <= steps.WARMUP_STEPS:
+            raise CheckUsageError(f"train_steps must exceed the {steps.WARMUP_STEPS} warm-up steps")
+        if self.max_bytes < 8:
+            raise CheckUsageError(f"--max-bytes {self.max_bytes}: at least 8 bytes")
+
+
+def torch_config(options: CheckOptions, device: str):
+    """The config object the check runs (``device`` resolved)."""
+    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
+
+    if device not in CONFIG_DEVICES[options.config]:
+        raise CheckUsageError(f"--config {options.config} cannot run on this cluster's "
+                              f"device, {device} (it runs on "
+                              f"{' or '.join(CONFIG_DEVICES[options.config])})")
+    cls = {"xla": TorchXLAConfig, "neuron": TorchNeuronConfig, "tpu": TorchTPUConfig}[options.config]
+    return cls(device=device, timeout_s=options.timeout_s)
+
+
+def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
+    """Run the check and return its result (``report.json``'s content); writes the report files
+    under ``options.out``. ``hooks``: see ``check_steps`` (tests inject faults with it)."""
+    import ray
+
+    from ray_train_xla.tools.examples.cluster import ray_session, resolve_device, scaling_config
+
+    options.validate()
+    started, clock = time.strftime("%Y-%m-%d %H:%M:%S %Z"), time.perf_counter()
+    out_dir = os.path.abspath(options.out)
+    os.makedirs(out_dir, exist_ok=True)
+    storage = options.storage_path or os.path.join(out_dir, "storage")
+    with ray_session(options.address, num_cpus=max(2, options.workers + 1), log_to_driver=False):
+        device = resolve_device(options.device)
+        config = torch_config(options, device)
+        records = ray.remote(steps.Records).options(num_cpus=0).remote()
+        common = {"records": records, "hooks": hooks, "timeout_s": options.timeout_s,
+                  "device": device, "native": options.config != "xla",
+                  "native_tpu": options.config == "tpu" and device == "tpu",
+                  "max_bytes": options.max_bytes, "train_steps": options.train_steps,
+                  "restart_steps": options.restart_steps}
+
+        def fit(phase: str, workers: int, **extra) -> tuple[Any, str | None]:
+            from ray.train import FailureConfig, RunConfig
+            from ray.train.torch import TorchTrainer
+
+            scaling = scaling_config(device, workers, options.cores_per_worker,
+                                     options.tpu_topology, options.accelerator_type)
+            trainer = TorchTrainer(
+                steps.check_loop, train_loop_config={**common, "phase": phase, **extra},
+                torch_config=config, scaling_config=scaling,
+                run_config=RunConfig(storage_path=storage, name=f"check-{phase}-{int(time.time())}",
+                                     failure_config=FailureConfig(max_failures=0)))
+            try:
+                return trainer.fit(), None
+            except Exception as exc:  # a failed phase is a finding, reported by step
+                return None, run_failure(exc)
+
+        errors: dict[str, str | None] = {}
+        result_main, errors["main"] = fit("main", options.workers)
+        checkpoint = result_main.checkpoint if result_main is not None else None
+        if checkpoint is not None:
+            _, errors["restart"] = fit("restart", options.workers, checkpoint=checkpoint)
+            if options.workers > 1:
+                _, errors["reload"] = fit("reload", options.workers // 2, checkpoint=checkpoint)
+        found = ray.get(records.get_all.remote(), timeout=options.timeout_s)
+        ray.kill(records)
+    result = judge(options, config, device, found, errors)
+    result.update(started=started, seconds=time.perf_counter() - clock,
+                  versions=steps.versions(), storage=storage)
+    result["files"] = report.write_report(result, out_dir)
+    return result
+
+
+# ---- judging -----------------------------------------------------------------------------------
+
+
+def _by(found: list[dict], phase: str, step: str) -> list[dict]:
+    return sorted((r for r in found if r["phase"] == phase and r["step"] == step),
+                  key=lambda r: r["ray_rank"])
+
+
+def _failed_records(records: list[dict]) -> list[str]:
+    return [f"rank {r['rank']}: {r['error']}" for r in records if r.get("error")]
+
+
+def _not_run(name: str, why: str) -> dict:
+    return {"name": name, "ok": None, "summary": f"not run: {why}", "failures": []}
+
+
+def judge(options: CheckOptions, config, device: str, found: list[dict],
+          errors: dict[str, str | None]) -> dict[str, Any]:
+    """The result: one entry per step (``ok``: True, False, or None when it did not run)."""
+    workers = options.workers
+    world = _by(found, "main", "world")
+    out_steps = []
+    planned_env: list[dict] = []
+    world_step, planned_env = judge_world(config, world, workers)
+    out_steps.append(world_step)
+    for name, judge_step in (("correctness", judge_correctness), ("bandwidth", judge_bandwidth),
+                             ("training", judge_training)):
+        records = _by(found, "main", name)
+        out_steps.append(judge_step(records, workers, world) if records else
+                         _missing(name, "main", errors, found))
+    training = _by(found, "main", "training")
+    out_steps.append(judge_checkpoint(found, training, errors, workers))
+    out_steps.append(judge_restart(found, training, errors, device, options.config))
+    failing = [{"rank": r["rank"], "phase": r["phase"], "step": r["step"], "error": r["error"],
+                "log_tail": r.get("log_tail", "")} for r in found if r.get("error")]
+    phase_errors = {p: e for p, e in errors.items() if e}
+    nodes = len({w["facts"]["node_id"] for w in world}) if world else 0
+    first = world[0] if world else {}
+    return {
+        "ok": all(s.get("ok") is True for s in out_steps),
+        "config": CONFIG_CLASSES[options.config], "device": device, "workers": workers,
+        "nodes": nodes, "steps": out_steps, "planned_env": planned_env,
+        "failing_workers": failing, "phase_errors": phase_errors,
+        "worker_versions": first.get("versions", {}),
+        "options": {k: v for k, v in vars(options).items()},
+    }
+
+
+def _missing(name: str, phase: str, errors: dict, found: list[dict]) -> dict:
+    failed = [r for r in found if r["phase"] == phase and r.get("error")]
+    if failed:
+        return _not_run(name, f"step {failed[0]['step']!r} failed before it")
+    if errors.get(phase):
+        return {"name": name, "ok": False, "summary": f"the {phase} run failed: {errors[phase]}",
+                "failures": [errors[phase]]}
+    return _not_run(name, f"no worker reported it (the {phase} run did not start)")
+
+
+def planned_for(config, world: list[dict]) -> list[dict[str, str]]:
+    """Every worker's environment as ``ray-train-xla plan`` computes it from the facts the
+    workers reported, with the values chosen at this start (ports, run id, clocks) taken from
+    the workers (only their agreement can be checked)."""
+    import dataclasses
+
+    from ray_train_xla.planning.planner import Rendezvous, get_runtime, plan, resolve_device
+    from ray_train_xla.planning.topology import Topology, WorkerFacts
+
+    fields = {f.name for f in dataclasses.fields(WorkerFacts)}
+    facts = [WorkerFacts(**{k: v for k, v in w["facts"].items() if k in fields}) for w in world]
+    device = resolve_device(config.device, facts, config.runtime,
+                            getattr(config, "native_device", "neuron"))
+    runtime = get_runtime(device, config.runtime)
+    topology = Topology.from_facts(facts, runtime.resource)
+    master = runtime.master_worker(topology)
+    env = world[master]["env"]
+    extra = []
+    if runtime.ports_needed(config):
+        port = (env.get("NEURON_RT_ROOT_COMM_ID", "").rpartition(":")[2]
+                or env.get("TORCH_TPU_INTERNAL_HANDSHAKE_PORT", ""))
+        extra = [int(port)] if port.isdigit() else [0]
+    rdzv = Rendezvous(
+        master_addr=facts[master].node_ip, master_port=int(env.get("MASTER_PORT", "0") or 0),
+        extra_ports=tuple(extra), run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        started_at=float(env.get("RAY_TRAIN_XLA_GROUP_START", 0) or 0),
+        run_started_at=float(env.get("RAY_TRAIN_XLA_RUN_START", 0) or 0))
+    return [p.env for p in plan(topology, config, rdzv, device, facts)]
+
+
+def judge_world(config, world: list[dict], workers: int) -> tuple[dict, list[dict]]:
+    if not world:
+        return {"name": "world", "ok": False, "summary": "no worker reported", "failures": []}, []
+    failures = _failed_records(world)
+    ok_records = [w for w in world if not w.get("error")]
+    planned: list[dict] = []
+    if len(ok_records) == len(world):
+        try:
+            planned = planned_for(config, world)
+        except Exception as exc:  # noqa: BLE001 (the plan itself refused the workers' facts)
+            failures.append(f"the plan refused the workers' facts: {type(exc).__name__}: {exc}")
+        failures += report.compare_world([w["env"] for w in world], planned) if planned else []
+    if len(world) != workers:
+        failures.append(f"{len(world)} of {workers} workers reported")
+    ranks = sorted(w["rank"] for w in ok_records)
+    if ranks != list(range(len(ok_records))):
+        failures.append(f"ranks {ranks}: expected 0..{len(ok_records) - 1}, each once")
+    rows = [{k: w[k] for k in ("rank", "local_rank", "node_rank", "device", "hostname")}
+            for w in ok_records]
+    nodes = len({w["facts"]["node_id"] for w in ok_records})
+    keys = sum(len(p) for p in planned)
+    summary = (f"{len(ok_records)} workers on {nodes} node(s), devices "
+               f"{', '.join(sorted({w['device'] for w in ok_records}))}; "
+               + (f"{keys} planned variables as the plan says" if not failures else
+                  f"{len(failures)} difference(s) from the plan"))
+    return ({"name": "world", "ok": not failures, "summary": summary, "failures": failures,
+             "workers": rows, "seconds": max((w["seconds"] for w in world), default=None)},
+            [{k: v for k, v in p.items()} for p in planned])
+
+
+def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> dict:
+    failures = _failed_records(records)
+    checked = 0
+    for r in records:
+        for x in r.get("results", []):
+            checked += 1
+            if not x["ok"]:
+                w = x["first_wrong"] or {}
+                failures.append(
+                    f"rank {r['rank']}: {x['op']} {x['dtype']}: {x['wrong_elements']} wrong "
+                    f"element(s), the first at index {w.get('index')}: got {w.get('got')}, "
+                    f"expected {w.get('expected')}")
+    ops = sorted({x["op"] for r in records for x in r.get("results", [])})
+    return {"name": "correctness", "ok": not failures and len(records) == workers,
+            "summary": (f"{', '.join(ops)} in float32 and bfloat16: {checked} results exact"
+                        if not failures else f"{len(failures)} wrong result(s)"),
+            "failures": failures, "seconds": max(r["seconds"] for r in records)}
+
+
+def _hardware(world: list[dict]) -> tuple[str, str]:
+    if not world:
+        return "", ""
+    return world[0].get("instance_type", ""), world[0]["facts"].get("tpu_accelerator_type", "")
+
+
+def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dict:
+    failures = _failed_records(records)
+    times: dict[tuple, list[float]] = {}
+    ranks: dict[tuple, int] = {}
+    for r in records:
+        for row in r.get("rows", []):
+            key = (row["scope"], row["op"], row["bytes"])
+            times.setdefault(key, []).append(row["seconds"])
+            ranks[key] = row["ranks"]
+    rows = []
+    for (scope, op, size), seconds in times.items():
+        slowest = max(seconds)  # a collective ends when its slowest rank does
+        algbw, busbw = report.bus_bandwidth(op, size, slowest, ranks[(scope, op, size)])
+        rows.append({"scope": scope, "op": op, "bytes": size, "ranks": ranks[(scope, op, size)],
+                     "seconds": slowest, "algbw": algbw, "busbw": busbw})
+    comparisons = []
+    instance, tpu = _hardware(world)
+    for scope in dict.fromkeys(r["scope"] for r in rows):
+        peak = max((r for r in rows if r["scope"] == scope), key=lambda r: r["busbw"])
+        figure = report.published_for(instance, tpu, scope)
+        text = (f"{scope}: peak busbw {peak['busbw']:.3g} GB/s ({peak['op']}, {peak['bytes']} B)")
+        if figure is None:
+            text += (f"; no published figure for this hardware ({instance or tpu or 'cpu'})")
+        else:
+            text += (f", {100 * peak['busbw'] / figure.gb_s:.1f}% of {figure.gb_s:.4g} GB/s "
+                     f"({figure.as_published}; {figure.source})")
+        comparisons.append(text)
+    largest = max((r["bytes"] for r in rows), default=0)
+    return {"name": "bandwidth", "ok": not failures and len(records) == workers,
+            "summary": (f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons))
+            if rows else "no timings",
+            "failures": failures, "rows": sorted(rows, key=lambda r: (r["scope"], r["op"], r["bytes"])),
+            "comparisons": comparisons, "seconds": max(r["seconds"] for r in records)}
+
+
+def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict:
+    failures = _failed_records(records)
+    for r in records:
+        for step, count in r.get("recompiled_at", []):
+            failures.append(f"rank {r['rank']}: step {step} compiled {count} graph(s) after the "
+                            f"{r['warmup_steps']} warm-up steps (every step after warm-up must "
+                            "reuse its graphs)")
+    ok = [r for r in records if not r.get("error")]
+    if not ok:
+        return {"name": "training", "ok": False, "summary": "no worker trained",
+                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+    r0 = ok[0]
+    step_s = statistics.median(t for r in ok for t in r["step_seconds"][r["warmup_steps"]:])
+    losses = r0["losses"]
+    if not all(x == x and abs(x) != float("inf") for x in losses):
+        failures.append(f"rank {r0['rank']}: a loss is not finite: {losses}")
+    return {"name": "training", "ok": not failures and len(records) == workers,
+            "summary": (f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
+                        f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
+                        f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}"),
+            "failures": failures, "seconds": max(r["seconds"] for r in records),
+            "first_step_s": r0["first_step_s"], "tokens_per_s": r0["tokens_per_s"],
+            "median_step_s": step_s}
+
+
+def _compare_digests(saved: dict, loaded: dict) -> list[str]:
+    differ = sorted(k for k in saved if loaded.get(k) != saved[k])
+    extra = sorted(set(loaded) - set(saved))
+    out = []
+    if differ:
+        out.append(f"{len(differ)} of {len(saved)} tensors differ from the saved state: "
+                   f"{', '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}")
+    if extra:
+        out.append(f"not in the saved state: {', '.join(extra[:6])}")
+    return out
+
+
+def judge_checkpoint(found: list[dict], training: list[dict], errors: dict, workers: int) -> dict:
+    saved = next((r.get("digest") for r in training if r.get("digest")), None)
+    if saved is None:
+        return _missing("checkpoint", "main", errors, found) if not training else \
+            _not_run("checkpoint", "the training step saved no checkpoint")
+    failures, parts, seconds = [], [], []
+    phases = [("restart", workers)] + ([("reload", workers // 2)] if workers > 1 else [])
+    for phase, size in phases:
+        records = _by(found, phase, "checkpoint")
+        failures += _failed_records(records)
+        loaded = next((r["digest"] for r in records if r.get("digest")), None)
+        seconds += [r["seconds"] for r in records]
+        if loaded is None:
+            if not _failed_records(records):
+                failures.append(f"at {size} worker(s): no state loaded"
+                                + (f" ({errors[phase]})" if errors.get(phase) else ""))
+            continue
+        diff = _compare_digests(saved, loaded)
+        failures += [f"at {size} worker(s): {d}" for d in diff]
+        if not diff:
+            parts.append(f"at {size} worker(s): equal bit for bit")
+    return {"name": "checkpoint", "ok": not failures,
+            "summary": (f"{len(saved)} tensors saved through Ray; " + "; ".join(parts))
+            if not failures else f"{len(failures)} problem(s) reloading the checkpoint",
+            "failures": failures, "seconds": max(seconds, default=None)}
+
+
+# Where a restarted worker group finds the graphs it compiled before: (device, config) -> what.
+PERSISTENT_CACHE = {("tpu", "xla"): "torch_xla's persistent compile cache (XLA_PERSISTENT_CACHE_PATH)"}
+
+
+def judge_restart(found: list[dict], training: list[dict], errors: dict, device: str,
+                  config: str) -> dict:
+    records = _by(found, "restart", "restart")
+    if not records:
+        return _missing("restart", "restart", errors, found) if training else \
+            _not_run("restart", "the training step did not run")
+    failures = _failed_records(records)
+    ok = [r for r in records if not r.get("error")]
+    if not ok or not training:
+        return {"name": "restart", "ok": False, "summary": "no worker restarted",
+                "failures": failures}
+    cold = max(t["cold_compiles"] for t in training)
+    warm = max(r["warm_compiles"] for r in ok)
+    cold_s = max((t["first_step_s"] for t in training if t.get("first_step_s")), default=None)
+    warm_s = max((r["first_step_s"] for r in ok if r.get("first_step_s")), default=None)
+    cache = PERSISTENT_CACHE.get((device, config))
+    if cache is not None and warm:
+        failures.append(f"the restarted group compiled {warm} graph(s) that {cache} should "
+                        f"have held (the cold start compiled {cold})")
+    elif cache is None and warm > cold:
+        failures.append(f"the restarted group compiled {warm} graph(s), more than the cold "
+                        f"start's {cold}")
+    where = (f"graphs from {cache}" if cache else
+             "nothing compiled (eager)" if cold == 0 else
+             f"no persistent compile cache on this device: the cold start's graphs compiled "
+             f"again ({warm} of {cold})")
+    timing = (f"time to first step: cold {cold_s:.1f} s, warm {warm_s:.1f} s"
+              if cold_s is not None and warm_s is not None else "time to first step unknown")
+    return {"name": "restart", "ok": not failures,
+            "summary": f"{where}; {timing}", "failures": failures,
+            "cold_first_step_s": cold_s, "warm_first_step_s": warm_s,
+            "cold_compiles": cold, "warm_compiles": warm,
+            "seconds": max(r["seconds"] for r in records)}
+
+
+def default_out() -> str:
+    return os.path.join(os.getcwd(), "ray-train-xla-check")
+
+
+def temporary_out() -> str:
+    return tempfile.mkdtemp(prefix="ray-train-xla-check-")

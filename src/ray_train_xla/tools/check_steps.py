@@ -1,0 +1,563 @@
+"""The worker side of ``ray-train-xla check``: the training function each phase runs, one
+function per step, each sending what it found to the driver's ``Records`` actor.
+
+Phases (one ``TorchTrainer`` fit each, ``tools/check.py``):
+
+- ``main``: world, correctness, bandwidth, training (the cold start), and a checkpoint saved
+  through Ray at the end of training (its state's digests recorded at the save);
+- ``restart``: a fresh worker group of the same size loads that checkpoint (the checkpoint
+  step's same-size round trip) and trains again from it (the restart step: graphs compiled, time
+  to first step);
+- ``reload``: a fresh worker group of half the size loads the checkpoint (the half-size round
+  trip).
+
+A step that raises on a worker is recorded with its error and the tail of the worker's log, and
+ends that worker's run (the others then fail in their next collective, bounded by the config's
+``timeout_s``). What a step finds wrong without raising (a wrong value, a compilation after
+warm-up, a state that does not match) is recorded as a failure and the run goes on.
+
+``hooks`` (tests only): an object whose methods, when present, are called at fixed points so that
+a test can inject a fault the way it would happen: ``before(step)`` at the start of each step,
+``batch(step, tokens)`` on each training batch, ``after_load(model, optimizer)`` after a load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import traceback
+from typing import Any
+
+# Steps in report order, and the phase each one runs in.
+STEPS = ("world", "correctness", "bandwidth", "training", "checkpoint", "restart")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+DTYPES = ("float32", "bfloat16")
+WARMUP_STEPS = 2  # training steps that may compile (the first step, then the optimizer's state)
+# Elements per rank of the correctness checks: not a power of two, so padding shows.
+CHECK_ELEMENTS = 1000
+LOG_TAIL_LINES = 40
+
+
+class StepFailed(Exception):
+    """A step could not go on (raised after the step's record was sent)."""
+
+
+class Records:
+    """The Ray actor every worker sends its findings to (it works on any cluster: workers on
+    other nodes cannot write into the driver's files, and Ray Train V2 keeps no metrics reported
+    without a checkpoint)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+
+    def get_all(self) -> list[dict]:
+        return list(self.records)
+
+    def nodes(self, phase: str, world_size: int) -> list[list[int]] | None:
+        """The ranks of each node (by the plan's node rank), once every worker of ``phase``
+        reported its world step; None before."""
+        world = [r for r in self.records if r["phase"] == phase and r["step"] == "world"
+                 and "node_rank" in r]
+        if len(world) < world_size:
+            return None
+        by_node: dict[int, list[int]] = {}
+        for r in world:
+            by_node.setdefault(r["node_rank"], []).append(r["rank"])
+        return [sorted(by_node[k]) for k in sorted(by_node)]
+
+
+def _hook(config: dict, name: str, *args):
+    hooks = config.get("hooks")
+    fn = getattr(hooks, name, None) if hooks is not None else None
+    return fn(*args) if fn is not None else None
+
+
+def _send(config: dict, record: dict) -> None:
+    import ray
+
+    ray.get(config["records"].add.remote(record), timeout=config["timeout_s"])
+
+
+def log_tail(lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of this worker's log: the file Ray redirected its stderr to."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def check_loop(config: dict) -> None:
+    """The training function of every phase (``config["phase"]``)."""
+    import ray.train
+
+    phase = config["phase"]
+    steps = {"main": (world, correctness, bandwidth, training),
+             "restart": (checkpoint_round_trip, restart),
+             "reload": (checkpoint_round_trip,)}[phase]
+    state: dict[str, Any] = {}
+    ray_rank = ray.train.get_context().get_world_rank()
+    for step in steps:
+        name = step.__name__.replace("checkpoint_round_trip", "checkpoint")
+        start = time.perf_counter()
+        try:
+            _hook(config, "before", name)
+            found = step(config, state) or {}
+        except Exception as exc:
+            import ray_train_xla as rtx
+
+            _send(config, {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank,
+                           "ok": False, "seconds": time.perf_counter() - start,
+                           "error": f"{type(exc).__name__}: {exc}",
+                           "traceback": traceback.format_exc(limit=8),
+                           "log_tail": log_tail()})
+            raise StepFailed(f"check step {name!r} failed on this worker: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        import ray_train_xla as rtx
+
+        _send(config, {**found, "phase": phase, "step": name, "rank": rtx.rank(),
+                       "ray_rank": ray_rank, "seconds": time.perf_counter() - start})
+
+
+# ---- world -----------------------------------------------------------------------------------
+
+
+def world(config: dict, state: dict) -> dict:
+    """Where this worker runs, what Ray gave it, and the environment it has: the driver compares
+    it with the plan ``ray-train-xla plan`` computes from the same facts."""
+    import dataclasses
+    import socket
+
+    import ray.train
+
+    import ray_train_xla as rtx
+    from ray_train_xla.startup.facts import gather_facts, gather_native_tpu_facts
+
+    gather = gather_native_tpu_facts if config["native_tpu"] else gather_facts
+    facts = gather(config["timeout_s"], config["device"])
+    device = rtx.get_device()
+    return {
+        "ok": True,
+        "facts": dataclasses.asdict(facts),
+        "env": dict(os.environ),
+        "device": str(device),
+        "hostname": socket.gethostname(),
+        "local_rank": rtx.local_rank(),
+        "node_rank": rtx.node_rank(),
+        "world_size": rtx.world_size(),
+        "ray_local_rank": ray.train.get_context().get_local_rank(),
+        "pid": os.getpid(),
+        "instance_type": instance_type(),
+        "versions": versions(),
+    }
+
+
+def instance_type() -> str:
+    """The machine's type as its firmware names it (``trn1.32xlarge`` on EC2), or ""."""
+    try:
+        with open("/sys/devices/virtual/dmi/id/product_name") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def versions() -> dict:
+    """The versions of what this worker runs (none is imported to learn it)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("ray", "torch", "torch-xla", "torch-neuronx", "libneuronxla", "torch-tpu",
+                 "libtpu", "ray-train-xla"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# ---- collectives -----------------------------------------------------------------------------
+
+
+def pattern(rank: int, count: int, world: int) -> list[int]:
+    """Rank ``rank``'s values: small integers, so that every sum of ``world`` of them is exact in
+    bfloat16 (integers up to 256) and in float32."""
+    modulus = 4 if 3 * world <= 256 else 2 if world <= 256 else 1
+    return [(rank + i) % modulus for i in range(count)]
+
+
+def expected(op: str, rank: int, world: int, count: int) -> list[int]:
+    """The exact result of ``op`` on rank ``rank`` of ``world`` when every rank r contributes
+    ``pattern`` (reduce_scatter: ``pattern`` of ``count * world`` values; broadcast: from the
+    last rank)."""
+    if op == "all_reduce":
+        per_rank = [pattern(r, count, world) for r in range(world)]
+        return [sum(vals) for vals in zip(*per_rank)]
+    if op == "all_gather":
+        return [v for r in range(world) for v in pattern(r, count, world)]
+    if op == "reduce_scatter":
+        full = [pattern(r, count * world, world) for r in range(world)]
+        return [sum(vals) for vals in zip(*full)][rank * count:(rank + 1) * count]
+    if op == "broadcast":
+        return pattern(world - 1, count, world)
+    raise ValueError(op)
+
+
+def run_op(op: str, tensor, world: int):
+    """``op`` through torch.distributed on this worker's device (the default process group);
+    returns the output tensor."""
+    import torch
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(tensor)
+        return tensor
+    if op == "all_gather":
+        out = torch.empty(tensor.numel() * world, dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor)
+        return out
+    if op == "reduce_scatter":
+        out = torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device)
+        dist.reduce_scatter_tensor(out, tensor)
+        return out
+    if op == "broadcast":
+        dist.broadcast(tensor, src=world - 1)
+        return tensor
+    raise ValueError(op)
+
+
+def correctness(config: dict, state: dict) -> dict:
+    """Each collective on the device in fp32 and bf16, checked element by element against the
+    exact result."""
+    import torch
+
+    import ray_train_xla as rtx
+
+    device, n, r = rtx.get_device(), rtx.world_size(), rtx.rank()
+    results = []
+    for op in OPS:
+        for dtype_name in DTYPES:
+            dtype = getattr(torch, dtype_name)
+            count = CHECK_ELEMENTS * (n if op == "reduce_scatter" else 1)
+            tensor = torch.tensor(pattern(r, count, n), dtype=dtype).to(device)
+            out = run_op(op, tensor, n)
+            rtx.sync()
+            got = out.float().cpu().tolist()
+            want = [float(v) for v in expected(op, r, n, CHECK_ELEMENTS)]
+            wrong = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+            if len(got) != len(want):
+                wrong = wrong or [min(len(got), len(want))]
+            first = wrong[0] if wrong else None
+            results.append({
+                "op": op, "dtype": dtype_name, "ok": not wrong, "wrong_elements": len(wrong),
+                "first_wrong": None if first is None else {
+                    "index": first, "got": got[first] if first < len(got) else None,
+                    "expected": want[first] if first < len(want) else None},
+            })
+    return {"ok": all(x["ok"] for x in results), "results": results}
+
+
+# ---- bandwidth -------------------------------------------------------------------------------
+
+
+def sizes(max_bytes: int) -> list[int]:
+    """8 B, 16 B, ... up to ``max_bytes`` (powers of two)."""
+    out, size = [], 8
+    while size <= max_bytes:
+        out.append(size)
+        size *= 2
+    return out
+
+
+def iterations(size: int) -> int:
+    """Timed repetitions at one size: more for small messages, whose times are short."""
+    return 20 if size <= 1 << 20 else 5 if size <= 64 << 20 else 2
+
+
+def device_memory_bytes() -> int | None:
+    """This worker's device memory, where the device says it (XLA, torch.neuron, torch.tpu)."""
+    import torch
+
+    from ray_train_xla.planning.contract import worker_context
+
+    ctx = worker_context()
+    try:
+        if not ctx.native:
+            import torch_xla.core.xla_model as xm
+
+            import ray_train_xla as rtx
+
+            info = xm.get_memory_info(rtx.get_device())
+            return int(info.get("bytes_limit") or info.get("kb_total", 0) * 1024) or None
+        module = getattr(torch, ctx.device, None) if ctx.device in ("neuron", "tpu") else None
+        if module is not None and hasattr(module, "mem_get_info"):
+            return int(module.mem_get_info()[1])
+    except Exception:  # noqa: BLE001 (no figure: the sweep keeps its own cap)
+        return None
+    return None
+
+
+def _time_op(op: str, size: int, n: int, device, group=None) -> float:
+    """Seconds for one ``op`` of ``size`` bytes (the nccl-tests size: the whole buffer of
+    all_gather and reduce_scatter), the mean of ``iterations(size)`` after one untimed run."""
+    import torch
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit import device as device_layer
+
+    elements = max(n, size // 4)
+    elements -= elements % n
+    per_rank = elements // n if op == "all_gather" else elements
+    tensor = torch.ones(per_rank, dtype=torch.float32).to(device)
+    out = None
+    if op == "all_gather":
+        out = torch.empty(elements, dtype=torch.float32, device=device)
+    elif op == "reduce_scatter":
+        out = torch.empty(elements // n, dtype=torch.float32, device=device)
+
+    def once():
+        if op == "all_reduce":
+            dist.all_reduce(tensor, group=group)
+        elif op == "all_gather":
+            dist.all_gather_into_tensor(out, tensor, group=group)
+        else:
+            dist.reduce_scatter_tensor(out, tensor, group=group)
+        rtx.sync()
+
+    once()
+    device_layer.wait()
+    dist.barrier(group=group)
+    reps = iterations(size)
+    start = time.perf_counter()
+    for _ in range(reps):
+        once()
+    device_layer.wait()
+    return (time.perf_counter() - start) / reps
+
+
+def _nodes(config: dict, world_size: int) -> list[list[int]]:
+    """Every node's ranks, as the workers reported them in the world step."""
+    import ray
+
+    deadline = time.monotonic() + config["timeout_s"]
+    while True:
+        nodes = ray.get(config["records"].nodes.remote(config["phase"], world_size),
+                        timeout=config["timeout_s"])
+        if nodes is not None:
+            return nodes
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every worker reported its node within {config['timeout_s']} s")
+        time.sleep(0.2)
+
+
+def bandwidth(config: dict, state: dict) -> dict:
+    """Time all_reduce, all_gather and reduce_scatter from 8 B to ``max_bytes`` (capped at an
+    eighth of the device's memory): over every worker, and within each node when the job spans
+    several nodes. The driver turns times into algbw and busbw."""
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+
+    device, n = rtx.get_device(), rtx.world_size()
+    memory = device_memory_bytes()
+    cap = config["max_bytes"] if memory is None else min(config["max_bytes"], memory // 8)
+    scopes = []
+    nodes = _nodes(config, n)  # [[ranks of node 0], ...], from the world step's records
+    if len(nodes) > 1:
+        scopes.append(("across nodes", None, n))
+        groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
+        mine = next((g, len(ranks)) for g, ranks in zip(groups, nodes) if rtx.rank() in ranks)
+        if mine[1] > 1:
+            scopes.append(("within a node", mine[0], mine[1]))
+    else:
+        scopes.append(("within a node", None, n))
+    rows = []
+    for scope, group, members in scopes:
+        for op in BANDWIDTH_OPS:
+            for size in sizes(cap):
+                rows.append({"scope": scope, "op": op, "bytes": size, "ranks": members,
+                             "seconds": _time_op(op, size, members, device, group)})
+    return {"ok": True, "rows": rows, "cap_bytes": cap, "device_memory_bytes": memory}
+
+
+# ---- training, checkpoint, restart -----------------------------------------------------------
+
+
+def model_config() -> dict:
+    from ray_train_xla.tools.examples.train_lm import lm_config
+
+    return lm_config(dim=64, heads=4, layers=2, ff=128, batch_size=8, lr=1e-3)
+
+
+def build(config: dict):
+    """The small transformer and its AdamW, prepared the way the config trains: replicated
+    (``prepare_model`` + ``optimizer_step``) under TorchXLAConfig, sharded with FSDP2 per block
+    (``prepare_sharded_model``) under the native configs. Returns (model, optimizer, layout)."""
+    import torch
+
+    import ray_train_xla as rtx
+    from ray_train_xla.tools.examples.train_lm import make_model
+
+    model = make_model(model_config())
+    if config["native"]:
+        block = type(model.blocks[0])
+        model = rtx.prepare_sharded_model(model, auto_wrap_policy={block})
+        layout = "FSDP2 (per block)"
+    else:
+        model = rtx.prepare_model(model)
+        layout = "replicated"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=model_config()["lr"])
+    return model, optimizer, layout
+
+
+def tokens_for(step: int, rank: int):
+    """This rank's batch of ``step``: sequences of the example's synthetic language (the next
+    token follows from the previous one, with noise), the same for every run of the check."""
+    import numpy as np
+    import torch
+
+    from ray_train_xla.tools.examples.train_lm import make_tokens
+
+    b = model_config()["batch_size"]
+    ids = np.arange(b) + b * (1_000 * step + rank)
+    return torch.from_numpy(make_tokens({"id": ids})["tokens"])
+
+
+def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
+    """``count`` steps from step ``first`` (1-based); per step its time and the graphs compiled
+    during it, and the time from the worker group's start to the end of the first one."""
+    import ray_train_xla as rtx
+    from ray_train_xla.planning.contract import worker_context
+    from ray_train_xla.tools.examples.train_lm import lm_loss
+
+    device = rtx.get_device()
+    monitor = rtx.CompileMonitor(warmup_steps=0, warn_after=1 << 30)
+    before = monitor.metrics(0)
+    compiled, times, losses = [], [], []
+    prev = before["xla/compiles"]
+    first_step_at = None
+    for step in range(first, first + count):
+        start = time.perf_counter()
+        tokens = tokens_for(step, rtx.rank())
+        changed = _hook(config, "batch", step, tokens)
+        tokens = tokens if changed is None else changed
+        optimizer.zero_grad()
+        loss = lm_loss(model, tokens.to(device))
+        loss.backward()
+        rtx.optimizer_step(optimizer)
+        losses.append(float(loss.detach().float().cpu()))
+        times.append(time.perf_counter() - start)
+        now = monitor.metrics(step - first + 1)["xla/compiles"]
+        compiled.append(now - prev)
+        prev = now
+        if first_step_at is None:
+            first_step_at = time.time()
+    group_start = worker_context().group_start
+    return {"compiled": compiled, "step_seconds": times, "losses": losses,
+            "first_step_s": (first_step_at - group_start) if group_start else None}
+
+
+def digests(model, optimizer, layout: str) -> dict[str, str] | None:
+    """sha256 of every tensor of the full model and optimizer state (names, dtype, shape and
+    bytes), on rank 0 (None elsewhere): two states are equal bit for bit when these are."""
+    import torch
+
+    import ray_train_xla as rtx
+
+    if layout.startswith("FSDP2"):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    else:
+        model_state = model.state_dict()
+        optim_state = optimizer.state_dict()
+    if rtx.rank() != 0:
+        return None
+    out: dict[str, str] = {}
+
+    def visit(prefix: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            out[prefix] = h.hexdigest()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{prefix}.{i}", v)
+        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out[prefix] = repr(value)
+
+    visit("model", model_state)
+    visit("optimizer.state", optim_state.get("state", {}))
+    return out
+
+
+def training(config: dict, state: dict) -> dict:
+    """A few steps of the small transformer from a cold start: step times, graphs compiled after
+    warm-up (a failure), tokens/s; then a checkpoint saved through Ray (``save_checkpoint``)."""
+    import ray_train_xla as rtx
+    from ray_train_xla.tools.examples.train_lm import SEQ
+
+    model, optimizer, layout = build(config)
+    steps = config["train_steps"]
+    run = train_steps(config, model, optimizer, 1, steps)
+    late = [(i + 1, c) for i, c in enumerate(run["compiled"]) if i >= WARMUP_STEPS and c]
+    measured = run["step_seconds"][WARMUP_STEPS:]
+    tokens = model_config()["batch_size"] * SEQ * rtx.world_size() * len(measured)
+    digest = digests(model, optimizer, layout)
+    rtx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": steps}, {"step": steps, "check": "training"}, wait=True)
+    return {
+        "ok": not late, "layout": layout, "train_steps": steps, "warmup_steps": WARMUP_STEPS,
+        "compiled_per_step": run["compiled"], "recompiled_at": late,
+        "step_seconds": run["step_seconds"], "losses": run["losses"],
+        "tokens_per_s": tokens / sum(measured) if measured and sum(measured) else None,
+        "first_step_s": run["first_step_s"], "cold_compiles": sum(run["compiled"]),
+        "digest": digest,
+    }
+
+
+def checkpoint_round_trip(config: dict, state: dict) -> dict:
+    """Load the main phase's checkpoint into a fresh model and optimizer on this worker group
+    and digest the state: the driver compares it with the digest taken at the save."""
+    import ray_train_xla as rtx
+
+    model, optimizer, layout = build(config)
+    start = time.perf_counter()
+    rest = rtx.load_checkpoint(model, optimizer, checkpoint=config["checkpoint"])
+    seconds = time.perf_counter() - start
+    _hook(config, "after_load", model, optimizer)
+    state.update(model=model, optimizer=optimizer, step=(rest or {}).get("step", 0))
+    return {"ok": True, "layout": layout, "world_size": rtx.world_size(),
+            "load_seconds": seconds, "digest": digests(model, optimizer, layout),
+            "resumed_at_step": state["step"]}
+
+
+def restart(config: dict, state: dict) -> dict:
+    """Train on from the loaded checkpoint: the graphs the restarted group compiles (the driver
+    compares them with the cold start's and with what a persistent compile cache allows) and the
+    time from the group's start to the end of its first step."""
+    run = train_steps(config, state["model"], state["optimizer"], state["step"] + 1,
+                      config["restart_steps"])
+    return {"ok": True, "compiled_per_step": run["compiled"], "warm_compiles": sum(run["compiled"]),
+            "first_step_s": run["first_step_s"], "step_seconds": run["step_seconds"],
+            "losses": run["losses"]}

@@ -1,0 +1,169 @@
+"""``ray-train-xla check`` without Ray: its figures (nccl-tests' bandwidth definitions, the
+exact results of the collectives, the published figures), its comparison of the world with the
+plan, its judgement of each step, its report and its command line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from ray_train_xla.tools import check, check_report, check_steps
+from ray_train_xla.tools.cli import main
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    # nccl-tests doc/PERFORMANCE.md: busbw = algbw * 2(n-1)/n (all_reduce), (n-1)/n (all_gather,
+    # reduce_scatter); algbw = size / time.
+    algbw, busbw = check_report.bus_bandwidth("all_reduce", 8 * 10**9, 2.0, 8)
+    assert algbw == pytest.approx(4.0) and busbw == pytest.approx(4.0 * 14 / 8)
+    assert check_report.bus_bandwidth("all_gather", 10**9, 1.0, 4)[1] == pytest.approx(0.75)
+    assert check_report.bus_bandwidth("reduce_scatter", 10**9, 1.0, 2)[1] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 100, 300])
+def test_expected_values_are_torchs_own(world):
+    """The exact results the correctness step expects equal torch's own reductions of the same
+    inputs, and stay exact in bfloat16."""
+    count = 10
+    inputs = [torch.tensor(check_steps.pattern(r, count, world), dtype=torch.bfloat16)
+              for r in range(world)]
+    summed = torch.stack(inputs).sum(0, dtype=torch.bfloat16)
+    assert check_steps.expected("all_reduce", 0, world, count) == summed.float().tolist()
+    gathered = torch.cat(inputs)
+    assert check_steps.expected("all_gather", 1 % world, world, count) == gathered.float().tolist()
+    full = torch.stack([torch.tensor(check_steps.pattern(r, count * world, world),
+                                     dtype=torch.bfloat16) for r in range(world)]).sum(0)
+    last = world - 1
+    assert check_steps.expected("reduce_scatter", last, world, count) == \
+        full[last * count:].float().tolist()
+    assert check_steps.expected("broadcast", 0, world, count) == inputs[last].float().tolist()
+
+
+def test_sizes_and_iterations():
+    assert check_steps.sizes(64) == [8, 16, 32, 64]
+    assert check_steps.sizes(1 << 30)[-1] == 1 << 30
+    assert check_steps.iterations(8) > check_steps.iterations(1 << 30) >= 2
+
+
+def test_published_figures_name_their_source():
+    trn1n = check_report.published_for("trn1n.32xlarge", "", "within a node")
+    assert trn1n.prefix == "trn1n." and "768" in trn1n.as_published  # not trn1's figure
+    assert check_report.published_for("trn1.32xlarge", "", "across nodes").gb_s == 100
+    v6e = check_report.published_for("", "v6e-16", "within a node")
+    assert v6e.gb_s == 400 and v6e.source.startswith("https://")
+    assert check_report.published_for("", "v4-64", "within a node") is None
+    assert check_report.published_for("", "", "within a node") is None
+    assert all(p.source.startswith("https://") for p in check_report.PUBLISHED)
+
+
+def test_compare_world_names_each_difference():
+    planned = [{"RANK": "0", "LOCAL_WORLD_SIZE": "2"}, {"RANK": "1", "LOCAL_WORLD_SIZE": "2"}]
+    assert check_report.compare_world([dict(p) for p in planned], planned) == []
+    observed = [dict(planned[0]), {"RANK": "1", "LOCAL_WORLD_SIZE": "3"}]
+    assert check_report.compare_world(observed, planned) == [
+        "rank 1: LOCAL_WORLD_SIZE='3'; the plan says '2'"]
+    assert check_report.compare_world([{"RANK": "0"}], planned[:1]) == [
+        "rank 0: LOCAL_WORLD_SIZE is not set; the plan says '2'"]
+    # TorchTPU's slicebuilder ports are found free at start: only the hosts are compared.
+    tpu = [{"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.0.0.1:8070,10.0.0.2:8070"}]
+    assert check_report.compare_world(
+        [{"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.0.0.1:9001,10.0.0.2:9002"}], tpu) == []
+    assert check_report.compare_world(
+        [{"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.0.0.2:8070,10.0.0.1:8070"}], tpu)
+
+
+def _training_record(rank, compiled, digest=None):
+    return {"phase": "main", "step": "training", "rank": rank, "ray_rank": rank, "seconds": 1.0,
+            "ok": True, "layout": "replicated", "train_steps": len(compiled), "warmup_steps": 2,
+            "compiled_per_step": compiled,
+            "recompiled_at": [(i + 1, c) for i, c in enumerate(compiled) if i >= 2 and c],
+            "step_seconds": [0.1] * len(compiled), "losses": [2.0] * len(compiled),
+            "tokens_per_s": 100.0, "first_step_s": 3.0, "cold_compiles": sum(compiled),
+            "digest": digest}
+
+
+def test_judge_training_names_the_step_that_compiled():
+    step = check.judge_training([_training_record(0, [2, 1, 0, 0, 1, 0]),
+                                 _training_record(1, [2, 1, 0, 0, 0, 0])], 2, [])
+    assert step["ok"] is False
+    assert step["failures"] == ["rank 0: step 5 compiled 1 graph(s) after the 2 warm-up steps "
+                                "(every step after warm-up must reuse its graphs)"]
+
+
+def test_judge_checkpoint_and_restart():
+    saved = {"model.w": "a", "model.b": "b"}
+    training = [_training_record(0, [2, 1, 0], digest=saved)]
+    found = [
+        {"phase": "restart", "step": "checkpoint", "rank": 0, "ray_rank": 0, "seconds": 1.0,
+         "digest": dict(saved)},
+        {"phase": "reload", "step": "checkpoint", "rank": 0, "ray_rank": 0, "seconds": 1.0,
+         "digest": {"model.w": "a", "model.b": "X"}},
+        {"phase": "restart", "step": "restart", "rank": 0, "ray_rank": 0, "seconds": 1.0,
+         "warm_compiles": 1, "first_step_s": 2.0},
+    ]
+    step = check.judge_checkpoint(found, training, {}, 2)
+    assert step["ok"] is False
+    assert step["failures"] == ["at 1 worker(s): 1 of 2 tensors differ from the saved state: "
+                                "model.b"]
+    # No persistent cache on the CPU: the restart may compile the cold start's graphs again...
+    assert check.judge_restart(found, training, {}, "cpu", "xla")["ok"] is True
+    # ... but on TPU under torch_xla every graph must come from the persistent cache.
+    tpu = check.judge_restart(found, training, {}, "tpu", "xla")
+    assert tpu["ok"] is False and "persistent compile cache" in tpu["failures"][0]
+
+
+def test_a_phase_that_never_started_is_reported_not_passed():
+    errors = {"main": "WorkerSetupError: no process group"}
+    result = check.judge(check.CheckOptions(), None, "cpu", [], errors)
+    assert result["ok"] is False
+    by_name = {s["name"]: s for s in result["steps"]}
+    assert by_name["world"]["ok"] is False
+    assert by_name["correctness"]["ok"] is False
+    assert "WorkerSetupError: no process group" in by_name["correctness"]["summary"]
+
+
+def test_report_files(tmp_path):
+    rows = [{"scope": "within a node", "op": op, "bytes": b, "ranks": 2, "seconds": 1e-3,
+             "algbw": b / 1e-3 / 1e9, "busbw": b / 1e-3 / 1e9} for op in ("all_reduce", "all_gather")
+            for b in (8, 16)]
+    result = {"ok": False, "config": "TorchXLAConfig", "device": "cpu", "workers": 2, "nodes": 1,
+              "started": "now", "seconds": 1.0, "versions": {"torch": "2.9.0"},
+              "worker_versions": {"torch": "2.9.0"},
+              "steps": [{"name": "world", "ok": True, "summary": "fine", "failures": []},
+                        {"name": "bandwidth", "ok": True, "summary": "s", "failures": [],
+                         "rows": rows, "comparisons": ["within a node: none"]},
+                        {"name": "training", "ok": False, "summary": "t",
+                         "failures": ["rank 0: step 5 compiled"]},
+                        {"name": "restart", "ok": None, "summary": "not run"}],
+              "planned_env": [{"RANK": "0"}],
+              "failing_workers": [{"rank": 1, "step": "training", "error": "Boom: x",
+                                   "log_tail": "last line"}]}
+    files = check_report.write_report(result, str(tmp_path))
+    assert set(files) == {"json", "md", "png"} and os.path.getsize(files["png"]) > 1000
+    assert json.load(open(files["json"]))["steps"][2]["failures"] == ["rank 0: step 5 compiled"]
+    md = open(files["md"]).read()
+    for text in ("### training: FAIL", "- rank 0: step 5 compiled", "| within a node | all_reduce | 8 |",
+                 "RANK=0", "## Log of rank 1 (training)", "last line", "### restart: NOT RUN"):
+        assert text in md
+    table = check_report.to_table(result)
+    assert table.splitlines()[-1] == "FAIL: training, restart"
+
+
+def test_check_refuses_before_ray(capsys):
+    assert main(["check", "--config", "neuron", "--device", "tpu"]) == 2
+    assert "--config neuron runs on --device cpu or neuron, not tpu" in capsys.readouterr().err
+    assert main(["check", "--max-bytes", "4"]) == 2
+    assert "is not a size of at least 8 bytes" in capsys.readouterr().err
+    assert main(["check", "--device", "cpu", "--tpu-topology", "2x2"]) == 2
+    assert "--tpu-topology describes a TPU slice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,size", [("8", 8), ("64K", 65536), ("256MiB", 256 << 20),
+                                       ("1G", 1 << 30), ("1gb", 1 << 30)])
+def test_sizes_on_the_command_line(text, size):
+    from ray_train_xla.tools.cli import _size
+
+    assert _size(text) == size
