@@ -99,3 +99,26 @@ def test_a_step_that_raises_names_the_worker_and_stops_what_follows(ray_local, t
     assert "injected fault: rank 1 breaks in the bandwidth step" in failed["log_tail"]
     md = open(tmp_path / "report.md").read()
     assert "## Log of rank 1 (bandwidth)" in md and "injected fault: rank 1 breaks" in md
+
+
+@pytest.mark.e2e
+def test_check_on_two_nodes_times_within_and_across_nodes(two_nodes, tmp_path):
+    from collections import Counter
+
+    from ray_train_xla.tools.check import CheckOptions, run_check
+
+    from conftest import connected
+
+    with connected(two_nodes):
+        result = run_check(CheckOptions(config="neuron", device="cpu", workers=4, max_bytes=256,
+                                        timeout_s=120, out=str(tmp_path)))
+    by = {s["name"]: s for s in result["steps"]}
+    assert result["ok"] is True, [s for s in result["steps"] if not s["ok"]]
+    assert result["nodes"] == 2
+    per_node = Counter(w["node_rank"] for w in by["world"]["workers"])  # Ray places them
+    assert sorted(per_node) == [0, 1]
+    scopes = {(r["scope"], r["ranks"]) for r in by["bandwidth"]["rows"]}
+    assert scopes == {("across nodes", 4)} | {("within a node", n) for n in per_node.values()
+                                              if n > 1}
+    assert "at 4 worker(s): equal bit for bit; at 2 worker(s): equal bit for bit" in \
+        by["checkpoint"]["summary"]
