@@ -28,7 +28,7 @@ import torch
 from conftest import connected, fit, write_record
 
 # The module fixture runs four fits: its time counts against the first test.
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
 
 STEPS, MORE = 3, 2
 
