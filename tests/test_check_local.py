@@ -167,3 +167,27 @@ def test_sizes_on_the_command_line(text, size):
     from ray_train_xla.tools.cli import _size
 
     assert _size(text) == size
+
+
+def test_the_command_exits_1_and_names_each_failure(monkeypatch, capsys, tmp_path):
+    """The command line's verdict follows the steps: 1 when one failed, each failure printed
+    under the table (the run itself is tests/test_check_ray.py's)."""
+    seen = {}
+
+    def fake_run(options, hooks=None):
+        seen["options"] = options
+        return {"ok": False, "files": {"md": str(tmp_path / "report.md")}, "steps": [
+            {"name": "world", "ok": True, "summary": "fine", "failures": []},
+            {"name": "training", "ok": False, "summary": "1 problem",
+             "failures": ["rank 0: step 5 compiled 1 graph(s) after the 2 warm-up steps"]}]}
+
+    monkeypatch.setattr(check, "run_check", fake_run)
+    code = main(["check", "--config", "tpu", "--device", "cpu", "--workers", "3",
+                 "--max-bytes", "1M", "--timeout", "30", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: training" in out
+    assert "  training: rank 0: step 5 compiled 1 graph(s) after the 2 warm-up steps" in out
+    options = seen["options"]
+    assert (options.config, options.device, options.workers, options.max_bytes,
+            options.timeout_s) == ("tpu", "cpu", 3, 1 << 20, 30.0)
