@@ -50,10 +50,12 @@ def test_sizes_and_iterations():
 
 def test_published_figures_name_their_source():
     trn1n = check_report.published_for("trn1n.32xlarge", "", "within a node")
-    assert trn1n.prefix == "trn1n." and "768" in trn1n.as_published  # not trn1's figure
+    assert trn1n.prefixes == ("trn1n.",) and "768" in trn1n.as_published  # not trn1's figure
     assert check_report.published_for("trn1.32xlarge", "", "across nodes").gb_s == 100
     v6e = check_report.published_for("", "v6e-16", "within a node")
     assert v6e.gb_s == 400 and v6e.source.startswith("https://")
+    assert check_report.published_for("", "v5litepod-16", "across nodes").gb_s == 200
+    assert check_report.published_for("", "tpu7x-32", "within a node").gb_s == 600
     assert check_report.published_for("", "v4-64", "within a node") is None
     assert check_report.published_for("", "", "within a node") is None
     assert all(p.source.startswith("https://") for p in check_report.PUBLISHED)

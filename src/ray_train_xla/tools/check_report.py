@@ -42,8 +42,8 @@ class Published:
     """One published interconnect figure: ``gb_s`` is what busbw compares with (GB/s, one
     direction); ``as_published`` the figure as its source gives it."""
 
-    kind: str  # "instance" (EC2 instance type prefix) or "tpu" (TPU accelerator type prefix)
-    prefix: str
+    kind: str  # "instance" (EC2 instance type prefixes) or "tpu" (TPU accelerator type prefixes)
+    prefixes: tuple[str, ...]
     scope: str  # "within a node" or "across nodes"
     gb_s: float
     as_published: str
@@ -56,26 +56,24 @@ _GIB = 1.073741824
 # Longest prefix first (trn1n before trn1). TPU ICI figures are published as bidirectional
 # totals per chip: busbw compares with half. Within one TPU slice hosts talk over ICI too.
 PUBLISHED: tuple[Published, ...] = (
-    Published("instance", "trn1n.", "within a node", 768 * _GIB,
+    Published("instance", ("trn1n.",), "within a node", 768 * _GIB,
               "NeuronLink-v2 768 GiB/s per device", _TRN1),
-    Published("instance", "trn1n.", "across nodes", 1600 / 8, "EFA 1,600 Gbps per instance", _TRN1),
-    Published("instance", "trn1.", "within a node", 384 * _GIB,
+    Published("instance", ("trn1n.",), "across nodes", 1600 / 8, "EFA 1,600 Gbps per instance",
+              _TRN1),
+    Published("instance", ("trn1.",), "within a node", 384 * _GIB,
               "NeuronLink-v2 384 GiB/s per device", _TRN1),
-    Published("instance", "trn1.", "across nodes", 800 / 8, "EFA 800 Gbps per instance", _TRN1),
-    Published("instance", "trn2", "within a node", 1024,
+    Published("instance", ("trn1.",), "across nodes", 800 / 8, "EFA 800 Gbps per instance", _TRN1),
+    Published("instance", ("trn2",), "within a node", 1024,
               "NeuronLink-v3 1,024 GB/s per chip within an instance", _TRN2),
-    Published("instance", "trn2", "across nodes", 3200 / 8, "EFAv3 3,200 Gbps per instance", _TRN2),
-    Published("tpu", "v5litepod", "any", 400 / 2, "ICI 400 GBps per chip, bidirectional",
+    Published("instance", ("trn2",), "across nodes", 3200 / 8, "EFAv3 3,200 Gbps per instance",
+              _TRN2),
+    Published("tpu", ("v5litepod", "v5e"), "any", 400 / 2, "ICI 400 GBps per chip, bidirectional",
               "https://docs.cloud.google.com/tpu/docs/v5e"),
-    Published("tpu", "v5e", "any", 400 / 2, "ICI 400 GBps per chip, bidirectional",
-              "https://docs.cloud.google.com/tpu/docs/v5e"),
-    Published("tpu", "v5p", "any", 1200 / 2, "ICI 1,200 GBps per chip, bidirectional",
+    Published("tpu", ("v5p",), "any", 1200 / 2, "ICI 1,200 GBps per chip, bidirectional",
               "https://docs.cloud.google.com/tpu/docs/v5p"),
-    Published("tpu", "v6e", "any", 800 / 2, "ICI 800 GBps per chip, bidirectional",
+    Published("tpu", ("v6e",), "any", 800 / 2, "ICI 800 GBps per chip, bidirectional",
               "https://docs.cloud.google.com/tpu/docs/v6e"),
-    Published("tpu", "tpu7x", "any", 1200 / 2, "ICI 1,200 GB/s per chip, bidirectional",
-              "https://docs.cloud.google.com/tpu/docs/tpu7x"),
-    Published("tpu", "v7x", "any", 1200 / 2, "ICI 1,200 GB/s per chip, bidirectional",
+    Published("tpu", ("tpu7x", "v7x"), "any", 1200 / 2, "ICI 1,200 GB/s per chip, bidirectional",
               "https://docs.cloud.google.com/tpu/docs/tpu7x"),
 )
 
@@ -85,7 +83,7 @@ def published_for(instance_type: str, tpu_type: str, scope: str) -> Published | 
     TPU v4, whose per-chip figure Google does not publish, an instance type not listed)."""
     for p in PUBLISHED:
         name = instance_type if p.kind == "instance" else tpu_type
-        if name and name.lower().startswith(p.prefix) and p.scope in (scope, "any"):
+        if name and name.lower().startswith(p.prefixes) and p.scope in (scope, "any"):
             return p
     return None
 
