@@ -23,23 +23,37 @@ def test_bus_bandwidth_follows_nccl_tests():
     assert check_report.bus_bandwidth("reduce_scatter", 10**9, 1.0, 2)[1] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 8, 100, 300])
-def test_expected_values_are_torchs_own(world):
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 90, 257])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_expected_values_are_torchs_own(world, dtype):
     """The exact results the correctness step expects equal torch's own reductions of the same
-    inputs, and stay exact in bfloat16."""
-    count = 10
-    inputs = [torch.tensor(check_steps.pattern(r, count, world), dtype=torch.bfloat16)
-              for r in range(world)]
-    summed = torch.stack(inputs).sum(0, dtype=torch.bfloat16)
-    assert check_steps.expected("all_reduce", 0, world, count) == summed.float().tolist()
-    gathered = torch.cat(inputs)
-    assert check_steps.expected("all_gather", 1 % world, world, count) == gathered.float().tolist()
-    full = torch.stack([torch.tensor(check_steps.pattern(r, count * world, world),
-                                     dtype=torch.bfloat16) for r in range(world)]).sum(0)
-    last = world - 1
-    assert check_steps.expected("reduce_scatter", last, world, count) == \
-        full[last * count:].float().tolist()
-    assert check_steps.expected("broadcast", 0, world, count) == inputs[last].float().tolist()
+    inputs in the same dtype; the inputs differ from rank to rank, so data that went to the
+    wrong rank shows."""
+    count = check_steps.CHECK_ELEMENTS if world < 50 else 37  # (odd, as the check's)
+    tdtype = getattr(torch, dtype)
+
+    def inputs(op, n):
+        return [torch.tensor(check_steps.pattern(r, n, world, op, dtype), dtype=tdtype)
+                for r in range(world)]
+
+    if check_steps.checked("all_reduce", dtype, world):
+        summed = torch.stack(inputs("all_reduce", count)).sum(0, dtype=tdtype)
+        assert check_steps.expected("all_reduce", 0, world, count, dtype) == summed.float().tolist()
+        full = torch.stack(inputs("reduce_scatter", count * world)).sum(0, dtype=tdtype)
+        chunks = [check_steps.expected("reduce_scatter", r, world, count, dtype)
+                  for r in range(world)]
+        assert chunks[-1] == full[(world - 1) * count:].float().tolist()
+        if world > 1:
+            assert chunks[0] != chunks[1]  # a rank given another's chunk is seen
+    else:
+        assert world > check_steps.BF16_EXACT_WORLD and dtype == "bfloat16"
+    gathered = torch.cat(inputs("all_gather", count))
+    assert check_steps.expected("all_gather", 1 % world, world, count, dtype) == \
+        gathered.float().tolist()
+    last = inputs("broadcast", count)[-1]
+    assert check_steps.expected("broadcast", 0, world, count, dtype) == last.float().tolist()
+    if world > 1:  # a broadcast that did nothing is seen on every other rank
+        assert check_steps.pattern(0, count, world, "broadcast", dtype) != last.tolist()
 
 
 def test_sizes_and_iterations():
@@ -56,6 +70,8 @@ def test_published_figures_name_their_source():
     assert v6e.gb_s == 400 and v6e.source.startswith("https://")
     assert check_report.published_for("", "v5litepod-16", "across nodes").gb_s == 200
     assert check_report.published_for("", "tpu7x-32", "within a node").gb_s == 600
+    assert check_report.published_for("", "TPU-V6E", "across nodes").gb_s == 400  # Ray's name
+    assert check_report.published_for("TRN1.32XLARGE", "", "within a node").prefixes == ("trn1.",)
     assert check_report.published_for("", "v4-64", "within a node") is None
     assert check_report.published_for("", "", "within a node") is None
     assert all(p.source.startswith("https://") for p in check_report.PUBLISHED)
@@ -75,6 +91,16 @@ def test_compare_world_names_each_difference():
         [{"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.0.0.1:9001,10.0.0.2:9002"}], tpu) == []
     assert check_report.compare_world(
         [{"TORCH_TPU_SLICEBUILDER_ADDRESSES": "10.0.0.2:8070,10.0.0.1:8070"}], tpu)
+    # torch_xla's Neuron start-up keeps the worker's own core of the node's list: not a
+    # difference; any other core is.
+    cores = [{"NEURON_RT_VISIBLE_CORES": "4,5"}, {"NEURON_RT_VISIBLE_CORES": "4,5"}]
+    assert check_report.compare_world(
+        [{"LOCAL_RANK": "0", "NEURON_RT_VISIBLE_CORES": "4"},
+         {"LOCAL_RANK": "1", "NEURON_RT_VISIBLE_CORES": "5"}], cores) == []
+    assert check_report.compare_world(
+        [{"LOCAL_RANK": "0", "NEURON_RT_VISIBLE_CORES": "4"},
+         {"LOCAL_RANK": "1", "NEURON_RT_VISIBLE_CORES": "4"}], cores) == [
+        "rank 1: NEURON_RT_VISIBLE_CORES='4'; the plan says '4,5'"]
 
 
 def _training_record(rank, compiled, digest=None):
@@ -108,8 +134,8 @@ def test_judge_checkpoint_and_restart():
     ]
     step = check.judge_checkpoint(found, training, {}, 2)
     assert step["ok"] is False
-    assert step["failures"] == ["at 1 worker(s): 1 of 2 tensors differ from the saved state: "
-                                "model.b"]
+    assert step["failures"] == ["at 1 worker(s), rank 0: 1 of 2 tensors differ from the saved "
+                                "state: model.b"]
     # No persistent cache on the CPU: the restart may compile the cold start's graphs again...
     assert check.judge_restart(found, training, {}, "cpu", "xla")["ok"] is True
     # ... but on TPU under torch_xla every graph must come from the persistent cache.

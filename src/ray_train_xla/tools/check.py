@@ -105,18 +105,21 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
                   "max_bytes": options.max_bytes, "train_steps": options.train_steps,
                   "restart_steps": options.restart_steps}
 
+        check_resources(device, options)
+
         def fit(phase: str, workers: int, **extra) -> tuple[Any, str | None]:
-            from ray.train import FailureConfig, RunConfig
+            from ray.train import RunConfig
             from ray.train.torch import TorchTrainer
 
-            scaling = scaling_config(device, workers, options.cores_per_worker,
-                                     options.tpu_topology, options.accelerator_type)
-            trainer = TorchTrainer(
-                steps.check_loop, train_loop_config={**common, "phase": phase, **extra},
-                torch_config=config, scaling_config=scaling,
-                run_config=RunConfig(storage_path=storage, name=f"check-{phase}-{int(time.time())}",
-                                     failure_config=FailureConfig(max_failures=0)))
             try:
+                scaling = scaling_config(device, workers, options.cores_per_worker,
+                                         options.tpu_topology, options.accelerator_type)
+                trainer = TorchTrainer(
+                    steps.check_loop, train_loop_config={**common, "phase": phase, **extra},
+                    torch_config=config, scaling_config=scaling,
+                    run_config=RunConfig(storage_path=storage,
+                                         name=f"check-{phase}-{int(time.time())}",
+                                         failure_config=no_retries()))
                 return trainer.fit(), None
             except Exception as exc:  # a failed phase is a finding, reported by step
                 return None, run_failure(exc)
@@ -126,8 +129,9 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
         checkpoint = result_main.checkpoint if result_main is not None else None
         if checkpoint is not None:
             _, errors["restart"] = fit("restart", options.workers, checkpoint=checkpoint)
-            if options.workers > 1:
-                _, errors["reload"] = fit("reload", options.workers // 2, checkpoint=checkpoint)
+            if reload_workers(options, device):
+                _, errors["reload"] = fit("reload", reload_workers(options, device),
+                                          checkpoint=checkpoint)
         found = ray.get(records.get_all.remote(), timeout=options.timeout_s)
         ray.kill(records)
     result = judge(options, config, device, found, errors)
@@ -135,6 +139,45 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
                   versions=steps.versions(), storage=storage)
     result["files"] = report.write_report(result, out_dir)
     return result
+
+
+def reload_workers(options: CheckOptions, device: str) -> int:
+    """The workers of the half-size reload; 0 when there is none: one worker, or a TPU slice,
+    whose workers Ray reserves whole (half of them is not a group it places)."""
+    if options.workers < 2 or (device == "tpu" and options.workers > 1):
+        return 0
+    return options.workers // 2
+
+
+def no_retries():
+    """Neither a worker failure nor a controller failure (a worker group that cannot start,
+    which Ray Train V2 would otherwise retry without end) is retried."""
+    from ray.train import FailureConfig
+
+    try:
+        return FailureConfig(max_failures=0, controller_failure_limit=0)  # Ray Train V2
+    except TypeError:
+        return FailureConfig(max_failures=0)  # V1 has no controller
+
+
+def check_resources(device: str, options: CheckOptions) -> None:
+    """Refuse, before any worker starts, a check the cluster has not the resources for (Ray
+    would wait for them)."""
+    import ray
+
+    from ray_train_xla.tools.examples.cluster import NEURON_RESOURCE, TPU_RESOURCE
+
+    have = ray.cluster_resources()
+    per_worker = {"CPU": 1.0}
+    if device in ("neuron", "tpu"):
+        per_worker[NEURON_RESOURCE if device == "neuron" else TPU_RESOURCE] = \
+            float(options.cores_per_worker)
+    for name, amount in per_worker.items():
+        if have.get(name, 0.0) < amount * options.workers:
+            raise CheckUsageError(
+                f"{options.workers} workers need {amount * options.workers:g} {name} in all; "
+                f"the cluster has {have.get(name, 0.0):g}: give fewer --workers"
+                + (" or --cores-per-worker" if name != "CPU" else ""))
 
 
 # ---- judging -----------------------------------------------------------------------------------
@@ -168,13 +211,15 @@ def judge(options: CheckOptions, config, device: str, found: list[dict],
         out_steps.append(judge_step(records, workers, world) if records else
                          _missing(name, "main", errors, found))
     training = _by(found, "main", "training")
-    out_steps.append(judge_checkpoint(found, training, errors, workers))
+    out_steps.append(judge_checkpoint(found, training, errors, workers,
+                                      reload_workers(options, device)))
     out_steps.append(judge_restart(found, training, errors, device, options.config))
     failing = [{"rank": r["rank"], "phase": r["phase"], "step": r["step"], "error": r["error"],
                 "log_tail": r.get("log_tail", "")} for r in found if r.get("error")]
     phase_errors = {p: e for p, e in errors.items() if e}
-    nodes = len({w["facts"]["node_id"] for w in world}) if world else 0
-    first = world[0] if world else {}
+    reported = [w for w in world if not w.get("error")]
+    nodes = len({w["facts"]["node_id"] for w in reported})
+    first = reported[0] if reported else {}
     return {
         "ok": all(s.get("ok") is True for s in out_steps),
         "config": CONFIG_CLASSES[options.config], "device": device, "workers": workers,
@@ -275,25 +320,27 @@ def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> d
 
 
 def _hardware(world: list[dict]) -> tuple[str, str]:
-    if not world:
+    """(instance type, TPU type) of the first worker that reported its world."""
+    reported = [w for w in world if not w.get("error")]
+    if not reported:
         return "", ""
-    return world[0].get("instance_type", ""), world[0]["facts"].get("tpu_accelerator_type", "")
+    return (reported[0].get("instance_type", ""),
+            reported[0]["facts"].get("tpu_accelerator_type", ""))
 
 
 def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dict:
     failures = _failed_records(records)
     times: dict[tuple, list[float]] = {}
-    ranks: dict[tuple, int] = {}
     for r in records:
         for row in r.get("rows", []):
-            key = (row["scope"], row["op"], row["bytes"])
+            # Nodes of different sizes time different groups: the group size is in the key.
+            key = (row["scope"], row["op"], row["bytes"], row["ranks"])
             times.setdefault(key, []).append(row["seconds"])
-            ranks[key] = row["ranks"]
     rows = []
-    for (scope, op, size), seconds in times.items():
+    for (scope, op, size, ranks), seconds in times.items():
         slowest = max(seconds)  # a collective ends when its slowest rank does
-        algbw, busbw = report.bus_bandwidth(op, size, slowest, ranks[(scope, op, size)])
-        rows.append({"scope": scope, "op": op, "bytes": size, "ranks": ranks[(scope, op, size)],
+        algbw, busbw = report.bus_bandwidth(op, size, slowest, ranks)
+        rows.append({"scope": scope, "op": op, "bytes": size, "ranks": ranks,
                      "seconds": slowest, "algbw": algbw, "busbw": busbw})
     comparisons = []
     instance, tpu = _hardware(world)
@@ -311,7 +358,8 @@ def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dic
     return {"name": "bandwidth", "ok": not failures and len(records) == workers,
             "summary": (f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons))
             if rows else "no timings",
-            "failures": failures, "rows": sorted(rows, key=lambda r: (r["scope"], r["op"], r["bytes"])),
+            "failures": failures,
+            "rows": sorted(rows, key=lambda r: (r["scope"], r["op"], r["ranks"], r["bytes"])),
             "comparisons": comparisons, "seconds": max(r["seconds"] for r in records)}
 
 
@@ -329,8 +377,9 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
     r0 = ok[0]
     step_s = statistics.median(t for r in ok for t in r["step_seconds"][r["warmup_steps"]:])
     losses = r0["losses"]
-    if not all(x == x and abs(x) != float("inf") for x in losses):
-        failures.append(f"rank {r0['rank']}: a loss is not finite: {losses}")
+    for r in ok:
+        if not all(x == x and abs(x) != float("inf") for x in r["losses"]):
+            failures.append(f"rank {r['rank']}: a loss is not finite: {r['losses']}")
     return {"name": "training", "ok": not failures and len(records) == workers,
             "summary": (f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
                         f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
@@ -352,29 +401,37 @@ def _compare_digests(saved: dict, loaded: dict) -> list[str]:
     return out
 
 
-def judge_checkpoint(found: list[dict], training: list[dict], errors: dict, workers: int) -> dict:
-    saved = next((r.get("digest") for r in training if r.get("digest")), None)
+def judge_checkpoint(found: list[dict], training: list[dict], errors: dict, workers: int,
+                     half: int | None = None) -> dict:
+    """Every loaded state (each rank's own copy when replicated, the gathered full state when
+    sharded) against the state saved (rank 0's digest at the save)."""
+    saved = next((r.get("digest") for r in sorted(training, key=lambda r: r["rank"])
+                  if r.get("digest")), None)
     if saved is None:
         return _missing("checkpoint", "main", errors, found) if not training else \
             _not_run("checkpoint", "the training step saved no checkpoint")
+    half = workers // 2 if half is None else half
     failures, parts, seconds = [], [], []
-    phases = [("restart", workers)] + ([("reload", workers // 2)] if workers > 1 else [])
-    for phase, size in phases:
+    for phase, size in [("restart", workers)] + ([("reload", half)] if half else []):
         records = _by(found, phase, "checkpoint")
         failures += _failed_records(records)
-        loaded = next((r["digest"] for r in records if r.get("digest")), None)
+        loaded = [r for r in records if r.get("digest")]
         seconds += [r["seconds"] for r in records]
-        if loaded is None:
+        if not loaded:
             if not _failed_records(records):
                 failures.append(f"at {size} worker(s): no state loaded"
                                 + (f" ({errors[phase]})" if errors.get(phase) else ""))
             continue
-        diff = _compare_digests(saved, loaded)
-        failures += [f"at {size} worker(s): {d}" for d in diff]
+        diff = [f"at {size} worker(s), rank {r['rank']}: {d}" for r in loaded
+                for d in _compare_digests(saved, r["digest"])]
+        failures += diff
         if not diff:
             parts.append(f"at {size} worker(s): equal bit for bit")
+    if not half:
+        parts.append("no half-size reload (one worker, or a TPU slice, which Ray reserves whole)")
     return {"name": "checkpoint", "ok": not failures,
-            "summary": (f"{len(saved)} tensors saved through Ray; " + "; ".join(parts))
+            "summary": (f"{len(saved)} tensors and settings saved through Ray; "
+                        + "; ".join(parts))
             if not failures else f"{len(failures)} problem(s) reloading the checkpoint",
             "failures": failures, "seconds": max(seconds, default=None)}
 

@@ -35,8 +35,11 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = ("float32", "bfloat16")
 WARMUP_STEPS = 2  # training steps that may compile (the first step, then the optimizer's state)
-# Elements per rank of the correctness checks: not a power of two, so padding shows.
-CHECK_ELEMENTS = 1000
+# Elements per rank of the correctness checks: odd and not a power of two, so padding shows and
+# no rank's chunk of a periodic pattern looks like another's.
+CHECK_ELEMENTS = 1001
+# bfloat16 holds every integer up to 256 exactly: its sums are checked exactly up to this world.
+BF16_EXACT_WORLD = 256
 LOG_TAIL_LINES = 40
 
 
@@ -104,7 +107,7 @@ def check_loop(config: dict) -> None:
     steps = {"main": (world, correctness, bandwidth, training),
              "restart": (checkpoint_round_trip, restart),
              "reload": (checkpoint_round_trip,)}[phase]
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"loop_start": time.time()}
     ray_rank = ray.train.get_context().get_world_rank()
     for step in steps:
         name = step.__name__.replace("checkpoint_round_trip", "checkpoint")
@@ -188,27 +191,45 @@ def versions() -> dict:
 # ---- collectives -----------------------------------------------------------------------------
 
 
-def pattern(rank: int, count: int, world: int) -> list[int]:
-    """Rank ``rank``'s values: small integers, so that every sum of ``world`` of them is exact in
-    bfloat16 (integers up to 256) and in float32."""
-    modulus = 4 if 3 * world <= 256 else 2 if world <= 256 else 1
-    return [(rank + i) % modulus for i in range(count)]
+def value(rank: int, i: int, world: int, op: str, dtype: str) -> int:
+    """Rank ``rank``'s value at place ``i`` for ``op``: integers that differ from rank to rank
+    and from place to place (so data sent to the wrong rank or place shows), all exact in
+    ``dtype``: below 4093 in float32 (every sum of up to 4,096 ranks is below 2^24), below 251
+    in bfloat16, and for bfloat16 reductions 0 or 1 (1 where ``rank < i mod (world + 1)``), so
+    that every sum, 0 to ``world``, is exact up to 256 ranks (beyond, see ``checked``) and
+    differs from place to place."""
+    if dtype == "float32":
+        return (rank * 1009 + i) % 4093
+    if op in ("all_gather", "broadcast"):
+        return (rank * 7 + i) % 251
+    return 1 if rank < i % (world + 1) else 0
 
 
-def expected(op: str, rank: int, world: int, count: int) -> list[int]:
+def pattern(rank: int, count: int, world: int, op: str = "all_reduce",
+            dtype: str = "float32") -> list[int]:
+    """Rank ``rank``'s ``count`` input values for ``op`` (see ``value``)."""
+    return [value(rank, i, world, op, dtype) for i in range(count)]
+
+
+def checked(op: str, dtype: str, world: int) -> bool:
+    """Whether ``op`` in ``dtype`` can be checked exactly on ``world`` ranks."""
+    return not (dtype == "bfloat16" and op in ("all_reduce", "reduce_scatter")
+                and world > BF16_EXACT_WORLD)
+
+
+def expected(op: str, rank: int, world: int, count: int, dtype: str = "float32") -> list[int]:
     """The exact result of ``op`` on rank ``rank`` of ``world`` when every rank r contributes
     ``pattern`` (reduce_scatter: ``pattern`` of ``count * world`` values; broadcast: from the
-    last rank)."""
+    last rank). Only the places this rank receives are computed: count x world values."""
     if op == "all_reduce":
-        per_rank = [pattern(r, count, world) for r in range(world)]
-        return [sum(vals) for vals in zip(*per_rank)]
+        return [sum(value(r, i, world, op, dtype) for r in range(world)) for i in range(count)]
     if op == "all_gather":
-        return [v for r in range(world) for v in pattern(r, count, world)]
+        return [v for r in range(world) for v in pattern(r, count, world, op, dtype)]
     if op == "reduce_scatter":
-        full = [pattern(r, count * world, world) for r in range(world)]
-        return [sum(vals) for vals in zip(*full)][rank * count:(rank + 1) * count]
+        return [sum(value(r, i, world, op, dtype) for r in range(world))
+                for i in range(rank * count, (rank + 1) * count)]
     if op == "broadcast":
-        return pattern(world - 1, count, world)
+        return pattern(world - 1, count, world, op, dtype)
     raise ValueError(op)
 
 
@@ -247,12 +268,17 @@ def correctness(config: dict, state: dict) -> dict:
     for op in OPS:
         for dtype_name in DTYPES:
             dtype = getattr(torch, dtype_name)
+            if not checked(op, dtype_name, n):
+                results.append({"op": op, "dtype": dtype_name, "ok": True, "wrong_elements": 0,
+                                "first_wrong": None, "skipped": f"bfloat16 sums of {n} ranks "
+                                "are not exact"})
+                continue
             count = CHECK_ELEMENTS * (n if op == "reduce_scatter" else 1)
-            tensor = torch.tensor(pattern(r, count, n), dtype=dtype).to(device)
+            tensor = torch.tensor(pattern(r, count, n, op, dtype_name), dtype=dtype).to(device)
             out = run_op(op, tensor, n)
             rtx.sync()
             got = out.float().cpu().tolist()
-            want = [float(v) for v in expected(op, r, n, CHECK_ELEMENTS)]
+            want = [float(v) for v in expected(op, r, n, CHECK_ELEMENTS, dtype_name)]
             wrong = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
             if len(got) != len(want):
                 wrong = wrong or [min(len(got), len(want))]
@@ -308,15 +334,15 @@ def device_memory_bytes() -> int | None:
 
 def _time_op(op: str, size: int, n: int, device, group=None) -> float:
     """Seconds for one ``op`` of ``size`` bytes (the nccl-tests size: the whole buffer of
-    all_gather and reduce_scatter), the mean of ``iterations(size)`` after one untimed run."""
+    all_gather and reduce_scatter, a multiple of ``4 * n``), the mean of ``iterations(size)``
+    after one untimed run."""
     import torch
     import torch.distributed as dist
 
     import ray_train_xla as rtx
     from ray_train_xla.toolkit import device as device_layer
 
-    elements = max(n, size // 4)
-    elements -= elements % n
+    elements = size // 4
     per_rank = elements // n if op == "all_gather" else elements
     tensor = torch.ones(per_rank, dtype=torch.float32).to(device)
     out = None
@@ -375,7 +401,11 @@ def bandwidth(config: dict, state: dict) -> dict:
     nodes = _nodes(config, n)  # [[ranks of node 0], ...], from the world step's records
     if len(nodes) > 1:
         scopes.append(("across nodes", None, n))
-        groups = [dist.new_group(ranks) for ranks in nodes]  # every rank creates every group
+        # Every rank creates every group. torch_xla's backend needs the replica groups of all
+        # the nodes (its mesh) for a group of some ranks.
+        options = ({"pg_options": {"xla_pg_options": {"mesh": nodes}}}
+                   if dist.get_backend() == "xla" else {})
+        groups = [dist.new_group(ranks, **options) for ranks in nodes]
         mine = next((g, len(ranks)) for g, ranks in zip(groups, nodes) if rtx.rank() in ranks)
         if mine[1] > 1:
             scopes.append(("within a node", mine[0], mine[1]))
@@ -385,8 +415,12 @@ def bandwidth(config: dict, state: dict) -> dict:
     for scope, group, members in scopes:
         for op in BANDWIDTH_OPS:
             for size in sizes(cap):
-                rows.append({"scope": scope, "op": op, "bytes": size, "ranks": members,
-                             "seconds": _time_op(op, size, members, device, group)})
+                # As nccl-tests: all_gather's and reduce_scatter's buffer is rounded down to a
+                # whole number of float32 elements a rank (the size moved is reported).
+                moved = size if op == "all_reduce" else size // (4 * members) * 4 * members
+                if moved >= 4:
+                    rows.append({"scope": scope, "op": op, "bytes": moved, "ranks": members,
+                                 "seconds": _time_op(op, moved, members, device, group)})
     return {"ok": True, "rows": rows, "cap_bytes": cap, "device_memory_bytes": memory}
 
 
@@ -435,9 +469,8 @@ def tokens_for(step: int, rank: int):
 
 def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
     """``count`` steps from step ``first`` (1-based); per step its time and the graphs compiled
-    during it, and the time from the worker group's start to the end of the first one."""
+    during it, and when the first one ended (Unix seconds)."""
     import ray_train_xla as rtx
-    from ray_train_xla.planning.contract import worker_context
     from ray_train_xla.tools.examples.train_lm import lm_loss
 
     device = rtx.get_device()
@@ -462,14 +495,32 @@ def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
         prev = now
         if first_step_at is None:
             first_step_at = time.time()
-    group_start = worker_context().group_start
     return {"compiled": compiled, "step_seconds": times, "losses": losses,
-            "first_step_s": (first_step_at - group_start) if group_start else None}
+            "first_step_at": first_step_at}
+
+
+def time_to_first_step(state: dict, started: float, first_step_at: float) -> dict:
+    """The worker group's start to this worker's first training step, without the check's own
+    steps before it: the group's set-up (its start to the training function) plus the time from
+    ``started`` (building the model, and loading it on a restart) to the first step's end."""
+    group_start = worker_context_group_start()
+    setup = state["loop_start"] - group_start if group_start else None
+    to_step = first_step_at - started
+    return {"setup_s": setup, "first_step_s": None if setup is None else setup + to_step,
+            "build_to_first_step_s": to_step}
+
+
+def worker_context_group_start() -> float:
+    from ray_train_xla.planning.contract import worker_context
+
+    return worker_context().group_start
 
 
 def digests(model, optimizer, layout: str) -> dict[str, str] | None:
     """sha256 of every tensor of the full model and optimizer state (names, dtype, shape and
-    bytes), on rank 0 (None elsewhere): two states are equal bit for bit when these are."""
+    bytes) and every hyperparameter: two states are equal bit for bit when these are. Sharded
+    (FSDP2): the full state, gathered on rank 0 (None elsewhere). Replicated: every rank's own
+    copy."""
     import torch
 
     import ray_train_xla as rtx
@@ -487,7 +538,7 @@ def digests(model, optimizer, layout: str) -> dict[str, str] | None:
     else:
         model_state = model.state_dict()
         optim_state = optimizer.state_dict()
-    if rtx.rank() != 0:
+    if layout.startswith("FSDP2") and rtx.rank() != 0:
         return None
     out: dict[str, str] = {}
 
@@ -508,6 +559,7 @@ def digests(model, optimizer, layout: str) -> dict[str, str] | None:
 
     visit("model", model_state)
     visit("optimizer.state", optim_state.get("state", {}))
+    visit("optimizer.param_groups", optim_state.get("param_groups", []))
     return out
 
 
@@ -517,6 +569,7 @@ def training(config: dict, state: dict) -> dict:
     import ray_train_xla as rtx
     from ray_train_xla.tools.examples.train_lm import SEQ
 
+    started = time.time()
     model, optimizer, layout = build(config)
     steps = config["train_steps"]
     run = train_steps(config, model, optimizer, 1, steps)
@@ -531,8 +584,8 @@ def training(config: dict, state: dict) -> dict:
         "compiled_per_step": run["compiled"], "recompiled_at": late,
         "step_seconds": run["step_seconds"], "losses": run["losses"],
         "tokens_per_s": tokens / sum(measured) if measured and sum(measured) else None,
-        "first_step_s": run["first_step_s"], "cold_compiles": sum(run["compiled"]),
-        "digest": digest,
+        **time_to_first_step(state, started, run["first_step_at"]),
+        "cold_compiles": sum(run["compiled"]), "digest": digest,
     }
 
 
@@ -541,6 +594,7 @@ def checkpoint_round_trip(config: dict, state: dict) -> dict:
     and digest the state: the driver compares it with the digest taken at the save."""
     import ray_train_xla as rtx
 
+    state["started"] = time.time()
     model, optimizer, layout = build(config)
     start = time.perf_counter()
     rest = rtx.load_checkpoint(model, optimizer, checkpoint=config["checkpoint"])
@@ -555,9 +609,9 @@ def checkpoint_round_trip(config: dict, state: dict) -> dict:
 def restart(config: dict, state: dict) -> dict:
     """Train on from the loaded checkpoint: the graphs the restarted group compiles (the driver
     compares them with the cold start's and with what a persistent compile cache allows) and the
-    time from the group's start to the end of its first step."""
+    time from the group's start to the end of its first step (set-up, model, load, step)."""
     run = train_steps(config, state["model"], state["optimizer"], state["step"] + 1,
                       config["restart_steps"])
     return {"ok": True, "compiled_per_step": run["compiled"], "warm_compiles": sum(run["compiled"]),
-            "first_step_s": run["first_step_s"], "step_seconds": run["step_seconds"],
-            "losses": run["losses"]}
+            **time_to_first_step(state, state["started"], run["first_step_at"]),
+            "step_seconds": run["step_seconds"], "losses": run["losses"]}

@@ -226,8 +226,9 @@ def _add_check(sub) -> argparse.ArgumentParser:
     check.add_argument("--max-bytes", type=_size, default=1 << 30, metavar="SIZE",
                        help="largest message of the bandwidth sweep (default 1GiB)")
     check.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                       help="bound on the process group's start and on each collective, and on "
-                       "each answer to the driver (the config's timeout_s; default 300)")
+                       help="the config's timeout_s: bound on the process group's start, on "
+                       "gloo's collectives (not the device's) and on each answer to the driver "
+                       "(default 300)")
     check.add_argument("--json", action="store_true", help="print report.json's content")
     add_cluster_args(check, device_default="auto")
     return check
