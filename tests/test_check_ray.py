@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from ray_train_xla.tools.check_steps import CHECK_ELEMENTS
 from ray_train_xla.tools.cli import main
 
 pytestmark = pytest.mark.ray
@@ -65,7 +66,8 @@ def test_injected_faults_are_reported_by_name_and_step(ray_local, tmp_path):
     assert by["world"]["failures"] == ["rank 1: LOCAL_WORLD_SIZE='3'; the plan says '2'"]
     wrong = by["correctness"]["failures"]
     assert len(wrong) == 1 and wrong[0].startswith(
-        "rank 1: all_reduce bfloat16: 1000 wrong element(s), the first at index 0: got ")
+        f"rank 1: all_reduce bfloat16: {CHECK_ELEMENTS} wrong element(s), the first at index 0: "
+        "got 1.0, expected 0.0")
     assert by["bandwidth"]["ok"] is True  # the broken all_reduce was bfloat16 only
     assert by["training"]["failures"] == [
         f"rank {r}: step 5 compiled 1 graph(s) after the 2 warm-up steps (every step after "
