@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -98,14 +97,13 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
     with ray_session(options.address, num_cpus=max(2, options.workers + 1), log_to_driver=False):
         device = resolve_device(options.device)
         config = torch_config(options, device)
+        check_resources(device, options)
         records = ray.remote(steps.Records).options(num_cpus=0).remote()
         common = {"records": records, "hooks": hooks, "timeout_s": options.timeout_s,
                   "device": device, "native": options.config != "xla",
                   "native_tpu": options.config == "tpu" and device == "tpu",
                   "max_bytes": options.max_bytes, "train_steps": options.train_steps,
                   "restart_steps": options.restart_steps}
-
-        check_resources(device, options)
 
         def fit(phase: str, workers: int, **extra) -> tuple[Any, str | None]:
             from ray.train import RunConfig
@@ -202,7 +200,6 @@ def judge(options: CheckOptions, config, device: str, found: list[dict],
     workers = options.workers
     world = _by(found, "main", "world")
     out_steps = []
-    planned_env: list[dict] = []
     world_step, planned_env = judge_world(config, world, workers)
     out_steps.append(world_step)
     for name, judge_step in (("correctness", judge_correctness), ("bandwidth", judge_bandwidth),
@@ -297,7 +294,7 @@ def judge_world(config, world: list[dict], workers: int) -> tuple[dict, list[dic
                   f"{len(failures)} difference(s) from the plan"))
     return ({"name": "world", "ok": not failures, "summary": summary, "failures": failures,
              "workers": rows, "seconds": max((w["seconds"] for w in world), default=None)},
-            [{k: v for k, v in p.items()} for p in planned])
+            planned)
 
 
 def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> dict:
@@ -473,11 +470,3 @@ def judge_restart(found: list[dict], training: list[dict], errors: dict, device:
             "cold_first_step_s": cold_s, "warm_first_step_s": warm_s,
             "cold_compiles": cold, "warm_compiles": warm,
             "seconds": max(r["seconds"] for r in records)}
-
-
-def default_out() -> str:
-    return os.path.join(os.getcwd(), "ray-train-xla-check")
-
-
-def temporary_out() -> str:
-    return tempfile.mkdtemp(prefix="ray-train-xla-check-")

@@ -29,6 +29,8 @@ import time
 import traceback
 from typing import Any
 
+from ray_train_xla.tools.demo import Records as DemoRecords
+
 # Steps in report order, and the phase each one runs in.
 STEPS = ("world", "correctness", "bandwidth", "training", "checkpoint", "restart")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -47,16 +49,10 @@ class StepFailed(Exception):
     """A step could not go on (raised after the step's record was sent)."""
 
 
-class Records:
+class Records(DemoRecords):
     """The Ray actor every worker sends its findings to (it works on any cluster: workers on
     other nodes cannot write into the driver's files, and Ray Train V2 keeps no metrics reported
-    without a checkpoint)."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def add(self, record: dict) -> None:
-        self.records.append(record)
+    without a checkpoint): the demo's, which also answers which ranks share a node."""
 
     def get_all(self) -> list[dict]:
         return list(self.records)
@@ -503,17 +499,13 @@ def time_to_first_step(state: dict, started: float, first_step_at: float) -> dic
     """The worker group's start to this worker's first training step, without the check's own
     steps before it: the group's set-up (its start to the training function) plus the time from
     ``started`` (building the model, and loading it on a restart) to the first step's end."""
-    group_start = worker_context_group_start()
+    from ray_train_xla.planning.contract import worker_context
+
+    group_start = worker_context().group_start
     setup = state["loop_start"] - group_start if group_start else None
     to_step = first_step_at - started
     return {"setup_s": setup, "first_step_s": None if setup is None else setup + to_step,
             "build_to_first_step_s": to_step}
-
-
-def worker_context_group_start() -> float:
-    from ray_train_xla.planning.contract import worker_context
-
-    return worker_context().group_start
 
 
 def digests(model, optimizer, layout: str) -> dict[str, str] | None:
