@@ -1,4 +1,4 @@
-"""Native TorchNeuron on real Ray (Train V2, and V1 under ``make test``): two nodes x two
+"""Native TorchNeuron on real Ray (Train V2, and V1 under ``make test-e2e``): two nodes x two
 workers with fake ``neuron_cores`` and the torch-neuronx double (Ray's plain
 ``TorchConfig(backend="neuron")`` fails the same contract on V1 and V2: test_native_plan); and the
 same training code on CPU workers without torch_xla.
@@ -6,14 +6,16 @@ same training code on CPU workers without torch_xla.
 The double is autoloaded on every worker at ``import torch``, through a ``torch.backends`` entry
 point as the real package (``tests/doubles/autoload`` on the workers' path), so a config gets
 as far as it would on Trainium, and what the double reads at import (its collective
-settings) shows whether the config's ``env`` was in place before torch was imported. Two fits
-under V2, one under V1.
+settings) shows whether the config's ``env`` was in place before torch was imported. The CPU
+twin's fit (4 workers, 2 a node) also trains FSDP2 HSDP: sharded within a node, replicated
+across the nodes, equal to torch's unsharded run. Two fits under V2, one under V1.
 """
 
 import json
 import os
 import shutil
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -138,10 +140,13 @@ def test_native_neuron_on_two_nodes_passes_the_double(two_nodes):
         assert r["loader"] == {"len": 2, "rows": [r["rank"], r["rank"] + 4]}
 
 
-def train_halves(config):
-    """The same loop as on Trainium: helpers only; each worker trains on its half of the batch."""
+def train_twin(config):
+    """The same loop as on Trainium, on 4 CPU workers (2 a node): helpers only, each worker on
+    its quarter of the batch; then FSDP2 HSDP on a ``("replicate", "fsdp")`` mesh, one replica
+    per node (``get_sharded_mesh("hsdp")``)."""
     import sys
 
+    import fsdp2_worker as w
     import ray.train.torch
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -152,7 +157,8 @@ def train_halves(config):
     model = rtx.prepare_model(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
     x, y = torch.tensor(config["x"]), torch.tensor(config["y"])
-    loader = rtx.prepare_data_loader(DataLoader(TensorDataset(x, y), batch_size=len(x) // 2,
+    loader = rtx.prepare_data_loader(DataLoader(TensorDataset(x, y),
+                                                batch_size=len(x) // rtx.world_size(),
                                                 shuffle=False))
     for _ in range(config["steps"]):
         for xb, yb in loader:
@@ -166,7 +172,8 @@ def train_halves(config):
     rtx.rendezvous("after-compile")
     state = {"model": model.state_dict(), "step": config["steps"]}
     rtx.save_checkpoint(state, metrics={"step": config["steps"]})
-    write_record(config, f"rank{rtx.rank()}", {
+    record = {
+        "rank": rtx.rank(),
         "weight": model.weight.detach().flatten().tolist(),
         "bias": model.bias.detach().tolist(),
         "compiles": rtx.metrics()["xla/compiles"] - before,
@@ -174,23 +181,59 @@ def train_halves(config):
         "mean": rtx.all_reduce(torch.tensor([float(rtx.rank())]), op="mean").item(),
         "devices": [str(rtx.get_device()), str(ray.train.torch.get_device()), str(xb.device)],
         "backend": torch.distributed.get_backend(),
-        "torch_xla_loaded": sorted(m for m in sys.modules if m.startswith("torch_xla")),
-    })
+    }
+
+    # HSDP: parameters sharded within a node, replicated across the nodes.
+    mesh = rtx.get_sharded_mesh("hsdp")
+    lm = rtx.prepare_sharded_model(w.make_lm(), mesh, auto_wrap_policy={w.block_class()})
+    lm_opt = w.optimizer(lm)
+    for step in range(HSDP_STEPS):
+        lm_opt.zero_grad()
+        w.loss_of(lm, w.rows(step, rtx.rank(), rtx.world_size())).backward()
+        rtx.clip_grad_norm_(lm, 1.0)
+        rtx.optimizer_step(lm_opt)
+    lm_state = w.named_state(lm)
+    param = next(lm.parameters())
+    record["hsdp"] = {
+        "node_rank": rtx.node_rank(), "node_id": ray.get_runtime_context().get_node_id(),
+        "mesh": mesh.mesh.tolist(), "axes": list(mesh.mesh_dim_names),
+        "placements": str(param.placements), "local_rows": param.to_local().shape[0],
+        "rows": param.shape[0],
+        "diff": w.max_diff(lm_state["model"], w.reference(HSDP_STEPS)),
+        "moved": w.max_diff(lm_state["model"], w.make_lm().state_dict()),
+    }
+    # Last: nothing above (Transformers included) brought torch_xla in.
+    record["torch_xla_loaded"] = sorted(m for m in sys.modules if m.startswith("torch_xla"))
+    write_record(config, f"rank{rtx.rank()}", record)
 
 
-@pytest.mark.skipif(not is_train_v2(), reason="Train V1 starts native workers in "
-                    "test_native_neuron_on_two_nodes_passes_the_double (suite budget)")
-def test_cpu_twin_two_workers_equal_one_process(two_nodes):
+HSDP_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def twin(two_nodes):
+    """One fit of ``train_twin``: TorchNeuronConfig's CPU twin, 4 workers on the two nodes."""
     import torch
     from ray.train import ScalingConfig
 
+    if not is_train_v2():
+        pytest.skip("Train V1 starts native workers in "
+                    "test_native_neuron_on_two_nodes_passes_the_double (suite budget)")
     torch.manual_seed(123)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     loop = {"x": x.tolist(), "y": y.tolist(), "lr": 0.1, "steps": 3}
-    result, records = fit(train_halves, loop_config=loop,
-                          scaling_config=ScalingConfig(num_workers=2,
-                                                       resources_per_worker={"CPU": 1}),
-                          torch_config=TorchNeuronConfig(device="cpu", timeout_s=60))
+    result, records = fit(train_twin, loop_config=loop,
+                          scaling_config=ScalingConfig(
+                              num_workers=4, resources_per_worker={"CPU": 1, "slot": 1}),
+                          torch_config=TorchNeuronConfig(device="cpu", timeout_s=120))
+    return SimpleNamespace(x=x, y=y, result=result,
+                           records=sorted(records, key=lambda r: r["rank"]))
+
+
+def test_cpu_twin_four_workers_equal_one_process(twin):
+    import torch
+
+    x, y = twin.x, twin.y
     torch.manual_seed(0)  # rank 0's initialisation
     ref = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -198,14 +241,29 @@ def test_cpu_twin_two_workers_equal_one_process(two_nodes):
         opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         opt.step()
-    assert len(records) == 2
-    for r in records:
+    assert [r["rank"] for r in twin.records] == [0, 1, 2, 3]
+    for r in twin.records:
         assert r["torch_xla_loaded"] == []
         assert r["devices"] == ["cpu", "cpu", "cpu"] and r["backend"] == "gloo"
         assert torch.allclose(torch.tensor(r["weight"]), ref.weight.detach().flatten(), atol=1e-5)
         assert torch.allclose(torch.tensor(r["bias"]), ref.bias.detach(), atol=1e-5)
-        assert r["compiles"] == 2 and r["broadcast"] == 1.0 and r["mean"] == 0.5
-    with result.checkpoint.as_directory() as path:
+        assert r["compiles"] == 2 and r["broadcast"] == 1.0 and r["mean"] == 1.5
+    with twin.result.checkpoint.as_directory() as path:
         saved = torch.load(os.path.join(path, "checkpoint.pt"), weights_only=False)
     assert saved["step"] == 3
-    assert torch.allclose(saved["model"]["weight"].flatten(), torch.tensor(records[0]["weight"]))
+    assert torch.allclose(saved["model"]["weight"].flatten(),
+                          torch.tensor(twin.records[0]["weight"]))
+
+
+def test_hsdp_shards_within_a_node_replicates_across_nodes_and_trains_like_one_device(twin):
+    records = [r["hsdp"] for r in twin.records]
+    assert len({str(r["mesh"]) for r in records}) == 1
+    assert records[0]["mesh"] == [[0, 1], [2, 3]] and records[0]["axes"] == ["replicate", "fsdp"]
+    for row in records[0]["mesh"]:  # each shard group (a row) is one node, the rows two nodes
+        assert len({records[r]["node_id"] for r in row}) == 1
+        assert {records[r]["node_rank"] for r in row} == {row[0] // 2}
+    assert records[0]["node_id"] != records[2]["node_id"]
+    for r in records:
+        assert r["placements"] == "(Replicate(), Shard(dim=0))"
+        assert r["local_rows"] * 2 == r["rows"]  # half of each parameter on each worker
+        assert r["moved"] > 1e-3 and r["diff"] <= 1e-5  # torch's unsharded run of the same data
