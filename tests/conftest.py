@@ -5,7 +5,8 @@ Ray clusters are started once per kind and session (``shared_cluster``): one nod
 accelerators (``one_node``) and two nodes (``two_nodes``); each module connects to one with its
 own job ``runtime_env`` (test doubles, setup hooks) and disconnects at its end, which ends its
 job's workers. The modules of one kind run one after another (``pytest_collection_modifyitems``),
-so each kind starts once. Modules that change a cluster (add or drain nodes) start their own.
+so each kind starts once. Modules that change a cluster (add or drain nodes) start their own,
+after the shared ones have ended.
 """
 
 from __future__ import annotations
@@ -110,9 +111,21 @@ def cluster_kind(item) -> str | None:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The modules of one shared cluster run one after another, after every other test."""
-    order = [None, *CLUSTERS]
-    items.sort(key=lambda item: order.index(cluster_kind(item)))  # stable
+    """The tests without Ray first; then the modules of one shared cluster one after another;
+    last the Ray tests that start clusters of their own (one cluster on the machine at a time:
+    the shared ones are shut down before them, ``pytest_runtest_setup``)."""
+    def rank(item) -> int:
+        kind = cluster_kind(item)
+        if kind is not None:
+            return 1 + list(CLUSTERS).index(kind)
+        return 1 + len(CLUSTERS) if item.get_closest_marker("ray") else 0
+
+    items.sort(key=rank)  # stable
+
+
+def pytest_runtest_setup(item):
+    if cluster_kind(item) is None and item.get_closest_marker("ray"):
+        close_shared_clusters()
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,16 @@ configs' CPU twins (4 and 3 workers), its checkpoints moved between world sizes,
 the replicated/sharded seam. Every training result is compared with torch's own unsharded run
 of the same model and data; every restored state with the state saved, bit for bit, by name.
 
-Four fits, each using the checkpoints of the ones before:
+Three fits, each using the checkpoints of the ones before:
 
-- xla: FSDPv2 trains and saves (``ckpt_xla``);
 - four: FSDP2 on 4 workers trains (with and without per-block sharding, with activation
-  checkpointing, in bf16) and saves (``ckpt4``); loads ``ckpt_xla``;
+  checkpointing, in bf16) and saves (``ckpt4``);
+- xla: FSDPv2 trains and saves (``ckpt_xla``); loads ``ckpt4``, written by FSDP2; and, first,
+  a replicated MLP under SPMD on the same 4 devices (``test_ray_spmd_tpu.spmd_train``);
 - three: 3 workers (TorchTPUConfig's twin): a mismatched model refused and untouched; ``ckpt4``
   restored onto uneven shards and trained on like the fixed run; ``ckpt_xla`` restored and
-  saved again (``ckpt_back``); ``ckpt4`` into a replicated model; a replicated checkpoint into
-  FSDP2; a format-1 FSDPv2 checkpoint;
-- xla again: FSDPv2 restores ``ckpt_back``, written by FSDP2.
+  saved again; ``ckpt4`` into a replicated model; a replicated checkpoint into FSDP2; a
+  format-1 FSDPv2 checkpoint.
 
 (The elastic test reshards FSDP2 checkpoints 4 -> 2 -> 4 workers.)
 """
@@ -27,7 +27,7 @@ import torch
 
 from conftest import connected, fit, write_record
 
-# The module fixture runs four fits: its time counts against the first test.
+# The module fixture runs three fits: its time counts against the first test.
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
 
 STEPS, MORE = 3, 2
@@ -113,6 +113,10 @@ def train_and_save(config):
     import ray_train_xla as rtx
 
     record = {}
+    if config.get("mlp"):  # first, on a fresh device: test_ray_spmd_tpu's SPMD MLP
+        import test_ray_spmd_tpu
+
+        test_ray_spmd_tpu.spmd_train(config, record="mlp")
     model, opt = _sharded_lm()
     _train(model, opt, 0, STEPS, config)
     ref = w.reference(STEPS)
@@ -235,21 +239,25 @@ def write_format1(dump: dict, directory: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(one_node, tmp_path_factory):
-    """The four fits, in order (each needs the checkpoints of the ones before)."""
+    """The three fits, in order (each needs the checkpoints of the ones before)."""
     from ray_train_xla import TorchNeuronConfig, TorchTPUConfig
 
     tmp = tmp_path_factory.mktemp("fsdp2")
     out: dict = {}
-    result, out["xla"] = fit(train_and_save, loop_config={"spmd": True, "dump": str(tmp / "xla.pt")},
-                             torch_config=xla_config(), scaling_config=xla_scaling())
-    ckpt_xla = result.checkpoint.path
-    out["xla_files"] = sorted(os.listdir(ckpt_xla))
     result, out["four"] = fit(
-        train_and_save,
-        loop_config={"dump": str(tmp / "four.pt"), "load": ckpt_xla, "load_dump": str(tmp / "xla.pt")},
+        train_and_save, loop_config={"dump": str(tmp / "four.pt")},
         torch_config=TorchNeuronConfig(device="cpu", timeout_s=120), scaling_config=native_scaling(4))
     ckpt4 = result.checkpoint.path
     out["four_files"] = sorted(os.listdir(ckpt4))
+    result, records = fit(
+        train_and_save,
+        loop_config={"spmd": True, "mlp": True, "dump": str(tmp / "xla.pt"), "load": ckpt4,
+                     "load_dump": str(tmp / "four.pt")},
+        torch_config=xla_config(), scaling_config=xla_scaling())
+    out["mlp"] = [r for r in records if "losses" in r]
+    out["xla"] = [r for r in records if "losses" not in r]
+    ckpt_xla = result.checkpoint.path
+    out["xla_files"] = sorted(os.listdir(ckpt_xla))
     dump4 = torch.load(tmp / "four.pt", weights_only=False)
     write_replicated(dump4, str(tmp / "replicated"))
     write_format1(torch.load(tmp / "xla.pt", weights_only=False), str(tmp / "format1"))
@@ -260,11 +268,7 @@ def runs(one_node, tmp_path_factory):
                               "replicated_ckpt": str(tmp / "replicated"),
                               "v1_ckpt": str(tmp / "format1")},
         torch_config=TorchTPUConfig(device="cpu", timeout_s=120), scaling_config=native_scaling(3))
-    ckpt_back = result.checkpoint.path
-    out["back_marker"] = open(os.path.join(ckpt_back, "sharded.json")).read()
-    _, out["xla_back"] = fit(
-        restore, loop_config={"spmd": True, "dump_xla": str(tmp / "xla.pt"), "ckpt_xla": ckpt_back},
-        torch_config=xla_config(), scaling_config=xla_scaling())
+    out["back_marker"] = open(os.path.join(result.checkpoint.path, "sharded.json")).read()
     out["ckpt4"], out["dump4"] = ckpt4, str(tmp / "four.pt")
     return out
 
@@ -312,10 +316,9 @@ def test_a_mismatched_model_is_refused_and_left_untouched(runs):
 
 
 def test_checkpoints_move_between_torch_xla_fsdpv2_and_fsdp2_both_ways(runs):
-    assert all(rec["load_exact"] for rec in runs["four"])  # FSDPv2 -> FSDP2 on 4 workers
+    (xla,) = runs["xla"]
+    assert xla["load_exact"] is True  # FSDP2 (4 workers) -> FSDPv2 (4 devices)
     assert all(rec["exact_xla"] for rec in runs["three"])  # FSDPv2 -> FSDP2 on 3 workers
-    (back,) = runs["xla_back"]
-    assert back["exact_xla"] is True  # FSDP2 (3 workers) -> FSDPv2 (4 devices)
     for rec in runs["three"]:  # a format-1 FSDPv2 checkpoint (prefixed keys, positions)
         assert rec["exact_v1"] is True and rec["extra_v1"] == {"step": STEPS}
 
@@ -342,3 +345,27 @@ def test_consolidate_hf_of_an_fsdp2_checkpoint_loads_with_the_trained_models_log
         want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
     assert not torch.allclose(want, w.make_lm().eval()(input_ids=ids).logits, atol=1e-3)  # trained
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_spmd_on_four_virtual_cpu_devices_matches_plain_training(runs):
+    """A replicated MLP, its batch sharded over the SPMD worker's 4 devices, trains like plain
+    PyTorch on the whole batch (run at the start of the xla fit)."""
+    import multiprocessing
+
+    import test_ray_spmd_tpu as spmd
+
+    (rec,) = runs["mlp"]
+    assert rec["is_spmd"] is True and rec["devices"] == 4
+    assert rec["mesh"] == {"data": 4, "model": 1}
+    assert rec["specs"] and all(s == "{devices=[4,1]0,1,2,3}" for s in rec["specs"])
+    assert rec["pg"] == ["gloo", 0, 1]
+
+    # The same training without SPMD (plain PyTorch on CPU, same init and data), in a fresh
+    # process: a CPU backward here would size autograd's device queues before torch_xla
+    # registers its device, and later in-process XLA tests would then fail.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        losses, params = pool.apply(spmd.plain_training)
+    assert losses[-1] < losses[0]  # it trains
+    assert rec["losses"] == pytest.approx(losses, abs=1e-5)
+    for got, want in zip(rec["params"], params):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)

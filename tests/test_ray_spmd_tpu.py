@@ -1,7 +1,7 @@
-"""Real Ray Train: SPMD on virtual XLA CPU devices, and TPU planning with Ray-assigned TPU ids
-(fake ``TPU`` resources: Ray assigns ids and sets TPU_* variables as on a TPU host)."""
+"""Real Ray Train: TPU planning with Ray-assigned TPU ids (fake ``TPU`` resources: Ray assigns ids
+and sets TPU_* variables as on a TPU host). SPMD on virtual XLA CPU devices (``spmd_train``,
+``plain_training``) is checked in test_fsdp2_ray's xla fit, which has the same config."""
 
-import multiprocessing
 import os
 
 import pytest
@@ -56,7 +56,9 @@ def train_steps(model, batches, sync=None):
     return losses
 
 
-def spmd_train(config):
+def spmd_train(config, record: str = "rank0"):
+    """A replicated MLP, its batch sharded over the worker's devices (the SPMD test runs it at
+    the start of test_fsdp2_ray's xla fit, on the same config)."""
     import torch.distributed as dist
     import torch_xla
     import torch_xla.runtime as xr
@@ -75,7 +77,7 @@ def spmd_train(config):
             yield xb, yb
 
     losses = train_steps(model, batches(), sync=torch_xla.sync)
-    write_record(config, "rank0", {
+    write_record(config, record, {
         "is_spmd": xr.is_spmd(),
         "devices": xr.global_runtime_device_count(),
         "mesh": dict(mesh.shape()),
@@ -91,30 +93,6 @@ def plain_training():
     x, y = make_data()
     losses = train_steps(model, [(x, y)] * STEPS)
     return losses, [p.detach().flatten().tolist() for p in model.parameters()]
-
-
-def test_spmd_on_four_virtual_cpu_devices_matches_plain_training(ray_tpu):
-    import torch
-
-    from ray_train_xla import TorchXLAConfig
-
-    config = TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=4, timeout_s=120)
-    _, records = fit(spmd_train, num_workers=1, torch_config=config)
-    (rec,) = records
-    assert rec["is_spmd"] is True and rec["devices"] == 4
-    assert rec["mesh"] == {"data": 4, "model": 1}
-    assert rec["specs"] and all(s == "{devices=[4,1]0,1,2,3}" for s in rec["specs"])
-    assert rec["pg"] == ["gloo", 0, 1]
-
-    # The same training without SPMD (plain PyTorch on CPU, same init and data), in a fresh
-    # process: a CPU backward here would size autograd's device queues before torch_xla
-    # registers its device, and later in-process XLA tests would then fail.
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        losses, params = pool.apply(plain_training)
-    assert losses[-1] < losses[0]  # it trains
-    assert rec["losses"] == pytest.approx(losses, abs=1e-5)
-    for got, want in zip(rec["params"], params):
-        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
 
 
 TPU_KEYS = ("PJRT_DEVICE", "TPU_VISIBLE_CHIPS", "TPU_PROCESS_BOUNDS", "TPU_HOST_BOUNDS",
