@@ -18,9 +18,7 @@ import pytest
 
 from conftest import connected
 
-# The FSDP2 run on TorchNeuronConfig's twin is in `make test`; the FSDPv2 and TorchTPUConfig
-# runs only in `make test-e2e` (the 20 minutes of `make test` hold one of the three).
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 STEPS, CRASH_AT = 8, 4
 BUCKETS = [64, 128]
@@ -48,8 +46,7 @@ def read_logs(out_dir: str) -> dict[int, list[dict]]:
     return logs
 
 
-@pytest.fixture(scope="module", params=[pytest.param("xla", marks=pytest.mark.e2e), "neuron",
-                                        pytest.param("tpu", marks=pytest.mark.e2e)])
+@pytest.fixture(scope="module", params=["xla", "neuron", "tpu"])
 def run(request, cluster, tmp_path_factory):
     """One fit of the example on this config: 8 steps, a crash after step 4, a resume."""
     name = request.param
