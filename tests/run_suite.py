@@ -58,6 +58,11 @@ def main(argv: list[str]) -> int:
               flush=True)
         sys.stdout.write(log.read())
     print(f"\n== exit status: Ray tests {ray_status}, the others {local_status}", flush=True)
+    return combined(ray_status, local_status)
+
+
+def combined(ray_status: int, local_status: int) -> int:
+    """The suite's exit status from its two halves'."""
     for status in (ray_status, local_status):
         if status not in (0, NO_TESTS):
             return status
