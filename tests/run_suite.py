@@ -11,7 +11,6 @@ when neither half has a test."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ def main(argv: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
     with tempfile.TemporaryFile(mode="w+") as log:
         local = subprocess.Popen([*pytest, "-m", without_ray, *rest], stdout=log,
-                                 stderr=subprocess.STDOUT, env=os.environ.copy())
+                                 stderr=subprocess.STDOUT)
         try:
             ray_status = subprocess.call([*pytest, "-m", with_ray, *rest])
             local_status = local.wait()
