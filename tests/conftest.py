@@ -6,7 +6,8 @@ accelerators (``one_node``) and two nodes (``two_nodes``); each module connects 
 own job ``runtime_env`` (test doubles, setup hooks) and disconnects at its end, which ends its
 job's workers. The modules of one kind run one after another (``pytest_collection_modifyitems``),
 so each kind starts once. Modules that change a cluster (add or drain nodes) start their own,
-after the shared ones have ended.
+after the shared ones have ended. One cluster at a time in a pytest process: `make test` runs
+two processes side by side (``run_suite.py``), so two clusters at a time on the machine.
 """
 
 from __future__ import annotations
@@ -56,16 +57,23 @@ def local_ray(num_cpus: int = 6, **init_kwargs):
 # one_node also exports Ray's metrics for Prometheus on a port of its own (its
 # ``metrics_export_port``; only where Ray's metrics agent is installed, ``ray[default]``),
 # every second rather than every 10 s, for ``test_goodput_ray.py``.
+# Neither runs Ray Train V2's preemption watcher (an actor per worker group that polls the GCS
+# for node drains, 2.5 s of CPU to start): no test on them drains a node. The tests of
+# preemptions (test_elastic_ray.py, test_sharded_preemption.py) start clusters of their own, with
+# the watcher.
+NO_PREEMPTION_WATCHER = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 CLUSTERS = {
-    "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4, "metrics": True},
-    "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2, "TPU": 2},
+    "one_node": {"nodes": 1, "cpus_per_node": 6, "TPU": 4, "neuron_cores": 4, "metrics": True,
+                 "env": NO_PREEMPTION_WATCHER},
+    "two_nodes": {"nodes": 2, "cpus_per_node": 3, "neuron_cores": 2, "TPU": 2,
+                  "env": NO_PREEMPTION_WATCHER},
 }
 _shared: dict = {}  # kind -> the running Cluster (at most one at a time)
 
 
 def shared_cluster(kind: str):
     """The running cluster of this kind (started on first use, after shutting down the other
-    kind's: one at a time on this machine)."""
+    kind's: one at a time in this process)."""
     if kind not in _shared:
         close_shared_clusters()
         _shared[kind] = new_cluster(**CLUSTERS[kind])
@@ -112,7 +120,7 @@ def cluster_kind(item) -> str | None:
 
 def pytest_collection_modifyitems(session, config, items):
     """The tests without Ray first; then the modules of one shared cluster one after another;
-    last the Ray tests that start clusters of their own (one cluster on the machine at a time:
+    last the Ray tests that start clusters of their own (one cluster at a time in this process:
     the shared ones are shut down before them, ``pytest_runtest_setup``)."""
     def rank(item) -> int:
         kind = cluster_kind(item)
@@ -270,32 +278,54 @@ NEURON_ON_CPU = {"RTX_TEST_NEURON_ON_CPU": "1"}
 TPU_WITHOUT_CLIENT = {"RTX_TEST_TPU_WITHOUT_CLIENT": "1"}
 
 
-def new_cluster(nodes: int = 2, cpus_per_node: int = 3, metrics: bool = False, **node_resources):
+def new_cluster(nodes: int = 2, cpus_per_node: int = 3, metrics: bool = False,
+                env: dict | None = None, **node_resources):
     """A Ray cluster of ``nodes`` nodes on this machine (``ray.cluster_utils.Cluster``), not
     connected. Every node gets ``slot`` = 2 so that two workers asking for ``{"slot": 1}`` land
     per node. ``metrics``: the head node serves Ray's metrics for Prometheus on a free port,
-    ``cluster.metrics_export_port``, exported every second."""
+    ``cluster.metrics_export_port``, exported every second. ``env``: environment variables of
+    the nodes' processes (their raylets pass them on to every worker and actor)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster()
     cluster.metrics_export_port = None
     try:
-        for i in range(nodes):
-            extra = {}
-            if metrics and i == 0:
-                cluster.metrics_export_port = extra["metrics_export_port"] = _free_port()
-                extra["_system_config"] = {"metrics_report_interval_ms": 1000}
-            cluster.add_node(
-                num_cpus=cpus_per_node,
-                resources={"slot": 2, **node_resources},
-                include_dashboard=False,
-                **extra,
-            )
-        cluster.wait_for_nodes()
+        with environment(env or {}):
+            _add_nodes(cluster, nodes, cpus_per_node, metrics, node_resources)
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """``os.environ`` updated with ``env`` within the block, as it was after."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _add_nodes(cluster, nodes: int, cpus_per_node: int, metrics: bool, node_resources: dict):
+    for i in range(nodes):
+        extra = {}
+        if metrics and i == 0:
+            cluster.metrics_export_port = extra["metrics_export_port"] = _free_port()
+            extra["_system_config"] = {"metrics_report_interval_ms": 1000}
+        cluster.add_node(
+            num_cpus=cpus_per_node,
+            resources={"slot": 2, **node_resources},
+            include_dashboard=False,
+            **extra,
+        )
+    cluster.wait_for_nodes()
 
 
 def _free_port() -> int:
