@@ -30,7 +30,7 @@ test: setup lint
 
 test-e2e: setup
 	$(PYTEST) -q -m e2e tests
-	RAY_TRAIN_V2_ENABLED=0 $(PYTEST) -q -m "train_v1 and not e2e" tests
+	RAY_TRAIN_V2_ENABLED=0 $(PYTEST) -q -m train_v1 tests
 
 # Every figure of benchmarks/run.py (about 15 minutes here); BENCH_ARGS=--quick for a few.
 bench: setup

@@ -1,7 +1,9 @@
 """Run a selection of the suite as two pytest processes side by side: the tests that use Ray
 (marker ``ray``: real clusters, one after another, as ``conftest.py`` orders them) and the tests
-that do not. The Ray tests wait for their clusters and workers a good part of the time; the
-others (plans, contracts in subprocesses, local helpers) use that time.
+that do not, followed in their process by the Ray tests marked ``beside`` (on a cluster of that
+process's own). The Ray tests wait for their clusters and workers a good part of the time; the
+others (plans, contracts in subprocesses, local helpers) use that time, and the ``beside``
+modules the time left when they are done.
 
     python tests/run_suite.py -m "not e2e" [pytest options]
 
@@ -34,8 +36,10 @@ def split_marker(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def halves(expr: str | None) -> tuple[str, str]:
+    """The -m expressions of the two processes: the Ray tests but those marked ``beside``; the
+    tests without Ray, then those."""
     base = f"({expr}) and " if expr else ""
-    return base + "ray", base + "not ray"
+    return base + "ray and not beside", base + "(not ray or beside)"
 
 
 def main(argv: list[str]) -> int:

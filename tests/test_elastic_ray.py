@@ -26,7 +26,8 @@ from conftest import is_train_v2, write_record
 
 # The FSDP2 run is in `make test`; the replicated one (the same scenario, the path the toolkit had
 # first) only in `make test-e2e`.
-pytestmark = [pytest.mark.ray]
+# `make test` runs it in its second process, after the tests without Ray (tests/run_suite.py).
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 ROWS, FEATURES, GLOBAL_BATCH = 40, 3, 4  # 10 global batches an epoch
 STEPS = 14  # into the second epoch

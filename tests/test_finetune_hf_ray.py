@@ -18,7 +18,7 @@ import pytest
 
 from conftest import connected
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 STEPS, CRASH_AT = 8, 4
 BUCKETS = [64, 128]

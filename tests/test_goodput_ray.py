@@ -20,7 +20,8 @@ import pytest
 
 from conftest import connected, fit, write_record
 
-pytestmark = [pytest.mark.ray]
+# `make test` runs it in its second process, after the tests without Ray (tests/run_suite.py).
+pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 STEPS = 10  # steps of the run (the restarted attempt resumes after the checkpoint)
 CHECKPOINT_AT = 3

@@ -154,6 +154,7 @@ def test_xrt_runtime_stops_the_servers_its_workers_started(neuron_ray):
         other.wait()
 
 
+@pytest.mark.e2e  # the refusal itself: test_neuron_plan.py and test_native_plan.py, in make test
 def test_two_cores_per_worker_are_refused_at_start_with_the_fix(neuron_ray):
     message = fit_failure(
         neuron_env_probe, scaling_config=neuron_scaling(1, cores_per_worker=2),

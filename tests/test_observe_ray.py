@@ -27,7 +27,8 @@ import pytest
 
 from conftest import fit, write_record
 
-pytestmark = [pytest.mark.ray]
+# `make test-e2e`; `make test` has test_profiling_local.py and test_compile_causes_local.py.
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 CONFIG_WINDOW, FUNCTION_WINDOW, OUTSIDE_STEPS = (5, 2), (12, 3), 3
 SHAPE_CHANGE_STEP, CHECK_EVERY, MIN_STEPS, MAX_STEPS = 20, 10, 40, 3000

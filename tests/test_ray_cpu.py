@@ -28,6 +28,7 @@ def raw_xla_all_reduce(config):
     })
 
 
+@pytest.mark.e2e  # xla:// rendezvous of real torch_xla processes: test_rendezvous_errors.py
 def test_one_worker_runs_raw_torch_xla(ray_local):
     _, records = fit(raw_xla_all_reduce, num_workers=1)
     (rec,) = records

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import fit, is_train_v2, write_record
 
-pytestmark = [pytest.mark.ray]
+# `make test-e2e` (its V1 pass too); `make test` has test_reporting_local.py.
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 STEPS, CKPT_EVERY = 8, 2
 

@@ -49,6 +49,7 @@ def sharded_train(config):
     write_record(config, f"rank{r}", record)
 
 
+@pytest.mark.e2e  # make test: test_sharded_local.py, and FSDPv2 on Ray in test_fsdp2_ray.py
 def test_a_worker_saves_its_shards_another_restores_them_on_another_mesh(two_nodes, tmp_path):
     from ray.train import ScalingConfig
 
