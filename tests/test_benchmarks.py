@@ -117,3 +117,19 @@ def test_fsdp2_benchmark_takes_the_slower_rank_of_each_round():
     assert t["toolkit_blocked_s"] == [0.2, 0.3] and t["dcp_blocked_s"] == [2.0, 3.0]
     assert abs(t["ratio"] - 0.25 / 2.5) < 1e-12 and t["target_met"]
     assert [round(r, 9) for r in t["ratio_per_rep"]] == [0.1, 0.1]
+
+
+def test_fsdp2_results_say_why_a_target_is_not_met():
+    """bench_fsdp2's report adds, for each target not met, what the figures show about why:
+    the stall's copy floor and the storage speed below which the target holds."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_fsdp2
+
+    stall = {"state_bytes": 200e6, "params": 1e7, "threads": [1], "toolkit_blocked_s": [0.1],
+             "dcp_blocked_s": [0.5], "toolkit_background_s": [1.0], "dcp_report_s": [0.1],
+             "ratio": 0.2, "ratio_per_rep": [0.2], "target_met": False}
+    lines = "\n".join(bench_fsdp2.why_not({"stall_summary": stall}))
+    assert "Why the stall target is not met" in lines and "speed" not in lines
+    # 100 MB a rank copied in 0.1 s; dcp.save must take 1.00 s: storage below 100 MB/s
+    assert "1000 MB/s" in lines and "1.00 s or more" in lines and "slower than 100 MB/s" in lines
+    assert bench_fsdp2.why_not({"stall_summary": {**stall, "target_met": True}}) == []
