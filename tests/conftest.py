@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import pytest
 
@@ -290,27 +291,12 @@ def new_cluster(nodes: int = 2, cpus_per_node: int = 3, metrics: bool = False,
     cluster = Cluster()
     cluster.metrics_export_port = None
     try:
-        with environment(env or {}):
+        with mock.patch.dict(os.environ, env or {}):
             _add_nodes(cluster, nodes, cpus_per_node, metrics, node_resources)
     except BaseException:
         cluster.shutdown()
         raise
     return cluster
-
-
-@contextlib.contextmanager
-def environment(env: dict):
-    """``os.environ`` updated with ``env`` within the block, as it was after."""
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _add_nodes(cluster, nodes: int, cpus_per_node: int, metrics: bool, node_resources: dict):
