@@ -2,14 +2,18 @@
 fake clock write a run of two worker groups (a failure after a checkpoint, a restart) into a
 run directory; the reader, the buckets, the CLI table and the PNG are checked against the
 times the test chose. The same path under Ray, against a wall-clock audit, is in
-``test_goodput_ray.py``."""
+``test_goodput_ray.py``. Then the steps of loops that call a plain ``optimizer.step()``, seen
+through torch's optimizer hook, each counted once (``toolkit/steps.py``)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 
+from ray_train_xla.toolkit import steps
 from ray_train_xla.toolkit import timeline as tl_mod
 from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.timeline import Timeline
@@ -294,3 +298,207 @@ def test_a_timeline_behind_keeps_a_bounded_buffer_and_says_how_much_it_dropped(t
              for line in storage.read_bytes(part).decode().splitlines()]
     dropped = [line for line in lines if line.get("kind") == "dropped"]
     assert len(dropped) == 1 and dropped[0]["records"] >= 6
+
+
+# ---- steps ended by a plain optimizer.step(): torch's global optimizer hook (steps.py) --------
+
+
+@pytest.fixture
+def hooked():
+    """The step count's optimizer hook, installed as the backend does at the function's start."""
+    steps.reset()
+    assert steps.install_optimizer_hook()
+    yield
+    steps.uninstall_optimizer_hook()
+    steps.reset()
+
+
+def _opt(kind=torch.optim.SGD, **kw):
+    p = torch.nn.Parameter(torch.zeros(3))
+    return p, kind([p], lr=0.1, **kw)
+
+
+def _grad(*params) -> None:
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+
+def test_a_plain_optimizer_step_loop_counts_every_step_and_its_time(tmp_path, hooked, monkeypatch):
+    """The loop of the sharded paths (no optimizer_step, no step_done): every opt.step() ends a
+    step; the productive time and the data wait goodput reads match the loop's own clock within
+    1% of the wall time; the data wait is only the time in the loader's next(), not the work (or
+    a sync) between two steps."""
+    from ray_train_xla.toolkit.data import _timed
+
+    n, data_s, compute_s, after_s = 30, 0.002, 0.004, 0.002
+    storage = RunStorage.at(str(tmp_path))
+    tl = Timeline(attempt="A", rank=0, world=1, storage=storage)
+    monkeypatch.setattr(tl_mod, "_active", tl)  # where the loader's data wait goes
+    steps.add_step_hook(tl.on_step)
+
+    def batches():
+        for _ in range(n):
+            time.sleep(data_s)
+            yield torch.randn(8, 4)
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    own_data, ends = [], []
+    it = _timed(batches())
+    while True:
+        t0 = time.time()
+        try:
+            x = next(it)
+        except StopIteration:
+            break
+        own_data.append(time.time() - t0)
+        with torch.no_grad():  # (no autograd on the CPU here: the XLA tests after these need it)
+            model.weight.grad = (x.T @ model(x)).T / len(x)
+            model.bias.grad = model(x).mean(0)
+        time.sleep(compute_s)
+        opt.step()
+        ends.append(time.time())
+        time.sleep(after_s)  # a torch_xla.sync() after the step: the next step's time
+    tl.end()
+    assert steps.steps_done() == n
+    result = goodput.goodput_of(str(tmp_path))
+    (worker,) = result.attempts[0].workers
+    assert worker.steps == n
+    own_productive = sum(ends[i] - ends[i - 1] - own_data[i] for i in range(1, n))
+    tolerance = 0.01 * result.wall
+    assert result.buckets["productive"] == pytest.approx(own_productive, abs=tolerance)
+    assert result.buckets["data_wait"] == pytest.approx(sum(own_data), abs=tolerance)
+    assert result.buckets["data_wait"] < 0.5 * (ends[-1] - ends[0])  # the batches' wait only
+    assert sum(result.buckets.values()) == pytest.approx(result.wall)
+
+
+def test_optimizer_step_counts_once_with_the_hook(hooked):
+    import ray_train_xla as rtx
+
+    seen = []
+    steps.add_step_hook(seen.append)
+    p, opt = _opt(momentum=0.9)
+    q, other = _opt()
+    for _ in range(4):
+        _grad(p, q)
+        rtx.optimizer_step(opt, sync=False)
+        other.step()  # a second optimizer stepped plainly: the loop marks its own steps
+    assert seen == [1, 2, 3, 4] and steps.steps_done() == 4
+
+
+def test_step_done_after_a_plain_step_counts_once_and_then_marks_the_steps(hooked):
+    """The first opt.step() ends step 1 (the hook); the step_done() right after it marks
+    nothing more; from then on steps end at step_done(), where the loop marks them."""
+    where, phase = [], ["?"]
+    steps.add_step_hook(lambda n: where.append((n, phase[0])))
+    p, opt = _opt()
+    for _ in range(4):
+        _grad(p)
+        phase[0] = "step"
+        opt.step()
+        phase[0] = "done"
+        assert steps.step_done() == steps.steps_done()
+    assert where == [(1, "step"), (2, "done"), (3, "done"), (4, "done")]
+    # step_done() before the step: counted there, the step() after it counts nothing.
+    steps.reset()
+    steps.install_optimizer_hook()
+    for _ in range(3):
+        steps.step_done()
+        _grad(p)
+        opt.step()
+    assert steps.steps_done() == 3
+
+
+def test_several_optimizers_count_the_steps_of_the_first_one_stepped(hooked):
+    """A GAN's two optimizers (or parameter groups split over two): one step per step() of the
+    lead, the first stepped; a wrapper that is itself a hooked optimizer, Ray's
+    prepare_optimizer wrapper, a scheduler's patched step() and the state priming of a
+    checkpoint load count nothing more; when the lead goes quiet, the other takes over."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    d_p, d_opt = _opt(torch.optim.Adam)
+    g_p, g_opt = _opt(torch.optim.Adam)
+    primed = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    _init_optim_state(primed)  # set_optimizer_state_dict's priming step(): not a step
+    assert primed.state and steps.steps_done() == 0
+    torch.optim.lr_scheduler.StepLR(d_opt, step_size=1)
+    for _ in range(3):
+        _grad(d_p, g_p)
+        d_opt.step()
+        g_opt.step()
+    assert steps.steps_done() == 3
+    for _ in range(3):  # the discriminator frozen: the generator becomes the lead
+        _grad(g_p)
+        g_opt.step()
+    assert steps.steps_done() == 3 + 3  # (it stepped after the lead's last step: then twice)
+
+    class Outer(torch.optim.Optimizer):  # a hooked wrapper (as ZeroRedundancyOptimizer)
+        def __init__(self, inner):
+            super().__init__(inner.param_groups[0]["params"], {})
+            self.inner = inner
+
+        def step(self, closure=None):
+            return self.inner.step(closure)
+
+    steps.reset()
+    steps.install_optimizer_hook()
+    outer = Outer(g_opt)
+    for _ in range(3):
+        _grad(g_p)
+        outer.step()
+    assert steps.steps_done() == 3
+    from ray.train.torch.train_loop_utils import _WrappedOptimizer  # prepare_optimizer's
+
+    wrapped = _WrappedOptimizer(g_opt)
+    for _ in range(2):
+        _grad(g_p)
+        wrapped.step()
+    assert steps.steps_done() == 5
+    steps.uninstall_optimizer_hook()
+    g_opt.step()
+    assert steps.steps_done() == 5 and not steps.optimizer_hook_installed()
+
+
+def test_an_error_in_the_hook_is_warned_once_and_never_reaches_the_step(hooked, caplog):
+    def broken(n):
+        raise RuntimeError("broken step hook (test)")
+
+    steps.add_step_hook(broken)
+    p, opt = _opt()
+    for _ in range(3):
+        _grad(p)
+        opt.step()  # does not raise
+    assert p.detach().tolist() == pytest.approx([-0.3] * 3)  # every step() did its work
+    warnings = [r for r in caplog.records if "optimizer hook failed" in r.getMessage()]
+    assert len(warnings) == 1 and "broken step hook" in warnings[0].getMessage()
+    assert steps.steps_done() == 3
+
+
+def test_the_training_function_wrapper_hooks_the_optimizers_then_unhooks_them():
+    """As the backend runs a training function (``startup/report_flush.py``): the hook is on while
+    it runs, its plain steps reach the timeline, and it is off when it returns or raises."""
+    from ray_train_xla.startup import report_flush
+
+    steps.reset()
+    seen = {}
+
+    def train(fail=False):
+        assert steps.optimizer_hook_installed()
+        p, opt = _opt()
+        for _ in range(3):
+            _grad(p)
+            opt.step()
+        seen["timeline"] = tl_mod.active().report_metrics().get("timeline/steps")
+        if fail:
+            raise RuntimeError("injected (test)")
+
+    try:
+        report_flush._then_flush(train)()
+        assert seen["timeline"] == 3 and not steps.optimizer_hook_installed()
+        with pytest.raises(RuntimeError, match="injected"):
+            report_flush._then_flush(train)(fail=True)
+        assert seen["timeline"] == 3 and not steps.optimizer_hook_installed()
+        assert steps.steps_done() == 6 and tl_mod.active() is None
+    finally:
+        steps.uninstall_optimizer_hook()
+        steps.reset()

@@ -95,8 +95,9 @@ class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
             warning names the cause, the graph and the line that cut it. Costs time at each
             compilation only (measured in docs/debugging.md).
         profile_steps: (start, count): every worker captures a profile of steps start ..
-            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
-            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            start + count - 1 (counted from 1 by ``optimizer_step``, ``step_done`` or a plain
+            ``optimizer.step()``, each step once) into the run's storage,
+            ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here: the
@@ -163,8 +164,9 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
             NFS) so graphs compiled once are reused by every worker and later runs. None keeps
             the native default, ``/tmp/neff_cache``, which is per node.
         profile_steps: (start, count): every worker captures a profile of steps start ..
-            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
-            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            start + count - 1 (counted from 1 by ``optimizer_step``, ``step_done`` or a plain
+            ``optimizer.step()``, each step once) into the run's storage,
+            ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
@@ -226,8 +228,9 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
         compile_cache: ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a directory every host
             shares. None keeps TorchTPU's default.
         profile_steps: (start, count): every worker captures a profile of steps start ..
-            start + count - 1 (counted by ``optimizer_step``/``step_done`` from 1) into the
-            run's storage, ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
+            start + count - 1 (counted from 1 by ``optimizer_step``, ``step_done`` or a plain
+            ``optimizer.step()``, each step once) into the run's storage,
+            ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker

@@ -7,7 +7,9 @@ function that raises is not held (the run fails with its error).
 
 The same wrapper starts the worker's step timeline (``toolkit/timeline.py``) with the function
 and ends it when the function returns or raises (a failure, for goodput), writing its last
-events into the run's storage.
+events into the run's storage. Around the function it also installs the step count's hook on
+torch's optimizers (``toolkit/steps.py``), so a loop that calls a plain ``optimizer.step()`` has
+its steps counted (once), and removes it when the function ends.
 
 Ray Train V2 starts the function in ``ThreadRunner.run`` (``worker_group/thread_runner.py``),
 after the backend's ``on_training_start``: that method is wrapped. V1 creates its session (and
@@ -29,8 +31,9 @@ _patches = Patches()
 def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
     @functools.wraps(fn)
     def train_fn_then_flush(*args: Any, **kwargs: Any) -> Any:
-        from ray_train_xla.toolkit import profiling, reporting, timeline
+        from ray_train_xla.toolkit import profiling, reporting, steps, timeline
 
+        _hook_optimizers(steps)
         _begin_timeline(timeline)
         try:
             profiling.training_starts()  # a profile window of the first step starts here
@@ -38,12 +41,25 @@ def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
             reporting.flush_reports()
             profiling.flush()  # the traces of finished profile windows reach the run's storage
         except BaseException as exc:
+            steps.uninstall_optimizer_hook()
             timeline.end(failed=True, error=f"{type(exc).__name__}: {exc}")
             raise
+        steps.uninstall_optimizer_hook()
         timeline.end()
         return result
 
     return train_fn_then_flush
+
+
+def _hook_optimizers(steps) -> None:
+    """See plain ``optimizer.step()`` calls as step ends (the rules: ``toolkit/steps.py``)."""
+    try:
+        steps.install_optimizer_hook()
+    except Exception as exc:  # noqa: BLE001 (the run goes on; optimizer_step/step_done still count)
+        import logging
+
+        logging.getLogger(__name__).warning("plain optimizer.step() calls will not be counted as "
+                                            "steps: %s: %s", type(exc).__name__, exc)
 
 
 def _begin_timeline(timeline) -> None:

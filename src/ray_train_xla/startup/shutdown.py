@@ -1,6 +1,6 @@
-"""Shutdown, on every worker: end the step timeline of a training function still running, destroy
-the process group (bounded by ``timeout_s``: a dead peer
-must not hang it), undo the worker-side patches, then run the runtime's clean-up."""
+"""Shutdown, on every worker: end the step timeline of a training function still running (and
+remove the step count's optimizer hook), destroy the process group (bounded by ``timeout_s``: a
+dead peer must not hang it), undo the worker-side patches, then run the runtime's clean-up."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def shutdown_worker() -> None:
         module = sys.modules.get(f"ray_train_xla.toolkit.{name}")
         if module is not None:
             module.uninstall()
+    steps = sys.modules.get("ray_train_xla.toolkit.steps")
+    if steps is not None:  # torch's global optimizer hook, if the function still runs
+        steps.uninstall_optimizer_hook()
     thread = threading.Thread(target=destroy, name="ray_train_xla-shutdown", daemon=True)
     thread.start()
     thread.join(ctx.timeout_s)

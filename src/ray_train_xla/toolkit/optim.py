@@ -8,7 +8,13 @@ group in buckets: each bucket is flattened on the XLA device and crosses to the 
 Under SPMD on an accelerator the gradients are global tensors that XLA has already reduced over
 the mesh: nothing is averaged again and nothing crosses to the host. A model sharded with FSDP2
 (``prepare_sharded_model`` on the native configs) has reduce-scattered its gradients in backward:
-``optimizer_step`` steps it without reducing anything.
+``optimizer_step`` steps it without reducing anything, and a plain ``optimizer.step()`` does the
+same.
+
+Steps are counted for the step timeline, the profile windows and the Ray metrics whichever way
+the loop steps: ``optimizer_step`` ends a step itself, and a plain ``optimizer.step()`` (the
+sharded paths: FSDP2, FSDPv2 with ``torch_xla.sync()``) is seen through torch's global optimizer
+step hook; each step counts once (``toolkit/steps.py`` says how).
 
 :func:`clip_grad_norm_` clips by the global norm on every path: over every shard and worker for
 sharded models, over the averaged gradients for replicated ones.
@@ -27,7 +33,7 @@ from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.sharding import refuse_sharded
-from ray_train_xla.toolkit.steps import step_done
+from ray_train_xla.toolkit.steps import marks_own_step, step_done
 
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
                 "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
@@ -198,8 +204,14 @@ def optimizer_step(
     Use it in place of ``optimizer.step()`` for replicated models; returns what ``step()``
     returns. ``bucket_mb`` bounds the size of each host transfer on the CPU (gloo) path, which
     always cuts the graph before reducing, whatever ``sync``.
+
+    It ends one step of the step timeline (``steps.step_done``, after the graph cut), once: the
+    step count's hook on ``optimizer.step()`` stands down for its ``step()`` and, from then on,
+    for every plain ``step()`` of the training function (``toolkit/steps.py``: a loop that
+    calls ``optimizer_step`` marks its own steps).
     """
     reduce_gradients(optimizer, bucket_mb=bucket_mb)
+    marks_own_step()
     result = optimizer.step(**step_kwargs)
     if sync:
         _sync()

@@ -16,7 +16,8 @@ A window is asked for in three ways, and every rank captures exactly the same st
   first step (a rank more than the margin behind rank 0) captures nothing and says so in
   ``rank-<r>/missed.json``.
 
-Steps are counted at the step seam (``toolkit/steps.py``: ``optimizer_step`` / ``step_done``);
+Steps are counted at the step seam (``toolkit/steps.py``: ``optimizer_step``, ``step_done``, or a
+plain ``optimizer.step()``, each step once);
 step ``k`` is the k-th step. A window (start, count) starts its trace when step ``start - 1``
 ends and stops it when step ``start + count - 1`` ends. Outside a window the step hook compares
 one integer. Each stack uses its own profiler:

@@ -1,12 +1,15 @@
 """The step timeline of one worker: where each step's time goes, at a cost of a few
 microseconds a step.
 
-The training thread only stamps boundaries. At the end of every step (``optimizer_step`` /
-``step_done``, through ``steps.py``) it appends one record to a bounded buffer: the step's end
+The training thread only stamps boundaries. At the end of every step (``optimizer_step``,
+``step_done``, or a plain ``optimizer.step()`` seen through torch's optimizer hook: each step
+once, by the rules of ``steps.py``) it appends one record to a bounded buffer: the step's end
 (host wall clock), and what the step spent, since the previous end,
 
 - waiting for data: time blocked in the toolkit's loaders (``prepare_data_loader``,
-  ``iter_xla_batches``) handing out a batch;
+  ``iter_xla_batches``) handing out a batch, from the loop asking for it (``next()``) to
+  getting it, and nothing else: whichever way steps end, the rest of the time between two
+  step ends (forward, backward, a ``torch_xla.sync()`` after a hooked ``step()``) is step time;
 - blocked in ``save_checkpoint``, ``report`` and ``flush_reports`` (the checkpoint/report stall:
   the snapshot, a wait for an in-flight slot, ``wait=True``);
 - compiling: the growth of torch_xla's ``CompileTime`` (native stacks: Dynamo's compile time),
