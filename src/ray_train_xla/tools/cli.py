@@ -241,7 +241,13 @@ def _add_plan(sub) -> argparse.ArgumentParser:
         help="print the environment each worker would get",
         description="Plan every worker's environment for a described topology, exactly as the "
         "backend would, without Ray or hardware. Rendezvous values (MASTER_PORT, run id) are "
-        "examples: the backend takes free ports and a fresh id at every fit().",
+        "examples: the backend takes free ports and a fresh id at every fit(). With --model, "
+        "plan memory instead of the environment: the topology is checked the same way, then "
+        "the model's parameters, gradients and AdamW state sharded over the devices (one per "
+        "worker; with --spmd every device of each worker), the layers FSDP gathers, and what "
+        "each host holds at load and at a checkpoint, in GiB; a layout that does not fit the "
+        "device's memory (--accelerator-type or --device-memory) is refused with exit status 2. "
+        "Activations are not counted.",
     )
     plan.add_argument(
         "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
@@ -305,7 +311,8 @@ def _add_plan(sub) -> argparse.ArgumentParser:
         help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
         "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
         "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
-        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd",
+        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron, with --model: "
+        "trn1 or trn2 (or an instance type, trn2.48xlarge), for the device memory",
     )
     plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
@@ -325,8 +332,45 @@ def _add_plan(sub) -> argparse.ArgumentParser:
         "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
     )
-    plan.add_argument("--json", action="store_true", help="print a JSON list, one object a worker")
+    plan.add_argument(
+        "--model", default=None, metavar="PATH_OR_CONFIG_JSON",
+        help="plan memory for this Hugging Face decoder instead of the environment: a model "
+        "directory holding config.json, or a config.json (model_type llama, mistral, qwen2, "
+        "qwen3, gemma or gemma2)",
+    )
+    plan.add_argument(
+        "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
+        help="with --model: fsdp shards over every device (default); hsdp shards within a node "
+        "and replicates across nodes (get_sharded_mesh('hsdp'))",
+    )
+    plan.add_argument(
+        "--param-dtype", default="bf16", choices=["bf16", "fp32"],
+        help="with --model: the sharded parameters and gradients (default bf16; fp32: master "
+        "weights, computing in bf16 with mixed_precision='bf16')",
+    )
+    plan.add_argument(
+        "--optimizer-dtype", default="fp32", choices=["fp32", "bf16"],
+        help="with --model: AdamW's two states (default fp32, 8 bytes a parameter; "
+        "torch.optim.AdamW over bf16 parameters keeps bf16 state)",
+    )
+    plan.add_argument(
+        "--device-memory", type=_device_memory, default=None, metavar="SIZE",
+        help="with --model: memory per device, e.g. 24GiB, 16GB, 95G or bytes (K, M, G, T are "
+        "powers of 2, with or without iB); default: the published figure of --accelerator-type",
+    )
+    plan.add_argument("--json", action="store_true",
+                      help="print a JSON list, one object a worker (with --model: one JSON "
+                      "object, the memory plan)")
     return plan
+
+
+def _device_memory(text: str) -> int:
+    from ray_train_xla.planning.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_doctor(sub) -> argparse.ArgumentParser:
@@ -369,20 +413,23 @@ def _add_consolidate(sub) -> argparse.ArgumentParser:
         "torch_xla, and write the model's full tensors to OUT as safetensors, under the unwrapped "
         "model's names (FSDPv2's _orig_module. prefix removed). Load it with "
         "safetensors.torch.load_file(OUT) and model.load_state_dict(...). "
-        "With --hf (consolidate CHECKPOINT OUT_DIR --hf [--config MODEL_DIR] "
-        "[--max-shard-size SIZE]), OUT is a directory written as Hugging Face Transformers' "
-        "save_pretrained writes it (config.json, generation_config.json, model.safetensors, "
-        "or shards of at most --max-shard-size with model.safetensors.index.json; tied weights "
-        "written once), for "
+        "With --hf (consolidate CHECKPOINT OUT_DIR --hf [--config MODEL_DIR] [--dtype DTYPE] "
+        "[--max-shard-size SIZE]), OUT is a directory in the layout of Hugging Face Transformers' "
+        "save_pretrained (config.json, generation_config.json, the tokenizer files of a "
+        "--config directory, model.safetensors, or shards of at most --max-shard-size with "
+        "model.safetensors.index.json; tied weights written once), for "
         "AutoModelForCausalLM.from_pretrained(OUT) (or the class config.json names): the "
-        "model is built from the config of --config, else from the checkpoint's 'hf_config' "
-        "entry (save_checkpoint({..., 'hf_config': model.config.to_dict()})), the checkpoint's "
-        "tensors are checked against it (names, shapes, dtypes; the exported dtype is the "
-        "checkpoint's) and saved with save_pretrained. OUT is created if missing; OUT holding "
+        "model is built on the meta device from the config of --config, else from the "
+        "checkpoint's 'hf_config' entry (save_checkpoint({..., 'hf_config': "
+        "model.config.to_dict()})), the checkpoint's tensor names and shapes are checked "
+        "against it, and a sharded checkpoint is streamed: one tensor at a time is read (all "
+        "its shards, none of the optimizer state), converted to --dtype (default: the config's "
+        "dtype, the pretrained model's) and written, so the model need not fit in this "
+        "machine's memory. OUT is created if missing; OUT holding "
         "model files already (config.json, *.safetensors, ...) is refused, never overwritten; "
-        "other files in it (a tokenizer) are kept. --hf needs transformers "
-        "(pip install 'ray-train-xla[hf]'). The whole model must "
-        "fit in this machine's memory. Exits 2 when CHECKPOINT does not exist, is not a "
+        "other files in it are kept. --hf needs transformers "
+        "(pip install 'ray-train-xla[hf]'). Without --hf the whole model is held in memory. "
+        "Exits 2 when CHECKPOINT does not exist, is not a "
         "checkpoint or has no model, OUT is a directory (with --hf: a file, or holds a model), "
         "or (--hf) the config is missing or does not fit the checkpoint; 1 when the "
         "checkpoint's storage cannot be read or OUT cannot be written. OUT is written whole or "
@@ -408,6 +455,11 @@ def _add_consolidate(sub) -> argparse.ArgumentParser:
         help="--hf: the largest safetensors file, as transformers parses it: digits and TB, "
         "GB, MB or KB (powers of 10), e.g. 2GB, 500MB (default 5GB); a larger tensor gets a "
         "file of its own",
+    )
+    consolidate.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+        help="--hf: the exported dtype (default: the one the model's config names, i.e. the "
+        "pretrained model's stored dtype; else the checkpoint's)",
     )
     consolidate.add_argument(
         "--timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
@@ -503,6 +555,11 @@ def _describe_topology(args: argparse.Namespace):
         )
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
     tpu_type, tpu_topology = args.accelerator_type, args.tpu_topology or ""
+    if tpu_type.strip().lower().startswith("trn"):
+        if args.device != "neuron" or args.model is None:
+            raise CommandError(f"--accelerator-type {tpu_type} names a Neuron device for the memory "
+                               "plan: use it with --device neuron --model ...")
+        tpu_type = ""  # the memory plan's; the hosts report no such fact
     if tpu_type or tpu_topology:
         if args.device != "tpu":
             flag = "--accelerator-type" if tpu_type else "--tpu-topology"
@@ -541,6 +598,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
                            "--device tpu --runtime native")
     runtime.check(config, topology)
+    if args.model is not None:
+        return _plan_memory(args, topology)
+    for flag, given in (("--sharding", args.sharding != "fsdp"),
+                        ("--param-dtype", args.param_dtype != "bf16"),
+                        ("--optimizer-dtype", args.optimizer_dtype != "fp32"),
+                        ("--device-memory", args.device_memory is not None)):
+        if given:
+            raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_CONFIG_JSON")
     master = topology.workers[runtime.master_worker(topology)]
     needed = runtime.ports_needed(config)
     if args.master_port + needed > PORT_MAX:
@@ -561,6 +626,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
         return 0
     print(format_plan_table([p.to_json() for p in plans]))
+    return 0
+
+
+def _plan_memory(args: argparse.Namespace, topology) -> int:
+    """``plan --model``: the memory table (or JSON) of the described topology; a layout that does
+    not fit the device's memory raises XLAConfigError (exit status 2)."""
+    from ray_train_xla.planning import memory
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    per_worker = 1
+    if args.spmd:  # one worker owns every device of its host
+        per_worker = args.cores_per_worker or args.cpu_devices_per_worker or 1
+        if args.device == "tpu":
+            per_worker *= devices_per_chip(args.accelerator_type)
+    per_node: dict[str, int] = {}
+    for w in topology.workers:
+        per_node[w.node_id] = per_node.get(w.node_id, 0) + per_worker
+    if args.sharding == "hsdp" and len(set(per_node.values())) > 1:
+        raise CommandError(f"--sharding hsdp shards within a node, so every node needs the same "
+                           f"number of workers, not {','.join(map(str, per_node.values()))}")
+    lnc = dict(args.env).get("NEURON_LOGICAL_NC_CONFIG")
+    found = memory.device_memory(args.accelerator_type, int(lnc) if lnc in ("1", "2") else None)
+    if args.device_memory is not None:
+        found = memory.DeviceMemory(
+            found.name if found else "given", args.device_memory,
+            found.device if found else "device", "--device-memory")
+    plan = memory.plan_memory(
+        memory.model_shape(memory.load_model_config(args.model)),
+        devices=sum(per_node.values()), devices_per_host=max(per_node.values()),
+        sharding=args.sharding, param_dtype=args.param_dtype,
+        optimizer_dtype=args.optimizer_dtype, memory=found)
+    plan.check()
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(memory.format_memory_table(plan))
     return 0
 
 
@@ -796,8 +897,9 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
     if args.hf:
         return _consolidate_hf(args)
-    if args.config is not None or args.max_shard_size is not None:
-        raise CommandError("--config and --max-shard-size go with --hf (a Hugging Face export)")
+    if args.config is not None or args.max_shard_size is not None or args.dtype is not None:
+        raise CommandError("--config, --max-shard-size and --dtype go with --hf (a Hugging Face "
+                           "export)")
     try:
         summary = tool.consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
                                    timeout_s=args.timeout)
@@ -822,7 +924,7 @@ def _consolidate_hf(args: argparse.Namespace) -> int:
             args.checkpoint, args.out, config=args.config,
             max_shard_size=(tool.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
                             else args.max_shard_size),
-            timeout_s=args.timeout)
+            timeout_s=args.timeout, dtype=args.dtype)
     except tool.ConsolidateError as exc:
         raise CommandError(str(exc), exc.exit_code) from exc
     if args.json:
