@@ -148,7 +148,8 @@ def test_export_loads_back_with_the_same_logits(capsys, tmp_path, tie, kind, pre
 
 @pytest.mark.parametrize("kind", ["sharded", "replicated"])
 def test_the_config_saved_in_the_checkpoint(capsys, tmp_path, kind):
-    # bfloat16 weights with a config that says float32: the export keeps the checkpoint's dtype.
+    # bfloat16 weights with a config that says float32: the export takes the config's dtype (the
+    # pretrained model's stored dtype) unless --dtype says otherwise.
     model = tiny_llama(tie=False, dtype=torch.bfloat16)
     hf_config = model.config.to_dict() | {"dtype": "float32"}
     save = save_sharded if kind == "sharded" else save_replicated
@@ -157,7 +158,15 @@ def test_the_config_saved_in_the_checkpoint(capsys, tmp_path, kind):
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")  # other files are kept
     (out / "training_args.bin").write_bytes(b"")
-    code, stdout, err = run(capsys, ["consolidate", str(tmp_path / "with"), str(out), "--hf"])
+    code, stdout, err = run(capsys, ["consolidate", str(tmp_path / "with"), str(tmp_path / "fp32"),
+                                     "--hf"])
+    assert code == 0, err
+    assert "LlamaForCausalLM (float32)" in stdout
+    upcast = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
+    assert upcast.dtype == torch.float32
+    assert all(torch.equal(upcast.state_dict()[k], v.float()) for k, v in model.state_dict().items())
+    code, stdout, err = run(capsys, ["consolidate", str(tmp_path / "with"), str(out), "--hf",
+                                     "--dtype", "bfloat16"])
     assert code == 0, err
     assert "LlamaForCausalLM (bfloat16)" in stdout and "config from the checkpoint's hf_config" in stdout
     with open(out / "config.json") as f:
@@ -233,7 +242,7 @@ def test_refusals_are_one_line(capsys, tmp_path, monkeypatch):
                                             *extra], 2)
     line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "o.safetensors"),
                                "--config", str(held)], 2)
-    assert "--config and --max-shard-size go with --hf" in line
+    assert "--config, --max-shard-size and --dtype go with --hf" in line
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "o"), "--hf"], 1)
     assert "pip install transformers" in line
@@ -244,7 +253,7 @@ def test_help_says_how_to_export_for_hugging_face(capsys):
     assert main(["consolidate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     for words in ("--hf", "save_pretrained", "--config MODEL_DIR", "--max-shard-size SIZE",
-                  "hf_config", "never overwritten"):
+                  "hf_config", "never overwritten", "--dtype DTYPE", "one tensor at a time"):
         assert words in text, words
 
 
@@ -285,3 +294,80 @@ def test_without_torch_xla(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[-1] == "ok" and json.loads(lines[0])["tied"] == ["lm_head.weight"]
     assert_same_model(tmp_path / "out", model, tie=True)
+
+
+# Run in a fresh interpreter, so that memory freed by the test's own work (building and saving
+# the checkpoint) does not hide what the export allocates: the imports and first-use costs on a
+# tiny checkpoint first, then the export measured, through a pyarrow filesystem object that
+# counts the bytes read.
+STREAMED_EXPORT = r"""
+import json, sys
+import pyarrow.fs
+from fsspec.implementations.local import LocalFileSystem
+sys.path.insert(0, sys.argv[2])
+from host_memory import PeakGrowth
+from ray_train_xla.tools.consolidate import consolidate_hf
+
+read = [0]
+class Counting(LocalFileSystem):
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode=mode, **kwargs)
+        plain = f.read
+        def counted(*args):
+            data = plain(*args)
+            read[0] += len(data)
+            return data
+        f.read = counted
+        return f
+
+root = sys.argv[1]
+fs = pyarrow.fs.SubTreeFileSystem(root, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(Counting())))
+consolidate_hf("tiny", root + "/warm", filesystem=fs, dtype="bfloat16")
+read[0] = 0
+with PeakGrowth() as growth:
+    summary = consolidate_hf("run/checkpoint_000001", root + "/hf", filesystem=fs, dtype="bfloat16",
+                             max_shard_size="40MB")
+print(json.dumps({"summary": summary, "growth": growth.bytes, "read": read[0]}))
+"""
+
+
+def test_streams_only_the_models_tensors_from_a_filesystem_object(tmp_path):
+    """A sharded checkpoint with AdamW state, reached through a pyarrow filesystem object (no
+    ``://`` in the path): only the model's tensors are read, and the export, converted to
+    bfloat16, grows the peak memory of the process by a few of the largest tensors, far less
+    than the model."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4000, hidden_size=384, intermediate_size=1024,
+                         num_hidden_layers=24, num_attention_heads=6, num_key_value_heads=6,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    state = state_of(model)
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    optim = {"state": {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+                       for k, v in state.items()}}
+    ckpt = tmp_path / "run" / "checkpoint_000001"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": state, "optimizer": optim}, checkpoint_id=str(ckpt), no_dist=True)
+    torch.save({"step": 3, "hf_config": config.to_dict()}, ckpt / "extra.pt")
+    del optim, model
+    tiny = tiny_llama(tie=False)
+    save_sharded(tmp_path / "tiny", state_of(tiny), {"hf_config": tiny.config.to_dict()})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC_DIR, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", STREAMED_EXPORT, str(tmp_path), TESTS_DIR],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    growth, read = result["growth"], result["read"]
+    print(f"model {model_bytes / 2**20:.1f} MiB (largest tensor {largest / 2**20:.1f} MiB); "
+          f"peak growth {growth / 2**20:.1f} MiB; read {read / 2**20:.1f} MiB")
+    assert result["summary"]["dtype"] == "bfloat16" and result["summary"]["shards"] >= 2
+    # Every model byte once, plus the metadata and extra.pt; none of the optimizer state.
+    assert model_bytes <= read <= model_bytes + 2 * 2**20
+    assert growth <= 3 * largest + 40 * 2**20 < model_bytes / 3
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert loaded.dtype == torch.bfloat16
+    assert all(torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16)) for k, v in state.items())

@@ -12,10 +12,12 @@ backend). Each module is one concern:
 - ``profiling``: profiles of a window of steps on every rank, into the run's storage;
 - ``spmd``, ``sharding`` and ``fsdp2``: meshes, sharded batches, sharded models (FSDPv2 under
   torch_xla, FSDP2 on the native stacks);
+- ``pretrained``: Hugging Face models loaded into a sharded model and exported, by slices;
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
 - ``preemption``: a checkpoint before a drained node goes away;
-- ``steps``: step boundaries (``optimizer_step`` / ``step_done``) and the hooks that run at each;
+- ``steps``: step boundaries (``optimizer_step``, ``step_done``, a plain ``optimizer.step()`` seen
+  through torch's optimizer hook; each step once) and the hooks that run at each;
 - ``timeline``: where each step's time goes (data, checkpoints, compilation, memory), off the
   step path; ``ray_metrics`` exports it to Ray's metrics, ``goodput`` adds up a whole run.
 """
@@ -33,6 +35,7 @@ from ray_train_xla.toolkit.metrics import (
 )
 from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
+from ray_train_xla.toolkit.pretrained import export_pretrained, load_pretrained, meta_parameters
 from ray_train_xla.toolkit.profiling import profile_steps, profile_windows
 from ray_train_xla.toolkit.ranks import (
     local_rank,
@@ -66,6 +69,7 @@ __all__ = [
     "clip_grad_norm_",
     "configure_reports",
     "configure_timeline",
+    "export_pretrained",
     "flush_reports",
     "get_device",
     "get_mesh",
@@ -74,7 +78,9 @@ __all__ = [
     "is_graph_extraction_run",
     "iter_xla_batches",
     "load_checkpoint",
+    "load_pretrained",
     "local_rank",
+    "meta_parameters",
     "metrics",
     "node_rank",
     "optimizer_step",

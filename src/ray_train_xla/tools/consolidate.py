@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import secrets
@@ -32,13 +33,16 @@ import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.format import (
+    CHECKPOINT_FILE,
     EXTRA_FILE,
+    METADATA_FILE,
     NotACheckpointError,
     check_fits,
     is_sharded_checkpoint,
     read_full_state,
     spec_of,
 )
+from ray_train_xla.toolkit.pretrained import copy_tokenizer_files, parse_dtype
 
 FSDP_V2_PREFIX = "_orig_module."
 # torch's activation checkpointing wrapper (checkpoint_wrapper); its own state_dict hook removes
@@ -131,21 +135,30 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
 
 def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Write the model of ``checkpoint`` (a local checkpoint directory, or a URI Ray Train can
-    read) into ``out_dir`` as Hugging Face Transformers' ``save_pretrained`` does; returns a
-    summary.
+                   timeout_s: float = DEFAULT_TIMEOUT_S, dtype: Any = None,
+                   filesystem: Any = None) -> dict[str, Any]:
+    """Write the model of ``checkpoint`` (a local checkpoint directory, a URI Ray Train can
+    read, or a path on ``filesystem``: a pyarrow filesystem such as Ray's
+    ``Checkpoint.filesystem``) into ``out_dir`` in the layout of Hugging Face Transformers'
+    ``save_pretrained``; returns a summary.
 
     The model's config comes from ``config`` (a directory holding ``config.json``, or a
     ``config.json`` file), else from the ``hf_config`` entry of the checkpoint's rest of state
     (``save_checkpoint({..., "hf_config": model.config.to_dict()})``). The model is built from it
-    on the meta device (the architecture ``config.json`` names, else ``AutoModelForCausalLM``) in
-    the checkpoint's dtype, the checkpoint's tensors are checked against it (keys, shapes,
-    dtypes) and assigned to it, its weights are tied as the config says, and
-    ``save_pretrained(out_dir, max_shard_size=...)`` writes ``config.json``,
-    ``generation_config.json`` (for models that generate) and ``model.safetensors``, or shards
-    of at most ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"10KB"``, or bytes) with
-    ``model.safetensors.index.json``. Tied weights are written once, as Transformers writes them.
+    on the meta device (the architecture ``config.json`` names, else ``AutoModelForCausalLM``),
+    which allocates nothing, and the checkpoint's tensors are checked against it (names and
+    shapes) before anything is written. ``dtype`` (``"bfloat16"``, ``torch.float16``, ...) is the
+    export's dtype; default, the one the config names (the pretrained model's stored dtype),
+    else the checkpoint's. ``config.json``, ``generation_config.json`` (for models that
+    generate), the tokenizer files of a ``config`` directory, and ``model.safetensors``, or
+    files of at most ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"10KB"``, or bytes) with
+    ``model.safetensors.index.json``, are written. Tied weights are written once, as
+    Transformers writes them.
+
+    A sharded checkpoint is read one tensor at a time, each whole (every rank's shards of it),
+    converted and written before the next is read: no more than two tensors are held at once,
+    and only the model's tensors are read (not the optimizer state), in place on any storage.
+    A replicated checkpoint (``checkpoint.pt``) is one file, read whole.
 
     ``out_dir`` is created if missing; a file, or a directory that already holds model files
     (``config.json``, ``*.safetensors``, ...), is refused. Everything is written into a new
@@ -155,12 +168,20 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
     Transformers and Accelerate are imported with ``USE_TORCH_XLA=0`` (which they read at their
     import), so that they do not import it. Raises ``ConsolidateError`` (one line) for anything
     a user can get wrong."""
-    remote = "://" in checkpoint
-    if remote:
+    if filesystem is not None:
+        path = checkpoint
+        _check_on(filesystem, path, checkpoint)
+    elif "://" in checkpoint:
         filesystem, path = _look(checkpoint, timeout_s)
     else:
+        path = checkpoint
         _check_directory(checkpoint)
     _check_out_dir(out_dir)
+    try:
+        export_dtype = parse_dtype(dtype)
+    except ValueError as exc:
+        raise NotConsolidatableError(f"--dtype {dtype!r} is not a dtype: use bfloat16, float16 or "
+                                     "float32") from exc
     config_dict = _read_config_file(config) if config is not None else None
     with _transformers() as transformers:
         shard_bytes = _shard_size(max_shard_size)
@@ -170,12 +191,9 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
             hf_config = _config_of(transformers, config_dict, config_name)
         tmp = _reserve_dir(out_dir)
         try:
-            if remote:
-                sharded, model_state, extras = _read_remote(checkpoint, filesystem, path,
-                                                            (HF_CONFIG_KEY,))
-            else:
-                sharded, model_state, extras = _read_model(checkpoint, extra_keys=(HF_CONFIG_KEY,))
+            source = _model_source(checkpoint, path, filesystem)
             if hf_config is None:
+                extras = source.extras
                 if HF_CONFIG_KEY not in extras:
                     raise NotConsolidatableError(
                         f"checkpoint {checkpoint} holds no '{HF_CONFIG_KEY}' entry: name the "
@@ -184,10 +202,13 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
                         f"'{HF_CONFIG_KEY}': model.config.to_dict()}})")
                 config_name = f"the checkpoint's {HF_CONFIG_KEY}"
                 hf_config = _config_of(transformers, extras[HF_CONFIG_KEY], config_name)
-            model, tied = _hf_model(transformers, hf_config, hf_model_state(model_state),
-                                    checkpoint, config_name)
+            export_dtype = export_dtype or _config_dtype(hf_config) or _dominant_dtype(source.specs)
+            model, plan, tied = _hf_plan(transformers, hf_config, source, export_dtype, checkpoint,
+                                         config_name)
             try:
-                model.save_pretrained(tmp, max_shard_size=shard_bytes)
+                written = _write_hf(tmp, model, hf_config, plan, source, export_dtype, shard_bytes)
+                if config is not None and os.path.isdir(config):
+                    copy_tokenizer_files(config, tmp)
                 files = _move_into(tmp, out_dir)
             except (OSError, RuntimeError) as exc:  # incl. safetensors' SafetensorError
                 raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: {_one_line(exc)}") from exc
@@ -196,18 +217,19 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
         weights = [f for f in files if f.endswith(".safetensors")]
         return {
             "checkpoint": checkpoint,
-            "sharded": sharded,
+            "sharded": source.sharded,
             "out_dir": out_dir,
             "config": config_name,
             "architecture": type(model).__name__,
-            "dtype": str(model.dtype).replace("torch.", ""),
-            "tensors": _count_tensors(out_dir, weights),
+            "dtype": str(export_dtype).replace("torch.", ""),
+            "tensors": written["tensors"],
             "parameters": model.num_parameters(),
             "tied": sorted(tied),
             "files": files,
             "shards": len(weights),
             "bytes": sum(os.path.getsize(os.path.join(out_dir, f)) for f in weights),
             "max_shard_size": shard_bytes,
+            "read_bytes": written["read_bytes"],
         }
 
 
@@ -374,11 +396,82 @@ def _dominant_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
     return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
-def _hf_model(transformers, hf_config, state: dict[str, torch.Tensor], checkpoint: str,
-              config_name: str):
-    """(the Transformers model of ``hf_config`` holding ``state``, its tied parameter names)."""
+class _Source:
+    """The model of a checkpoint: its tensors' specs under the plain model's names, each tensor
+    read on request (one at a time for a sharded checkpoint), and the rest of its state
+    (``extras``: ``hf_config``)."""
+
+    def __init__(self, sharded: bool, specs: dict, read, extras: dict, counter=None) -> None:
+        self.sharded, self.specs, self.read, self.extras = sharded, specs, read, extras
+        self._counter = counter
+
+    def read_bytes(self) -> int:
+        return self._counter() if self._counter else 0
+
+
+def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
+    """The :class:`_Source` of the checkpoint directory ``path`` (on ``filesystem`` if given)."""
+    from ray_train_xla.toolkit.checkpoint import stream
+
+    def plain(name: str) -> str:
+        return name.replace(FSDP_V2_PREFIX, "").replace(CHECKPOINT_WRAPPER_PREFIX, "")
+
+    try:
+        if stream.read_file(path, METADATA_FILE, filesystem) is not None:
+            tensors = stream.ModelTensors(path, filesystem, rename=plain)
+            if not tensors.entries:
+                raise NotConsolidatableError(
+                    f"checkpoint {checkpoint} has no 'model' entry to consolidate (save_checkpoint("
+                    "{'model': model.state_dict(), ...}) writes one)")
+            rest = stream.load_small(path, EXTRA_FILE, filesystem)
+            extras = {HF_CONFIG_KEY: rest[HF_CONFIG_KEY]} if (
+                isinstance(rest, Mapping) and HF_CONFIG_KEY in rest) else {}
+            return _Source(True, tensors.specs(), tensors.read, extras)
+        if filesystem is not None:
+            data = stream.read_file(path, CHECKPOINT_FILE, filesystem)
+            if data is None:
+                raise NotACheckpointError(f"{checkpoint} is neither a sharded checkpoint (no "
+                                          f"{METADATA_FILE}) nor a replicated one (no {CHECKPOINT_FILE})")
+            import io
+
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            sharded, model, extras = False, state.get("model"), state
+            if not isinstance(model, Mapping):
+                raise NotConsolidatableError(f"checkpoint {checkpoint} has no 'model' entry")
+            model = plain_model_state(dict(model))
+        else:
+            sharded, model, extras = _read_model(path, checkpoint, (HF_CONFIG_KEY,))
+    except NotACheckpointError as exc:
+        raise NotConsolidatableError(f"checkpoint {exc}") from exc
+    except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
+        raise ConsolidateError(f"cannot consolidate {exc}") from exc
+    except ConsolidateError:
+        raise
+    except BaseException as exc:  # narrowed by _read_failure: anything else is re-raised
+        reason = _read_failure(exc)
+        if reason is None:
+            raise
+        raise ConsolidateError(f"cannot read checkpoint {checkpoint}: {reason}") from exc
+    model = hf_model_state(model)
+    extras = {k: extras[k] for k in (HF_CONFIG_KEY,) if k in extras}
+    return _Source(sharded, {k: (tuple(v.shape), v.dtype) for k, v in model.items()},
+                   model.__getitem__, extras)
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    """The dtype the model's config names (``dtype``, or Transformers 4's ``torch_dtype``)."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    try:
+        return parse_dtype(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _hf_plan(transformers, hf_config, source: _Source, dtype: torch.dtype, checkpoint: str,
+             config_name: str):
+    """(the Transformers model of ``hf_config`` on the meta device, {name to write: name to read},
+    the tied names) after checking the checkpoint's names and shapes against the model."""
     architectures = getattr(hf_config, "architectures", None) or []
-    dtype = _dominant_dtype(state)
     if architectures:
         model_class = getattr(transformers, architectures[0], None)
         if not (isinstance(model_class, type)
@@ -401,43 +494,83 @@ def _hf_model(transformers, hf_config, state: dict[str, torch.Tensor], checkpoin
     arch = type(model).__name__
     # {tied name: the name it is tied to}, as the config says (tie_word_embeddings, ...).
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
-    state = dict(state)
-    for target, source in tied.items():  # a checkpoint may hold one name of a tied pair only
-        if target not in state and source in state:
-            state[target] = state[source]
-        elif source not in state and target in state:
-            state[source] = state[target]
+    saved = dict(source.specs)
+    reads = {k: k for k in saved}
+    for target, origin in tied.items():  # a checkpoint may hold one name of a tied pair only
+        if target not in saved and origin in saved:
+            saved[target], reads[target] = saved[origin], origin
+        elif origin not in saved and target in saved:
+            saved[origin], reads[origin] = saved[target], target
     expected = {k: spec_of(v) for k, v in model.state_dict().items()}
+    # Dtypes are converted on export: only names and shapes must fit.
+    comparable = {k: (shape, expected[k][1] if expected.get(k) else dt)
+                  for k, (shape, dt) in saved.items()}
     try:
-        check_fits({k: spec_of(v) for k, v in state.items()}, expected, f"checkpoint {checkpoint}",
-                   f"the {arch} of {config_name}")
+        check_fits(comparable, expected, f"checkpoint {checkpoint}", f"the {arch} of {config_name}")
     except CheckpointMismatchError as exc:
         raise NotConsolidatableError(str(exc)) from exc
-    for target, source in tied.items():
-        if not torch.equal(state[target], state[source]):
+    for target, origin in tied.items():
+        if reads[target] != reads[origin] and not torch.equal(source.read(reads[target]),
+                                                              source.read(reads[origin])):
             raise NotConsolidatableError(
-                f"checkpoint {checkpoint}: {config_name} ties {target} to {source} (e.g. "
+                f"checkpoint {checkpoint}: {config_name} ties {target} to {origin} (e.g. "
                 "tie_word_embeddings), but the checkpoint holds different values for them: name "
                 "the config the model was trained with (tie_word_embeddings=false for untied "
                 "weights)")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    left = sorted(k for k, v in model.state_dict().items() if v.device.type == "meta")
-    if left:  # load_state_dict is strict: a tensor the check above let through unassigned
-        raise ConsolidateError(f"cannot consolidate checkpoint {checkpoint}: {', '.join(left)} "
-                               "remained unset")
-    return model, set(tied)
+    plan = {k: reads[k] for k in expected if k not in tied}
+    return model, plan, set(tied)
 
 
-def _count_tensors(directory: str, files: list[str]) -> int:
-    """How many tensors the safetensors ``files`` of ``directory`` hold (from their headers)."""
-    from safetensors import safe_open
+def _write_hf(out: str, model, hf_config, plan: Mapping[str, str], source: _Source,
+              dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
+    """Write ``plan``'s tensors (name to write: name to read) into ``out`` as safetensors files
+    of at most ``max_shard_bytes``, one tensor at a time, with ``config.json`` and
+    ``generation_config.json``."""
+    from ray_train_xla.toolkit.checkpoint.stream import write_safetensors
+    from ray_train_xla.toolkit.pretrained import INDEX_FILE, file_name, file_plan
 
-    count = 0
-    for name in files:
-        with safe_open(os.path.join(directory, name), framework="pt") as f:
-            count += len(list(f.keys()))
-    return count
+    specs = {k: (source.specs[v][0], dtype if source.specs[v][1].is_floating_point
+                 else source.specs[v][1]) for k, v in plan.items()}
+    index = file_plan(specs, None, max_shard_bytes)
+    count = max(index.values()) if index else 1
+    read = 0
+    for i in range(1, count + 1):
+        names = [k for k in specs if index[k] == i]
+
+        def produce(name: str) -> torch.Tensor:
+            nonlocal read
+            tensor = source.read(plan[name])
+            read += tensor.numel() * tensor.element_size()
+            return tensor
+
+        write_safetensors(os.path.join(out, file_name(i, count)),
+                          [(k, *specs[k]) for k in names], produce)
+    if count > 1:
+        total = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
+        with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": {k: file_name(index[k], count) for k in specs}}, f, indent=2)
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out)
+    if model.can_generate():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    return {"tensors": len(specs), "read_bytes": read}
+
+
+def _check_on(filesystem, path: str, name: str) -> None:
+    """Refuse a checkpoint ``path`` on ``filesystem`` that does not exist or is a file."""
+    import pyarrow.fs
+
+    try:
+        info = filesystem.get_file_info(path)
+    except (OSError, pyarrow.ArrowException) as exc:
+        raise ConsolidateError(f"cannot read checkpoint {name}: {_one_line(exc)}") from exc
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise NotConsolidatableError(f"checkpoint {name} does not exist")
+    if info.type != pyarrow.fs.FileType.Directory:
+        raise NotConsolidatableError(f"checkpoint {name} is a file: name the checkpoint's directory")
 
 
 def _check_directory(path: str) -> None:

@@ -1,0 +1,548 @@
+"""Pretrained Hugging Face weights by slices: load them into a sharded model, export it back.
+
+:func:`load_pretrained` takes a model built on the meta device (``from_config`` under
+``torch.device("meta")``: no memory), shards it, allocates only this rank's shards and fills
+them from the model's safetensors files with torch's ``HuggingFaceStorageReader`` through DCP's
+load planner, which reads each rank's slice of each tensor (``safe_open(...).get_slice``) and
+converts it to the parameter's dtype as it copies. No rank holds the whole model, and no rank
+sends another what it read itself.
+
+- FSDP2 (``TorchNeuronConfig``, ``TorchTPUConfig`` and their CPU twins): each rank reads its
+  own row slice of every tensor.
+- torch_xla FSDPv2 (``TorchXLAConfig(spmd=True)``, one process per host): the host's process
+  reads the model once, in the training dtype, on the CPU, and FSDPv2 splits it over the host's
+  devices (one copy a host, never one a device).
+
+:func:`export_pretrained` writes the trained model in the Hugging Face layout from every rank at
+once: each rank writes its own slices with torch's ``HuggingFaceStorageWriter`` (converted to
+the export dtype one tensor at a time), then the ranks join the slices into
+``model-0000k-of-0000N.safetensors`` with torch's safetensors consolidation, each rank its own
+files; rank 0 writes ``model.safetensors.index.json``, ``config.json``,
+``generation_config.json`` and copies the tokenizer files from the source directory.
+
+What ``from_pretrained`` does that is done here too: tied weights (``tie_word_embeddings``) stay
+tied and are read once; non-persistent buffers (rotary frequencies) are computed, not read;
+keys the model class ignores (``_keys_to_ignore_on_load_unexpected``) are skipped; every other
+key missing on either side, and every shape that differs, is named in one
+``CheckpointMismatchError`` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ray_train_xla.errors import CheckpointMismatchError
+
+SAFETENSORS_SUFFIX = ".safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# Files of a model directory that are not weights, copied to an export from its source.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "spiece.model")
+# Largest output file of an export, as Transformers' save_pretrained defaults on the Hub.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+SHARDED_SUBDIR = "sharded"  # HuggingFaceStorageWriter's per-rank files, removed at the end
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_dtype(value: Any) -> torch.dtype | None:
+    """A torch dtype from ``torch.bfloat16``, ``"bfloat16"``, ``"bf16"``, ... (None as is)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).replace("torch.", "").lower()
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {value!r}: use one of bfloat16, float16, float32")
+    return _DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------- the files
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of the Hugging Face model directory ``path``: ``model.safetensors``, or
+    the shards ``model.safetensors.index.json`` lists. Refuses ``.bin`` checkpoints and
+    directories without weights, naming the fix."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_pretrained: {path} is not a directory (give the local "
+                                "directory save_pretrained wrote, or a URI of one)")
+    names = sorted(os.listdir(path))
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        absent = [n for n in files if n not in names]
+        if absent:
+            raise FileNotFoundError(f"load_pretrained: {INDEX_FILE} in {path} lists files that "
+                                    f"are not there: {', '.join(absent[:4])}")
+        return [os.path.join(path, n) for n in files]
+    files = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
+    if files:
+        return [os.path.join(path, n) for n in files]
+    if any(n in BIN_NAMES or (n.startswith("pytorch_model") and n.endswith(".bin")) for n in names):
+        raise CheckpointMismatchError(
+            f"load_pretrained: {path} holds PyTorch .bin weights, which cannot be read by slices; "
+            "convert them once to safetensors: AutoModelForCausalLM.from_pretrained(path)"
+            ".save_pretrained(new_path) (Transformers writes safetensors), then load new_path")
+    raise FileNotFoundError(f"load_pretrained: {path} holds no *.safetensors weights (found "
+                            f"{', '.join(names[:6]) or 'nothing'})")
+
+
+def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of every tensor in the model's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                out[key] = (tuple(piece.get_shape()), _st_dtype(piece.get_dtype()))
+    return out
+
+
+def _st_dtype(name: str) -> torch.dtype:
+    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
+
+    return DTYPE_MAP.get(name, torch.float32)
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names that share one parameter (tied weights), in module order; one list per tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _ignored(model: torch.nn.Module) -> list[re.Pattern]:
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    return [re.compile(p) for p in patterns]
+
+
+def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
+               ) -> dict[str, str]:
+    """{model key: checkpoint key} of every tensor to read, after checking the checkpoint: one
+    name of each tied group (the one the checkpoint holds), every other persistent parameter and
+    buffer under its own name. Raises ``CheckpointMismatchError`` naming every key missing on
+    either side and every shape that differs (dtypes differ freely: they are converted)."""
+    from ray_train_xla.toolkit.checkpoint.format import check_fits
+
+    state = model.state_dict(keep_vars=True)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in state.items()
+                if isinstance(v, torch.Tensor)}
+    aliases: dict[str, str] = {}
+    for group in tied_groups(model):
+        held = [n for n in group if n in saved] or group[:1]
+        for name in group:
+            if name != held[0]:
+                aliases[name] = held[0]
+    ignore = _ignored(model)
+    found = {k: (tuple(shape), expected[k][1] if k in expected else dtype)
+             for k, (shape, dtype) in saved.items()
+             if k in expected or not any(p.search(k) for p in ignore)}
+    for alias in aliases:
+        found.pop(alias, None)  # a tied copy stored as well: read once, under the other name
+        expected.pop(alias, None)
+    check_fits(found, expected, f"the pretrained model {path}", f"the {type(model).__name__}")
+    return {k: k for k in expected}
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters (not buffers) to ``dtype``, ties kept: on the meta device this
+    allocates nothing. Non-persistent buffers such as rotary frequencies keep their own dtype,
+    as in ``from_pretrained(..., dtype=...)``."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in done:
+                done[id(param)] = torch.nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = done[id(param)]
+
+
+def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
+    """(module, name, buffer, persistent) of every buffer."""
+    out = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                out.append((module, name, buf, name not in module._non_persistent_buffers_set))
+    return out
+
+
+def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Allocate ``model``'s parameters and buffers on ``device`` (uninitialised: the load
+    fills them), then give non-persistent buffers their values: those built on a real device
+    keep them; those built on the meta device are computed by the model's own initialisation
+    (Transformers' ``_init_weights``, which computes rotary frequencies). A non-persistent
+    buffer that nothing computes is refused, naming it."""
+    kept = {(id(m), n): b.detach().cpu().clone() for m, n, b, persistent in _buffers(model)
+            if not persistent and b.device.type != "meta"}
+    to_compute = [(m, n) for m, n, b, persistent in _buffers(model)
+                  if not persistent and b.device.type == "meta"]
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module, name, buf, _ in _buffers(model):
+            if (id(module), name) in kept:
+                buf.copy_(kept[(id(module), name)])
+        left = []
+        init = getattr(model, "_init_weights", None)
+        modules = {id(m): m for m, _ in to_compute}
+        for module in modules.values():
+            if callable(init) and not list(module.parameters(recurse=False)):
+                init(module)  # a module without parameters: only its buffers change
+            else:
+                left.extend(f"{type(module).__name__}.{n}" for m, n in to_compute if m is module)
+    if left:
+        raise CheckpointMismatchError(
+            f"load_pretrained: the non-persistent buffers {', '.join(sorted(set(left))[:6])} were "
+            "built on the meta device and are not in the checkpoint, and the model has no "
+            "_init_weights that computes them: build the model with its buffers on the CPU "
+            "(with rtx.meta_parameters(): model = ...), which keeps their values")
+
+
+class meta_parameters:
+    """``with rtx.meta_parameters(): model = ...``: parameters on the meta device, buffers on
+    the CPU (computed as the model's ``__init__`` computes them, and small), as Accelerate's
+    ``init_empty_weights(include_buffers=False)``. For models whose non-persistent buffers
+    nothing else recomputes."""
+
+    def __enter__(self):
+        self._register = torch.nn.Module.register_parameter
+
+        def register(module, name, param):
+            self._register(module, name, param)
+            if param is not None and param.device.type != "meta":
+                kwargs = param.__dict__
+                module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+                module._parameters[name].__dict__.update(kwargs)
+
+        torch.nn.Module.register_parameter = register
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.register_parameter = self._register
+        return False
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _is_native() -> bool:
+    from ray_train_xla.toolkit.device import is_native
+
+    return is_native()
+
+
+def _dist_group():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from ray_train_xla.toolkit.collectives import host_group
+
+    return host_group("startup")
+
+
+def read_into(state: dict[str, torch.Tensor], path: str, group=None) -> None:
+    """Fill ``state`` (plain tensors or DTensors: this rank's slices) from the safetensors
+    files of ``path`` through DCP with torch's ``HuggingFaceStorageReader``: each request reads
+    the slice it needs and copies it into its target, converting the dtype."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path),
+             planner=DefaultLoadPlanner(allow_partial_load=False),
+             process_group=group, no_dist=group is None)
+
+
+def load_pretrained(
+    model: torch.nn.Module,
+    path: str,
+    *,
+    dtype: Any = None,
+    mesh=None,
+    auto_wrap_policy=None,
+    mixed_precision=None,
+    activation_checkpointing: bool = False,
+    shard_output=None,
+) -> torch.nn.Module:
+    """Shard ``model`` (built on the meta device) and fill it from the Hugging Face model
+    directory ``path`` by slices; returns the sharded model (as ``prepare_sharded_model``).
+
+    ``path``: a directory ``save_pretrained`` wrote (``model.safetensors``, or shards with
+    ``model.safetensors.index.json``), read in place (a shared filesystem works as is), or a
+    URI (``s3://``, ``gs://``, any scheme pyarrow reads), fetched once per node. ``dtype``:
+    the parameters' dtype (the stored one is converted as it is read); default, the model's as
+    built (``from_config(config, dtype=torch.bfloat16)`` builds bf16). The other arguments are
+    ``prepare_sharded_model``'s. Raises ``CheckpointMismatchError`` before anything is
+    allocated when the checkpoint does not fit the model (every key and shape named)."""
+    from ray_train_xla.toolkit.sharding import prepare_sharded_model
+
+    path = local_copy(path)
+    saved = saved_shapes(path)
+    dtype = parse_dtype(dtype)
+    if dtype is not None:
+        cast_parameters(model, dtype)
+    names = plan_names(model, saved, path)  # before anything is allocated
+    if _is_native():
+        from ray_train_xla.toolkit.device import get_device
+
+        model = prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
+                                      mixed_precision=mixed_precision,
+                                      activation_checkpointing=activation_checkpointing)
+        materialize(model, get_device())
+        state = model.state_dict()
+        read_into({k: state[k] for k in names}, path, _dist_group())
+        return model
+    # torch_xla FSDPv2: one process per host reads the model once, on the CPU, then shards it.
+    materialize(model, "cpu")
+    state = model.state_dict()
+    read_into({k: state[k] for k in names}, path)
+    return prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
+                                 shard_output=shard_output,
+                                 activation_checkpointing=activation_checkpointing)
+
+
+def local_copy(path: str, timeout_s: float = 1800.0) -> str:
+    """``path`` itself when it is a local directory; for a URI, a node-local copy fetched once
+    per node (local rank 0 downloads into a cache directory, the node's other workers wait for
+    its marker, at most ``timeout_s``)."""
+    if "://" not in path:
+        return path
+    import hashlib
+    import tempfile
+    import time
+
+    import pyarrow.fs
+
+    from ray_train_xla.toolkit.ranks import local_rank
+
+    key = hashlib.sha256(path.encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("RAY_TRAIN_XLA_MODEL_CACHE", tempfile.gettempdir()),
+                         f"ray-train-xla-model-{key}")
+    done = os.path.join(cache, ".complete")
+    if local_rank() == 0 and not os.path.exists(done):
+        filesystem, remote = pyarrow.fs.FileSystem.from_uri(path)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        pyarrow.fs.copy_files(remote, tmp, source_filesystem=filesystem,
+                              destination_filesystem=pyarrow.fs.LocalFileSystem())
+        if os.path.exists(cache):
+            shutil.rmtree(cache)
+        os.rename(tmp, cache)
+        open(done, "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(done):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"load_pretrained: {path} was not fetched to {cache} by this node's "
+                               f"local rank 0 within {timeout_s:g} s")
+        time.sleep(0.2)
+    return cache
+
+
+# ---------------------------------------------------------------------------------- exporting
+
+
+def file_plan(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], dtype: torch.dtype | None,
+              max_shard_bytes: int) -> dict[str, int]:
+    """{name: output file index (1-based)}: tensors in order, a new file when the next one
+    would pass ``max_shard_bytes`` (as ``save_pretrained`` splits a model)."""
+    import math
+
+    out, index, size = {}, 1, 0
+    for name, (shape, dt) in specs.items():
+        nbytes = math.prod(shape) * (dtype or dt).itemsize
+        if size and size + nbytes > max_shard_bytes:
+            index, size = index + 1, 0
+        out[name] = index
+        size += nbytes
+    return out
+
+
+def file_name(index: int, count: int) -> str:
+    """``model-0000k-of-0000N.safetensors`` (``model.safetensors`` for one file)."""
+    return "model.safetensors" if count == 1 else _writer_file_name(index, count)
+
+
+def _writer_file_name(index: int, count: int) -> str:
+    """The name HuggingFaceStorageWriter and torch's consolidation give file ``index``."""
+    from torch.distributed.checkpoint._hf_utils import _gen_file_name
+
+    return _gen_file_name(index, count)
+
+
+def _stored_dtype(source: str | None) -> torch.dtype | None:
+    """The dtype ``config.json`` of ``source`` names (``dtype`` or ``torch_dtype``)."""
+    if not source or not os.path.exists(os.path.join(source, "config.json")):
+        return None
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    name = config.get("dtype") or config.get("torch_dtype")
+    return _DTYPES.get(str(name).replace("torch.", "")) if name else None
+
+
+def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | None = None,
+                      dtype: Any = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                      config: Any = None) -> dict[str, Any]:
+    """Write the (FSDP2-sharded) ``model`` into ``out_dir`` in the Hugging Face layout from
+    every rank; call it on every rank. ``out_dir`` must be one directory every rank reaches (a
+    local disk on one node, a shared filesystem on several).
+
+    ``dtype``: the export's dtype; default, the dtype ``source``'s ``config.json`` names (the
+    pretrained model's), else the parameters'. ``source``: the directory the model was loaded
+    from; its tokenizer files are copied. ``config``: the model's Transformers config (default
+    ``model.config``), written as ``config.json`` with ``generation_config.json``. Each rank
+    converts and writes its own slices one tensor at a time; the slices are joined into
+    files of at most ``max_shard_bytes``, each rank its own files. Returns a summary (on every
+    rank)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files_on_every_rank,
+    )
+
+    group = _dist_group()
+    rank = dist.get_rank() if group is not None else 0
+    dtype = parse_dtype(dtype) or _stored_dtype(source)
+    state = model.state_dict()
+    for group_names in tied_groups(model):  # tied weights are written once, as Transformers does
+        for alias in _tied_aliases(model, group_names):
+            state.pop(alias, None)
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    plan = file_plan(specs, dtype, max_shard_bytes)
+    count = max(plan.values())
+    sharded = os.path.join(out_dir, SHARDED_SUBDIR)
+    if rank == 0:
+        os.makedirs(sharded, exist_ok=True)
+    _barrier(group)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+                 sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
+             planner=_CastingSavePlanner(dtype), process_group=group, no_dist=group is None)
+    if group is None:  # one process: its files are the whole tensors already
+        _rename_single(sharded, out_dir, plan, count)
+    else:
+        consolidate_safetensors_files_on_every_rank(sharded, out_dir, plan, process_group=group)
+    names = sorted({file_name(i, count) for i in plan.values()})
+    if count == 1 and group is not None and rank == 0:
+        os.replace(os.path.join(out_dir, _writer_file_name(1, 1)), os.path.join(out_dir, names[0]))
+    if rank == 0:
+        shutil.rmtree(sharded, ignore_errors=True)
+        _write_index(out_dir, plan, specs, dtype, count)
+        write_model_files(out_dir, config if config is not None else getattr(model, "config", None),
+                          source, dtype)
+    _barrier(group)
+    return {"out_dir": out_dir, "files": names, "tensors": len(plan),
+            "dtype": str(dtype or next(iter(specs.values()))[1]).replace("torch.", "")}
+
+
+def _rename_single(sharded: str, out_dir: str, plan: Mapping[str, int], count: int) -> None:
+    """One process wrote whole tensors under HuggingFaceStorageWriter's names: move them."""
+    for index in sorted(set(plan.values())):
+        os.replace(os.path.join(sharded, _writer_file_name(index, count)),
+                   os.path.join(out_dir, file_name(index, count)))
+
+
+def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
+    """The names of a tied group that Transformers leaves out of its files (its
+    ``_tied_weights_keys``; else every name but the first)."""
+    keys = getattr(model, "_tied_weights_keys", None)
+    if isinstance(keys, Mapping):
+        named = [n for n in group if n in keys]
+    elif keys:
+        named = [n for n in group if any(re.fullmatch(k, n) or n.endswith(k) for k in keys)]
+    else:
+        named = []
+    return named if 0 < len(named) < len(group) else group[1:]
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
+def _write_index(out_dir: str, plan: Mapping[str, int],
+                 specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 dtype: torch.dtype | None, count: int) -> None:
+    import math
+
+    if count == 1:
+        return
+    total = sum(math.prod(shape) * (dtype or dt).itemsize for shape, dt in specs.values())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {k: file_name(i, count) for k, i in plan.items()}}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+
+
+def write_model_files(out_dir: str, config: Any, source: str | None,
+                      dtype: torch.dtype | None) -> None:
+    """``config.json`` (with the export's dtype), ``generation_config.json`` (for models that
+    generate) and the tokenizer files of ``source``."""
+    if config is not None:
+        if isinstance(config, Mapping):
+            from transformers import AutoConfig
+
+            data = dict(config)
+            config = AutoConfig.for_model(data.pop("model_type"), **data)
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(out_dir)
+        try:
+            from transformers import GenerationConfig
+
+            generation = GenerationConfig.from_model_config(config)
+            if source and os.path.exists(os.path.join(source, "generation_config.json")):
+                generation = GenerationConfig.from_pretrained(source)
+            generation.save_pretrained(out_dir)
+        except (ImportError, ValueError, OSError):
+            pass
+    if source and os.path.isdir(source):
+        copy_tokenizer_files(source, out_dir)
+
+
+def copy_tokenizer_files(source: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files of the model directory ``source`` into ``out_dir``; their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        file = os.path.join(source, name)
+        if os.path.isfile(file):
+            shutil.copyfile(file, os.path.join(out_dir, name))
+            copied.append(name)
+    return copied
+
+
+class _CastingSavePlanner:
+    """DCP's default save planner that hands the writer each tensor converted to ``dtype`` as
+    the writer asks for it (one tensor at a time, not a converted copy of the whole state)."""
+
+    def __new__(cls, dtype: torch.dtype | None):
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        class Casting(DefaultSavePlanner):
+            def resolve_data(self, write_item):
+                data = super().resolve_data(write_item)
+                if dtype is not None and isinstance(data, torch.Tensor) and data.is_floating_point():
+                    data = data.to(dtype)
+                return data
+
+        return Casting()

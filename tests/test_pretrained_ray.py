@@ -1,0 +1,223 @@
+"""Pretrained Hugging Face models loaded sharded and exported by slices, on real Ray Train (the
+shared one-node cluster), 4 CPU workers a fit:
+
+- ``TorchNeuronConfig(device="cpu")``: a Llama of 168M parameters (336 MB in bf16, 3
+  safetensors files) with untied embeddings;
+- ``TorchTPUConfig(device="cpu")``: a Qwen2 of 173M parameters with tied embeddings.
+
+Each worker first tries a checkpoint that does not fit (a renamed key, a wrong shape): refused
+before anything is allocated. Then it builds the model on the meta device, loads it sharded in
+bf16 (``rtx.load_pretrained``), measures its own peak memory growth during the load, computes
+the logits of a fixed batch (in fp32, from the bf16 weights), takes one SGD step and exports the
+trained model from all four workers in the stored dtype (``rtx.export_pretrained``), measuring
+again. The driver compares the logits with ``from_pretrained``'s in one process, and the
+export's, loaded with ``from_pretrained``, with the trained model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from conftest import connected, fit, write_record
+
+pytestmark = [pytest.mark.ray, pytest.mark.beside, pytest.mark.timeout(900)]
+
+WORKERS = 4
+PROBE = (torch.arange(64).reshape(4, 16) * 7 + 3) % 32000
+SHARD = "120MB"  # the source's largest file: 3 files of the 336 MB Llama
+EXPORT_SHARD = 100 * 10**6
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                       max_position_embeddings=128, tie_word_embeddings=False,
+                       attn_implementation="eager")
+
+
+def qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+                       max_position_embeddings=128, tie_word_embeddings=True,
+                       attn_implementation="eager")
+
+
+def save_source(config, path: str) -> int:
+    """A random model of ``config`` saved in bf16 by ``save_pretrained`` (with tokenizer files
+    to copy); its bytes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size=SHARD)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 128}, f)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def save_mismatched(path: str) -> None:
+    """A tiny Llama's files with one key renamed and one tensor of another shape."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    LlamaForCausalLM(config).save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    state["model.layers.0.mlp.gate.weight"] = state.pop("model.layers.0.mlp.gate_proj.weight")
+    state["model.norm.weight"] = torch.ones(48)
+    save_file(state, file, metadata={"format": "pt"})
+
+
+def load_train_export(config):
+    """On every worker: the refusal, the sharded load, logits, one step, the export."""
+    import torch.distributed.checkpoint  # noqa: F401 - imported before the memory is measured
+    from host_memory import PeakGrowth
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import ray_train_xla as rtx
+
+    record = {"rank": rtx.rank()}
+    with torch.device("meta"):
+        bad = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config["bad"]))
+    try:
+        rtx.load_pretrained(bad, config["bad"])
+        record["refused"] = None
+    except rtx.CheckpointMismatchError as e:
+        record["refused"] = str(e)
+    record["bad_still_meta"] = all(p.device.type == "meta" for p in bad.parameters())
+
+    hf_config = AutoConfig.from_pretrained(config["path"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    blocks = {type(model.model.layers[0])}
+    with PeakGrowth() as load:
+        model = rtx.load_pretrained(model, config["path"], auto_wrap_policy=blocks,
+                                    mixed_precision=MixedPrecisionPolicy(param_dtype=torch.float32))
+    record["load_growth"] = load.bytes
+    record["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    record["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    probe = torch.tensor(config["probe"])
+    with torch.no_grad():
+        logits = model(input_ids=probe, use_cache=False).logits
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = probe[rtx.rank() % len(probe):][:1]
+    model(input_ids=rows, labels=rows, use_cache=False).loss.backward()
+    optimizer.step()
+    record["tied_after_step"] = model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        trained = model(input_ids=probe, use_cache=False).logits
+    with PeakGrowth() as export:
+        summary = rtx.export_pretrained(model, config["export"], source=config["path"],
+                                        max_shard_bytes=config["export_shard"])
+    record["export_growth"] = export.bytes
+    record["export"] = summary
+    if rtx.rank() == 0:
+        torch.save({"loaded": logits, "trained": trained}, os.path.join(config["root"], "logits.pt"))
+    write_record(config, f"rank{rtx.rank()}", record)
+
+
+@pytest.fixture(scope="module")
+def cluster(one_node):
+    with connected(one_node):
+        yield one_node
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    path = tempfile.mkdtemp(prefix="rtx-mismatched-")
+    save_mismatched(path)
+    return path
+
+
+def run(kind: str, mismatched: str):
+    from ray.train import ScalingConfig
+
+    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig
+
+    root = tempfile.mkdtemp(prefix=f"rtx-pretrained-{kind}-")
+    source = os.path.join(root, "source")
+    config = llama_config() if kind == "neuron" else qwen2_config()
+    model_bytes = save_source(config, source)
+    torch_config = (TorchNeuronConfig if kind == "neuron" else TorchTPUConfig)(device="cpu",
+                                                                              timeout_s=300)
+    _, records = fit(load_train_export, torch_config=torch_config,
+                     scaling_config=ScalingConfig(num_workers=WORKERS,
+                                                  resources_per_worker={"CPU": 1}),
+                     loop_config={"path": source, "bad": mismatched, "probe": PROBE.tolist(),
+                                  "root": root,
+                                  "export": os.path.join(root, "export"),
+                                  "export_shard": EXPORT_SHARD})
+    return root, source, model_bytes, records
+
+
+def check(kind: str, mismatched: str, tied: bool) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    root, source, model_bytes, records = run(kind, mismatched)
+    records = sorted((r for r in records if "rank" in r), key=lambda r: r["rank"])
+    assert [r["rank"] for r in records] == list(range(WORKERS))
+    assert len([n for n in os.listdir(source) if n.endswith(".safetensors")]) >= 3
+    budget = 1.3 * model_bytes / WORKERS + 150 * 2**20
+    largest = max(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.bfloat16).parameters())
+    for r in records:
+        # Refused before anything was allocated, every key and shape named.
+        assert r["refused"] and r["bad_still_meta"], r["refused"]
+        assert "model.layers.0.mlp.gate_proj.weight" in r["refused"]  # missing
+        assert "model.layers.0.mlp.gate.weight" in r["refused"]  # unexpected
+        assert "model.norm.weight: saved [48]" in r["refused"]
+        assert r["load_growth"] <= budget, (r["rank"], r["load_growth"] / 2**20, budget / 2**20)
+        assert r["tied"] is tied and r["tied_after_step"] is tied
+        assert r["param_dtypes"] == ["torch.bfloat16"]
+        # The export holds a few tensors at a time, never the model.
+        assert r["export_growth"] <= 3 * largest + 100 * 2**20, (r["rank"], r["export_growth"] / 2**20)
+    print(f"{kind}: model {model_bytes / 2**20:.0f} MiB; load growth per worker "
+          f"{[round(r['load_growth'] / 2**20) for r in records]} MiB (bound {budget / 2**20:.0f}); "
+          f"export growth {[round(r['export_growth'] / 2**20) for r in records]} MiB "
+          f"(largest tensor {largest / 2**20:.0f} MiB)")
+    logits = torch.load(os.path.join(root, "logits.pt"))
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).float().eval()
+    with torch.no_grad():
+        expected = reference(input_ids=PROBE, use_cache=False).logits
+    torch.testing.assert_close(logits["loaded"], expected, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(logits["trained"], expected, atol=1e-2)  # the step changed it
+
+    export = os.path.join(root, "export")
+    files = sorted(os.listdir(export))
+    weights = [n for n in files if n.endswith(".safetensors")]
+    assert len(weights) >= 3 and all(n.startswith("model-0000") for n in weights), files
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json",
+            "tokenizer_config.json"} <= set(files)
+    names = []
+    for n in weights:
+        with safe_open(os.path.join(export, n), framework="pt") as f:
+            names += list(f.keys())
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert ("lm_head.weight" in names) is not tied and len(names) == len(set(names))
+    exported = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert exported.dtype == torch.bfloat16
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
+    with torch.no_grad():
+        got = exported.float()(input_ids=PROBE, use_cache=False).logits
+    torch.testing.assert_close(got, logits["trained"], atol=2e-4, rtol=1e-4)
+
+
+def test_llama_loads_sharded_and_exports_on_the_neuron_twin(cluster, mismatched):
+    check("neuron", mismatched, tied=False)
+
+
+def test_tied_qwen2_loads_sharded_and_exports_on_the_tpu_twin(cluster, mismatched):
+    check("tpu", mismatched, tied=True)
