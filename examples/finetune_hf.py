@@ -5,29 +5,61 @@ host owning its devices; on the CPU, one worker with ``--devices`` virtual XLA d
 under ``TorchNeuronConfig`` / ``TorchTPUConfig`` (one worker per NeuronCore or chip; on the CPU,
 ``--workers`` gloo workers); ``--config xla|neuron|tpu`` picks the config object, nothing else
 changes. Each decoder layer (``LlamaDecoderLayer``, or the model's ``_no_split_modules``) is
-sharded on its own.
+sharded on its own; ``--hsdp`` (FSDP2 only) shards within a node and replicates across nodes,
+``--activation-checkpointing`` recomputes each layer in the backward pass, and
+``--compile-cache DIR`` gives the config object its shared compile cache.
 
-Model: ``--model PATH`` (a local directory; a hub name works only where the hub is reachable),
-else a small ``LlamaConfig`` built here with random weights and a byte-level tokenizer, so the
-default run needs no download. Text: ``--data FILE`` (one text per line) or a generated corpus.
-It is tokenized by Ray Data (``map_batches``) and padded to a few bucket lengths (32/64/128,
-labels -100 on padding), so XLA compiles one graph per bucket, not one per length; a held-out
-split gives ``eval_loss`` every ``--eval-every`` steps. AdamW with linear warm-up
-(``--warmup``), gradient accumulation (``--accum``), clipping by the global norm. bf16 on
-Neuron and TPU (FSDP2's ``mixed_precision="bf16"``; the model cast under FSDPv2); fp32 on the CPU,
-where bf16 matmuls are emulated on most CPUs (slower than fp32) and a CPU run is a check of the
-script. Reports carry loss, tokens/s and compile counts; checkpoints (sharded, every
-``--checkpoint-every`` steps) the step, the data position and the model's ``hf_config``, so a
-failed run resumes where it stopped (``--crash-at STEP`` fails once to show it), and the driver
-writes a Hugging Face model directory from the last one (``--export DIR``; ``--no-export``).
+Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors; on a shared
+filesystem it is read in place) or a URI (``s3://``, ``gs://``: fetched once per node). Each
+worker builds the model from its ``config.json`` on the meta device and ``rtx.load_pretrained``
+fills it by slices in the training dtype: under FSDP2 each worker reads only its own shards,
+under FSDPv2 the host's one process reads the model once; no process holds more, so a model
+larger than one host loads the same way. Without ``--model``, a small ``LlamaConfig`` built here
+with random weights and a byte-level tokenizer, so the default run needs no download.
+
+Data: ``--data FILE.jsonl``, one JSON object a line, either ``{"prompt": ..., "completion":
+...}`` (the completion follows the prompt directly: put any separator in the data; loss on the
+completion and the end token) or ``{"messages": [{"role": "user", "content": ...}, {"role":
+"assistant", "content": ...}]}`` (rendered by the tokenizer's chat template; loss on every
+assistant turn, or on the last one where the template renders earlier turns differently). The
+byte tokenizer renders chats itself (``<|role|>``, a newline, the content, a newline); a
+``--model`` tokenizer without a chat template is refused for chats. Any other ``--data FILE`` is
+one text a line with loss on every token, and without ``--data`` a generated corpus
+(``--corpus-lines``). Labels are -100 wherever there is no loss. The driver reads and checks
+the file before Ray starts (a line of an unknown schema is refused with its number); Ray Data
+tokenizes it (``map_batches``) and pads rows to a few bucket lengths derived from ``--seq-len``
+(a quarter, a half and all of it, multiples of 8), so XLA compiles one graph per bucket, not one
+per length. ``--pack`` fills rows of ``--seq-len`` tokens with several whole examples each
+(labels stay per example; attention crosses the examples of a row, as in simple packing). A
+held-out split (the last 10%) gives ``eval_loss`` every ``--eval-every`` steps.
+
+Training: AdamW, weight decay (``--weight-decay``) on the matrices only, linear warm-up
+(``--warmup`` steps) then a cosine decay to ``--min-lr-ratio`` of the peak ``--lr`` (2e-5 with
+``--model``; 3e-3 for the random tiny model, which must show a falling loss in a few steps),
+gradient accumulation (``--accum``), clipping by the global norm. bf16 on Neuron and TPU: a
+pretrained model's parameters are read into bf16 (FSDP2 reduces gradients in fp32), the random
+model uses FSDP2's ``mixed_precision="bf16"`` (all bf16 under FSDPv2); fp32 on the CPU, where
+bf16 matmuls are emulated on most CPUs (slower than fp32) and a CPU run is a check of the
+script. Reports carry
+loss, tokens/s and compile counts; checkpoints (sharded, every ``--checkpoint-every`` steps) the
+step, the data position and the model's ``hf_config``, so a failed run resumes where it stopped
+(``--crash-at STEP`` fails once to show it), and the driver writes a Hugging Face model
+directory from the last one (``--export DIR``; ``--no-export``): one tensor at a time, only the
+model's tensors, read through the checkpoint's own filesystem (local, S3, GCS), in the
+pretrained model's stored dtype (``--export-dtype``), with its tokenizer files. ``validate(argv)`` runs every
+check of the command line before Ray starts.
 
     python examples/finetune_hf.py --config xla --devices 4 --steps 40      # FSDPv2, XLA CPU
     python examples/finetune_hf.py --config neuron --workers 2 --steps 40   # FSDP2, CPU workers
     python examples/finetune_hf.py --config tpu --workers 2 --crash-at 20   # fail once, resume
+    python examples/finetune_hf.py --config neuron --workers 2 --seq-len 256 --pack --corpus-lines 1200
     python examples/finetune_hf.py --config neuron --device neuron --workers 32 \\
-        --accelerators-per-worker 1 --address auto --storage-path /fsx/runs --model /fsx/llama
+        --accelerators-per-worker 1 --address auto --storage-path /fsx/runs --model /fsx/llama \\
+        --corpus-lines 4000 --seq-len 1024 --hsdp --activation-checkpointing \\
+        --compile-cache /fsx/neff-cache
     python examples/finetune_hf.py --config tpu --device tpu --workers 16 \\
-        --tpu-topology 4x4 --accelerator-type TPU-V6E --address auto --storage-path gs://b/runs
+        --tpu-topology 4x4 --accelerator-type TPU-V6E --address auto --storage-path gs://b/runs \\
+        --corpus-lines 2000 --export /tmp/finetune_hf-tpu
 """
 
 from __future__ import annotations
@@ -37,31 +69,65 @@ import os
 import tempfile
 import time
 
-BUCKETS = (32, 64, 128)
+DEFAULT_SEQ_LEN = 128
 # The byte-level tokenizer: 0 padding, 1 begin, 2 end, then the 256 byte values; the vocabulary
 # is rounded up to a multiple of 8 so that FSDPv2 splits the embedding evenly over 8 devices.
 PAD, BOS, EOS, BYTE0 = 0, 1, 2, 3
 BYTE_VOCAB = 264
+IGNORE = -100  # the label of a token that carries no loss (cross_entropy's ignore_index)
 CONFIGS = ("xla", "neuron", "tpu")
-EVAL_FRACTION = 0.1  # of the texts, held out (the last ones)
+EVAL_FRACTION = 0.1  # of the examples, held out (the last ones)
+# Full fine-tuning of a pretrained model wants a small rate; the built-in random tiny model needs a
+# large one to show a falling loss within a few steps of a CPU check.
+PRETRAINED_LR, TINY_LR = 2e-5, 3e-3
+
+
+def buckets_for(seq_len: int) -> list[int]:
+    """The lengths rows are padded to: a quarter, a half and all of ``seq_len``, each rounded up to
+    a multiple of 8. XLA compiles one graph per bucket (not one per length), so a few buckets
+    keep compilation bounded while short rows are not padded to ``seq_len``."""
+    return sorted({max(8, -(-length // 8) * 8) for length in (seq_len // 4, seq_len // 2, seq_len)})
+
+
+def default_lr(model: str | None) -> float:
+    """2e-5 for a pretrained ``--model``; 3e-3 for the built-in random tiny model."""
+    return PRETRAINED_LR if model else TINY_LR
 
 
 def ft_config(**overrides) -> dict:
-    """Model, data and training settings (the training function's config)."""
+    """Model, data and training settings (the training function's config). ``buckets`` follow
+    from ``seq_len`` unless given (then ``seq_len`` is their largest); ``lr`` None is
+    :func:`default_lr` of the model."""
     config = {
         "model": None,  # a local path (or hub name) for from_pretrained; None: the small Llama
         "hidden": 64, "layers": 2, "heads": 4, "ff": 128,
-        "buckets": list(BUCKETS), "batch_size": 8, "accum": 1,
-        "lr": 3e-3, "warmup": 5, "steps": 40, "max_grad_norm": 1.0,
+        "seq_len": DEFAULT_SEQ_LEN, "buckets": None, "pack": False,
+        "batch_size": 8, "accum": 1,
+        "lr": None, "warmup": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1,
+        "steps": 40, "max_grad_norm": 1.0,
         "eval_every": 10, "checkpoint_every": 10,
         "precision": "auto",  # auto: bf16 on Neuron/TPU devices, fp32 on the CPU
+        # For the model-building lines: HSDP (get_sharded_mesh("hsdp"), native configs only) and
+        # activation checkpointing (prepare_sharded_model(..., activation_checkpointing=True)).
+        "hsdp": False, "activation_checkpointing": False,
         "crash_at": None, "marker_dir": None, "out_dir": None, "seed": 0,
     }
     config.update(overrides)
+    if config["buckets"] is None:
+        config["buckets"] = buckets_for(config["seq_len"])
+    config["buckets"] = sorted(config["buckets"])
+    config["seq_len"] = config["buckets"][-1]
+    if config["lr"] is None:
+        config["lr"] = default_lr(config["model"])
     return config
 
 
 # ---------------------------------------------------------------------------------------- data
+#
+# An example is a dict of one of three kinds: {"text": ...} (plain text: every token carries
+# loss), {"prompt": ..., "completion": ...} (loss on the completion only) or {"messages": [{"role":
+# ..., "content": ...}, ...]} (a chat, rendered by the tokenizer's chat template: loss on the
+# assistant turns only). Tokenizing gives each example its ids and labels (IGNORE where no loss).
 
 
 def builtin_corpus(lines: int = 600, seed: int = 0) -> list[str]:
@@ -80,14 +146,65 @@ def builtin_corpus(lines: int = 600, seed: int = 0) -> list[str]:
     return out
 
 
-def read_texts(path: str | None, lines: int = 600) -> list[str]:
+def example_kind(record) -> str:
+    """"text", "completion" or "messages": the schema of one example; ValueError says what is
+    wrong with one that has none of them (or more than one)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    kinds = [k for k, keys in (("text", ("text",)), ("completion", ("prompt", "completion")),
+                               ("messages", ("messages",)))
+             if any(key in record for key in keys)]
+    if len(kinds) != 1:
+        raise ValueError('expected {"prompt": ..., "completion": ...} or {"messages": [...]} (or '
+                         f'{{"text": ...}}), got the keys {sorted(record)}')
+    kind = kinds[0]
+    if kind == "text" and not isinstance(record["text"], str):
+        raise ValueError('"text" must be a string')
+    if kind == "completion":
+        for key in ("prompt", "completion"):
+            if not isinstance(record.get(key), str):
+                raise ValueError(f'"prompt" and "completion" must both be strings ({key!r} is '
+                                 f'{type(record.get(key)).__name__})')
+        if not record["completion"]:
+            raise ValueError('"completion" is empty: nothing to carry the loss')
+    if kind == "messages":
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('"messages" must be a non-empty list')
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f'messages[{i}] must be {{"role": str, "content": str}}, got {m!r}')
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError('no "assistant" message: nothing to carry the loss')
+    return kind
+
+
+def read_examples(path: str | None, corpus_lines: int = 600) -> list[dict]:
+    """The examples: the built-in corpus (``path`` None), a ``.jsonl`` file (one JSON object a
+    line, see :func:`example_kind`) or a text file (one text a line). Empty lines are skipped; a
+    line of an unknown schema is refused with its number."""
     if path is None:
-        return builtin_corpus(lines)
+        return [{"text": t} for t in builtin_corpus(corpus_lines)]
+    import json
+
+    examples = []
     with open(path, encoding="utf-8") as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    if not texts:
-        raise SystemExit(f"--data {path}: no non-empty lines")
-    return texts
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not path.endswith(".jsonl"):
+                examples.append({"text": line.rstrip("\n")})
+                continue
+            try:
+                record = json.loads(line)
+                example_kind(record)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"--data {path} line {number}: {e}") from None
+            examples.append(record)
+    if not examples:
+        raise ValueError(f"--data {path}: no non-empty lines")
+    return examples
 
 
 _TOKENIZERS: dict = {}
@@ -102,39 +219,161 @@ def hf_tokenizer(name: str):
     return _TOKENIZERS[name]
 
 
-def encode(texts: list[str], model: str | None, max_len: int) -> tuple[list[list[int]], int]:
-    """Token ids of each text (begin/end tokens included, cut to ``max_len``) and the pad id."""
+def byte_ids(text: str) -> list[int]:
+    return [BYTE0 + b for b in text.encode("utf-8")]
+
+
+def byte_chat(messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The byte tokenizer's chat rendering, ``<|role|>\\n`` then the content and a newline per
+    message, begin and end tokens around: (ids, labels) with loss on each assistant content
+    and its newline (the turn's end), and on the end token after a final assistant turn."""
+    ids, labels = [BOS], [IGNORE]
+    for m in messages:
+        header, body = byte_ids(f"<|{m['role']}|>\n"), byte_ids(m["content"] + "\n")
+        ids += header + body
+        labels += [IGNORE] * len(header) + (body if m["role"] == "assistant" else [IGNORE] * len(body))
+    ids.append(EOS)
+    labels.append(EOS if messages[-1]["role"] == "assistant" else IGNORE)
+    return ids, labels
+
+
+def chat_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The chat template's text of ``messages`` and the character spans of the assistant turns:
+    turn i spans from the render of ``messages[:i]`` with the generation prompt to the render
+    of ``messages[:i + 1]`` (so a turn's end-of-turn tokens carry loss, its header does not).
+    Every assistant turn where each such prefix is a prefix of the whole text; where one is not
+    (a template that renders earlier turns differently, e.g. dropping their reasoning), only the
+    last assistant turn; ValueError where not even that one is."""
+    def render(msgs, generation_prompt):
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+
+    text = render(messages, False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = []
+    for i in turns:
+        start, end = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (text.startswith(start) and text.startswith(end) and len(start) <= len(end)):
+            break
+        spans.append((len(start), len(end)))
+    else:
+        return text, spans
+    last = turns[-1]
+    start, end = render(messages[:last], True), render(messages[:last + 1], False)
+    if text.startswith(start) and text.startswith(end) and len(start) <= len(end):
+        return text, [(len(start), len(end))]
+    raise ValueError("the chat template does not render a conversation's beginning as a prefix of "
+                     "the whole: cannot tell which tokens are the assistant's")
+
+
+def hf_encode(tok, example: dict, kind: str) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one example with a Hugging Face tokenizer (see :func:`encode_example`)."""
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if kind == "text":  # as the byte tokenizer: the tokenizer's own start, the text, the end
+        ids = tok(example["text"])["input_ids"] + eos
+        return ids, list(ids)
+    if kind == "completion":
+        prompt = tok(example["prompt"])["input_ids"]
+        completion = tok(example["completion"], add_special_tokens=False)["input_ids"] + eos
+        return prompt + completion, [IGNORE] * len(prompt) + completion
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the tokenizer {tok.name_or_path!r} has no chat_template: it cannot "
+                         "render messages; give prompt/completion data or a chat model's tokenizer")
+    text, spans = chat_spans(tok, example["messages"])
+    if getattr(tok, "is_fast", False):
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        labels = [t if any(s <= a < e for s, e in spans) else IGNORE
+                  for t, (a, _) in zip(ids, enc["offset_mapping"])]
+        return ids, labels
+    # A slow tokenizer has no offsets: tokenize the pieces between the span boundaries.
+    ids, labels, at = [], [], 0
+    for s, e in spans:
+        for piece, loss in ((text[at:s], False), (text[s:e], True)):
+            piece_ids = tok(piece, add_special_tokens=False)["input_ids"] if piece else []
+            ids += piece_ids
+            labels += piece_ids if loss else [IGNORE] * len(piece_ids)
+        at = e
+    rest = tok(text[at:], add_special_tokens=False)["input_ids"] if text[at:] else []
+    return ids + rest, labels + [IGNORE] * len(rest)
+
+
+def encode_example(example: dict, model: str | None, max_len: int) -> tuple[list[int], list[int]]:
+    """(ids, labels) of one example, cut to ``max_len``: labels are the ids where the token
+    carries loss (every token of a text, the completion and its end token, the assistant turns)
+    and IGNORE elsewhere. The first label is always IGNORE: nothing predicts a row's first token,
+    nor, in a packed row, an example's first token from the example before it."""
+    kind = example_kind(example)
+    if model is not None:
+        ids, labels = hf_encode(hf_tokenizer(model), example, kind)
+    elif kind == "text":
+        ids = [BOS] + byte_ids(example["text"]) + [EOS]
+        labels = list(ids)
+    elif kind == "completion":
+        prompt, completion = [BOS] + byte_ids(example["prompt"]), byte_ids(example["completion"]) + [EOS]
+        ids, labels = prompt + completion, [IGNORE] * len(prompt) + completion
+    else:
+        ids, labels = byte_chat(example["messages"])
+    ids, labels = ids[:max_len], labels[:max_len]
+    if labels:
+        labels[0] = IGNORE
+    return ids, labels
+
+
+def pad_id(model: str | None) -> int:
     if model is None:
-        return [([BOS] + [BYTE0 + b for b in t.encode("utf-8")] + [EOS])[:max_len]
-                for t in texts], PAD
+        return PAD
     tok = hf_tokenizer(model)
-    ids = tok(list(texts), truncation=True, max_length=max_len)["input_ids"]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return ids, 0 if pad is None else pad
+    return 0 if pad is None else pad
 
 
 def bucket_of(length: int, buckets: list[int]) -> int:
     return next(b for b in buckets if length <= b)
 
 
-def tokenize_batch(batch: dict, model: str | None, buckets: list[int]) -> dict:
-    """Ray Data ``map_batches``: texts -> ``input_ids`` and ``labels`` padded to the largest
-    bucket (labels -100 on padding) and each row's ``bucket``, the smallest bucket it fits. A
-    training batch is cut to the largest bucket among its rows (``cut_to_bucket``)."""
+def pack_rows(encoded: list[tuple[list[int], list[int]]], seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """Examples concatenated, in order, into rows of at most ``seq_len`` tokens; an example that
+    does not fit in the current row starts the next one (none is split). Labels stay each
+    example's own; attention crosses the examples of a row (a causal mask, no per-example mask,
+    positions not restarted), as in the usual simple packing."""
+    rows: list[tuple[list[int], list[int]]] = []
+    for ids, labels in encoded:
+        if rows and len(rows[-1][0]) + len(ids) <= seq_len:
+            rows[-1][0].extend(ids)
+            rows[-1][1].extend(labels)
+        else:
+            rows.append((list(ids), list(labels)))
+    return rows
+
+
+def tokenize_batch(batch: dict, model: str | None, buckets: list[int], pack: bool = False) -> dict:
+    """Ray Data ``map_batches``: examples (JSON strings in ``example``) -> ``input_ids`` and
+    ``labels`` padded to the largest bucket (labels IGNORE on padding and where no loss), each
+    row's ``bucket`` (the smallest bucket it fits) and ``index`` (the example's position in its
+    split; -1 for packed rows). With ``pack`` the batch's examples are packed into rows
+    (:func:`pack_rows`). A training batch is cut to the largest bucket among its rows
+    (``cut_to_bucket``)."""
+    import json
+
     import numpy as np
 
     buckets = sorted(buckets)
     width = buckets[-1]
-    ids, pad = encode([str(t) for t in batch["text"]], model, width)
-    n = len(ids)
+    encoded = [encode_example(json.loads(str(e)), model, width) for e in batch["example"]]
+    index = [int(i) for i in batch["index"]]
+    if pack:
+        encoded = pack_rows(encoded, width)
+        index = [-1] * len(encoded)
+    n, pad = len(encoded), pad_id(model)
     input_ids = np.full((n, width), pad, dtype=np.int64)
-    labels = np.full((n, width), -100, dtype=np.int64)
+    labels = np.full((n, width), IGNORE, dtype=np.int64)
     bucket = np.zeros(n, dtype=np.int64)
-    for i, row in enumerate(ids):
-        input_ids[i, :len(row)] = row
-        labels[i, :len(row)] = row
-        bucket[i] = bucket_of(max(len(row), 1), buckets)
-    return {"input_ids": input_ids, "labels": labels, "bucket": bucket}
+    for i, (row_ids, row_labels) in enumerate(encoded):
+        input_ids[i, :len(row_ids)] = row_ids
+        labels[i, :len(row_labels)] = row_labels
+        bucket[i] = bucket_of(max(len(row_ids), 1), buckets)
+    return {"input_ids": input_ids, "labels": labels, "bucket": bucket,
+            "index": np.asarray(index, dtype=np.int64)}
 
 
 def cut_to_bucket(batch: dict) -> tuple:
@@ -144,35 +383,50 @@ def cut_to_bucket(batch: dict) -> tuple:
     return batch["input_ids"][:, :width], batch["labels"][:, :width]
 
 
-def make_datasets(texts: list[str], config: dict, eval_fraction: float = EVAL_FRACTION) -> dict:
-    """{"train", "eval"}: Ray Data datasets of tokenized rows; the last ``eval_fraction`` of the
-    texts is held out."""
+def split_examples(examples: list, eval_fraction: float = EVAL_FRACTION) -> tuple[list, list]:
+    """(train, eval): the last ``eval_fraction`` of the examples (at least one) is held out."""
+    n_eval = max(1, int(len(examples) * eval_fraction))
+    if len(examples) - n_eval < 1:
+        raise ValueError(f"{len(examples)} examples: too few to hold out {n_eval} for eval")
+    return examples[:-n_eval], examples[-n_eval:]
+
+
+def make_datasets(examples: list, config: dict, eval_fraction: float = EVAL_FRACTION) -> dict:
+    """{"train", "eval"}: Ray Data datasets of tokenized rows. ``examples`` are dicts (see
+    :func:`example_kind`) or plain strings (texts); each travels as a JSON string, so that
+    examples of different schemas share one column."""
+    import json
+
     import ray.data
 
-    n_eval = max(1, int(len(texts) * eval_fraction))
-    if len(texts) - n_eval < 1:
-        raise SystemExit(f"{len(texts)} texts: too few to hold out {n_eval} for eval")
-    kwargs = {"fn_kwargs": {"model": config["model"], "buckets": config["buckets"]},
+    kwargs = {"fn_kwargs": {"model": config["model"], "buckets": config["buckets"],
+                            "pack": config["pack"]},
               "batch_size": 64}
-    return {
-        "train": ray.data.from_items([{"text": t} for t in texts[:-n_eval]])
-        .map_batches(tokenize_batch, **kwargs),
-        "eval": ray.data.from_items([{"text": t} for t in texts[-n_eval:]])
-        .map_batches(tokenize_batch, **kwargs),
-    }
+
+    def dataset(part):
+        items = [{"example": json.dumps(e if isinstance(e, dict) else {"text": e}), "index": i}
+                 for i, e in enumerate(part)]
+        return ray.data.from_items(items).map_batches(tokenize_batch, **kwargs)
+
+    train, held_out = split_examples(examples, eval_fraction)
+    return {"train": dataset(train), "eval": dataset(held_out)}
 
 
 # --------------------------------------------------------------------------------------- model
 
 
-def make_model(config: dict):
-    """The causal LM (CPU, fp32): ``from_pretrained(config["model"])`` or a small random Llama."""
+def make_model(config: dict, dtype=None):
+    """The causal LM: for ``config["model"]`` (a local directory or a URI), built from its
+    ``config.json`` on the meta device (no memory: ``load_pretrained`` allocates each rank's
+    shards and reads them); else a small random Llama on the CPU (fp32)."""
     import torch
 
     if config["model"]:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(config["model"], dtype=torch.float32)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config["model"]),
+                                                    dtype=dtype or torch.float32)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(
@@ -182,6 +436,18 @@ def make_model(config: dict):
         pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
     torch.manual_seed(config["seed"])
     return LlamaForCausalLM(hf_config)
+
+
+def source_config(config: dict, model) -> dict:
+    """The model's config as saved in checkpoints (``hf_config``, for the export): the
+    pretrained model's own ``config.json`` (with its stored dtype, the export's default), or
+    the random model's."""
+    if config["model"] and os.path.isfile(os.path.join(config["model"], "config.json")):
+        import json
+
+        with open(os.path.join(config["model"], "config.json"), encoding="utf-8") as f:
+            return json.load(f)
+    return model.config.to_dict()
 
 
 def block_classes(model) -> set:
@@ -205,19 +471,45 @@ def xla_shard_output(output, mesh) -> None:
 
 
 def lm_loss(model, input_ids, labels):
-    """Next-token cross entropy over the tokens that are not padding."""
+    """Next-token cross entropy over the tokens that carry loss (labels not IGNORE): their mean,
+    0 for a batch with none (a completion cut off by ``seq_len``) rather than NaN. The model is
+    called with ``use_cache=False``: training keeps no key/value cache, and activation
+    checkpointing refuses one."""
     import torch
 
-    logits = model(input_ids=input_ids).logits
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-        ignore_index=-100)
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    targets = labels[:, 1:].reshape(-1)
+    summed = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, ignore_index=IGNORE,
+        reduction="sum")
+    return summed / (targets != IGNORE).sum().clamp(min=1)
 
 
 def lr_at(step: int, config: dict) -> float:
-    """Linear warm-up over ``warmup`` steps, then constant. ``step`` is 0-based."""
-    warmup = config["warmup"]
-    return config["lr"] * min(1.0, (step + 1) / warmup) if warmup > 0 else config["lr"]
+    """The learning rate of 0-based ``step``: linear warm-up over ``warmup`` steps up to ``lr``
+    (reached at step ``warmup - 1``), then a cosine decay to ``min_lr_ratio * lr``, reached at
+    the last step (``steps - 1``)."""
+    import math
+
+    lr, warmup, steps = config["lr"], config["warmup"], config["steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    floor = lr * config["min_lr_ratio"]
+    progress = min(1.0, (step - warmup + 1) / max(1, steps - warmup))
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on the matrices (embeddings included), none on parameters
+    of fewer than 2 dimensions (biases, norm weights), the usual rule: decaying a norm's scale
+    or a bias towards 0 only fights the model. Shards (FSDP2's DTensors, FSDPv2's) keep the
+    full parameter's ``ndim``."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 def use_bf16(config: dict, on_cpu: bool) -> bool:
@@ -244,22 +536,41 @@ def train_loop(config: dict) -> None:
     bf16 = use_bf16(config, on_cpu)
     # (On the native configs the plan sets USE_TORCH_XLA=0: transformers, imported below,
     # keeps off torch_xla where it is installed.)
-    model = make_model(config)
+    # A pretrained model is loaded by slices in its training dtype (bf16 on devices): FSDP2 reads
+    # each rank's slices; under FSDPv2 the host's one process reads it once, then shards it.
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = make_model(config, dtype)
+    hf_config = source_config(config, model)
     blocks = block_classes(model)
+    options = {"auto_wrap_policy": blocks,
+               "activation_checkpointing": config.get("activation_checkpointing", False)}
     if spmd:
         mesh = rtx.get_sharded_mesh()
         if config["batch_size"] % mesh.size():
             raise ValueError(f"batch_size {config['batch_size']} is split over {mesh.size()} "
                              "devices under FSDPv2: make it a multiple of the device count")
-        if bf16:
-            model = model.to(torch.bfloat16)  # FSDPv2 has no mixed precision: all bf16
-        model = rtx.prepare_sharded_model(model, mesh, auto_wrap_policy=blocks,
-                                          shard_output=xla_shard_output)
+        options.update(shard_output=xla_shard_output)
+        if config["model"]:
+            model = rtx.load_pretrained(model, config["model"], dtype=dtype, mesh=mesh, **options)
+        else:
+            if bf16:
+                model = model.to(torch.bfloat16)  # FSDPv2 has no mixed precision: all bf16
+            model = rtx.prepare_sharded_model(model, mesh, **options)
     else:
         mesh = None
-        model = rtx.prepare_sharded_model(model, auto_wrap_policy=blocks,
-                                          mixed_precision="bf16" if bf16 else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.0)
+        shards = rtx.get_sharded_mesh("hsdp") if config.get("hsdp") else None
+        if config["model"]:
+            # bf16 parameters; gradients reduced in fp32.
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            model = rtx.load_pretrained(
+                model, config["model"], dtype=dtype, mesh=shards,
+                mixed_precision=MixedPrecisionPolicy(reduce_dtype=torch.float32) if bf16 else None,
+                **options)
+        else:
+            model = rtx.prepare_sharded_model(model, shards, mixed_precision="bf16" if bf16 else None,
+                                              **options)
+    optimizer = torch.optim.AdamW(param_groups(model, config["weight_decay"]), lr=config["lr"])
 
     def to_device(t):
         return rtx.shard_batch(t, mesh) if spmd else t.to(device)
@@ -296,7 +607,8 @@ def train_loop(config: dict) -> None:
                 yield batch
             if seen == 0:
                 raise ValueError(f"rank {rank}: the train split has fewer than batch_size="
-                                 f"{batch_size} rows per worker")
+                                 f"{batch_size} rows per worker (with --pack: packed rows, "
+                                 "several examples each)")
             epoch, position = epoch + 1, 0
 
     def evaluate() -> float:
@@ -306,7 +618,7 @@ def train_loop(config: dict) -> None:
         with torch.no_grad():
             for batch in rtx.iter_xla_batches(eval_shard, batch_size, to_device=False):
                 ids, labels = cut_to_bucket(batch)
-                n = int((labels[:, 1:] != -100).sum())
+                n = int((labels[:, 1:] != IGNORE).sum())
                 total = total + lm_loss(model, to_device(ids), to_device(labels)).float() * n
                 count += n
                 rtx.sync()
@@ -329,9 +641,14 @@ def train_loop(config: dict) -> None:
             group["lr"] = lr_at(step, config)
         optimizer.zero_grad()
         step_loss = torch.zeros((), device=device)
+        rows = []  # for tests: (example index, tokens carrying loss) of each row of this step
         for _ in range(accum):
-            ids, labels = cut_to_bucket(next(batches))
-            tokens += int((labels[:, 1:] != -100).sum())
+            batch = next(batches)
+            ids, labels = cut_to_bucket(batch)
+            tokens += int((labels[:, 1:] != IGNORE).sum())
+            if out_dir:
+                rows += [[int(i), int(n)] for i, n in zip(batch["index"].tolist(),
+                                                          (labels[:, 1:] != IGNORE).sum(1).tolist())]
             loss = lm_loss(model, to_device(ids), to_device(labels)) / accum
             loss.backward()
             step_loss = step_loss + loss.detach()
@@ -341,7 +658,7 @@ def train_loop(config: dict) -> None:
         optimizer.step()
         rtx.sync()
         step += 1
-        log({"event": "step", "step": step, "epoch": epoch, "position": position})
+        log({"event": "step", "step": step, "epoch": epoch, "position": position, "rows": rows})
         last = step >= config["steps"]
         do_eval = step % config["eval_every"] == 0 or last
         do_ckpt = step % config["checkpoint_every"] == 0 or last
@@ -364,7 +681,7 @@ def train_loop(config: dict) -> None:
                 rtx.save_checkpoint(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": step, "epoch": epoch, "position": position,
-                     "hf_config": model.config.to_dict()},
+                     "hf_config": hf_config},
                     report)
             else:
                 rtx.report(report)
@@ -380,7 +697,7 @@ def train_loop(config: dict) -> None:
         probe = probe_ids(model.config.vocab_size)
         model.eval()
         with torch.no_grad():
-            logits = model(input_ids=to_device(probe)).logits.float().cpu()
+            logits = model(input_ids=to_device(probe), use_cache=False).logits.float().cpu()
         if rank == 0:
             torch.save(logits, os.path.join(out_dir, "probe_logits.pt"))
 
@@ -395,18 +712,22 @@ def probe_ids(vocab: int):
 # -------------------------------------------------------------------------------------- driver
 
 
-def torch_config(name: str, device: str, devices: int | None = None):
-    """The config object: the only thing that differs between backends."""
+def torch_config(name: str, device: str, devices: int | None = None,
+                 compile_cache: str | None = None):
+    """The config object: the only thing that differs between backends. ``compile_cache`` is
+    each config's own: ``NEURON_COMPILE_CACHE_URL`` (xla on Neuron: a path or s3:// URL),
+    torch_xla's persistent cache (xla on TPU: a directory), ``TORCH_NEURONX_NEFF_CACHE_DIR``
+    (neuron) or ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (tpu), shared by every node."""
     from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
 
     if name == "xla":
         if device == "cpu":
             return TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=devices or 4,
                                   timeout_s=300)
-        return TorchXLAConfig(device=device, spmd=True)
+        return TorchXLAConfig(device=device, spmd=True, compile_cache=compile_cache)
     if name == "neuron":
-        return TorchNeuronConfig(device=device, timeout_s=300)
-    return TorchTPUConfig(device=device, timeout_s=300)
+        return TorchNeuronConfig(device=device, timeout_s=300, compile_cache=compile_cache)
+    return TorchTPUConfig(device=device, timeout_s=300, compile_cache=compile_cache)
 
 
 def scaling_config(name: str, device: str, workers: int, per_worker: int = 1,
@@ -428,8 +749,10 @@ def scaling_config(name: str, device: str, workers: int, per_worker: int = 1,
 
 
 def build_trainer(config: dict, torch_cfg, scaling, storage_path: str, name: str,
-                  texts: list[str] | None = None, max_failures: int = 1, keep: int | None = 2):
-    """A TorchTrainer for ``train_loop`` with the tokenized train and eval datasets."""
+                  examples: list | None = None, max_failures: int = 1, keep: int | None = 2):
+    """A TorchTrainer for ``train_loop`` with the tokenized train and eval datasets of
+    ``examples`` (dicts of :func:`example_kind`'s schemas or texts; default: the built-in
+    corpus)."""
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
@@ -439,7 +762,7 @@ def build_trainer(config: dict, torch_cfg, scaling, storage_path: str, name: str
         train_loop_config=config,
         torch_config=torch_cfg,
         scaling_config=scaling,
-        datasets=make_datasets(texts if texts is not None else builtin_corpus(), config),
+        datasets=make_datasets(examples if examples is not None else builtin_corpus(), config),
         # The same batches in the same order every epoch (per worker, as Ray Data splits them).
         dataset_config=DataConfig(datasets_to_split=["train", "eval"],
                                   execution_options=ExecutionOptions(preserve_order=True)),
@@ -449,56 +772,20 @@ def build_trainer(config: dict, torch_cfg, scaling, storage_path: str, name: str
     )
 
 
-def export_hf(checkpoint_path: str, out_dir: str) -> dict:
-    """Write a Hugging Face model directory (config + safetensors) from a sharded checkpoint;
-    ``from_pretrained(out_dir)`` loads it."""
+def export_hf(checkpoint, out_dir: str, source: str | None = None, dtype: str | None = None) -> dict:
+    """Write a Hugging Face model directory from a sharded checkpoint (a Ray ``Checkpoint``,
+    read through its own filesystem: local, S3, GCS), one tensor at a time and only the
+    model's tensors; ``from_pretrained(out_dir)`` loads it. The dtype defaults to the
+    pretrained model's stored one; ``source`` (the pretrained directory) gives the config and
+    the tokenizer files."""
     from ray_train_xla.tools.consolidate import consolidate_hf
 
-    return consolidate_hf(checkpoint_path, out_dir)
+    local_source = source if source and os.path.isdir(source) else None
+    return consolidate_hf(checkpoint.path, out_dir, config=local_source, dtype=dtype,
+                          filesystem=checkpoint.filesystem)
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse every flag that does not apply, with the reason, instead of ignoring it."""
-    devices = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"), "tpu": ("cpu", "tpu")}
-    if args.device not in devices[args.config]:
-        parser.error(f"--device {args.device} with --config {args.config}: use one of "
-                     f"{', '.join(devices[args.config])}")
-    if args.devices is not None and not (args.config == "xla" and args.device == "cpu"):
-        parser.error("--devices sets the virtual XLA CPU devices of --config xla --device cpu; "
-                     "on accelerators each worker gets --accelerators-per-worker, and FSDP2 "
-                     "(neuron, tpu) has one device per worker")
-    if args.config == "xla" and args.device == "cpu" and args.workers != 1:
-        parser.error("--config xla --device cpu runs one SPMD worker (its --devices are the "
-                     "mesh; torch_xla's CPU client has no collectives across processes): "
-                     "--workers 1")
-    if args.device == "cpu" and args.accelerators_per_worker is not None:
-        parser.error("--accelerators-per-worker is for --device neuron or tpu")
-    if (args.tpu_topology or args.accelerator_type) and args.device != "tpu":
-        parser.error("--tpu-topology/--accelerator-type are for --device tpu")
-    for flag in ("steps", "workers", "batch_size", "accum", "eval_every", "checkpoint_every"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.accelerators_per_worker is not None and args.accelerators_per_worker < 1:
-        parser.error("--accelerators-per-worker must be at least 1")
-    if args.config == "xla" and args.device == "cpu" and args.batch_size % (args.devices or 4):
-        parser.error(f"--batch-size {args.batch_size} is split over the {args.devices or 4} "
-                     "devices of the SPMD worker: give a multiple of --devices")
-    if args.warmup < 0:
-        parser.error("--warmup must be at least 0")
-    if args.crash_at is not None and not 1 <= args.crash_at < args.steps:
-        parser.error(f"--crash-at {args.crash_at}: give a step in 1..{args.steps - 1}")
-    if args.crash_at is not None and args.crash_at % args.checkpoint_every:
-        parser.error(f"--crash-at {args.crash_at} is not a checkpoint step (a multiple of "
-                     f"--checkpoint-every {args.checkpoint_every}): the restart would go back "
-                     "to the checkpoint before it")
-    if args.export and args.no_export:
-        parser.error("--export and --no-export together")
-    if not (args.export or args.no_export) and "://" in args.storage_path:
-        parser.error(f"--storage-path {args.storage_path} is remote: give --export DIR (a local "
-                     "directory for the Hugging Face model) or --no-export")
-
-
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=CONFIGS, default="xla",
@@ -523,47 +810,213 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None,
                         help="from_pretrained path (a hub name needs network); default: a small "
                         "random Llama and a byte-level tokenizer")
-    parser.add_argument("--data", default=None, help="text file, one text per line; default: "
-                        "a generated corpus")
+    parser.add_argument("--data", default=None, metavar="FILE",
+                        help="a local file the driver reads: FILE.jsonl, one JSON object a line, "
+                        '{"prompt": ..., "completion": ...} (loss on the completion) or '
+                        '{"messages": [{"role": ..., "content": ...}, ...]} (the chat template; '
+                        "loss on the assistant turns); any other file: one text a line (loss on "
+                        "every token). Default: a generated corpus")
+    parser.add_argument("--corpus-lines", type=int, default=600, metavar="N",
+                        help="lines of the generated corpus (without --data; default 600)")
+    parser.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="N",
+                        help="longest row in tokens, a multiple of 8 (longer examples are cut); "
+                        "rows are padded to the buckets N/4, N/2, N (rounded up to multiples of "
+                        f"8): one XLA graph per bucket (default {DEFAULT_SEQ_LEN})")
+    parser.add_argument("--pack", action="store_true",
+                        help="pack several examples into each row of --seq-len tokens (labels "
+                        "stay per example; attention crosses the examples of a row)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8,
                         help="rows per worker per micro-batch (SPMD: split over its devices)")
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=5, help="linear LR warm-up steps")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"peak learning rate (default {PRETRAINED_LR:g} with --model, for full "
+                        f"fine-tuning; {TINY_LR:g} for the built-in random tiny model, which needs "
+                        "a large rate to show a falling loss within a few steps)")
+    parser.add_argument("--warmup", type=int, default=5,
+                        help="linear LR warm-up steps, then a cosine decay (default 5)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1,
+                        help="the cosine decay ends at this fraction of --lr (default 0.1)")
+    parser.add_argument("--weight-decay", type=float, default=0.1,
+                        help="AdamW weight decay of the matrices; none on biases and norm weights "
+                        "(parameters of fewer than 2 dimensions; default 0.1)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--eval-every", type=int, default=10, metavar="N")
     parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="auto: bf16 on neuron/tpu, fp32 on the CPU")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="HSDP: shards within a node, replicas across nodes "
+                        "(get_sharded_mesh('hsdp'); --config neuron or tpu)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each decoder layer in the backward pass: less memory, "
+                        "about a third more compute")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="the config's compile_cache, a directory every node shares (xla on "
+                        "Neuron also takes an s3:// URL); not with --device cpu")
     parser.add_argument("--max-failures", type=int, default=1)
     parser.add_argument("--crash-at", type=int, default=None, help="fail once after this step")
     parser.add_argument("--storage-path", default=os.path.join(tempfile.gettempdir(), "finetune_hf"),
                         help="run storage (shared by every node on a cluster: NFS, s3://, gs://)")
     parser.add_argument("--export", default=None, metavar="DIR",
                         help="Hugging Face model directory to write (default <storage>/<run>/hf)")
+    parser.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                        help="dtype of the exported model (default: the pretrained model's stored "
+                        "dtype; the random model's is float32)")
     parser.add_argument("--no-export", action="store_true", help="do not write the HF model")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse every flag that does not apply, with the reason, instead of ignoring it."""
+    devices = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"), "tpu": ("cpu", "tpu")}
+    if args.device not in devices[args.config]:
+        parser.error(f"--device {args.device} with --config {args.config}: use one of "
+                     f"{', '.join(devices[args.config])}")
+    if args.devices is not None and not (args.config == "xla" and args.device == "cpu"):
+        parser.error("--devices sets the virtual XLA CPU devices of --config xla --device cpu; "
+                     "on accelerators each worker gets --accelerators-per-worker, and FSDP2 "
+                     "(neuron, tpu) has one device per worker")
+    if args.config == "xla" and args.device == "cpu" and args.workers != 1:
+        parser.error("--config xla --device cpu runs one SPMD worker (its --devices are the "
+                     "mesh; torch_xla's CPU client has no collectives across processes): "
+                     "--workers 1")
+    if args.device == "cpu" and args.accelerators_per_worker is not None:
+        parser.error("--accelerators-per-worker is for --device neuron or tpu")
+    if (args.tpu_topology or args.accelerator_type) and args.device != "tpu":
+        parser.error("--tpu-topology/--accelerator-type are for --device tpu")
+    for flag in ("steps", "workers", "batch_size", "accum", "eval_every", "checkpoint_every",
+                 "corpus_lines"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.accelerators_per_worker is not None and args.accelerators_per_worker < 1:
+        parser.error("--accelerators-per-worker must be at least 1")
+    if args.config == "xla" and args.device == "cpu" and args.batch_size % (args.devices or 4):
+        parser.error(f"--batch-size {args.batch_size} is split over the {args.devices or 4} "
+                     "devices of the SPMD worker: give a multiple of --devices")
+    if args.seq_len < 8 or args.seq_len % 8:
+        parser.error(f"--seq-len {args.seq_len}: give a multiple of 8 (the buckets are multiples "
+                     "of 8, so that a row splits evenly on XLA devices)")
+    if args.lr is not None and args.lr <= 0:
+        parser.error("--lr must be positive")
+    if not 0 <= args.min_lr_ratio <= 1:
+        parser.error("--min-lr-ratio is a fraction of --lr: give 0..1")
+    if args.weight_decay < 0:
+        parser.error("--weight-decay must be at least 0")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup}: give 0..{args.steps - 1} (fewer than --steps, so "
+                     "the cosine decay has steps)")
+    if args.crash_at is not None and not 1 <= args.crash_at < args.steps:
+        parser.error(f"--crash-at {args.crash_at}: give a step in 1..{args.steps - 1}")
+    if args.crash_at is not None and args.crash_at % args.checkpoint_every:
+        parser.error(f"--crash-at {args.crash_at} is not a checkpoint step (a multiple of "
+                     f"--checkpoint-every {args.checkpoint_every}): the restart would go back "
+                     "to the checkpoint before it")
+    if args.hsdp and args.config == "xla":
+        parser.error("--hsdp is FSDP2's (get_sharded_mesh('hsdp'), --config neuron or tpu): "
+                     "FSDPv2 under TorchXLAConfig(spmd=True) shards over the one 'fsdp' axis of "
+                     "its SPMD mesh, with no replica axis")
+    if args.compile_cache is not None:
+        if args.device == "cpu":
+            parser.error("--compile-cache is for --device neuron or tpu: no CPU run keeps a "
+                         "compile cache (torch_xla's CPU client cannot load cached executables; "
+                         "the native configs run eager on the CPU)")
+        if "://" in args.compile_cache and not (args.config == "xla" and args.device == "neuron"):
+            parser.error(f"--compile-cache {args.compile_cache}: a URL is for --config xla "
+                         "--device neuron (NEURON_COMPILE_CACHE_URL); give a directory every "
+                         "node shares")
+    if args.data is not None and args.corpus_lines != parser.get_default("corpus_lines"):
+        parser.error("--corpus-lines sizes the generated corpus: not with --data")
+    if args.data is not None and "://" in args.data:
+        parser.error(f"--data {args.data}: the driver reads the file, give a local path")
+    if args.export and args.no_export:
+        parser.error("--export and --no-export together")
+    if not (args.export or args.no_export) and "://" in args.storage_path:
+        parser.error(f"--storage-path {args.storage_path} is remote: give --export DIR (a local "
+                     "directory for the Hugging Face model) or --no-export")
+
+
+def check_examples(parser: argparse.ArgumentParser, args: argparse.Namespace, examples: list) -> None:
+    """The data against the run: enough rows for a batch on every worker in both splits, and,
+    for chat data with ``--model``, a tokenizer with a chat template whose turns can be told
+    apart (the first chat is tokenized here, so a bad template fails before Ray starts)."""
+    try:
+        train, held_out = split_examples(examples)
+    except ValueError as e:
+        parser.error(str(e))
+    if len(train) // args.workers < args.batch_size or len(held_out) // args.workers < args.batch_size:
+        parser.error(f"{len(examples)} examples ({len(held_out)} held out for eval) give some of "
+                     f"the {args.workers} workers fewer than --batch-size {args.batch_size} rows"
+                     + ("" if args.data else ": give a larger --corpus-lines"))
+    chat = next((e for e in examples if "messages" in e), None)
+    if chat is not None and args.model is not None:
+        try:
+            tok = hf_tokenizer(args.model)
+        except Exception as e:  # any loading failure, reported against the flag
+            parser.error(f"--model {args.model}: cannot load its tokenizer for the chat data: {e}")
+        if not getattr(tok, "chat_template", None):
+            parser.error(f"--data {args.data} holds chats (messages), but the tokenizer of --model "
+                         f"{args.model} has no chat_template to render them: give prompt/"
+                         "completion data, or a chat model's tokenizer")
+        try:
+            encode_example(chat, args.model, args.seq_len)
+        except ValueError as e:
+            parser.error(f"--data {args.data}: {e}")
+
+
+def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, list]:
+    """Every check of a run up to, not including, ``ray.init``: the flags, the config object's
+    own validation, the data (read here: the driver hands it to Ray Data) and, for chat data with
+    ``--model``, its tokenizer. Touches neither Ray nor remote storage. Returns (args, the
+    training function's config, the examples); an error exits as argparse does (status 2)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.workers is None:
         args.workers = 1 if (args.config == "xla" and args.device == "cpu") else 2
     check_args(parser, args)
-
     if not args.no_export:
         try:  # fail now, not after training
             from ray_train_xla.tools.consolidate import consolidate_hf  # noqa: F401
         except ImportError:
             parser.error("this ray_train_xla has no tools.consolidate.consolidate_hf to write "
                          "the Hugging Face model: pass --no-export")
-    texts = read_texts(args.data)
-    n_eval = max(1, int(len(texts) * EVAL_FRACTION))
-    if (len(texts) - n_eval) // args.workers < args.batch_size or n_eval // args.workers < args.batch_size:
-        parser.error(f"{len(texts)} texts ({n_eval} held out for eval) give some of the "
-                     f"{args.workers} workers fewer than --batch-size {args.batch_size} rows")
-    config = ft_config(model=args.model, steps=args.steps, batch_size=args.batch_size,
-                       accum=args.accum, lr=args.lr, warmup=args.warmup,
-                       max_grad_norm=args.max_grad_norm, eval_every=args.eval_every,
-                       checkpoint_every=args.checkpoint_every, precision=args.precision,
-                       crash_at=args.crash_at, marker_dir=tempfile.mkdtemp(prefix="finetune_hf-"))
+    try:
+        torch_config(args.config, args.device, args.devices, args.compile_cache)
+    except ValueError as e:  # XLAConfigError names the option and what it takes
+        parser.error(str(e))
+    # The model directory is checked where the driver sees it: always for a local run; on a
+    # cluster (--address) a path only the workers see is checked by them.
+    if args.model and "://" not in args.model and (os.path.exists(args.model) or not args.address):
+        if not os.path.isdir(args.model):
+            parser.error(f"--model {args.model}: no such directory (give a local directory "
+                         "save_pretrained wrote, or a URI such as s3://bucket/model)")
+        from ray_train_xla.toolkit.pretrained import safetensors_files
+
+        try:
+            safetensors_files(args.model)
+        except (OSError, ValueError) as e:  # .bin weights, no weights, a broken index
+            parser.error(f"--model {args.model}: {e}")
+    if args.data is not None and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    try:
+        examples = read_examples(args.data, args.corpus_lines)
+    except ValueError as e:
+        parser.error(str(e))
+    check_examples(parser, args, examples)
+    config = ft_config(model=args.model, seq_len=args.seq_len, pack=args.pack, steps=args.steps,
+                       batch_size=args.batch_size, accum=args.accum, lr=args.lr,
+                       warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                       precision=args.precision, hsdp=args.hsdp,
+                       activation_checkpointing=args.activation_checkpointing,
+                       crash_at=args.crash_at)
+    return args, config, examples
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config, examples = validate(argv)
+    config["marker_dir"] = tempfile.mkdtemp(prefix="finetune_hf-")
     name = time.strftime(f"finetune_hf-{args.config}-%Y%m%d-%H%M%S")
     import ray
 
@@ -575,11 +1028,11 @@ def main(argv: list[str] | None = None) -> None:
                  num_cpus=max(os.cpu_count() or 1, args.workers + 2))
     try:
         trainer = build_trainer(
-            config, torch_config(args.config, args.device, args.devices),
+            config, torch_config(args.config, args.device, args.devices, args.compile_cache),
             scaling_config(args.config, args.device, args.workers,
                            args.accelerators_per_worker or 1, args.tpu_topology,
                            args.accelerator_type),
-            args.storage_path, name, texts, max_failures=args.max_failures)
+            args.storage_path, name, examples, max_failures=args.max_failures)
         result = trainer.fit()
     finally:
         ray.shutdown()
@@ -589,7 +1042,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({m.get('xla/compiles_after_warmup')} after warm-up); checkpoint {result.checkpoint}")
     if not args.no_export:
         out = args.export or os.path.join(args.storage_path, name, "hf")
-        export_hf(result.checkpoint.path, out)
+        export_hf(result.checkpoint, out, source=args.model, dtype=args.export_dtype)
         print(f"Hugging Face model written to {out}: AutoModelForCausalLM.from_pretrained({out!r})")
 
 

@@ -3,7 +3,10 @@ training function fine-tunes a small random Llama with Ray Data batches under
 ``TorchXLAConfig(spmd=True)`` (FSDPv2, one worker on 4 virtual XLA CPU devices),
 ``TorchNeuronConfig(device="cpu")`` and ``TorchTPUConfig(device="cpu")`` (FSDP2, 2 workers). Each
 run fails once after its step-4 checkpoint and resumes from it within the same fit
-(``FailureConfig``). Three fits, one per config, shared by the tests of that config.
+(``FailureConfig``). Three fits, one per config, shared by the tests of that config, each on
+another kind of data: the generated text (xla), JSON-lines chats (neuron: loss on the assistant
+turns only) and prompt/completion pairs (tpu: loss on the completions only), checked row by row
+against what the data implies.
 
 The export test (``consolidate_hf``, then ``from_pretrained``) is skipped while
 ``ray_train_xla.tools.consolidate.consolidate_hf`` cannot be imported."""
@@ -22,6 +25,31 @@ pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
 STEPS, CRASH_AT = 8, 4
 BUCKETS = [64, 128]
+DATA = {"xla": "text", "neuron": "messages", "tpu": "completion"}
+
+
+def examples_of(ft, kind: str, lines: int = 120) -> list[dict]:
+    """Examples of one schema from the generated corpus, each short enough (under 128 bytes
+    rendered) that nothing is cut."""
+    corpus = ft.builtin_corpus(lines)
+    if kind == "text":
+        return [{"text": t[:120]} for t in corpus]
+    if kind == "completion":
+        return [{"prompt": f"Q{i % 7}: ", "completion": t[:100]} for i, t in enumerate(corpus)]
+    return [{"messages": [{"role": "user", "content": f"say {i % 7}"},
+                          {"role": "assistant", "content": t[:80]}]} for i, t in enumerate(corpus)]
+
+
+def loss_tokens(example: dict) -> int:
+    """The tokens of an example that carry loss with the byte tokenizer, from the data alone:
+    every byte of a text, of a completion or of an assistant turn (with the newline that ends
+    the turn), and the end token; never the begin token, a prompt or another role's turn."""
+    if "text" in example:
+        return len(example["text"].encode()) + 1
+    if "completion" in example:
+        return len(example["completion"].encode()) + 1
+    return sum(len(m["content"].encode()) + 1 for m in example["messages"]
+               if m["role"] == "assistant") + 1
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +74,67 @@ def read_logs(out_dir: str) -> dict[int, list[dict]]:
     return logs
 
 
+def pretrained_dir(path, tie: bool) -> str:
+    """A small "pretrained" model directory as ``save_pretrained`` writes it, with its tokenizer:
+    a byte-level BPE without merges (one token a byte, so the loss tokens of an example are
+    counted as for the example's byte tokenizer) that begins a text with ``<s>`` (as Llama's
+    does), end token ``</s>``, and a random Llama in fp32 (the export's default dtype, its
+    stored one, keeps the trained logits exact)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=len(alphabet) + 3,
+                                             special_tokens=["[UNK]", "<s>", "</s>"],
+                                             initial_alphabet=alphabet)
+    tok.train_from_iterator(["x"], trainer)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", pad_token="</s>")
+    fast.save_pretrained(path)
+    config = transformers.LlamaConfig(
+        vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        tie_word_embeddings=tie, eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id,
+        pad_token_id=fast.pad_token_id)
+    assert len(fast) <= config.vocab_size
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=["xla", "neuron", "tpu"])
 def run(request, cluster, tmp_path_factory):
-    """One fit of the example on this config: 8 steps, a crash after step 4, a resume."""
+    """One fit of the example on this config: 8 steps, a crash after step 4, a resume. The xla
+    and tpu runs start from a pretrained directory (``--model``: loaded by slices; tied
+    embeddings on tpu)."""
     name = request.param
     ft = example()
     tmp = tmp_path_factory.mktemp(f"finetune-{name}")
     out = tmp / "out"
     out.mkdir()
     workers = 1 if name == "xla" else 2
+    model = pretrained_dir(tmp / "pretrained", tie=name == "tpu") if name != "neuron" else None
     # Two buckets (the example's default has three): fewer graphs for XLA to compile here, and
     # still more than one length to pad to.
+    # lr: the tiny random model's default (3e-3), cosine decay and weight decay as in a real run.
     config = ft.ft_config(steps=STEPS, crash_at=CRASH_AT, checkpoint_every=4, eval_every=2,
                           warmup=2, batch_size=4, buckets=BUCKETS, marker_dir=str(tmp),
-                          out_dir=str(out))
+                          out_dir=str(out), model=model, lr=3e-3)
+    examples = examples_of(ft, DATA[name])
     trainer = ft.build_trainer(
         config, ft.torch_config(name, "cpu", 4 if name == "xla" else None),
         ft.scaling_config(name, "cpu", workers), str(tmp / "results"), f"finetune-{name}",
-        texts=ft.builtin_corpus(120), max_failures=1)
+        examples=examples, max_failures=1)
     result = trainer.fit()
     return SimpleNamespace(name=name, ft=ft, result=result, logs=read_logs(str(out)),
-                           out=out, tmp=tmp, workers=workers, config=config)
+                           out=out, tmp=tmp, workers=workers, config=config, examples=examples,
+                           model=model, run_path=str(tmp / "results" / f"finetune-{name}"))
 
 
 def test_trains_fails_once_and_resumes_from_its_checkpoint(run):
@@ -101,6 +169,25 @@ def test_trains_fails_once_and_resumes_from_its_checkpoint(run):
         assert m["xla/compiles"] == 0  # native eager: torch.compile graphs only, none here
     names = set(os.listdir(run.result.checkpoint.path))
     assert {".metadata", "extra.pt", "sharded.json"} <= names
+    # The example steps its optimizer with a plain optimizer.step(): goodput counts its steps.
+    from ray_train_xla.tools.goodput import goodput_of
+
+    result = goodput_of(run.run_path)
+    counted = sum(max((w.steps for w in a.workers), default=0) for a in result.attempts)
+    assert counted >= STEPS, [(a.id, [w.steps for w in a.workers]) for a in result.attempts]
+    assert result.buckets["productive"] > 0, result.buckets
+
+
+def test_only_completion_tokens_carry_loss(run):
+    """Every row trained on carries loss on exactly the tokens its example implies: for chats,
+    the assistant turns; for prompt/completion pairs, the completions (each step logs the
+    example index and the count of tokens with a label of each of its rows)."""
+    train, _ = run.ft.split_examples(run.examples)
+    rows = [row for events in run.logs.values() for e in events if e["event"] == "step"
+            for row in e["rows"]]
+    assert len(rows) >= STEPS * run.config["batch_size"], len(rows)
+    for index, count in rows:
+        assert count == loss_tokens(train[index]), (index, train[index])
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(run, tmp_path):
@@ -112,12 +199,19 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(run, tmp
     from transformers import AutoModelForCausalLM
 
     hf_dir = str(tmp_path / "hf")
-    run.ft.export_hf(run.result.checkpoint.path, hf_dir)
+    # Through the checkpoint's own filesystem, as on S3 or GCS.
+    run.ft.export_hf(run.result.checkpoint, hf_dir, source=run.model)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         logits = model(input_ids=run.ft.probe_ids(model.config.vocab_size)).logits
     trained = torch.load(run.out / "probe_logits.pt")
-    untrained = run.ft.make_model(run.config).eval()
+    if run.model:  # loaded by slices; exported with its tokenizer, in its stored dtype
+        assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(hf_dir))
+        assert model.dtype == torch.float32
+        assert model.config.tie_word_embeddings is (run.name == "tpu")
+        untrained = AutoModelForCausalLM.from_pretrained(run.model).eval()
+    else:
+        untrained = run.ft.make_model(run.config).eval()
     with torch.no_grad():
         initial = untrained(input_ids=run.ft.probe_ids(model.config.vocab_size)).logits
     assert not torch.allclose(trained, initial, atol=1e-3)  # it trained

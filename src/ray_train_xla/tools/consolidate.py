@@ -387,12 +387,13 @@ def _config_of(transformers, value: Any, name: str):
             f"{name} is not a valid {config_class.__name__}: {_one_line(exc)}") from exc
 
 
-def _dominant_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
-    """The floating-point dtype of most of ``state``'s elements (float32 when none is)."""
+def _dominant_dtype(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.dtype:
+    """The floating-point dtype of most elements of the tensors ``specs`` describes ((shape,
+    dtype) by name; float32 when none is floating-point)."""
     counts: dict[torch.dtype, int] = {}
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    for shape, dtype in specs.values():
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
     return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
