@@ -195,7 +195,9 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
             if not persistent and b.device.type != "meta"}
     to_compute = [(m, n) for m, n, b, persistent in _buffers(model)
                   if not persistent and b.device.type == "meta"]
+    ties = tied_groups(model)
     model.to_empty(device=device)
+    _retie(model, ties)
     with torch.no_grad():
         for module, name, buf, _ in _buffers(model):
             if (id(module), name) in kept:
@@ -214,6 +216,19 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
             "built on the meta device and are not in the checkpoint, and the model has no "
             "_init_weights that computes them: build the model with its buffers on the CPU "
             "(with rtx.meta_parameters(): model = ...), which keeps their values")
+
+
+def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
+    """Share one parameter again under every name of each group: ``to_empty`` gives a plain
+    module's parameters new objects one by one (FSDP2's DTensors are swapped in place and stay
+    shared)."""
+    for names in groups:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if module._parameters[attr] is not first:
+                module._parameters[attr] = first
 
 
 class meta_parameters:
