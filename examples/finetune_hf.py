@@ -9,13 +9,15 @@ sharded on its own; ``--hsdp`` (FSDP2 only) shards within a node and replicates 
 ``--activation-checkpointing`` recomputes each layer in the backward pass, and
 ``--compile-cache DIR`` gives the config object its shared compile cache.
 
-Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors; on a shared
-filesystem it is read in place) or a URI (``s3://``, ``gs://``: fetched once per node). Each
-worker builds the model from its ``config.json`` on the meta device and ``rtx.load_pretrained``
-fills it by slices in the training dtype: under FSDP2 each worker reads only its own shards,
-under FSDPv2 the host's one process reads the model once; no process holds more, so a model
-larger than one host loads the same way. Without ``--model``, a small ``LlamaConfig`` built here
-with random weights and a byte-level tokenizer, so the default run needs no download.
+Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors), on a filesystem
+every node reads (read in place), since Ray Data's tokenizing tasks read its tokenizer too (in
+a training function of your own, ``rtx.pretrained_path(uri)`` fetches an ``s3://`` or ``gs://``
+model once per node). Each worker builds the model from its ``config.json`` on the meta
+device and ``rtx.load_pretrained`` fills it by slices in the training dtype: under FSDP2 each
+worker reads only its own shards, under FSDPv2 the host's one process reads the model once; no
+process holds more, so a model larger than one host loads the same way. Without ``--model``, a
+small ``LlamaConfig`` built here with random weights and a byte-level tokenizer, so the default
+run needs no download.
 
 Data: ``--data FILE.jsonl``, one JSON object a line, either ``{"prompt": ..., "completion":
 ...}`` (the completion follows the prompt directly: put any separator in the data; loss on the
@@ -416,7 +418,7 @@ def make_datasets(examples: list, config: dict, eval_fraction: float = EVAL_FRAC
 
 
 def make_model(config: dict, dtype=None):
-    """The causal LM: for ``config["model"]`` (a local directory or a URI), built from its
+    """The causal LM: for ``config["model"]`` (a model directory), built from its
     ``config.json`` on the meta device (no memory: ``load_pretrained`` allocates each rank's
     shards and reads them); else a small random Llama on the CPU (fp32)."""
     import torch
@@ -984,12 +986,15 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, l
         torch_config(args.config, args.device, args.devices, args.compile_cache)
     except ValueError as e:  # XLAConfigError names the option and what it takes
         parser.error(str(e))
+    if args.model and "://" in args.model:
+        parser.error(f"--model {args.model}: give a directory every node reads (a shared "
+                     "filesystem): Ray Data's tokenizing tasks read the tokenizer from it too")
     # The model directory is checked where the driver sees it: always for a local run; on a
     # cluster (--address) a path only the workers see is checked by them.
     if args.model and "://" not in args.model and (os.path.exists(args.model) or not args.address):
         if not os.path.isdir(args.model):
             parser.error(f"--model {args.model}: no such directory (give a local directory "
-                         "save_pretrained wrote, or a URI such as s3://bucket/model)")
+                         "save_pretrained wrote)")
         from ray_train_xla.toolkit.pretrained import safetensors_files
 
         try:

@@ -147,3 +147,70 @@ def test_an_export_in_one_process_in_another_dtype_loads_back(tmp_path):
     assert loaded.dtype == torch.bfloat16 and loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value.to(torch.bfloat16)), key
+
+
+def test_files_beside_the_index_and_keys_in_two_files_are_refused(tmp_path):
+    path = saved(tmp_path, llama())
+    first = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))[0]
+    save_file(load_file(os.path.join(path, first)), os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatchError, match="does not list \\(model.safetensors\\)"):
+        pretrained.safetensors_files(path)
+    os.remove(os.path.join(tmp_path / "src" / pretrained.INDEX_FILE))  # every file read now
+    with pytest.raises(CheckpointMismatchError, match="in more than one safetensors file"):
+        pretrained.saved_shapes(path)
+
+
+def test_a_buffer_init_weights_leaves_alone_is_refused():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.ones(3), persistent=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.odd, self.linear = Odd(), torch.nn.Linear(3, 3)
+
+        def _init_weights(self, module):  # computes nothing for Odd
+            pass
+
+    with torch.device("meta"):
+        model = Model()
+    with pytest.raises(CheckpointMismatchError, match=r"Odd\.table"):
+        pretrained.materialize(model, "cpu")
+
+
+def test_an_export_refuses_a_directory_with_a_model_and_clears_a_failed_exports_slices(tmp_path):
+    path = saved(tmp_path, llama(), shard="10MB", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(FileExistsError, match="already holds a model"):
+        pretrained.export_pretrained(model, path)
+    out = tmp_path / "out"
+    (out / pretrained.SHARDED_SUBDIR).mkdir(parents=True)
+    save_file({"model.norm.weight": torch.zeros(32)},  # a failed export's slice, left behind
+              str(out / pretrained.SHARDED_SUBDIR / "model-00001-of-00001.safetensors"))
+    pretrained.export_pretrained(model, str(out), source=path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_a_uri_is_fetched_once_per_node_and_a_failed_fetch_reaches_the_other_workers(
+        tmp_path, monkeypatch):
+    path = saved(tmp_path, llama(), shard="10MB")
+    cache = tmp_path / "cache"
+    local = pretrained.pretrained_path(f"file://{path}", cache_dir=str(cache))
+    assert sorted(os.listdir(local)) == sorted(os.listdir(path) + [".complete"])
+    assert pretrained.pretrained_path(f"file://{path}", cache_dir=str(cache)) == local  # reused
+    assert os.listdir(cache) == [os.path.basename(local)]  # no temporary copy left
+    assert pretrained.pretrained_path(path) == path  # a local directory is read in place
+    missing = f"file://{tmp_path}/nowhere"
+    with pytest.raises(Exception, match="nowhere"):
+        pretrained.pretrained_path(missing, cache_dir=str(cache))
+    # Another worker of the node (local rank 1) waits for rank 0's copy and gets its error.
+    monkeypatch.setattr("ray_train_xla.toolkit.ranks.local_rank", lambda: 1)
+    with pytest.raises(OSError, match="local rank 0 could not fetch .*nowhere"):
+        pretrained.pretrained_path(missing, cache_dir=str(cache), timeout_s=5)
+    with pytest.raises(TimeoutError, match="within 0.3 s"):
+        pretrained.pretrained_path(f"file://{tmp_path}/other", cache_dir=str(cache), timeout_s=0.3)

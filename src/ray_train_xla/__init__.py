@@ -75,6 +75,7 @@ _EXPORTS = {
         "report",
         "prepare_model",
         "prepare_sharded_model",
+        "pretrained_path",
         "profile_steps",
         "profile_windows",
         "rank",

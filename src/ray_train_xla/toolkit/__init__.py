@@ -35,7 +35,12 @@ from ray_train_xla.toolkit.metrics import (
 )
 from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
-from ray_train_xla.toolkit.pretrained import export_pretrained, load_pretrained, meta_parameters
+from ray_train_xla.toolkit.pretrained import (
+    export_pretrained,
+    load_pretrained,
+    meta_parameters,
+    pretrained_path,
+)
 from ray_train_xla.toolkit.profiling import profile_steps, profile_windows
 from ray_train_xla.toolkit.ranks import (
     local_rank,
@@ -88,6 +93,7 @@ __all__ = [
     "prepare_data_loader",
     "prepare_model",
     "prepare_sharded_model",
+    "pretrained_path",
     "profile_steps",
     "profile_windows",
     "rank",

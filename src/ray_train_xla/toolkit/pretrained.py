@@ -85,6 +85,13 @@ def safetensors_files(path: str) -> list[str]:
         if absent:
             raise FileNotFoundError(f"load_pretrained: {INDEX_FILE} in {path} lists files that "
                                     f"are not there: {', '.join(absent[:4])}")
+        # torch's reader reads every *.safetensors of the directory: one the index does not
+        # list (a leftover model.safetensors, a variant) could silently replace its tensors.
+        extra = [n for n in names if n.endswith(SAFETENSORS_SUFFIX) and n not in files]
+        if extra:
+            raise CheckpointMismatchError(
+                f"load_pretrained: {path} holds safetensors files its {INDEX_FILE} does not list "
+                f"({', '.join(extra[:4])}): move them out of the directory")
         return [os.path.join(path, n) for n in files]
     files = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
     if files:
@@ -106,6 +113,10 @@ def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
+                if key in out:
+                    raise CheckpointMismatchError(
+                        f"load_pretrained: {key} is in more than one safetensors file of {path}: "
+                        "keep the files of one model in the directory")
                 piece = f.get_slice(key)
                 out[key] = (tuple(piece.get_shape()), _st_dtype(piece.get_dtype()))
     return out
@@ -164,9 +175,14 @@ def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Floating-point parameters (not buffers) to ``dtype``, ties kept: on the meta device this
     allocates nothing. Non-persistent buffers such as rotary frequencies keep their own dtype,
-    as in ``from_pretrained(..., dtype=...)``."""
+    and so do the modules the class keeps in fp32 (``_keep_in_fp32_modules``), as in
+    ``from_pretrained(..., dtype=...)``."""
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
     done: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
+    for module_name, module in model.named_modules():
+        if dtype != torch.float32 and any(
+                k == module_name or f".{k}." in f".{module_name}." for k in keep):
+            continue
         for name, param in list(module._parameters.items()):
             if param is None or not param.is_floating_point() or param.dtype == dtype:
                 continue
@@ -198,23 +214,29 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
     ties = tied_groups(model)
     model.to_empty(device=device)
     _retie(model, ties)
+    left = []
     with torch.no_grad():
         for module, name, buf, _ in _buffers(model):
             if (id(module), name) in kept:
                 buf.copy_(kept[(id(module), name)])
-        left = []
+            elif (module, name) in to_compute and buf.is_floating_point():
+                buf.fill_(float("nan"))  # so that a buffer nothing computes shows
         init = getattr(model, "_init_weights", None)
-        modules = {id(m): m for m, _ in to_compute}
-        for module in modules.values():
-            if callable(init) and not list(module.parameters(recurse=False)):
-                init(module)  # a module without parameters: only its buffers change
-            else:
+        for module in {id(m): m for m, _ in to_compute}.values():
+            try:
+                if not callable(init):
+                    raise TypeError("no _init_weights")
+                init(module)  # its parameters, if any, are overwritten by the read after this
+            except Exception:  # noqa: BLE001 - named below, with the fix
                 left.extend(f"{type(module).__name__}.{n}" for m, n in to_compute if m is module)
+                continue
+            left.extend(f"{type(module).__name__}.{n}" for m, n in to_compute if m is module
+                        and m._buffers[n].is_floating_point() and m._buffers[n].isnan().any())
     if left:
         raise CheckpointMismatchError(
             f"load_pretrained: the non-persistent buffers {', '.join(sorted(set(left))[:6])} were "
-            "built on the meta device and are not in the checkpoint, and the model has no "
-            "_init_weights that computes them: build the model with its buffers on the CPU "
+            "built on the meta device, are not in the checkpoint, and the model's _init_weights "
+            "does not compute them: build the model with its buffers on the CPU "
             "(with rtx.meta_parameters(): model = ...), which keeps their values")
 
 
@@ -310,7 +332,7 @@ def load_pretrained(
     allocated when the checkpoint does not fit the model (every key and shape named)."""
     from ray_train_xla.toolkit.sharding import prepare_sharded_model
 
-    path = local_copy(path)
+    path = pretrained_path(path)
     saved = saved_shapes(path)
     dtype = parse_dtype(dtype)
     if dtype is not None:
@@ -330,43 +352,65 @@ def load_pretrained(
     materialize(model, "cpu")
     state = model.state_dict()
     read_into({k: state[k] for k in names}, path)
+    del state  # FSDPv2 moves the parameters to the devices: no second reference on the host
     return prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                 shard_output=shard_output,
+                                 shard_output=shard_output, mixed_precision=mixed_precision,
                                  activation_checkpointing=activation_checkpointing)
 
 
-def local_copy(path: str, timeout_s: float = 1800.0) -> str:
-    """``path`` itself when it is a local directory; for a URI, a node-local copy fetched once
-    per node (local rank 0 downloads into a cache directory, the node's other workers wait for
-    its marker, at most ``timeout_s``)."""
+def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float = 1800.0) -> str:
+    """A local directory holding the model at ``path``: ``path`` itself when it is one (a
+    shared filesystem is read in place); for a URI (``s3://``, ``gs://``, any scheme pyarrow
+    reads), a node-local copy, fetched once per node: the node's local rank 0 downloads it into
+    ``cache_dir`` (default ``$RAY_TRAIN_XLA_MODEL_CACHE``, else the temporary directory), the
+    node's other workers wait for it, at most ``timeout_s``, and get its error if it fails. A
+    complete copy is reused by later runs (the URI names it: give a new URI for new weights).
+    Call it on every worker, before building the model from the directory's ``config.json``."""
     if "://" not in path:
         return path
     import hashlib
     import tempfile
     import time
-
-    import pyarrow.fs
+    import uuid
 
     from ray_train_xla.toolkit.ranks import local_rank
 
-    key = hashlib.sha256(path.encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("RAY_TRAIN_XLA_MODEL_CACHE", tempfile.gettempdir()),
-                         f"ray-train-xla-model-{key}")
-    done = os.path.join(cache, ".complete")
+    root = cache_dir or os.environ.get("RAY_TRAIN_XLA_MODEL_CACHE") or tempfile.gettempdir()
+    cache = os.path.join(root, "ray-train-xla-model-" + hashlib.sha256(path.encode()).hexdigest()[:16])
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")  # a failure of this run, not an old one
+    done, failed = os.path.join(cache, ".complete"), f"{cache}.{run}.failed"
     if local_rank() == 0 and not os.path.exists(done):
-        filesystem, remote = pyarrow.fs.FileSystem.from_uri(path)
-        tmp = f"{cache}.{os.getpid()}.tmp"
-        pyarrow.fs.copy_files(remote, tmp, source_filesystem=filesystem,
-                              destination_filesystem=pyarrow.fs.LocalFileSystem())
-        if os.path.exists(cache):
-            shutil.rmtree(cache)
-        os.rename(tmp, cache)
-        open(done, "w").close()
+        import pyarrow.fs
+
+        tmp = f"{cache}.{uuid.uuid4().hex}.tmp"
+        try:
+            os.makedirs(tmp)
+            filesystem, remote = pyarrow.fs.FileSystem.from_uri(path)
+            pyarrow.fs.copy_files(remote, tmp, source_filesystem=filesystem,
+                                  destination_filesystem=pyarrow.fs.LocalFileSystem())
+            open(os.path.join(tmp, ".complete"), "w").close()
+            if os.path.exists(failed):
+                os.remove(failed)
+            try:
+                os.rename(tmp, cache)  # whole, with its marker, or not at all
+            except OSError:  # another process's complete copy is there: keep it
+                if not os.path.exists(done):
+                    raise
+        except Exception as exc:
+            with open(failed, "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(done):
+        if os.path.exists(failed):
+            with open(failed) as f:
+                raise OSError(f"load_pretrained: this node's local rank 0 could not fetch {path}: "
+                              f"{f.read()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"load_pretrained: {path} was not fetched to {cache} by this node's "
-                               f"local rank 0 within {timeout_s:g} s")
+                               f"local rank 0 within {timeout_s:g} s (timeout_s)")
         time.sleep(0.2)
     return cache
 
@@ -382,12 +426,17 @@ def file_plan(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], dtype: t
 
     out, index, size = {}, 1, 0
     for name, (shape, dt) in specs.items():
-        nbytes = math.prod(shape) * (dtype or dt).itemsize
+        nbytes = math.prod(shape) * _export_dtype(dt, dtype).itemsize
         if size and size + nbytes > max_shard_bytes:
             index, size = index + 1, 0
         out[name] = index
         size += nbytes
     return out
+
+
+def _export_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """What a tensor stored as ``stored`` is exported as: ``dtype`` for floating point."""
+    return dtype if dtype is not None and stored.is_floating_point else stored
 
 
 def file_name(index: int, count: int) -> str:
@@ -417,55 +466,116 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
                       config: Any = None) -> dict[str, Any]:
     """Write the (FSDP2-sharded) ``model`` into ``out_dir`` in the Hugging Face layout from
     every rank; call it on every rank. ``out_dir`` must be one directory every rank reaches (a
-    local disk on one node, a shared filesystem on several).
+    local disk on one node, a shared filesystem on several); one that already holds model files
+    is refused. For remote storage, or a torch_xla FSDPv2 model, export a checkpoint with
+    ``ray-train-xla consolidate --hf``.
 
     ``dtype``: the export's dtype; default, the dtype ``source``'s ``config.json`` names (the
     pretrained model's), else the parameters'. ``source``: the directory the model was loaded
     from; its tokenizer files are copied. ``config``: the model's Transformers config (default
     ``model.config``), written as ``config.json`` with ``generation_config.json``. Each rank
-    converts and writes its own slices one tensor at a time; the slices are joined into
-    files of at most ``max_shard_bytes``, each rank its own files. Returns a summary (on every
-    rank)."""
-    import torch.distributed as dist
+    writes its slices of one output file at a time (each tensor converted as the writer asks
+    for it; the file's slices then serialised at once), then the slices are joined into files
+    of at most ``max_shard_bytes``, each rank its own files, one whole tensor at a time. An
+    error on any rank is raised on every rank. Returns a summary (on every rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
     )
 
+    if not _is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
+                                for m in model.modules()):
+        raise ValueError("export_pretrained: a torch_xla FSDPv2 model's state is SPMD tensors under "
+                         "_orig_module. names; save a checkpoint (rtx.save_checkpoint) and export it "
+                         "with ray-train-xla consolidate CHECKPOINT OUT_DIR --hf")
     group = _dist_group()
-    rank = dist.get_rank() if group is not None else 0
     dtype = parse_dtype(dtype) or _stored_dtype(source)
     state = model.state_dict()
     for group_names in tied_groups(model):  # tied weights are written once, as Transformers does
         for alias in _tied_aliases(model, group_names):
             state.pop(alias, None)
     state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    whole = [k for k, v in state.items() if not v.is_floating_point()]
+    if whole and group is not None:  # torch's consolidation takes floating-point tensors only
+        raise ValueError(f"export_pretrained: {', '.join(whole[:4])} are not floating-point, which "
+                         "torch's safetensors consolidation does not join; save a checkpoint and "
+                         "export it with ray-train-xla consolidate CHECKPOINT OUT_DIR --hf")
     specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     plan = file_plan(specs, dtype, max_shard_bytes)
     count = max(plan.values())
     sharded = os.path.join(out_dir, SHARDED_SUBDIR)
-    if rank == 0:
-        os.makedirs(sharded, exist_ok=True)
-    _barrier(group)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(
-                 sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
-             planner=_CastingSavePlanner(dtype), process_group=group, no_dist=group is None)
-    if group is None:  # one process: its files are the whole tensors already
-        _rename_single(sharded, out_dir, plan, count)
-    else:
-        consolidate_safetensors_files_on_every_rank(sharded, out_dir, plan, process_group=group)
+
+    def prepare() -> None:
+        from ray_train_xla.tools.consolidate import held_model_files
+
+        held = held_model_files(out_dir)
+        if held:
+            raise FileExistsError(f"export_pretrained: {out_dir} already holds a model "
+                                  f"({', '.join(held[:4])}): name another directory, or remove "
+                                  "those files first")
+        shutil.rmtree(sharded, ignore_errors=True)  # a failed export's slices
+        os.makedirs(sharded)
+
+    _on_rank0(prepare, group)
+    try:
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+                     sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
+                 planner=_CastingSavePlanner(dtype), process_group=group, no_dist=group is None)
+        if group is None:  # one process: its files are the whole tensors already
+            _rename_single(sharded, out_dir, plan, count)
+        else:
+            consolidate_safetensors_files_on_every_rank(sharded, out_dir, plan, process_group=group)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - shared with every rank below
+        error = exc
+    _agree(error, group, "export_pretrained")
     names = sorted({file_name(i, count) for i in plan.values()})
-    if count == 1 and group is not None and rank == 0:
-        os.replace(os.path.join(out_dir, _writer_file_name(1, 1)), os.path.join(out_dir, names[0]))
-    if rank == 0:
+
+    def finish() -> None:
+        if count == 1 and group is not None:
+            os.replace(os.path.join(out_dir, _writer_file_name(1, 1)), os.path.join(out_dir, names[0]))
         shutil.rmtree(sharded, ignore_errors=True)
         _write_index(out_dir, plan, specs, dtype, count)
         write_model_files(out_dir, config if config is not None else getattr(model, "config", None),
                           source, dtype)
-    _barrier(group)
+
+    _on_rank0(finish, group)
     return {"out_dir": out_dir, "files": names, "tensors": len(plan),
             "dtype": str(dtype or next(iter(specs.values()))[1]).replace("torch.", "")}
+
+
+def _agree(error: BaseException | None, group, what: str) -> None:
+    """Raise on every rank when any rank failed: the first failing rank's error, named (a rank
+    that raised alone would leave the others waiting in the next collective)."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    import torch.distributed as dist
+
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}",
+                           group=group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"{what}: rank {rank} failed: {message}")
+
+
+def _on_rank0(fn, group) -> None:
+    """``fn()`` on rank 0, its error raised on every rank."""
+    import torch.distributed as dist
+
+    error = None
+    if group is None or dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank
+            error = exc
+    _agree(error, group, "export_pretrained")
 
 
 def _rename_single(sharded: str, out_dir: str, plan: Mapping[str, int], count: int) -> None:
@@ -488,13 +598,6 @@ def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
     return named if 0 < len(named) < len(group) else group[1:]
 
 
-def _barrier(group) -> None:
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
-
-
 def _write_index(out_dir: str, plan: Mapping[str, int],
                  specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  dtype: torch.dtype | None, count: int) -> None:
@@ -502,7 +605,7 @@ def _write_index(out_dir: str, plan: Mapping[str, int],
 
     if count == 1:
         return
-    total = sum(math.prod(shape) * (dtype or dt).itemsize for shape, dt in specs.values())
+    total = sum(math.prod(shape) * _export_dtype(dt, dtype).itemsize for shape, dt in specs.values())
     index = {"metadata": {"total_size": total},
              "weight_map": {k: file_name(i, count) for k, i in plan.items()}}
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:

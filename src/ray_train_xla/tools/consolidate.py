@@ -298,16 +298,23 @@ def _check_out_dir(out_dir: str) -> None:
             f"OUT_DIR {out_dir} is a file: name the directory to write the model into")
     if os.path.isdir(out_dir):
         try:
-            names = os.listdir(out_dir)
+            held = held_model_files(out_dir)
         except OSError as exc:
             raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: {_one_line(exc)}") from exc
-        held = sorted(n for n in names if n in HF_MODEL_FILES or n.endswith(HF_MODEL_SUFFIXES)
-                      or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
         if held:
             more = f" and {len(held) - 4} more" if len(held) > 4 else ""
             raise NotConsolidatableError(
                 f"OUT_DIR {out_dir} already holds a model ({', '.join(held[:4])}{more}): name "
                 "another directory, or remove those files first")
+
+
+def held_model_files(out_dir: str) -> list[str]:
+    """The model files (``config.json``, ``*.safetensors``, ...) directory ``out_dir`` already
+    holds, which an export would mix with its own; [] for a missing directory."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(n for n in os.listdir(out_dir) if n in HF_MODEL_FILES
+                  or n.endswith(HF_MODEL_SUFFIXES) or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
 
 
 def _reserve_dir(out_dir: str) -> str:
