@@ -255,7 +255,7 @@ def _transformers() -> Iterator[Any]:
             if getattr(exc, "name", None) == "transformers":
                 raise ConsolidateError(
                     "--hf needs Hugging Face Transformers, which is not installed: pip install "
-                    "transformers (or pip install 'ray-train-xla[hf]')") from exc
+                    "transformers (or, in a checkout of ray-train-xla, pip install '.[hf]')") from exc
             raise ConsolidateError(f"--hf cannot import transformers: {_one_line(exc)}") from exc
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
