@@ -133,3 +133,22 @@ def test_fsdp2_results_say_why_a_target_is_not_met():
     # 100 MB a rank copied in 0.1 s; dcp.save must take 1.00 s: storage below 100 MB/s
     assert "1000 MB/s" in lines and "1.00 s or more" in lines and "slower than 100 MB/s" in lines
     assert bench_fsdp2.why_not({"stall_summary": {**stall, "target_met": True}}) == []
+
+
+def test_pretrained_results_hold_the_bounds_and_say_why_a_target_is_not_met():
+    """bench_pretrained's committed figures: every sharded load within its peak bound, and the
+    report says why the speed target is not met where the workers outnumber the CPUs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_pretrained
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "pretrained.json")) as f:
+        results = json.load(f)
+    for key, load in results["loads"].items():
+        kind, workers = key.split("/")
+        if kind == "sharded":
+            assert load["peak_mb"] <= results["peak_bound_mb"][workers], key
+    text = bench_pretrained.markdown(results)
+    assert "Peak target (every W): met" in text
+    if results["speed_target_met"] is False and results["machine"]["cpus"] < 4:
+        assert f"share {results['machine']['cpus']} CPUs; at W =" in text
+    assert "export_pretrained, 4 workers" in text and "consolidate --hf" in text
