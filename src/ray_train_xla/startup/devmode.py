@@ -108,8 +108,12 @@ def _members(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], Any]:
 def _new_group(*args: Any, **kwargs: Any) -> Any:
     # torch's own new_group: importing torch_xla.distributed.xla_backend replaces
     # torch.distributed.new_group with a version that lacks use_local_synchronization.
+    # Bounded by timeout_s, as every group of the package (torch's default: 30 minutes).
     from torch.distributed import distributed_c10d
 
+    from ray_train_xla.toolkit.collectives import group_timeout
+
+    kwargs.setdefault("timeout", group_timeout())
     return distributed_c10d.new_group(*args, **kwargs)
 
 

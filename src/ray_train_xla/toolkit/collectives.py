@@ -147,14 +147,23 @@ def rendezvous(tag: str) -> None:
 _HOST_GROUPS: dict[str, Any] = {}
 
 
+def group_timeout():
+    """The config's ``timeout_s`` as the timeout of a process group's operations: every group
+    the package creates takes it, so a rank that withholds a collective fails the others
+    within it (torch's default for a new group is 30 minutes)."""
+    from datetime import timedelta
+
+    return timedelta(seconds=worker_context().timeout_s)
+
+
 def host_group(purpose: str = "checkpoint"):
     """A gloo group of its own over every worker for CPU tensors, one per ``purpose`` so that
     two threads never share a communicator (``"checkpoint"``: the background writes of sharded
     checkpoints; ``"startup"``: FSDP2's start-up broadcast on the training thread). Created on
     first use, on every rank in the same order (that call is collective); None without
-    torch.distributed."""
+    torch.distributed. Its operations are bounded by ``timeout_s`` (:func:`group_timeout`)."""
     import torch.distributed as dist
 
     if purpose not in _HOST_GROUPS and dist.is_available() and dist.is_initialized():
-        _HOST_GROUPS[purpose] = dist.new_group(backend="gloo")
+        _HOST_GROUPS[purpose] = dist.new_group(backend="gloo", timeout=group_timeout())
     return _HOST_GROUPS.get(purpose)
