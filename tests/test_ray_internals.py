@@ -1,0 +1,73 @@
+"""The internals of Ray (and of the libraries beside it) that the worker-side patches replace or
+wrap, as the installed versions have them: each patch is listed in docs/architecture.md
+("Patches of Ray's internals"), and this test fails when a Ray upgrade changes what one relies
+on, rather than the patch going silently unused (``Patches.set(..., only_if_present=True)``
+skips an attribute that is gone). No cluster: imports and signatures only."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import threading
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Ray's own torch helpers, replaced on XLA workers (startup/ray_helpers.py): every module that
+# holds them, with the parameters our replacements pass on.
+HELPERS = {
+    "get_device": [],
+    "get_devices": [],
+    "prepare_model": ["model", "move_to_device", "parallel_strategy", "parallel_strategy_kwargs"],
+    "prepare_data_loader": ["data_loader", "add_dist_sampler", "move_to_device", "auto_transfer"],
+}
+HELPER_MODULES = ("ray.train.torch", "ray.train.torch.train_loop_utils",
+                  "ray.train.v2.torch.train_loop_utils")
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+@pytest.mark.parametrize("module", HELPER_MODULES)
+def test_rays_torch_helpers_are_where_ray_helpers_replaces_them(module):
+    m = importlib.import_module(module)
+    for name, expected in HELPERS.items():
+        assert callable(getattr(m, name, None)), f"{module}.{name} is gone"
+        assert params(getattr(m, name)) == expected, (module, name)
+
+
+def test_where_rays_helpers_resolve_the_device():
+    from ray.air._internal import torch_utils
+    from ray.train.v2.torch import train_loop_utils as v2
+
+    assert params(torch_utils.get_devices) == []  # V1's prepare_* ask it for the device
+    assert params(v2.get_devices_distributed) == []  # V2's
+
+
+def test_the_training_function_starts_where_report_flush_wraps_it():
+    """Train V2 starts the training function in ``ThreadRunner.run(target)``; V1's session
+    creates ``training_thread`` (a ``threading.Thread`` whose ``_target`` is wrapped) before it
+    sets ``training_started``."""
+    from ray.train._internal import session
+    from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
+
+    assert params(ThreadRunner.run) == ["self", "target"]
+    source = inspect.getsource(session._TrainSession)
+    assert "self.training_thread = " in source and "self.training_started = " in source
+    assert callable(getattr(session, "get_session", None))
+    assert hasattr(threading.Thread(target=print), "_target")
+
+
+def test_each_patch_is_listed_with_the_ray_version_it_was_tested_on():
+    import ray
+
+    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Patches of Ray's internals", 1)[1].split("\n## ", 1)[0]
+    for target in ("ThreadRunner.run", "training_thread._target", "get_devices_distributed",
+                   "ray.air._internal.torch_utils.get_devices", "prepare_model",
+                   "prepare_data_loader", "init_process_group"):
+        assert target in section, target
+    assert f"Ray {ray.__version__}" in section
