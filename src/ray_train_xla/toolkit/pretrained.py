@@ -105,6 +105,22 @@ def safetensors_files(path: str) -> list[str]:
                             f"{', '.join(names[:6]) or 'nothing'})")
 
 
+# Files of a model directory: an export refuses a directory that already holds any of them
+# (stale shards of another export would stay beside the new ones).
+HF_MODEL_FILES = ("config.json", "generation_config.json")
+HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
+HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
+
+
+def held_model_files(out_dir: str) -> list[str]:
+    """The model files (``config.json``, ``*.safetensors``, ...) directory ``out_dir`` already
+    holds, which an export would mix with its own; [] for a missing directory."""
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(n for n in os.listdir(out_dir) if n in HF_MODEL_FILES
+                  or n.endswith(HF_MODEL_SUFFIXES) or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
+
+
 def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of every tensor in the model's safetensors files (headers only)."""
     from safetensors import safe_open
@@ -507,8 +523,6 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
     sharded = os.path.join(out_dir, SHARDED_SUBDIR)
 
     def prepare() -> None:
-        from ray_train_xla.tools.consolidate import held_model_files
-
         held = held_model_files(out_dir)
         if held:
             raise FileExistsError(f"export_pretrained: {out_dir} already holds a model "

@@ -42,7 +42,7 @@ from ray_train_xla.toolkit.checkpoint.format import (
     read_full_state,
     spec_of,
 )
-from ray_train_xla.toolkit.pretrained import copy_tokenizer_files, parse_dtype
+from ray_train_xla.toolkit.pretrained import copy_tokenizer_files, held_model_files, parse_dtype
 
 FSDP_V2_PREFIX = "_orig_module."
 # torch's activation checkpointing wrapper (checkpoint_wrapper); its own state_dict hook removes
@@ -53,11 +53,6 @@ CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 HF_CONFIG_KEY = "hf_config"
 # save_pretrained's largest shard, as the Hub recommends (Transformers' own default is 50GB).
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-# Files of a model directory: --hf refuses an OUT_DIR that already holds any of them (stale
-# shards of another export would stay beside the new ones).
-HF_MODEL_FILES = ("config.json", "generation_config.json")
-HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
-HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
 # Bound on the first answer of a remote checkpoint's storage (s3://, gs://, ...): without a
 # network, some clients retry for many minutes before they fail.
 DEFAULT_TIMEOUT_S = 60.0
@@ -306,15 +301,6 @@ def _check_out_dir(out_dir: str) -> None:
             raise NotConsolidatableError(
                 f"OUT_DIR {out_dir} already holds a model ({', '.join(held[:4])}{more}): name "
                 "another directory, or remove those files first")
-
-
-def held_model_files(out_dir: str) -> list[str]:
-    """The model files (``config.json``, ``*.safetensors``, ...) directory ``out_dir`` already
-    holds, which an export would mix with its own; [] for a missing directory."""
-    if not os.path.isdir(out_dir):
-        return []
-    return sorted(n for n in os.listdir(out_dir) if n in HF_MODEL_FILES
-                  or n.endswith(HF_MODEL_SUFFIXES) or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
 
 
 def _reserve_dir(out_dir: str) -> str:
