@@ -122,24 +122,6 @@ def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
     return out, groups
 
 
-def _stage_dtensors(value: Any) -> Any:
-    """A host copy of nested state whose DTensors stay DTensors (same mesh and placements,
-    local shard on the CPU): what DCP needs to place each shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        local = value.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, Mapping):
-        return {k: _stage_dtensors(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_stage_dtensors(v) for v in value]
-    return value
-
-
 def stage_sharded(state: Mapping[str, Any]) -> dict[str, Any]:
     """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
     sharded save that must happen before training goes on. Returns what :func:`write_staged`
@@ -153,10 +135,15 @@ def stage_sharded(state: Mapping[str, Any]) -> dict[str, Any]:
 
         torch_xla.sync()
         # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-        staged = _sharded_cpu_state_dict(named)
+        staged, release = _sharded_cpu_state_dict(named), None
     else:
-        staged = _stage_dtensors(named)
-    return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra)}
+        # DTensors stay DTensors (same mesh and placements, local shard on the CPU), copied into
+        # host buffers reused from save to save (staging.py), given back once written.
+        from ray_train_xla.toolkit.checkpoint.staging import pool
+
+        staged, release = pool().stage(named)
+    return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra),
+            "release": release}
 
 
 def _save_planner(layout: str):
@@ -196,15 +183,20 @@ def _device_count(layout: str, world: int) -> int:
 def write_staged(staged: dict[str, Any], directory: str, process_group=None) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
     every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``."""
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers
+    go back to the staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _dist()
     os.makedirs(directory, exist_ok=True)
     before = set(os.listdir(directory))
-    dcp.save(staged["state"], storage_writer=dcp.FileSystemWriter(directory),
-             planner=_save_planner(staged["layout"]), process_group=process_group,
-             no_dist=not distributed)
+    try:
+        dcp.save(staged["state"], storage_writer=dcp.FileSystemWriter(directory),
+                 planner=_save_planner(staged["layout"]), process_group=process_group,
+                 no_dist=not distributed)
+    finally:
+        if staged.get("release") is not None:
+            staged["release"]()
     if rank == 0:
         torch.save(staged["extra"], os.path.join(directory, EXTRA_FILE))
         if staged["groups"] is not None:

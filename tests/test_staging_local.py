@@ -1,0 +1,88 @@
+"""Checkpoint snapshots of FSDP2 state in host buffers reused from save to save
+(``toolkit/checkpoint/staging.py``), on two processes (gloo, the native CPU twin's
+environment, no Ray): the second and later saves allocate no host buffer, one still being
+written is never reused (a save staged meanwhile gets a set of its own), and every checkpoint
+holds the values of its own step, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import torch
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), RAY_TRAIN_XLA_DEVICE="cpu",
+                      RAY_TRAIN_XLA_RUNTIME="native", RAY_TRAIN_XLA_PG_BACKEND="gloo",
+                      TORCHELASTIC_RUN_ID=f"staging-{port}")
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded, stage_sharded, write_staged
+    from ray_train_xla.toolkit.checkpoint.staging import pool
+
+    dist.init_process_group("gloo")
+
+    def make():
+        torch.manual_seed(0)  # 63 rows: uneven shards over 2 ranks
+        model = rtx.prepare_sharded_model(torch.nn.Sequential(torch.nn.Linear(64, 63),
+                                                              torch.nn.Linear(63, 64)))
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = make()
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(4, 64)).pow(2).sum().backward()
+        opt.step()
+
+    step()
+    counts, snaps, held = [], [], None
+    for i in range(4):
+        snaps.append([p.full_tensor().clone() for p in model.parameters()])
+        staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "step": i})
+        if i == 1:
+            held = staged  # still being written while the next save stages
+        else:
+            write_staged(staged, os.path.join(root, f"c{i}"))
+        if i == 2:
+            write_staged(held, os.path.join(root, "c1"))
+        counts.append([pool().allocated_bytes, pool().stagers])
+        step()  # the state changes right after each snapshot, as training goes on
+    fresh, fresh_opt = make()
+    exact = []
+    for i in range(4):
+        extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt)
+        exact.append(extra["step"] == i and all(
+            torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), snaps[i])))
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump({"counts": counts, "exact": exact,
+                   "state_bytes": sum(t.to_local().numel() * t.to_local().element_size()
+                                      for t in [*model.parameters(),
+                                                *(v for s in opt.state.values() for v in s.values()
+                                                  if isinstance(v, torch.Tensor) and v.dim())])},
+                  f)
+    dist.destroy_process_group()
+
+
+def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            r = json.load(f)
+        (a0, s0), (a1, s1), (a2, s2), (a3, s3) = r["counts"]
+        assert a0 >= r["state_bytes"] and s0 == 1, r  # the first save allocates its buffers
+        assert (a1, s1) == (a0, 1), r  # the second reuses them: nothing allocated
+        assert (a2, s2) == (2 * a0, 2), r  # the one still being written is not reused
+        assert (a3, s3) == (a2, 2), r  # both given back: the fourth allocates nothing
+        assert r["exact"] == [True, True, True, True], r
