@@ -535,7 +535,7 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
     try:
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(
                      sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
-                 planner=_CastingSavePlanner(dtype), process_group=group, no_dist=group is None)
+                 planner=_casting_save_planner(dtype), process_group=group, no_dist=group is None)
         if group is None:  # one process: its files are the whole tensors already
             _rename_single(sharded, out_dir, plan, count)
         else:
@@ -663,18 +663,17 @@ def copy_tokenizer_files(source: str, out_dir: str) -> list[str]:
     return copied
 
 
-class _CastingSavePlanner:
-    """DCP's default save planner that hands the writer each tensor converted to ``dtype`` as
-    the writer asks for it (one tensor at a time, not a converted copy of the whole state)."""
+def _casting_save_planner(dtype: torch.dtype | None):
+    """DCP's default save planner, handing the writer each floating-point tensor converted to
+    ``dtype`` as the writer asks for it (one tensor at a time, not a converted copy of the
+    whole state)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    def __new__(cls, dtype: torch.dtype | None):
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    class CastingSavePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if dtype is not None and isinstance(data, torch.Tensor) and data.is_floating_point():
+                data = data.to(dtype)
+            return data
 
-        class Casting(DefaultSavePlanner):
-            def resolve_data(self, write_item):
-                data = super().resolve_data(write_item)
-                if dtype is not None and isinstance(data, torch.Tensor) and data.is_floating_point():
-                    data = data.to(dtype)
-                return data
-
-        return Casting()
+    return CastingSavePlanner()
