@@ -147,13 +147,32 @@ def train_and_save(config):
         record["load_exact"] = w.exact(w.named_state(fresh, fresh_opt),
                                        torch.load(config["load_dump"], weights_only=False))
         record["load_extra"] = extra
-    rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "step": STEPS}, {"step": STEPS})
+    if not config.get("spmd"):
+        # Written once: what this process writes during a save (wchar counts every write call,
+        # Ray's upload of a temporary directory included) is the checkpoint's bytes, once. A
+        # replicated save (rank 0 writes) first, then the sharded one, which the run keeps last.
+        blob = {"blob": torch.arange(2_000_000, dtype=torch.float32)}
+        before = _wchar()
+        written = rtx.save_checkpoint(blob, {"step": 0}, wait=True)
+        record["replicated_write"] = [_wchar() - before, written and written["bytes"]]
+        before = _wchar()
+        written = rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                       "step": STEPS}, {"step": STEPS}, wait=True)
+        record["sharded_write"] = [_wchar() - before, written["bytes"]]
+    else:
+        rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "step": STEPS}, {"step": STEPS})
     import sys
 
     # The plan's USE_TORCH_XLA=0 kept transformers off torch_xla on the native workers.
     record["torch_xla_loaded"] = "torch_xla" in sys.modules
     write_record(config, f"rank{rtx.rank()}", record)
+
+
+def _wchar() -> int:
+    """Bytes this process has passed to write calls (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def restore(config):
@@ -249,6 +268,7 @@ def runs(one_node, tmp_path_factory):
         torch_config=TorchNeuronConfig(device="cpu", timeout_s=120), scaling_config=native_scaling(4))
     ckpt4 = result.checkpoint.path
     out["four_files"] = sorted(os.listdir(ckpt4))
+    out["four_run"] = sorted(os.listdir(os.path.dirname(ckpt4)))
     result, records = fit(
         train_and_save,
         loop_config={"spmd": True, "mlp": True, "dump": str(tmp / "xla.pt"), "load": ckpt4,
@@ -298,6 +318,21 @@ def test_sharded_checkpoints_hold_every_ranks_shards_under_module_names(runs):
 
     marker = json.loads(runs["back_marker"])
     assert marker["layout"] == "dtensor" and marker["format_version"] == 2 and marker["workers"] == 3
+
+
+def test_each_checkpoint_is_written_once_in_the_runs_storage(runs):
+    """Replicated and sharded saves write their bytes once, straight into the run's storage:
+    no temporary directory that Ray copies again (which wrote twice the bytes)."""
+    slack = 256 * 1024  # the worker's log lines in the same window
+    rank0 = next(r for r in runs["four"] if r["replicated_write"][1])
+    wrote, size = rank0["replicated_write"]
+    assert size >= 8_000_000 and wrote <= 1.05 * size + slack, (wrote, size)
+    for rec in runs["four"]:
+        wrote, size = rec["sharded_write"]
+        assert 0 < size and wrote <= 1.05 * size + slack, rec["sharded_write"]
+    # Each checkpoint in its own directory of the run, named as Ray names its own.
+    dirs = [d for d in runs["four_run"] if d.startswith("checkpoint_") and not d.endswith(".json")]
+    assert len(dirs) == 2 and os.path.basename(runs["ckpt4"]) == dirs[-1], runs["four_run"]
 
 
 def test_resharded_onto_3_workers_bit_equal_and_training_goes_on_like_the_fixed_run(runs):

@@ -239,3 +239,63 @@ def test_a_long_run_leaves_no_decisions_in_the_store():
     # watcher's own samples: none of them can have seen hundreds).
     assert max(most) - before <= 4, max(most) - before
     assert store.num_keys() == before
+
+
+def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_directory(tmp_path):
+    """Written once: every rank writes into the directory rank 0 named, in the run's storage,
+    and reports that name (Ray's NO_UPLOAD); a write that fails removes the directory, so the
+    run's storage holds no partial checkpoint."""
+    world = 2
+    port = _free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, world, r == 0, timedelta(seconds=20),
+                            wait_for_workers=False) for r in range(world)]
+    reported: dict[int, list] = {r: [] for r in range(world)}
+    places: list[str] = []
+
+    def place(name: str) -> str:
+        directory = tmp_path / name
+        directory.mkdir(exist_ok=True)
+        places.append(name)
+        return str(directory)
+
+    def report_fn(r):
+        def report(metrics, directory, name=None):
+            reported[r].append((metrics["step"], directory, name))
+        return report
+
+    reps = [Reporter(report_fn(r), rank=r, world=world, max_in_flight=2, timeout_s=20,
+                     store=stores[r], key_prefix="p", place=place) for r in range(world)]
+
+    def write(r, step, fail=False):
+        def fn(directory: str) -> dict:
+            with open(f"{directory}/shard{r}", "w") as f:
+                f.write(str(step))
+            if fail:
+                raise OSError("disk full")
+            return {"files": [f"shard{r}"], "bytes": 1}
+        return fn
+
+    def train(r):
+        def run():
+            for step in range(3):
+                reps[r].checkpoint({"step": step}, write(r, step))
+            reps[r].close()
+        return run
+
+    run_ranks([train(0), train(1)])
+    assert [s for s, _, _ in reported[0]] == [0, 1, 2]
+    for step in range(3):
+        (_, d0, n0), (_, d1, n1) = reported[0][step], reported[1][step]
+        assert n0 and n0 == n1 and d0 == d1 == str(tmp_path / n0), (reported, step)
+        assert n0.startswith("checkpoint_")
+        assert sorted(p.name for p in (tmp_path / n0).iterdir()) == ["shard0", "shard1"]
+    assert len({n for _, _, n in reported[0]}) == 3  # a new directory per checkpoint
+    assert not list(tmp_path.glob("ray-train-xla-ckpt-*"))
+
+    # A write that fails: its directory is removed and the error reaches the training function.
+    lone = Reporter(report_fn(0), rank=0, world=1, max_in_flight=2, timeout_s=20, place=place)
+    lone.checkpoint({"step": 9}, write(0, 9, fail=True))
+    with pytest.raises(ReportError, match="disk full"):
+        lone.close()
+    assert not (tmp_path / places[-1]).exists()
+    assert len(list(tmp_path.iterdir())) == 3

@@ -23,7 +23,13 @@ only hands the report over and goes on:
   :class:`ReportError` at this worker's next call and at the end of the training function;
   nothing after it is reported;
 - **the end**: the training function returns only after every report it made was taken by Ray
-  (the backend makes its end wait; :func:`flush_reports` does the same anywhere).
+  (the backend makes its end wait; :func:`flush_reports` does the same anywhere);
+- **written once**: on Ray Train V2 with storage on a local or shared file system, a
+  checkpoint's files are written straight into its directory in the run's storage (named
+  ``checkpoint_<date>`` by rank 0, every rank following) and reported with
+  ``checkpoint_upload_mode=NO_UPLOAD``: Ray copies nothing. A write that fails removes that
+  directory. Elsewhere (Ray Train V1, remote storage) the files go to a temporary directory that
+  Ray uploads.
 """
 
 from __future__ import annotations
@@ -72,8 +78,12 @@ class Reporter:
 
     def __init__(self, report_fn: Callable[..., None], *, rank: int, world: int,
                  max_in_flight: int, timeout_s: float, store: Any = None, key_prefix: str = "",
-                 coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None) -> None:
+                 coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None,
+                 place: Callable[[str], str] | None = None) -> None:
         self._report_fn = report_fn
+        # place(name): the directory in the run's storage a checkpoint named ``name`` is written
+        # into, in place (None: every checkpoint goes through a temporary directory).
+        self._place = place
         self._on_checkpoint = on_checkpoint  # called once Ray took each checkpoint
         self._rank, self._world = rank, world
         self._max = max_in_flight
@@ -208,8 +218,17 @@ class Reporter:
     def _decide(self, step: int):
         """Rank 0: the next report (the head of the queue), published for the other ranks."""
         decision = self._next_in_queue(freeze=True)
-        self._publish(step, decision or ("stop", 0))
+        self._publish(step, decision or ("stop", 0, ""))
         return decision
+
+    def _new_name(self) -> str:
+        """Rank 0: the directory name of the next checkpoint written in place (every rank takes
+        rank 0's through the store); "" when checkpoints go through a temporary directory."""
+        if self._place is None or (self._world > 1 and not self._agreeing):
+            return ""
+        from ray.train.v2._internal.execution.storage import StorageContext
+
+        return StorageContext.make_default_checkpoint_dir_name()
 
     def _next_in_queue(self, freeze: bool = False):
         """The head of this rank's queue as a decision, once there is one; None when closing
@@ -221,9 +240,9 @@ class Reporter:
                 return None
             head = self._events[0]
             if isinstance(head, _Checkpoint):
-                return "checkpoint", 0
+                return "checkpoint", 0, self._new_name() if self._rank == 0 else ""
             head.frozen = head.frozen or freeze
-            return "metrics", head.count
+            return "metrics", head.count, ""
 
     @property
     def _agreeing(self) -> bool:
@@ -233,7 +252,7 @@ class Reporter:
 
     def _publish(self, step: int, decision: tuple[str, int]) -> None:
         if self._agreeing:
-            self._store.set(f"{self._prefix}/{step}", f"{decision[0]}:{decision[1]}")
+            self._store.set(f"{self._prefix}/{step}", ":".join(map(str, decision)))
 
     def _follow(self, step: int):
         """Other ranks: rank 0's decision for report number ``step``."""
@@ -249,7 +268,7 @@ class Reporter:
                     return None
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
-        kind, _, count = self._store.get(key).decode().partition(":")
+        kind, count, name = self._store.get(key).decode().split(":", 2)
         self._done_reading(key)
         if kind == "stop":
             with self._cv:
@@ -259,7 +278,7 @@ class Reporter:
                         f"{len(self._events)} more: call save_checkpoint and report the same "
                         "number of times on every worker")
             return None
-        return kind, int(count)
+        return kind, int(count), name
 
     def _done_reading(self, key: str) -> None:
         """Count this rank in as a reader of ``key``; the last of the other ranks deletes it (and
@@ -272,8 +291,8 @@ class Reporter:
                 except (AttributeError, NotImplementedError, RuntimeError):
                     pass  # a store that cannot delete keeps them, as before
 
-    def _execute(self, decision: tuple[str, int]) -> None:
-        kind, count = decision
+    def _execute(self, decision: tuple[str, int, str]) -> None:
+        kind, count, name = decision
         deadline = time.monotonic() + self._timeout_s
         with self._cv:
             while True:  # another rank waits here until its training thread made the same call
@@ -313,7 +332,7 @@ class Reporter:
             self._report_fn(out, None)
             return
         try:
-            item.written = self._report_checkpoint(item)
+            item.written = self._report_checkpoint(item, name)
             if self._on_checkpoint is not None:
                 self._on_checkpoint()
         finally:
@@ -322,10 +341,20 @@ class Reporter:
                 self._checkpoints -= 1
                 self._cv.notify_all()
 
-    def _report_checkpoint(self, item: _Checkpoint) -> dict | None:
+    def _report_checkpoint(self, item: _Checkpoint, name: str) -> dict | None:
         if item.write is None:
             self._report_fn(item.metrics, None)
             return None
+        if name:  # written once, in place, and reported without a copy
+            directory = self._place(name)
+            try:
+                written = item.write(directory)
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)  # no partial checkpoint left behind
+                raise
+            item.write = None
+            self._report_fn(item.metrics, directory, name)
+            return written
         tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
         try:
             written = item.write(tmp)
@@ -344,11 +373,45 @@ _generation = 0  # reporters started in this process (every rank starts the same
 _max_in_flight = DEFAULT_MAX_IN_FLIGHT
 
 
-def _ray_report(metrics: dict, directory: str | None) -> None:
+def _ray_report(metrics: dict, directory: str | None, name: str | None = None) -> None:
+    """``ray.train.report``; ``name``: ``directory`` is that checkpoint's directory in the run's
+    storage, already written (reported with ``checkpoint_upload_mode=NO_UPLOAD``)."""
     import ray.train
 
+    if name:
+        from ray.train import CheckpointUploadMode
+
+        storage = ray.train.get_context().get_storage()
+        checkpoint = ray.train.Checkpoint(directory, filesystem=storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        return
     checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
     ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def in_place_directory() -> Callable[[str], str] | None:
+    """``name -> directory`` in the run's storage, where checkpoints are written in place: on
+    Ray Train V2 with storage on a file system this process can write (local or shared, e.g.
+    NFS); None otherwise (Ray Train V1, remote storage, outside Ray Train)."""
+    if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
+        return None
+    try:
+        import pyarrow.fs
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+    except Exception:  # noqa: BLE001 (no Ray Train V2 context: not in place)
+        return None
+    if storage is None or not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+        return None
+
+    def place(name: str) -> str:
+        directory = storage.build_checkpoint_path_from_name(name)
+        os.makedirs(directory, exist_ok=True)
+        return directory
+
+    return place
 
 
 def _default_store() -> Any:
@@ -375,7 +438,7 @@ def reporter() -> Reporter:
                 timeout_s=ctx.timeout_s, store=store,
                 key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{_generation}",
                 coalesce=ctx.world_size == 1 or store is not None,
-                on_checkpoint=timeline.checkpoint_committed)
+                on_checkpoint=timeline.checkpoint_committed, place=in_place_directory())
         return _reporter
 
 
