@@ -12,8 +12,9 @@ Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
 Both store the model under the plain module's names and the optimizer state under those names,
 so a checkpoint restores onto another mesh shape, device count, worker count or layout (an SPMD
 checkpoint into an FSDP2 model and the other way round). Shards held by several ranks are
-written once. Under Ray every worker writes into its own local directory and reports it; Ray
-Train merges the workers' directories into the one checkpoint of that step.
+written once. Under Ray Train V2 with storage on a file system, every worker writes straight
+into the checkpoint's directory in the run's storage (``reporting.py``); elsewhere into its own
+temporary directory, which Ray merges into the one checkpoint of that step.
 
 torch_xla is imported only for the ``spmd`` layout: native workers never import it.
 """
