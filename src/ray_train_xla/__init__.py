@@ -63,6 +63,7 @@ _EXPORTS = {
         "is_graph_extraction_run",
         "is_sharded",
         "iter_xla_batches",
+        "keep_in_memory",
         "load_checkpoint",
         "load_pretrained",
         "local_rank",

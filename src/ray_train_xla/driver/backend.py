@@ -62,6 +62,8 @@ class XLABackend(Backend):
             env0[DEVICE_VAR], backend_config.runtime, len(plans), len({p.place.node_id for p in plans}),
             env0["MASTER_ADDR"], env0["MASTER_PORT"],
         )
+        if getattr(backend_config, "memory_every", None):
+            plan_memory_tier(backend_config, facts, plans)
         worker_group.execute(apply_env, distribute(facts, plans))
 
     def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
@@ -125,6 +127,28 @@ def plan_workers(
         run_started_at=run_started_at,
     )
     return plan(topology, config, rdzv, device, facts)
+
+
+def plan_memory_tier(config, facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> None:
+    """Start (or find) a memory store on every node of this group and tell the workers where
+    they are (``toolkit/checkpoint/memory.py``). The tier is one per ``fit()``: its id lives on
+    the config object, which Ray Train's controller keeps across worker groups, and the stores
+    it starts live as long as the controller (they end with the run)."""
+    from ray_train_xla.planning.contract import MEMORY_NODES_VAR, MEMORY_TIER_VAR
+    from ray_train_xla.toolkit.checkpoint.memory import start_stores
+
+    tier = getattr(config, "_memory_tier_id", None)
+    if tier is None:
+        tier = uuid.uuid4().hex[:12]
+        object.__setattr__(config, "_memory_tier_id", tier)
+    nodes = sorted({f.node_id for f in facts})
+    start_stores(tier, nodes, config.timeout_s)
+    if len(nodes) == 1:
+        logger.warning("ray_train_xla: memory tier on one node: no peer holds a copy, so a lost "
+                       "node means a restore from storage")
+    for p in plans:
+        p.env[MEMORY_TIER_VAR] = tier
+        p.env[MEMORY_NODES_VAR] = ",".join(nodes)
 
 
 def envs_by_node(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> dict[str, dict]:

@@ -99,6 +99,11 @@ class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
             ``optimizer.step()``, each step once) into the run's storage,
             ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
+        memory_every: the memory tier's cadence, in steps: ``rtx.keep_in_memory(state, step)``
+            keeps the state of every step that is a multiple of it in host memory, on the
+            worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
+            restores from there when every shard survived (docs/sharded-models.md, "The memory
+            tier"); None (default): no memory tier.
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here: the
     process group follows from the device and ``spmd``; setting them is an error.
@@ -168,6 +173,11 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
             ``optimizer.step()``, each step once) into the run's storage,
             ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
+        memory_every: the memory tier's cadence, in steps: ``rtx.keep_in_memory(state, step)``
+            keeps the state of every step that is a multiple of it in host memory, on the
+            worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
+            restores from there when every shard survived (docs/sharded-models.md, "The memory
+            tier"); None (default): no memory tier.
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
@@ -232,6 +242,11 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
             ``optimizer.step()``, each step once) into the run's storage,
             ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
             (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
+        memory_every: the memory tier's cadence, in steps: ``rtx.keep_in_memory(state, step)``
+            keeps the state of every step that is a multiple of it in host memory, on the
+            worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
+            restores from there when every shard survived (docs/sharded-models.md, "The memory
+            tier"); None (default): no memory tier.
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker
     per chip of the slice (or slices). Ranks follow TorchTPU's order of the slice's hosts, not

@@ -67,8 +67,14 @@ RUN_START_VAR = "RAY_TRAIN_XLA_RUN_START"
 SUBMITTED_AT = "_rtx_submitted_at"
 # "start,count" with profile_steps=(start, count): every rank profiles those steps.
 PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
+# The memory tier (memory_every=N): its cadence; the run's tier (one for every worker group of
+# a fit) and the nodes of this group, whose memory stores hold the checkpoint (the backend).
+MEMORY_EVERY_VAR = "RAY_TRAIN_XLA_MEMORY_EVERY"
+MEMORY_TIER_VAR = "RAY_TRAIN_XLA_MEMORY_TIER"
+MEMORY_NODES_VAR = "RAY_TRAIN_XLA_MEMORY_NODES"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
-            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, RUN_START_VAR, PROFILE_STEPS_VAR)
+            DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, RUN_START_VAR, PROFILE_STEPS_VAR,
+            MEMORY_EVERY_VAR, MEMORY_TIER_VAR, MEMORY_NODES_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
@@ -215,6 +221,9 @@ class WorkerContext:
     group_start: float = 0.0  # Unix seconds; 0.0 when unknown
     run_start: float = 0.0  # Unix seconds: when fit() handed the config to Ray; 0.0 when unknown
     profile_steps: tuple[int, int] | None = None
+    memory_every: int = 0  # 0: no memory tier
+    memory_tier: str = ""
+    memory_nodes: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -241,6 +250,9 @@ class WorkerContext:
             group_start=_float(e, GROUP_START_VAR, 0.0),
             run_start=_float(e, RUN_START_VAR, 0.0),
             profile_steps=_steps_pair(e.get(PROFILE_STEPS_VAR, "")),
+            memory_every=_int(e, MEMORY_EVERY_VAR, 0),
+            memory_tier=e.get(MEMORY_TIER_VAR, ""),
+            memory_nodes=tuple(n for n in e.get(MEMORY_NODES_VAR, "").split(",") if n),
         )
 
     @property

@@ -60,6 +60,11 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         raise err("profile_steps", steps,
                   "None or (start, count): two ints >= 1, the first step to profile (steps count "
                   "from 1) and how many")
+    every = options.memory_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise err("memory_every", every,
+                  "None (no memory tier) or an int >= 1: rtx.keep_in_memory(state, step) keeps "
+                  "the state of every step that is a multiple of it")
 
 
 @dataclass(kw_only=True)
@@ -78,6 +83,7 @@ class XLAOptions:
     tpu_process_bounds: str | None = None
     compile_causes: bool = False
     profile_steps: tuple[int, int] | None = None
+    memory_every: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +163,7 @@ class NeuronOptions:
     efa: bool | None = None
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
+    memory_every: int | None = None
 
     # What the shared planner asks every config; fixed for native TorchNeuron.
     runtime: ClassVar[str] = NATIVE
@@ -210,6 +217,7 @@ class TPUOptions:
     env: Mapping[str, str] = field(default_factory=dict)
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
+    memory_every: int | None = None
 
     runtime: ClassVar[str] = NATIVE
     native_device: ClassVar[str] = "tpu"

@@ -25,6 +25,7 @@ from ray_train_xla.planning.contract import (
     DEVICE_VAR,
     GROUP_START_VAR,
     INIT_METHOD_VAR,
+    MEMORY_EVERY_VAR,
     NATIVE,
     PG_BACKEND_VAR,
     PROFILE_STEPS_VAR,
@@ -159,6 +160,8 @@ def plan(
         ours[USE_TORCH_XLA_VAR] = "0"
     if config.profile_steps is not None:
         ours[PROFILE_STEPS_VAR] = ",".join(str(v) for v in config.profile_steps)
+    if getattr(config, "memory_every", None):
+        ours[MEMORY_EVERY_VAR] = str(config.memory_every)
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:

@@ -38,6 +38,9 @@ def _then_flush(fn: Callable[[], Any]) -> Callable[[], Any]:
         try:
             profiling.training_starts()  # a profile window of the first step starts here
             result = fn(*args, **kwargs)
+            from ray_train_xla.toolkit.checkpoint.memory import flush_memory
+
+            flush_memory()  # the memory tier's generation in flight, complete or its error
             reporting.flush_reports()
             profiling.flush()  # the traces of finished profile windows reach the run's storage
         except BaseException as exc:

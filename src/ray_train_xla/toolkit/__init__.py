@@ -23,6 +23,7 @@ backend). Each module is one concern:
 """
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
+from ray_train_xla.toolkit.checkpoint.memory import keep_in_memory
 from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
 from ray_train_xla.toolkit.compile_causes import DivergentGraphsWarning, check_graphs_every
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
@@ -103,6 +104,7 @@ __all__ = [
     "shard_batch",
     "sharding_spec",
     "save_checkpoint",
+    "keep_in_memory",
     "spmd_global",
     "step_done",
     "sync",

@@ -62,6 +62,7 @@ _POLL_S = 0.5  # how often a waiting background thread looks for an abort
 class _Checkpoint:
     metrics: dict
     write: Callable[[str], dict] | None  # None: this rank reports without files
+    after: Callable[[], None] | None = None  # once Ray took it
     done: threading.Event = field(default_factory=threading.Event)
     written: dict | None = None
 
@@ -104,8 +105,10 @@ class Reporter:
     # ---- the training thread ------------------------------------------------------------------
 
     def checkpoint(self, metrics: Mapping[str, Any], write: Callable[[str], dict] | None,
-                   wait: bool = False) -> dict | None:
-        item = _Checkpoint(dict(metrics), write)
+                   wait: bool = False, after: Callable[[], None] | None = None) -> dict | None:
+        """Queue a checkpoint (``write(directory)`` writes this rank's files; ``after()`` runs
+        once Ray took it); ``wait``: return once reported, with what ``write`` returned."""
+        item = _Checkpoint(dict(metrics), write, after)
         with self._cv:
             self._take_slot()
             self._events.append(item)
@@ -335,6 +338,8 @@ class Reporter:
             item.written = self._report_checkpoint(item, name)
             if self._on_checkpoint is not None:
                 self._on_checkpoint()
+            if item.after is not None:
+                item.after()
         finally:
             item.done.set()
             with self._cv:

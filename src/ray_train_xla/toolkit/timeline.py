@@ -297,6 +297,14 @@ class Timeline:
         self._commits.append(self._clock())
         self.wake()
 
+    def restored(self, tier: str, seconds: float) -> None:
+        """A restore from ``tier`` (memory or storage) that took ``seconds``: a goodput event."""
+        with self._lock:
+            self._lines.append(json.dumps({"kind": "restore", "t": self._clock(), "tier": tier,
+                                           "seconds": seconds}))
+            self._dirty = True
+            self._last_write = 0.0
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -473,6 +481,13 @@ def checkpoint_saved() -> None:
         from ray_train_xla.toolkit.steps import steps_done
 
         tl.checkpoint_saved(steps_done())
+
+
+def restored(tier: str, seconds: float) -> None:
+    """This worker restored its state from ``tier`` (memory or storage) in ``seconds``."""
+    t = _active
+    if t is not None:
+        t.restored(tier, seconds)
 
 
 def checkpoint_committed() -> None:

@@ -68,6 +68,7 @@ class Worker:
     checkpoints: list[float] = field(default_factory=list)  # save_checkpoint returned
     commits: list[float] = field(default_factory=list)  # Ray took the oldest in flight
     compiles: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds)
+    restores: list[dict[str, Any]] = field(default_factory=list)  # tier (memory, storage), seconds
     end: dict[str, Any] | None = None
     last_seen: float = 0.0
 
@@ -104,6 +105,16 @@ class Attempt:
     buckets: dict[str, float] = field(default_factory=dict)
     lost_from: float | None = None  # mean over workers: where lost work starts
 
+    @property
+    def restore(self) -> dict[str, Any] | None:
+        """Where this group's state came from (memory or storage) and the slowest worker's
+        time, when it restored one (the memory tier's workers say so)."""
+        found = [r for w in self.workers for r in w.restores]
+        if not found:
+            return None
+        tiers = sorted({str(r["tier"]) for r in found})
+        return {"tier": "+".join(tiers), "seconds": max(float(r["seconds"] or 0) for r in found)}
+
 
 @dataclass
 class Goodput:
@@ -128,7 +139,8 @@ class Goodput:
             "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
                           "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
                                                                   default=0),
-                          "lost_from": a.lost_from, "buckets_s": dict(a.buckets)}
+                          "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
+                          "restore": a.restore}
                          for a in self.attempts],
         }
 
@@ -162,6 +174,8 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
             worker.commits.append(float(event["t"]))
         elif kind == "compile":
             worker.compiles.append((float(event["t"]), float(event["compile_s"])))
+        elif kind == "restore":
+            worker.restores.append({"tier": event.get("tier"), "seconds": event.get("seconds")})
         elif kind == "end":
             worker.end = event
     worker.spans.sort(key=lambda s: s["t0"])
@@ -341,8 +355,11 @@ def format_table(result: Goodput) -> str:
     lines.append(f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome")
     for a in result.attempts:
         steps = max((w.steps for w in a.workers), default=0)
+        restore = a.restore
+        restored = f", restored from {restore['tier']} in {restore['seconds']:.2f} s" \
+            if restore else ""
         lines.append(f"{a.id[:12]:<14}{a.start - result.start:>8.1f}{a.end - result.start:>9.1f}"
-                     f"{len(a.workers):>9}{steps:>8}  {a.outcome}")
+                     f"{len(a.workers):>9}{steps:>8}  {a.outcome}{restored}")
     return "\n".join(lines)
 
 

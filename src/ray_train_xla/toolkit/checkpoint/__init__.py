@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit.checkpoint import memory as _memory
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
     GROUPS_FILE,
@@ -109,6 +110,13 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
             logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
         return reporter().checkpoint(metrics, None, wait=wait)
 
+    tier = _memory.memory_tier()
+    after = None
+    if tier is not None:  # storage and memory number their saves together (memory.py)
+        gen = tier.next_generation()
+        if rank() == 0:
+            def after() -> None:
+                tier.note_storage(gen)
     write = None
     if layout is not None:
         staged = stage_sharded(state)  # device -> host now; the files are written later
@@ -121,7 +129,7 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
 
         def write(directory: str) -> dict[str, Any]:
             return write_replicated(cpu_state, directory, filename)
-    return reporter().checkpoint(metrics, write, wait=wait)
+    return reporter().checkpoint(metrics, write, wait=wait, after=after)
 
 
 def load_checkpoint(
@@ -149,22 +157,63 @@ def load_checkpoint(
     import ray.train
 
     layout = sharded_layout(model, "load_checkpoint") or sharded_layout(optimizer, "load_checkpoint")
+    why = None  # why the memory tier did not serve
+    if checkpoint is None:
+        restored, why = _from_memory(model, optimizer, filename, layout)
+        if restored is not None:
+            return restored[0]
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    where = f"rank {rank()}: checkpoint {checkpoint.path}"
+    if why and rank() == 0:
+        logger.warning("memory tier: restoring from storage: %s", why)
+    start = time.perf_counter()
     with checkpoint.as_directory() as path:
-        if is_sharded_checkpoint(path):
-            if layout is not None:
-                group = host_group("load") if layout == DTENSOR else None
-                return load_sharded(path, model, optimizer, group)
-            state, rest = _read_sharded_whole(path, model, optimizer)
-        else:
-            state = load_replicated(path, filename, where)
-            rest = state
-            if layout is not None:
-                _fill_sharded(state, model, optimizer, layout, where)
-                return state
+        out = _load_from(path, None, f"rank {rank()}: checkpoint {checkpoint.path}", model,
+                         optimizer, filename, layout)
+    if _memory.memory_tier() is not None:
+        logger.info("rank %d: restored from storage (%s) in %.2f s", rank(), checkpoint.path,
+                    time.perf_counter() - start)
+        timeline.restored("storage", time.perf_counter() - start)
+    return out
+
+
+def _from_memory(model, optimizer, filename: str, layout) -> tuple[tuple[Any] | None, str | None]:
+    """((what load_checkpoint returns,), None) restored from the memory tier; (None, why not)
+    when storage serves (rank 0 decides for every rank); (None, None) when the tier is off."""
+    tier = _memory.memory_tier()
+    if tier is None:
+        return None, None
+    start = time.perf_counter()
+    choice = _memory.broadcast_from_rank0(tier.choose)
+    tier.continue_from(choice["next"])
+    if choice["tier"] != "memory":
+        return None, choice["why"]
+    fs, files = tier.filesystem(choice)
+    out = _load_from(_memory.ROOT, fs, f"rank {rank()}: memory generation {choice['gen']}", model,
+                     optimizer, filename, layout)
+    seconds = time.perf_counter() - start
+    tier.restored = {"gen": choice["gen"], "world": choice["world"], "seconds": seconds,
+                     "fetched_bytes": files.fetched_bytes, "stores": sorted(files.served)}
+    logger.info("rank %d: restored from memory (generation %d, saved by %d workers; %d bytes "
+                "read from %s) in %.2f s", rank(), choice["gen"], choice["world"],
+                files.fetched_bytes, ", ".join(sorted(files.served)), seconds)
+    timeline.restored("memory", seconds)
+    return (out,), None
+
+
+def _load_from(path: str, filesystem, where: str, model, optimizer, filename: str, layout):
+    if is_sharded_checkpoint(path, filesystem):
+        if layout is not None:
+            group = host_group("load") if layout == DTENSOR else None
+            return load_sharded(path, model, optimizer, group, filesystem=filesystem)
+        state, rest = _read_sharded_whole(path, model, optimizer, filesystem)
+    else:
+        state = load_replicated(path, filename, where, filesystem)
+        rest = state
+        if layout is not None:
+            _fill_sharded(state, model, optimizer, layout, where)
+            return state
     check_replicated(state, model, optimizer, where)
     if model is not None:
         model.load_state_dict(state["model"])  # copies into the parameters, on their device
@@ -175,15 +224,17 @@ def load_checkpoint(
     return rest
 
 
-def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_sharded_whole(path: str, model, optimizer,
+                        filesystem=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the model's and the optimizer's state as whole CPU tensors, in the replicated form of
     ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
-    import os
+    import io
 
+    from ray_train_xla.toolkit.checkpoint.files import read_file
     from ray_train_xla.toolkit.checkpoint.sharded import read_extra
 
     keys = ("model", "optimizer") if optimizer is not None else ("model",)
-    full = read_full_state(path, keys)
+    full = read_full_state(path, keys, filesystem=filesystem)
     state: dict[str, Any] = {}
     if "model" in full:
         named = named_model_state(full["model"])
@@ -191,10 +242,10 @@ def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], di
             if model is not None and set(map(module_name, model.state_dict())) == set(named) else named
     if optimizer is not None and "optimizer" in full:
         saved = full["optimizer"]
-        if format_version(path) >= 2:
-            groups_file = os.path.join(path, GROUPS_FILE)
-            groups = torch.load(groups_file, map_location="cpu", weights_only=True) \
-                if os.path.exists(groups_file) else None
+        if format_version(path, filesystem) >= 2:
+            data = read_file(path, GROUPS_FILE, filesystem)
+            groups = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) \
+                if data is not None else None
             osd = optimizer.state_dict()
             names = optimizer_param_names(model, optimizer, "load_checkpoint") if model is not None \
                 else None
@@ -205,7 +256,7 @@ def _read_sharded_whole(path: str, model, optimizer) -> tuple[dict[str, Any], di
             state["optimizer"] = index_optimizer_state(named, osd, names, f"load_checkpoint: {path}")
         else:
             state["optimizer"] = saved
-    return state, read_extra(path)
+    return state, read_extra(path, filesystem)
 
 
 def _fill_sharded(state: dict[str, Any], model, optimizer, layout: str, where: str) -> None:

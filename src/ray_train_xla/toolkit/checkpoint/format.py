@@ -150,27 +150,35 @@ def saved_specs(metadata: Any) -> dict[str, Spec]:
             for key, md in metadata.state_dict_metadata.items()}
 
 
-def is_sharded_checkpoint(path: str) -> bool:
-    """True when the directory holds a sharded checkpoint (DCP's ``.metadata``)."""
-    return os.path.exists(os.path.join(path, METADATA_FILE))
+def is_sharded_checkpoint(path: str, filesystem=None) -> bool:
+    """True when the directory holds a sharded checkpoint (DCP's ``.metadata``); ``filesystem``:
+    a pyarrow filesystem the directory is on (default the local one)."""
+    if filesystem is None:
+        return os.path.exists(os.path.join(path, METADATA_FILE))
+    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem
+
+    return ArrowFileSystem(filesystem).exists(f"{path.rstrip('/')}/{METADATA_FILE}")
 
 
 def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
-                    filename: str = CHECKPOINT_FILE) -> dict[str, Any]:
-    """The ``keys`` entries of the checkpoint in directory ``path``, as full CPU tensors (every
-    shard of a sharded checkpoint joined into one tensor per entry)."""
+                    filename: str = CHECKPOINT_FILE, filesystem=None) -> dict[str, Any]:
+    """The ``keys`` entries of the checkpoint in directory ``path`` (on ``filesystem``, a
+    pyarrow filesystem, when given), as full CPU tensors (every shard of a sharded checkpoint
+    joined into one tensor per entry)."""
+    import io
+
     import torch
 
-    if is_sharded_checkpoint(path):
-        from torch.distributed.checkpoint import FileSystemReader
+    from ray_train_xla.toolkit.checkpoint.files import read_file, reader_for
+
+    if is_sharded_checkpoint(path, filesystem):
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         # As torch.distributed.checkpoint.format_utils.dcp_to_torch_save, in memory and only for
         # ``keys``: every shard of every rank's file is read into one tensor per entry, after
         # checking that the shards make up each tensor, and the result against the metadata.
-        reader = FileSystemReader(path)
-        metadata = reader.read_metadata()
+        reader, metadata = reader_for(path, filesystem)
         check_chunks(metadata, keys, f"checkpoint {path}")
         state: dict[str, Any] = {}
         _load_state_dict(state, storage_reader=reader,
@@ -180,12 +188,12 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
                    {k: v for k, v in flat_specs(state).items() if v is not None},
                    f"checkpoint {path}", "what was read")
         return state
-    file = os.path.join(path, filename)
-    if not os.path.exists(file):
+    data = read_file(path, filename, filesystem)
+    if data is None:
         raise NotACheckpointError(
             f"{path} is neither a sharded checkpoint (no {METADATA_FILE}) nor a replicated one "
-            f"(no {filename}); found {_found(path)}")
-    state = torch.load(file, map_location="cpu", weights_only=False)
+            f"(no {filename}); found {_found(path) if filesystem is None else 'other files'}")
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     return {k: state[k] for k in keys if k in state}
 
 

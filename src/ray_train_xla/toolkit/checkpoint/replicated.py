@@ -33,17 +33,24 @@ def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str) -
     return {"files": [filename], "bytes": os.path.getsize(path)}
 
 
-def load_replicated(path: str, filename: str, where: str) -> dict[str, Any]:
-    """The state in ``path/filename`` (CPU tensors). ``where`` names the checkpoint and worker
-    in the error when the file is missing."""
+def load_replicated(path: str, filename: str, where: str, filesystem=None) -> dict[str, Any]:
+    """The state in ``path/filename`` (CPU tensors; ``filesystem``: a pyarrow filesystem the
+    directory is on, default the local one). ``where`` names the checkpoint and worker in the
+    error when the file is missing."""
+    import io
+
+    from ray_train_xla.toolkit.checkpoint.files import read_file
+
     file = os.path.join(path, filename)
-    if not os.path.exists(file):
+    data = read_file(path, filename, filesystem) if filesystem is not None else None
+    if data is None and (filesystem is not None or not os.path.exists(file)):
+        found = sorted(os.listdir(path)) if filesystem is None else "other files"
         raise FileNotFoundError(
-            f"{where} has no {filename!r} (found {sorted(os.listdir(path))}); was it written by "
-            "save_checkpoint()?")
+            f"{where} has no {filename!r} (found {found}); was it written by save_checkpoint()?")
     # weights_only: the file comes from shared storage; plain tensors, containers and
     # numbers (what save_checkpoint writes) load without unpickling arbitrary objects.
-    return torch.load(file, map_location="cpu", weights_only=True)
+    return torch.load(file if data is None else io.BytesIO(data), map_location="cpu",
+                      weights_only=True)
 
 
 def _model_specs(state: Any) -> dict:

@@ -181,37 +181,56 @@ def _device_count(layout: str, world: int) -> int:
     return world
 
 
-def write_staged(staged: dict[str, Any], directory: str, process_group=None) -> dict[str, Any]:
+def write_staged(staged: dict[str, Any], directory: str, process_group=None,
+                 filesystem=None) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
     every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers
-    go back to the staging pool once the shards are written (or the write failed)."""
+    ``filesystem``: a ``memory.MemoryFiles`` to write into host memory instead of the local
+    file system. Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's
+    host buffers go back to the staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _dist()
-    os.makedirs(directory, exist_ok=True)
-    before = set(os.listdir(directory))
+    if filesystem is None:
+        os.makedirs(directory, exist_ok=True)
+        before = set(os.listdir(directory))
+        writer = dcp.FileSystemWriter(directory)
+    else:
+        from ray_train_xla.toolkit.checkpoint.files import memory_writer
+
+        before = set(filesystem.by_name())
+        writer = memory_writer(filesystem)
     try:
-        dcp.save(staged["state"], storage_writer=dcp.FileSystemWriter(directory),
-                 planner=_save_planner(staged["layout"]), process_group=process_group,
-                 no_dist=not distributed)
+        dcp.save(staged["state"], storage_writer=writer, planner=_save_planner(staged["layout"]),
+                 process_group=process_group, no_dist=not distributed)
     finally:
         if staged.get("release") is not None:
             staged["release"]()
     if rank == 0:
-        torch.save(staged["extra"], os.path.join(directory, EXTRA_FILE))
-        if staged["groups"] is not None:
-            torch.save(staged["groups"], os.path.join(directory, GROUPS_FILE))
-        with open(os.path.join(directory, SHARDED_MARKER), "w") as f:
-            json.dump({
-                "format": "torch.distributed.checkpoint",
-                "format_version": FORMAT_VERSION,
-                "names": "module",
-                "layout": staged["layout"],
-                "workers": world,
-                "devices": _device_count(staged["layout"], world),
-                "keys": sorted(staged["state"]),
-            }, f)
+        marker = json.dumps({
+            "format": "torch.distributed.checkpoint",
+            "format_version": FORMAT_VERSION,
+            "names": "module",
+            "layout": staged["layout"],
+            "workers": world,
+            "devices": _device_count(staged["layout"], world),
+            "keys": sorted(staged["state"]),
+        })
+        if filesystem is None:
+            torch.save(staged["extra"], os.path.join(directory, EXTRA_FILE))
+            if staged["groups"] is not None:
+                torch.save(staged["groups"], os.path.join(directory, GROUPS_FILE))
+            with open(os.path.join(directory, SHARDED_MARKER), "w") as f:
+                f.write(marker)
+        else:
+            filesystem.save(EXTRA_FILE, staged["extra"])
+            if staged["groups"] is not None:
+                filesystem.save(GROUPS_FILE, staged["groups"])
+            filesystem.files[filesystem.concat_path(directory, SHARDED_MARKER)] = marker.encode()
+    if filesystem is not None:
+        written = filesystem.by_name()
+        files = sorted(set(written) - before)
+        return {"files": files, "bytes": sum(len(written[f]) for f in files)}
     files = sorted(set(os.listdir(directory)) - before)
     return {"files": files,
             "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in files)}
@@ -228,13 +247,14 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
 
 # ---- loading ------------------------------------------------------------------------------
 
-def format_version(directory: str) -> int:
+def format_version(directory: str, filesystem=None) -> int:
     """The format version of a sharded checkpoint (1: written before names, see names.py)."""
-    marker = os.path.join(directory, SHARDED_MARKER)
-    if not os.path.exists(marker):
+    from ray_train_xla.toolkit.checkpoint.files import read_file
+
+    marker = read_file(directory, SHARDED_MARKER, filesystem)
+    if marker is None:
         return 1
-    with open(marker) as f:
-        return int(json.load(f).get("format_version", 1))
+    return int(json.loads(marker).get("format_version", 1))
 
 
 def _top_key(metadata, key: str) -> str:
@@ -289,10 +309,14 @@ def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: 
     return out
 
 
-def _read_groups(directory: str, version: int) -> list | None:
-    file = os.path.join(directory, GROUPS_FILE)
-    if version >= FORMAT_VERSION and os.path.exists(file):
-        return torch.load(file, map_location="cpu", weights_only=True)
+def _read_groups(directory: str, version: int, filesystem=None) -> list | None:
+    import io
+
+    from ray_train_xla.toolkit.checkpoint.files import read_file
+
+    data = read_file(directory, GROUPS_FILE, filesystem) if version >= FORMAT_VERSION else None
+    if data is not None:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     return None
 
 
@@ -301,11 +325,13 @@ def load_sharded(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     process_group=None,
+    filesystem=None,
 ) -> dict[str, Any]:
     """Restore sharded ``model`` and ``optimizer`` in place from a :func:`save_sharded`
     directory of either layout, onto whatever mesh, device count and worker count they now
     have. Call it on every rank (``process_group``: the gloo group DCP coordinates through,
-    default the default group).
+    default the default group; ``filesystem``: a pyarrow filesystem the directory is on, default
+    the local one).
 
     Returns the rest of the saved state (``extra.pt``: step, epoch, ...). Raises
     ``CheckpointMismatchError`` naming every tensor whose saved shape or dtype differs from the
@@ -313,10 +339,11 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    from ray_train_xla.toolkit.checkpoint.files import reader_for
+
     layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
-    reader = dcp.FileSystemReader(directory)
-    metadata = reader.read_metadata()
-    version = format_version(directory)
+    reader, metadata = reader_for(directory, filesystem)
+    version = format_version(directory, filesystem)
     saved = _saved_keys(metadata)
     wanted = [k for k, v in (("model", model), ("optimizer", optimizer)) if v is not None]
     missing = sorted(set(wanted) - saved)
@@ -324,7 +351,7 @@ def load_sharded(
         raise KeyError(f"load_checkpoint: the sharded checkpoint {directory} has no {missing} "
                        f"(it holds {sorted(saved)})")
     if not wanted:
-        return read_extra(directory)
+        return read_extra(directory, filesystem)
     names = optimizer_param_names(model, optimizer, "load_checkpoint") if optimizer else []
     order = [n for group in names for n in group]
     target: dict[str, Any] = {}
@@ -342,17 +369,17 @@ def load_sharded(
         dcp.load(loaded, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not _dist()[0])
     else:
         dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not _dist()[0])
-    _apply(model, optimizer, target, _read_groups(directory, version), names, layout,
+    _apply(model, optimizer, target, _read_groups(directory, version, filesystem), names, layout,
            f"load_checkpoint: the sharded checkpoint {directory}")
-    return read_extra(directory)
+    return read_extra(directory, filesystem)
 
 
-def read_extra(directory: str) -> dict[str, Any]:
+def read_extra(directory: str, filesystem=None) -> dict[str, Any]:
     """The rest of the state a sharded checkpoint holds (``extra.pt``: step, epoch, ...)."""
-    extra_file = os.path.join(directory, EXTRA_FILE)
-    if os.path.exists(extra_file):
-        return torch.load(extra_file, map_location="cpu", weights_only=False)
-    return {}
+    from ray_train_xla.toolkit.checkpoint.files import load_small
+
+    extra = load_small(directory, EXTRA_FILE, filesystem)
+    return {} if extra is None else extra
 
 
 def _model_target(model: torch.nn.Module, layout: str) -> dict[str, Any]:

@@ -10,100 +10,26 @@ writes a safetensors file tensor by tensor (the header first, from the shapes).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ray_train_xla.toolkit.checkpoint.files import (  # noqa: F401 (read here and by consolidate)
+    ArrowFileSystem,
+    load_small,
+    read_file,
+    reader_for,
+)
 
 # The safetensors names of torch dtypes (safetensors' own table).
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-class ArrowFileSystem:
-    """torch DCP's ``FileSystemBase`` over a pyarrow filesystem (reading only): what
-    ``FileSystemReader`` needs to read a checkpoint where it lies, byte ranges included."""
-
-    def __init__(self, filesystem) -> None:
-        self.filesystem = filesystem
-
-    @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        if "r" not in mode:
-            raise OSError(f"{path}: this checkpoint storage is read only here")
-        with self.filesystem.open_input_file(str(path)) as f:
-            yield f
-
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
-    def exists(self, path) -> bool:
-        import pyarrow.fs
-
-        return self.filesystem.get_file_info(str(path)).type != pyarrow.fs.FileType.NotFound
-
-    def ls(self, path) -> list[str]:
-        import pyarrow.fs
-
-        return [info.path for info in self.filesystem.get_file_info(
-            pyarrow.fs.FileSelector(str(path)))]
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
-
-def reader_for(path: str, filesystem=None):
-    """torch's ``FileSystemReader`` for the checkpoint ``path`` (on ``filesystem``, a pyarrow
-    filesystem, when given), reading its ``.metadata`` once."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
-    metadata = reader.read_metadata()
-    reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
-    return reader, metadata
-
-
-def _arrow_reader(path: str, filesystem):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    reader = FileSystemReader.__new__(FileSystemReader)
-    FileSystemReader.__init__(reader, os.devnull)  # a path FileSystem accepts; replaced below
-    reader.fs = ArrowFileSystem(filesystem)
-    reader.path = str(path)
-    return reader
-
-
-def read_file(path: str, name: str, filesystem=None) -> bytes | None:
-    """The bytes of ``name`` in the checkpoint directory ``path``, None when it is not there."""
-    file = os.path.join(path, name) if filesystem is None else f"{path.rstrip('/')}/{name}"
-    if filesystem is None:
-        if not os.path.exists(file):
-            return None
-        with open(file, "rb") as f:
-            return f.read()
-    fs = ArrowFileSystem(filesystem)
-    if not fs.exists(file):
-        return None
-    with fs.create_stream(file, "rb") as f:
-        return f.read()
-
-
-def load_small(path: str, name: str, filesystem=None) -> Any:
-    """A small torch file of the checkpoint (``extra.pt``), or None."""
-    data = read_file(path, name, filesystem)
-    return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
-                                                weights_only=False)
 
 
 class ModelTensors:

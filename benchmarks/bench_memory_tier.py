@@ -1,0 +1,260 @@
+"""The memory tier against storage: restore time, and the cost of keeping every step in memory.
+
+Both measured in one process on a local Ray (the memory store is a real actor on this node),
+with FSDP2 over a one-rank gloo group (the path a sharded model takes):
+
+- **restore**: a state of about 500 MB (model and AdamW state) kept in memory by
+  ``keep_in_memory``, and saved to a local directory by ``save_checkpoint``'s writer; then
+  ``load_checkpoint`` into a fresh model, from memory, and from the directory read through a
+  storage that serves 100 MB/s (a pyarrow filesystem that waits as long as that takes);
+  alternating, medians;
+- **every step**: a loop of about 200 ms steps (one training thread), with ``keep_in_memory``
+  at every step against none; the extra time per step over the step time.
+
+    python benchmarks/bench_memory_tier.py                # writes results/memory_tier.{json,md}
+    python benchmarks/bench_memory_tier.py --markdown     # memory_tier.md again from the json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MB = 1e6
+STORAGE_BPS = 100 * MB
+
+
+def slow_filesystem(bytes_per_s: float):
+    """A pyarrow filesystem over the local one that serves reads at ``bytes_per_s``."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    class Slow(pafs.FileSystemHandler):
+        def __init__(self):
+            self.fs = pafs.LocalFileSystem()
+
+        def _read(self, path):
+            with self.fs.open_input_file(path) as f:
+                data = f.read()
+            time.sleep(len(data) / bytes_per_s)
+            return pa.BufferReader(pa.py_buffer(data))
+
+        def open_input_file(self, path):
+            return self._read(path)
+
+        def open_input_stream(self, path):
+            return self._read(path)
+
+        def get_file_info(self, paths):
+            return self.fs.get_file_info(paths)
+
+        def get_file_info_selector(self, selector):
+            return self.fs.get_file_info(selector)
+
+        def get_type_name(self):
+            return "slow"
+
+        def normalize_path(self, path):
+            return path
+
+        def equals(self, other):
+            return other is self
+
+        def _no(self, *args, **kwargs):
+            raise OSError("read only")
+
+        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _no
+        delete_file = move = copy_file = open_output_stream = open_append_stream = _no
+
+    return pafs.PyFileSystem(Slow())
+
+
+def build(width: int, layers: int, seed: int):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)
+    return model, opt
+
+
+def train_step(model, opt, x, matmuls: int = 0, work=None):
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    for _ in range(matmuls):  # the rest of a 200 ms step
+        work @ work
+
+
+def state_of(model, opt, step: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+
+def measure(args) -> dict:
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    import ray_train_xla as rtx
+    from ray_train_xla.planning import contract
+    from ray_train_xla.toolkit.checkpoint import _load_from, memory
+    from ray_train_xla.toolkit.checkpoint.sharded import stage_sharded, write_staged
+
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    root = tempfile.mkdtemp(prefix="bench-memory-tier-")
+    dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
+    node = ray.get_runtime_context().get_node_id()
+    tier_id = uuid.uuid4().hex[:12]
+    memory.start_stores(tier_id, [node], 120)
+    os.environ.update({contract.MEMORY_EVERY_VAR: "1", contract.MEMORY_TIER_VAR: tier_id,
+                       contract.MEMORY_NODES_VAR: node, contract.TIMEOUT_VAR: "300"})
+    contract.reload()
+    out: dict = {}
+    try:
+        # -- restore
+        width = 1024
+        layers = max(1, round(args.state_mb * MB / (3 * 4 * (width * width + width))))
+        model, opt = build(width, layers, 0)
+        x = torch.randn(8, width)
+        train_step(model, opt, x)
+        state = state_of(model, opt, 1)
+        rtx.keep_in_memory(state, 1)
+        memory.flush_memory()
+        directory = os.path.join(root, "checkpoint")
+        written = write_staged(stage_sharded(state), directory)
+        state_bytes = written["bytes"]
+        slow = slow_filesystem(STORAGE_BPS)
+        fresh, fresh_opt = build(width, layers, 1)
+        train_step(fresh, fresh_opt, x)  # the optimizer state exists, as after a restart
+        times: dict[str, list[float]] = {"memory": [], "storage": []}
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            rtx.load_checkpoint(fresh, fresh_opt)
+            times["memory"].append(time.perf_counter() - t)
+            assert memory.memory_tier().restored is not None
+            t = time.perf_counter()
+            _load_from(directory, slow, "bench", fresh, fresh_opt, "checkpoint.pt", "dtensor")
+            times["storage"].append(time.perf_counter() - t)
+        out["restore"] = {"state_mb": state_bytes / MB, "storage_mb_per_s": STORAGE_BPS / MB,
+                          "memory_s": statistics.median(times["memory"]),
+                          "storage_s": statistics.median(times["storage"]), "runs": times}
+        out["restore"]["speedup"] = out["restore"]["storage_s"] / out["restore"]["memory_s"]
+        print("restore", {k: v for k, v in out["restore"].items() if k != "runs"}, flush=True)
+        del model, opt, fresh, fresh_opt, state
+
+        # -- every step
+        model, opt = build(width, args.step_layers, 2)
+        work = torch.randn(256, 256)
+        t = time.perf_counter()
+        for _ in range(50):
+            work @ work
+        per = (time.perf_counter() - t) / 50
+        base = time.perf_counter()
+        train_step(model, opt, x)
+        train_s = time.perf_counter() - base
+        matmuls = max(0, int((args.step_s - train_s) / per))
+        step_state_mb = sum(p.numel() * 4 * 3 for p in model.parameters()) / MB
+
+        def loop(keep: bool) -> float:
+            for step in range(1, 4):  # warm up
+                train_step(model, opt, x, matmuls, work)
+                if keep:
+                    rtx.keep_in_memory(state_of(model, opt, step), step)
+            memory.flush_memory()
+            t = time.perf_counter()
+            for step in range(4, 4 + args.steps):
+                train_step(model, opt, x, matmuls, work)
+                if keep:
+                    rtx.keep_in_memory(state_of(model, opt, step), step)
+            memory.flush_memory()
+            return (time.perf_counter() - t) / args.steps
+
+        pairs = [(loop(False), loop(True)) for _ in range(args.reps)]
+        plain = statistics.median(p for p, _ in pairs)
+        kept = statistics.median(k for _, k in pairs)
+        out["every_step"] = {"state_mb": step_state_mb, "step_s": plain, "kept_step_s": kept,
+                             "extra_fraction": (kept - plain) / plain, "runs": pairs}
+        print("every step", {k: v for k, v in out["every_step"].items() if k != "runs"},
+              flush=True)
+    finally:
+        dist.destroy_process_group()
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def markdown(r: dict) -> str:
+    rs, es = r["restore"], r["every_step"]
+    return "\n".join([
+        "# The memory tier",
+        "",
+        f"One process on a machine of {r['machine']['cpus']} CPUs, a local Ray, FSDP2 over a "
+        "one-rank gloo group (`benchmarks/bench_memory_tier.py`); medians of "
+        f"{len(rs['runs']['memory'])} alternating runs.",
+        "",
+        "## Restore",
+        "",
+        f"`load_checkpoint` of {rs['state_mb']:.0f} MB (model and AdamW state) into a fresh "
+        "model: from the memory tier (this node's store), and from the same checkpoint in storage "
+        f"that serves {rs['storage_mb_per_s']:.0f} MB/s.",
+        "",
+        "| from memory (s) | from storage (s) | memory faster by | target (>= 5x) |",
+        "|---|---|---|---|",
+        f"| {rs['memory_s']:.2f} | {rs['storage_s']:.2f} | {rs['speedup']:.1f}x | "
+        f"{'met' if rs['speedup'] >= 5 else 'not met'} |",
+        "",
+        "## Keeping every step",
+        "",
+        f"A loop of about {es['step_s'] * 1000:.0f} ms steps with {es['state_mb']:.0f} MB of "
+        "model and AdamW state, `keep_in_memory` at every step against none (one training "
+        "thread).",
+        "",
+        "| step (ms) | with keep_in_memory every step (ms) | extra | target (<= 2%) |",
+        "|---|---|---|---|",
+        f"| {es['step_s'] * 1000:.0f} | {es['kept_step_s'] * 1000:.0f} | "
+        f"{es['extra_fraction']:.1%} | {'met' if es['extra_fraction'] <= 0.02 else 'not met'} |",
+        "",
+        r.get("note", ""),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-mb", type=float, default=500.0)
+    parser.add_argument("--step-layers", type=int, default=4,
+                        help="1024-wide layers of the every-step loop's model (4: 50 MB of state)")
+    parser.add_argument("--step-s", type=float, default=0.2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    path = os.path.join(args.out, "memory_tier.json")
+    if args.markdown:
+        with open(path) as f:
+            results = json.load(f)
+    else:
+        results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                   **measure(args)}
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    with open(os.path.join(args.out, "memory_tier.md"), "w") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

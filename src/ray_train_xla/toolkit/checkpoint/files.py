@@ -1,0 +1,167 @@
+"""A checkpoint's files where they lie: on the local file system or on any pyarrow filesystem
+(the one Ray Train's ``Checkpoint.filesystem`` holds: S3, GCS, a mounted one; the memory tier's
+stores, ``memory.py``). torch's ``FileSystemReader`` reads a DCP checkpoint through them, byte
+ranges included; the small files (``extra.pt``, ``sharded.json``) are read whole."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
+
+
+
+class ArrowFileSystem:
+    """torch DCP's ``FileSystemBase`` over a pyarrow filesystem (reading only): what
+    ``FileSystemReader`` needs to read a checkpoint where it lies, byte ranges included."""
+
+    def __init__(self, filesystem) -> None:
+        self.filesystem = filesystem
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode:
+            raise OSError(f"{path}: this checkpoint storage is read only here")
+        with self.filesystem.open_input_file(str(path)) as f:
+            yield f
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def exists(self, path) -> bool:
+        import pyarrow.fs
+
+        return self.filesystem.get_file_info(str(path)).type != pyarrow.fs.FileType.NotFound
+
+    def ls(self, path) -> list[str]:
+        import pyarrow.fs
+
+        return [info.path for info in self.filesystem.get_file_info(
+            pyarrow.fs.FileSelector(str(path)))]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+
+def reader_for(path: str, filesystem=None):
+    """torch's ``FileSystemReader`` for the checkpoint ``path`` (on ``filesystem``, a pyarrow
+    filesystem, when given), reading its ``.metadata`` once."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
+    metadata = reader.read_metadata()
+    reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
+    return reader, metadata
+
+
+def _arrow_reader(path: str, filesystem):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader.__new__(FileSystemReader)
+    FileSystemReader.__init__(reader, os.devnull)  # a path FileSystem accepts; replaced below
+    reader.fs = ArrowFileSystem(filesystem)
+    reader.path = str(path)
+    return reader
+
+
+def read_file(path: str, name: str, filesystem=None) -> bytes | None:
+    """The bytes of ``name`` in the checkpoint directory ``path``, None when it is not there."""
+    file = os.path.join(path, name) if filesystem is None else f"{path.rstrip('/')}/{name}"
+    if filesystem is None:
+        if not os.path.exists(file):
+            return None
+        with open(file, "rb") as f:
+            return f.read()
+    fs = ArrowFileSystem(filesystem)
+    if not fs.exists(file):
+        return None
+    with fs.create_stream(file, "rb") as f:
+        return f.read()
+
+
+def load_small(path: str, name: str, filesystem=None) -> Any:
+    """A small torch file of the checkpoint (``extra.pt``), or None."""
+    data = read_file(path, name, filesystem)
+    return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
+                                                weights_only=False)
+
+
+class MemoryFiles:
+    """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" in mode:
+            files, key = self.files, str(path)
+
+            class Kept(io.BytesIO):  # DCP may close the stream itself: keep the bytes then
+                def close(self) -> None:
+                    if not self.closed:
+                        files[key] = self.getvalue()
+                    super().close()
+
+            buf = Kept()
+            yield buf
+            buf.close()
+        else:
+            yield io.BytesIO(self.files[str(path)])
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def rename(self, path, new_path) -> None:
+        self.files[str(new_path)] = self.files.pop(str(path))
+
+    def mkdir(self, path) -> None:
+        pass
+
+    def exists(self, path) -> bool:
+        return str(path) in self.files
+
+    def rm_file(self, path) -> None:
+        self.files.pop(str(path), None)
+
+    def ls(self, path) -> list[str]:
+        prefix = str(path).rstrip("/") + "/"
+        return [p for p in self.files if p.startswith(prefix)]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def save(self, name: str, obj: Any) -> None:
+        """A torch file ``name`` in the checkpoint's directory."""
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self.files[self.concat_path(ROOT, name)] = buf.getvalue()
+
+    def by_name(self) -> dict[str, bytes]:
+        """The checkpoint's files under their names in its directory."""
+        prefix = ROOT + "/"
+        return {p[len(prefix):]: b for p, b in self.files.items() if p.startswith(prefix)}
+
+
+def memory_writer(files: MemoryFiles):
+    """torch's ``FileSystemWriter`` writing into ``files``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(ROOT, sync_files=False)
+    writer.fs = files
+    writer.path = ROOT
+    return writer

@@ -1,0 +1,437 @@
+"""The memory tier: the newest checkpoint kept in host memory, on its own node and on a peer node.
+
+With ``memory_every=N`` on the config, the backend starts one **memory store** per node of the
+worker group (a Ray actor with no CPU, owned by Ray Train's controller, so it outlives every
+worker group of the ``fit()`` and ends with it). :func:`keep_in_memory` (every rank, every
+step; it keeps the steps that are multiples of N) takes the same snapshot as
+``save_checkpoint`` and, in a background thread, writes it in the checkpoint's own format
+(``torch.distributed.checkpoint`` shards, or rank 0's ``checkpoint.pt``) into memory, then
+hands this rank's files to the store of its node and to the store of the next node of the group
+(its peer), both through one object in Ray's object store. A generation is complete once every
+rank handed its files (a barrier of the ranks ends each one).
+
+After a failure, ``load_checkpoint()`` asks the stores first: rank 0 takes the newest
+generation whose files every rank of its world survive on some live store, and which is newer
+than the newest checkpoint Ray took into storage (each ``save_checkpoint`` takes a generation
+number too, and the stores note it once Ray took it); every rank then reads through torch's
+``FileSystemReader`` over the stores, fetching only the files its shards need, so the restore
+reshards onto another world size as from storage. Otherwise the restore comes from storage,
+and the log says why. Each store holds at most two generations: the newest complete one and
+the one being written.
+
+Sharded (FSDP2 DTensors, torch_xla SPMD) and replicated state, on every config.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ray_train_xla.errors import ReportError
+from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "ray_train_xla"
+STORE_PREFIX = "ray_train_xla-memory"
+
+
+def store_name(tier: str, node_id: str) -> str:
+    return f"{STORE_PREFIX}-{tier}-{node_id}"
+
+
+class MemoryStore:
+    """One node's memory store (a Ray actor): per generation, every rank's checkpoint files.
+
+    At most two generations: a put of generation ``g`` keeps ``g`` and the newest generation
+    before it (complete: a rank starts ``g`` only after every rank finished the one before)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node = node_id
+        self._lock = threading.Lock()
+        self._gens: dict[int, dict[str, Any]] = {}
+        self._storage_gen = -1
+
+    def ready(self) -> str:
+        return self.node
+
+    def put(self, gen: int, world: int, rank: int, files: dict[str, bytes]) -> int:
+        files = {name: bytes(data) for name, data in files.items()}  # owned here, not by the caller
+        with self._lock:
+            older = [g for g in self._gens if g < gen]
+            keep = {gen, max(older)} if older else {gen}
+            for g in list(self._gens):
+                if g not in keep:
+                    del self._gens[g]
+            entry = self._gens.setdefault(gen, {"world": world, "ranks": {}})
+            entry["ranks"][rank] = files
+        return sum(len(b) for b in files.values())
+
+    def note_storage(self, gen: int) -> None:
+        with self._lock:
+            self._storage_gen = max(self._storage_gen, gen)
+
+    def inventory(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "node": self.node, "storage_gen": self._storage_gen,
+                "gens": {g: {"world": e["world"],
+                             "ranks": {r: {n: len(b) for n, b in f.items()}
+                                       for r, f in e["ranks"].items()}}
+                         for g, e in self._gens.items()},
+            }
+
+    def get(self, gen: int, rank: int, name: str) -> bytes:
+        with self._lock:
+            return self._gens[gen]["ranks"][rank][name]
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for e in self._gens.values() for f in e["ranks"].values()
+                       for b in f.values())
+
+
+# ---- the driver: one store per node -----------------------------------------------------------
+
+_stores: dict[str, Any] = {}  # the controller keeps its handles (the stores live as long as it)
+
+
+def start_stores(tier: str, node_ids: list[str], timeout_s: float) -> None:
+    """Start (or find) the memory store of ``tier`` on each of ``node_ids``; called by the
+    backend for every worker group, in the process that outlives them (Ray Train's controller)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(MemoryStore)
+    handles = []
+    for node in node_ids:
+        name = store_name(tier, node)
+        handle = actor.options(
+            name=name, namespace=NAMESPACE, get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(node)
+        # The first handle is the owner's: dropping it would end the store (a store found again
+        # for a later worker group keeps its first handle; one that died is replaced).
+        if name not in _stores or _stores[name]._actor_id != handle._actor_id:
+            _stores[name] = handle
+        handles.append(handle)
+    ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+
+
+# ---- DCP into memory, and back through a pyarrow filesystem ------------------------------------
+
+class _StoreFiles:
+    """pyarrow ``FileSystemHandler`` (read only) over one generation in the stores: a file is
+    fetched from the first live store that holds it when opened, and counted."""
+
+    def __init__(self, gen: int, holders: dict[str, list[tuple[str, int]]], timeout_s: float):
+        self.gen, self.holders, self.timeout_s = gen, holders, timeout_s
+        self.fetched_bytes = 0
+        self.served: set[str] = set()  # the stores files were read from
+        self._lock = threading.Lock()
+
+    def _fetch(self, path: str) -> bytes:
+        import ray
+
+        name = path.rsplit("/", 1)[-1]
+        if name not in self.holders:
+            raise FileNotFoundError(path)
+        errors = []
+        for store, rank in self.holders[name]:
+            try:
+                handle = ray.get_actor(store, namespace=NAMESPACE)
+                data = ray.get(handle.get.remote(self.gen, rank, name), timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 (the next holder serves)
+                errors.append(f"{store}: {type(exc).__name__}: {exc}")
+                continue
+            with self._lock:
+                self.fetched_bytes += len(data)
+                self.served.add(store)
+            return data
+        raise OSError(f"memory tier: {name} of generation {self.gen} could not be read from any "
+                      f"store ({'; '.join(errors)})")
+
+    # pyarrow's FileSystemHandler
+    def get_type_name(self) -> str:
+        return "ray_train_xla-memory"
+
+    def normalize_path(self, path: str) -> str:
+        return path
+
+    def equals(self, other) -> bool:
+        return other is self
+
+    def get_file_info(self, paths):
+        import pyarrow.fs as pafs
+
+        out = []
+        for path in paths:
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if path.rstrip("/") == ROOT:
+                out.append(pafs.FileInfo(path, pafs.FileType.Directory))
+            elif name in self.holders:
+                out.append(pafs.FileInfo(path, pafs.FileType.File))
+            else:
+                out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
+        return out
+
+    def get_file_info_selector(self, selector):
+        import pyarrow.fs as pafs
+
+        return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in sorted(self.holders)]
+
+    def open_input_file(self, path: str):
+        import pyarrow as pa
+
+        return pa.BufferReader(pa.py_buffer(self._fetch(path)))
+
+    open_input_stream = open_input_file
+
+    def _read_only(self, *args, **kwargs):
+        raise OSError("the memory tier is read only here")
+
+    create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _read_only
+    delete_file = move = copy_file = open_output_stream = open_append_stream = _read_only
+
+
+# ---- the worker's side ------------------------------------------------------------------------
+
+class MemoryTier:
+    """This worker's side of the memory tier (see the module docstring)."""
+
+    def __init__(self, ctx) -> None:
+        import ray
+
+        self.tier, self.every, self.nodes = ctx.memory_tier, ctx.memory_every, ctx.memory_nodes
+        self.rank, self.world, self.timeout_s = ctx.rank, ctx.world_size, ctx.timeout_s
+        self.node = ray.get_runtime_context().get_node_id()
+        self._next_gen: int | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
+        self._pending: Future | None = None
+        self.kept = 0
+        self.restored: dict[str, Any] | None = None
+
+    # -- where
+    def my_stores(self) -> list[str]:
+        """This node's store, then its peer's (the next node of the group), when there is one."""
+        names = [store_name(self.tier, self.node)]
+        nodes = sorted(self.nodes)
+        if self.node in nodes and len(nodes) > 1:
+            names.append(store_name(self.tier, nodes[(nodes.index(self.node) + 1) % len(nodes)]))
+        return names
+
+    def inventories(self) -> list[dict[str, Any]]:
+        """Every live store of this tier (this group's nodes and earlier groups')."""
+        import ray
+        from ray.util import list_named_actors
+
+        names = [a["name"] for a in list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE
+                 and a["name"].startswith(f"{STORE_PREFIX}-{self.tier}-")]
+        out = []
+        for name in sorted(names):
+            try:
+                inv = ray.get(ray.get_actor(name, namespace=NAMESPACE).inventory.remote(),
+                              timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 (a store on a lost node: not there)
+                logger.info("memory tier: store %s did not answer: %s", name, exc)
+                continue
+            inv["name"] = name
+            out.append(inv)
+        return out
+
+    # -- generations: the same numbers on every rank
+    def next_generation(self) -> int:
+        """The number of this rank's next save (memory or storage): agreed at the first one
+        (rank 0 asks the stores and broadcasts), then counted on every rank."""
+        if self._next_gen is None:
+            self._next_gen = broadcast_from_rank0(
+                lambda: 1 + max([-1] + [max([inv["storage_gen"], *inv["gens"]])
+                                        for inv in self.inventories()]))
+        gen = self._next_gen
+        self._next_gen += 1
+        return gen
+
+    def continue_from(self, gen: int) -> None:
+        """Number the next save ``gen`` (after a restore: every rank, from rank 0's choice)."""
+        self._next_gen = gen
+
+    # -- keeping
+    def wait(self) -> None:
+        """Wait for the generation in flight (within ``timeout_s``); raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=self.timeout_s)
+        except TimeoutError:
+            raise ReportError(f"rank {self.rank}: the memory tier's previous generation was not "
+                              f"kept within timeout_s={self.timeout_s:g}") from None
+        except ReportError:
+            raise
+        except Exception as exc:
+            raise ReportError(f"rank {self.rank}: keeping a checkpoint in memory failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+    def keep(self, state: Mapping[str, Any]) -> None:
+        from ray_train_xla.toolkit.checkpoint.replicated import stage_replicated
+        from ray_train_xla.toolkit.checkpoint.sharded import sharded_layout, stage_sharded, write_staged
+        from ray_train_xla.toolkit.collectives import host_group
+        from ray_train_xla.toolkit.device import sync
+
+        self.wait()
+        gen = self.next_generation()
+        layout = sharded_layout(state, "keep_in_memory")
+        sync()
+        files = MemoryFiles()
+        group = host_group("memory") if self.world > 1 else None
+        if layout is not None:
+            staged = stage_sharded(state)
+
+            def write() -> None:
+                write_staged(staged, ROOT, group, filesystem=files)
+        else:
+            cpu_state = stage_replicated(state) if self.rank == 0 else None
+
+            def write() -> None:
+                if cpu_state is not None:
+                    files.save("checkpoint.pt", cpu_state)
+
+        self._pending = self._pool.submit(self._put, gen, write, files, group)
+
+    def _put(self, gen: int, write, files: MemoryFiles, group) -> None:
+        import ray
+
+        write()
+        data = files.by_name()
+        ref = ray.put(data)
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.my_stores()]
+        ray.get([h.put.remote(gen, self.world, self.rank, ref) for h in handles],
+                timeout=self.timeout_s)
+        del ref
+        if group is not None:  # every rank's files are in: the generation is complete
+            import torch.distributed as dist
+
+            dist.barrier(group=group)
+        self.kept += 1
+
+    def note_storage(self, gen: int) -> None:
+        """(rank 0, once Ray took checkpoint ``gen`` into storage) tell this node's and its
+        peer's store: memory older than ``gen`` no longer serves a restore."""
+        import ray
+
+        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.my_stores()]
+        ray.get([h.note_storage.remote(gen) for h in handles], timeout=self.timeout_s)
+
+    # -- restoring
+    def choose(self) -> dict[str, Any]:
+        """(rank 0) The generation to restore from memory, or why storage serves."""
+        invs = self.inventories()
+        storage_gen = max([-1] + [inv["storage_gen"] for inv in invs])
+        newest = max([-1, storage_gen] + [g for inv in invs for g in inv["gens"]])
+        gens = sorted({g for inv in invs for g in inv["gens"]}, reverse=True)
+        why = "no generation in memory" if not gens else ""
+        for gen in gens:
+            world = next(inv["gens"][gen]["world"] for inv in invs if gen in inv["gens"])
+            holders: dict[str, list[tuple[str, int]]] = {}
+            sizes: dict[str, int] = {}
+            ranks = set()
+            for inv in sorted(invs, key=lambda i: i["node"] != self.node):  # this node first
+                for rank, names in inv["gens"].get(gen, {}).get("ranks", {}).items():
+                    ranks.add(int(rank))
+                    for name, size in names.items():
+                        holders.setdefault(name, []).append((inv["name"], int(rank)))
+                        sizes[name] = size
+            missing = sorted(set(range(world)) - ranks)
+            if missing:
+                why = why or (f"generation {gen}: the files of rank(s) {missing} of {world} are "
+                              "on no live store (their node and its peer are gone)")
+                continue
+            if gen <= storage_gen:
+                why = why or (f"the checkpoint in storage (generation {storage_gen}) is newer "
+                              f"than memory's newest complete one ({gen})")
+                break
+            return {"tier": "memory", "gen": gen, "world": world, "holders": holders,
+                    "next": newest + 1, "bytes": sum(sizes.values()),
+                    "stores": sorted({s for h in holders.values() for s, _ in h})}
+        return {"tier": "storage", "why": why, "next": newest + 1}
+
+    def filesystem(self, choice: dict[str, Any]):
+        import pyarrow.fs as pafs
+
+        handler_class = type("StoreFiles", (_StoreFiles, pafs.FileSystemHandler), {})
+        handler = handler_class(choice["gen"], choice["holders"], self.timeout_s)
+        return pafs.PyFileSystem(handler), handler
+
+
+def broadcast_from_rank0(value_of):
+    """``value_of()`` on rank 0, given to every rank (the host group, on the training thread)."""
+    import torch.distributed as dist
+
+    from ray_train_xla.toolkit.ranks import rank
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value_of()
+    from ray_train_xla.toolkit.collectives import host_group
+
+    box = [value_of() if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=host_group("memory"))
+    return box[0]
+
+
+_tier: MemoryTier | None = None
+_tier_key: tuple | None = None
+
+
+def memory_tier(required: str | None = None) -> MemoryTier | None:
+    """This worker's memory tier, None when the config has no ``memory_every``
+    (``required``: raise instead, naming the helper)."""
+    global _tier, _tier_key
+    from ray_train_xla.planning.contract import worker_context
+
+    ctx = worker_context()
+    if not ctx.memory_every or not ctx.memory_tier:
+        if required:
+            raise ValueError(
+                f"{required}: the memory tier is off. Set memory_every=N on the config "
+                "(TorchXLAConfig, TorchNeuronConfig or TorchTPUConfig) to keep every N-th step's "
+                "state in host memory")
+        return None
+    key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)
+    if _tier is None or _tier_key != key:
+        _tier, _tier_key = MemoryTier(ctx), key
+    return _tier
+
+
+def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
+    """Keep ``state`` as the memory tier's newest checkpoint when ``step`` is a multiple of the
+    config's ``memory_every``; returns whether it was kept. Call it on every worker, every step
+    (like ``save_checkpoint``, with the same kind of state).
+
+    The call takes the snapshot (the device-to-host copy) and returns; the files are written
+    into memory and handed to this node's and the peer node's store in the background. The
+    next call waits for them (within ``timeout_s``) and raises ``ReportError`` if they failed.
+    """
+    from ray_train_xla.toolkit import timeline
+
+    tier = memory_tier(required="keep_in_memory")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"keep_in_memory: step must be an int, got {step!r}")
+    if step % tier.every:
+        return False
+    start = time.perf_counter()
+    try:
+        tier.keep(state)
+    finally:
+        timeline.add_stall(time.perf_counter() - start)
+    return True
+
+
+def flush_memory() -> None:
+    """Wait for the generation in flight (the backend calls it when the training function ends)."""
+    if _tier is not None:
+        _tier.wait()

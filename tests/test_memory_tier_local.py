@@ -1,0 +1,172 @@
+"""The memory tier in one process on a real local Ray (its memory stores are real actors): what
+a store keeps, a checkpoint kept and restored bit for bit through ``keep_in_memory`` and
+``load_checkpoint`` (replicated, and FSDP2 on a one-rank gloo group), the rules that send a
+restore to storage, a store that is gone served by the next holder, errors. The runs through Ray
+Train on several nodes are in ``test_memory_tier_ray.py``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from ray_train_xla.errors import ReportError
+
+pytestmark = [pytest.mark.ray]
+
+
+@pytest.fixture
+def tier_env(ray_local, monkeypatch):
+    """A worker context with a memory tier whose store runs on this node."""
+    from ray_train_xla.planning import contract
+    from ray_train_xla.toolkit.checkpoint import memory
+
+    node = ray_local.get_runtime_context().get_node_id()
+    tier = uuid.uuid4().hex[:12]
+    memory.start_stores(tier, [node], 30)
+    monkeypatch.setenv(contract.MEMORY_EVERY_VAR, "2")
+    monkeypatch.setenv(contract.MEMORY_TIER_VAR, tier)
+    monkeypatch.setenv(contract.MEMORY_NODES_VAR, node)
+    contract.reload()
+    yield tier, node
+    monkeypatch.delenv(contract.MEMORY_TIER_VAR)
+    contract.reload()
+    for name in list(memory._stores):
+        if tier in name:
+            ray_local.kill(memory._stores.pop(name))
+
+
+def _model_and_opt(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_store_keeps_two_generations_the_newest_and_the_one_before(ray_local):
+    from ray_train_xla.toolkit.checkpoint.memory import NAMESPACE, start_stores, store_name
+
+    node = ray_local.get_runtime_context().get_node_id()
+    tier = uuid.uuid4().hex[:12]
+    start_stores(tier, [node], 30)
+    store = ray_local.get_actor(store_name(tier, node), namespace=NAMESPACE)
+    for gen in (0, 1, 2):
+        ray_local.get(store.put.remote(gen, 2, 0, {"a": b"x" * 10}))
+    assert sorted(ray_local.get(store.inventory.remote())["gens"]) == [1, 2]
+    ray_local.get(store.put.remote(7, 2, 0, {"a": b"y" * 5}))  # storage saves took 3 to 6
+    ray_local.get(store.put.remote(7, 2, 1, {"b": b"z" * 5}))
+    inv = ray_local.get(store.inventory.remote())
+    assert sorted(inv["gens"]) == [2, 7] and inv["gens"][7]["ranks"] == {0: {"a": 5}, 1: {"b": 5}}
+    assert ray_local.get(store.held_bytes.remote()) == 20
+    ray_local.kill(store)
+
+
+def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(tier_env):
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
+
+    model, opt = _model_and_opt(0)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}
+    assert rtx.keep_in_memory(state, 3) is False  # not a multiple of memory_every=2
+    assert rtx.keep_in_memory(state, 4) is True
+    flush_memory()
+    tier = memory_tier()
+    assert tier.kept == 1
+    fresh, fresh_opt = _model_and_opt(1)
+    rest = rtx.load_checkpoint(fresh, fresh_opt)  # no Ray Train checkpoint: memory serves
+    assert rest["step"] == 4
+    assert tier.restored["fetched_bytes"] > 0 and tier.restored["world"] == 1
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    saved, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(saved[i][k], got[i][k]) for i in saved for k in saved[i])
+    # After a restore, the numbers go on from the newest generation the stores know.
+    assert tier.next_generation() == 1
+
+
+def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, opt = _model_and_opt(0)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.named_parameters(), lr=0.1)
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "step": 2}, 2)
+        flush_memory()
+        fresh, _ = _model_and_opt(1)
+        fully_shard(fresh)
+        fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
+        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 2}
+        files = memory_tier().restored
+        assert files is not None and files["fetched_bytes"] > 0
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_storage_serves_when_a_rank_is_missing_or_storage_is_newer_and_a_dead_holder_is_skipped(
+        tier_env, ray_local):
+    from ray_train_xla.toolkit.checkpoint.memory import NAMESPACE, memory_tier, start_stores, store_name
+
+    tier_id, node = tier_env
+    tier = memory_tier()
+    store = ray_local.get_actor(store_name(tier_id, node), namespace=NAMESPACE)
+    ray_local.get(store.put.remote(5, 2, 0, {"__0_0.distcp": b"a"}))  # rank 1 never arrived
+    choice = tier.choose()
+    assert choice["tier"] == "storage" and "rank(s) [1] of 2" in choice["why"], choice
+    ray_local.get(store.put.remote(5, 2, 1, {"__1_0.distcp": b"b"}))
+    assert tier.choose()["tier"] == "memory"
+    ray_local.get(store.note_storage.remote(6))
+    choice = tier.choose()
+    assert choice["tier"] == "storage" and "newer" in choice["why"] and choice["next"] == 7
+    # A file listed on a store that is gone is read from the next one that holds it.
+    other = uuid.uuid4().hex[:12]
+    start_stores(other, [node], 30)
+    spare = ray_local.get_actor(store_name(other, node), namespace=NAMESPACE)
+    ray_local.get(spare.put.remote(5, 2, 1, {"__1_0.distcp": b"b"}))
+    ray_local.kill(spare)
+    choice = {"gen": 5, "holders": {"__1_0.distcp": [(store_name(other, node), 1),
+                                                     (store_name(tier_id, node), 1)]}}
+    fs, files = tier.filesystem(choice)
+    with fs.open_input_file("memory/__1_0.distcp") as f:
+        assert f.read() == b"b"
+    assert files.fetched_bytes == 1
+
+
+def test_a_failed_keep_reaches_the_training_function_and_no_tier_is_an_error(tier_env, monkeypatch):
+    import ray_train_xla as rtx
+    from ray_train_xla.planning import contract
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory
+
+    rtx.keep_in_memory({"fn": lambda: 0, "step": 2}, 2)  # a lambda cannot be saved
+    with pytest.raises(ReportError, match="keeping a checkpoint in memory failed"):
+        flush_memory()
+    monkeypatch.delenv(contract.MEMORY_EVERY_VAR)
+    contract.reload()
+    with pytest.raises(ValueError, match="memory_every=N on the config"):
+        rtx.keep_in_memory({"step": 1}, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_memory_every_is_checked_in_the_config(bad):
+    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
+    from ray_train_xla.errors import XLAConfigError
+
+    for config in (TorchXLAConfig, TorchNeuronConfig, TorchTPUConfig):
+        with pytest.raises(XLAConfigError, match="memory_every"):
+            config(device="cpu", memory_every=bad)
+    assert TorchNeuronConfig(device="cpu", memory_every=5).memory_every == 5
+    assert os.environ.get("RAY_TRAIN_XLA_MEMORY_EVERY") is None
