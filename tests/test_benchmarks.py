@@ -152,3 +152,25 @@ def test_pretrained_results_hold_the_bounds_and_say_why_a_target_is_not_met():
     if results["speed_target_met"] is False and results["machine"]["cpus"] < 4:
         assert f"share {results['machine']['cpus']} CPUs; at W =" in text
     assert "export_pretrained, 4 workers" in text and "consolidate --hf" in text
+
+
+@pytest.mark.parametrize("name", ["stall", "memory_tier"])
+def test_checkpoint_results_are_the_benchmarks_own_and_say_met_or_not(name):
+    """bench_stall's and bench_memory_tier's committed figures: the markdown is what the
+    benchmark writes from its json, and each target says met or not met as the figures do."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    bench = __import__(f"bench_{name}")
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.md")) as f:
+        assert f.read() == bench.markdown(results)
+    if name == "stall":
+        checks = [results["blocking"]["call_over_copy"] <= 1.25,
+                  results["overlapped"]["extra_over_dcp_save"] <= 0.05]
+    else:
+        checks = [results["restore"]["speedup"] >= 5,
+                  results["every_step"]["extra_fraction"] <= 0.02]
+    text = bench.markdown(results)
+    marks = [cell.strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line
+             for cell in line.split("|") if cell.strip() in ("met", "not met")]
+    assert marks == ["met" if c else "not met" for c in checks], (marks, checks)

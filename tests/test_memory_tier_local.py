@@ -146,6 +146,33 @@ def test_storage_serves_when_a_rank_is_missing_or_storage_is_newer_and_a_dead_ho
     assert files.fetched_bytes == 1
 
 
+def test_a_keep_while_the_previous_one_is_going_keeps_nothing(tier_env):
+    import threading
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
+
+    tier = memory_tier()
+    release = threading.Event()
+    put = tier._put
+
+    def slow_put(*args):
+        release.wait(30)
+        return put(*args)
+
+    tier._put = slow_put
+    model, opt = _model_and_opt(0)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}
+    assert rtx.keep_in_memory(state, 2) is True
+    assert rtx.keep_in_memory(state, 4) is False  # the loop does not wait for the tier
+    assert (tier.kept, tier.skipped) == (0, 1)
+    release.set()
+    flush_memory()
+    assert rtx.keep_in_memory(state, 6) is True
+    flush_memory()
+    assert (tier.kept, tier.skipped) == (2, 1)
+
+
 def test_a_failed_keep_reaches_the_training_function_and_no_tier_is_an_error(tier_env, monkeypatch):
     import ray_train_xla as rtx
     from ray_train_xla.planning import contract

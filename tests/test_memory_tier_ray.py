@@ -97,7 +97,10 @@ def train_tiered(config):
         if phase in ("a0", "a1") and step in (SAVE_AT, REMOVE_AT):
             rtx.save_checkpoint(state, {"step": step}, wait=True)
         if phase in ("a0", "a1"):
-            rtx.keep_in_memory(state, step)
+            # Every step kept (a keep while the previous one is still going keeps nothing:
+            # here each waits for the one before, so the steps the test expects are there).
+            tier.wait()
+            assert rtx.keep_in_memory(state, step) is True
         if phase == "a0" and step == CRASH_AT and rank == 3:
             _put(out, "a0-crash", {"t": time.time()})
             raise RuntimeError("injected worker failure")

@@ -2,7 +2,8 @@
 (``toolkit/checkpoint/staging.py``), on two processes (gloo, the native CPU twin's
 environment, no Ray): the second and later saves allocate no host buffer, one still being
 written is never reused (a save staged meanwhile gets a set of its own), and every checkpoint
-holds the values of its own step, bit for bit."""
+holds the values of its own step, bit for bit; an overlapped snapshot returns at once and the
+next optimizer step waits for its copy."""
 
 from __future__ import annotations
 
@@ -60,8 +61,36 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt)
         exact.append(extra["step"] == i and all(
             torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), snaps[i])))
+    # Overlapped: the copy runs while the loop goes on (slowed here to 0.5 s); the next
+    # optimizer step waits for it, so the checkpoint holds this step's values, not the next's.
+    import time
+
+    from ray_train_xla.toolkit.checkpoint.staging import snapshots
+
+    stage = pool().stage
+
+    def slow_stage(state):
+        time.sleep(0.5)
+        return stage(state)
+
+    pool().stage = slow_stage
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    t0 = time.perf_counter()
+    staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "step": 9}, overlap=True)
+    returned_s = time.perf_counter() - t0
+    step()  # waits for the copy
+    stepped_s = time.perf_counter() - t0
+    write_staged(staged, os.path.join(root, "c9"))
+    pool().stage = stage
+    load_sharded(os.path.join(root, "c9"), fresh, fresh_opt)
+    overlapped = {"returned_s": returned_s, "stepped_s": stepped_s, "waits": snapshots().waits,
+                  "exact": all(torch.equal(a.full_tensor(), b)
+                               for a, b in zip(fresh.parameters(), before)),
+                  "moved": not all(torch.equal(a.full_tensor(), b)
+                                   for a, b in zip(model.parameters(), before))}
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump({"counts": counts, "exact": exact,
+        json.dump({"counts": counts, "exact": exact, "overlapped": overlapped,
                    "state_bytes": sum(t.to_local().numel() * t.to_local().element_size()
                                       for t in [*model.parameters(),
                                                 *(v for s in opt.state.values() for v in s.values()
@@ -86,3 +115,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         assert (a2, s2) == (2 * a0, 2), r  # the one still being written is not reused
         assert (a3, s3) == (a2, 2), r  # both given back: the fourth allocates nothing
         assert r["exact"] == [True, True, True, True], r
+        # The overlapped save returned before its copy was made; the optimizer step waited for
+        # it; the checkpoint holds the values before that step, which then changed them.
+        o = r["overlapped"]
+        assert o["returned_s"] < 0.25 and o["stepped_s"] >= 0.5 and o["waits"] == 1, o
+        assert o["exact"] is True and o["moved"] is True, o

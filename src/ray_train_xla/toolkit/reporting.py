@@ -376,6 +376,7 @@ _lock = threading.Lock()
 _reporter: Reporter | None = None
 _generation = 0  # reporters started in this process (every rank starts the same number)
 _max_in_flight = DEFAULT_MAX_IN_FLIGHT
+overlap_snapshots_on = True  # configure_reports(overlap_snapshots=...)
 
 
 def _ray_report(metrics: dict, directory: str | None, name: str | None = None) -> None:
@@ -447,13 +448,21 @@ def reporter() -> Reporter:
         return _reporter
 
 
-def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                      overlap_snapshots: bool = True) -> None:
     """Set how many checkpoints may wait for Ray at once on this worker (each holds a host copy
-    of the state). Call before the first report."""
-    global _max_in_flight
+    of the state; call before the first report), and whether the snapshot of sharded (DTensor)
+    state is copied while the loop goes on, the next optimizer step waiting for it
+    (``toolkit/checkpoint/staging.py``; False: ``save_checkpoint`` and ``keep_in_memory``
+    return once the copy is made)."""
+    global _max_in_flight, overlap_snapshots_on
     if not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ValueError(f"configure_reports: max_in_flight={max_in_flight!r} must be an int >= 1")
+    if not isinstance(overlap_snapshots, bool):
+        raise ValueError(f"configure_reports: overlap_snapshots={overlap_snapshots!r} must be "
+                         "True or False")
     _max_in_flight = max_in_flight
+    overlap_snapshots_on = overlap_snapshots
 
 
 def report(metrics: Mapping[str, Any]) -> None:

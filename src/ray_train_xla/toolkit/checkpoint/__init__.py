@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit import reporting, timeline
 from ray_train_xla.toolkit.checkpoint import memory as _memory
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
@@ -119,7 +119,9 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
                 tier.note_storage(gen)
     write = None
     if layout is not None:
-        staged = stage_sharded(state)  # device -> host now; the files are written later
+        # device -> host now, or while the next forward and backward run (the next optimizer
+        # step waits for it); the files are written later
+        staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on)
         group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
 
         def write(directory: str) -> dict[str, Any]:

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
 
@@ -213,6 +215,7 @@ class MemoryTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
         self._pending: Future | None = None
         self.kept = 0
+        self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
 
     # -- where
@@ -277,12 +280,31 @@ class MemoryTier:
             raise ReportError(f"rank {self.rank}: keeping a checkpoint in memory failed: "
                               f"{type(exc).__name__}: {exc}") from exc
 
-    def keep(self, state: Mapping[str, Any]) -> None:
+    def busy(self) -> bool:
+        """Whether the previous generation is still being kept on some rank (every rank gets
+        the same answer: a one-number all-reduce on a host group of its own)."""
+        busy = self._pending is not None and not self._pending.done()
+        if self.world > 1:
+            import torch.distributed as dist
+
+            from ray_train_xla.toolkit.collectives import host_group
+
+            flag = torch.tensor([int(busy)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
+            busy = bool(flag.item())
+        return busy
+
+    def keep(self, state: Mapping[str, Any]) -> bool:
+        """Keep ``state`` as the next generation; False (nothing kept) while the previous one
+        is still being kept somewhere: the loop never waits for the memory tier."""
         from ray_train_xla.toolkit.checkpoint.replicated import stage_replicated
         from ray_train_xla.toolkit.checkpoint.sharded import sharded_layout, stage_sharded, write_staged
         from ray_train_xla.toolkit.collectives import host_group
         from ray_train_xla.toolkit.device import sync
 
+        if self.busy():
+            self.skipped += 1
+            return False
         self.wait()
         gen = self.next_generation()
         layout = sharded_layout(state, "keep_in_memory")
@@ -290,7 +312,9 @@ class MemoryTier:
         files = MemoryFiles()
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
-            staged = stage_sharded(state)
+            from ray_train_xla.toolkit import reporting
+
+            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on)
 
             def write() -> None:
                 write_staged(staged, ROOT, group, filesystem=files)
@@ -302,6 +326,7 @@ class MemoryTier:
                     files.save("checkpoint.pt", cpu_state)
 
         self._pending = self._pool.submit(self._put, gen, write, files, group)
+        return True
 
     def _put(self, gen: int, write, files: MemoryFiles, group) -> None:
         import ray
@@ -412,9 +437,12 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     config's ``memory_every``; returns whether it was kept. Call it on every worker, every step
     (like ``save_checkpoint``, with the same kind of state).
 
-    The call takes the snapshot (the device-to-host copy) and returns; the files are written
-    into memory and handed to this node's and the peer node's store in the background. The
-    next call waits for them (within ``timeout_s``) and raises ``ReportError`` if they failed.
+    The call takes the snapshot (for DTensor state, copied while the loop goes on: the next
+    optimizer step waits for the copy) and returns; the files are written into memory and
+    handed to this node's and the peer node's store in the background. While the previous
+    generation is still being kept on some rank, the call keeps nothing and returns False
+    (every rank alike): the loop never waits for the tier. An error of the previous generation
+    is raised here as ``ReportError``.
     """
     from ray_train_xla.toolkit import timeline
 
@@ -425,10 +453,9 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
         return False
     start = time.perf_counter()
     try:
-        tier.keep(state)
+        return tier.keep(state)
     finally:
         timeline.add_stall(time.perf_counter() - start)
-    return True
 
 
 def flush_memory() -> None:

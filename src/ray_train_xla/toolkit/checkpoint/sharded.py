@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -123,10 +124,11 @@ def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
     return out, groups
 
 
-def stage_sharded(state: Mapping[str, Any]) -> dict[str, Any]:
+def stage_sharded(state: Mapping[str, Any], overlap: bool = False) -> dict[str, Any]:
     """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
     sharded save that must happen before training goes on. Returns what :func:`write_staged`
-    writes."""
+    writes. ``overlap``: DTensors are copied in the background while the loop goes on, and the
+    next optimizer step waits for the copy (``staging.Snapshots``)."""
     layout = sharded_layout(state, "save_checkpoint")
     dist_state, extra = _split(state)
     named, groups = _named(dist_state)
@@ -140,9 +142,12 @@ def stage_sharded(state: Mapping[str, Any]) -> dict[str, Any]:
     else:
         # DTensors stay DTensors (same mesh and placements, local shard on the CPU), copied into
         # host buffers reused from save to save (staging.py), given back once written.
-        from ray_train_xla.toolkit.checkpoint.staging import pool
+        from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots
 
-        staged, release = pool().stage(named)
+        if overlap:  # a future of (staged, release): write_staged waits for it
+            staged, release = snapshots().submit(pool(), named), None
+        else:
+            staged, release = pool().stage(named)
     return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra),
             "release": release}
 
@@ -191,6 +196,8 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _dist()
+    if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
+        staged["state"], staged["release"] = staged["state"].result()
     if filesystem is None:
         os.makedirs(directory, exist_ok=True)
         before = set(os.listdir(directory))

@@ -11,12 +11,25 @@ and later saves allocate nothing that grows with the state. Buffers are pinned w
 available (torch pins host memory for CUDA only).
 
 ``allocated_bytes`` counts the host storages the pool allocated, for tests and benchmarks.
+
+**Overlapped snapshots** (:class:`Snapshots`, the default for DTensor state): the copy into
+those buffers runs in a background thread while the loop goes on to the next forward and
+backward, which read the parameters and write only gradients. The state changes at the next
+optimizer step, so torch's global optimizer step pre-hook makes that step wait for every
+snapshot still being copied (the wait counts as checkpoint stall in the step timeline). This is
+what DCP's ``use_async_staging`` does, hooked on the optimizer step instead of the next save.
+Code that changes parameters or optimizer state in place outside an optimizer step
+(``load_state_dict``, a manual update) before the next step calls :func:`wait_for_snapshots`
+first, or turns overlapping off (``configure_reports(overlap_snapshots=False)``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any
 
 import torch
@@ -87,3 +100,82 @@ def pool() -> StagingPool:
     if _POOL is None:
         _POOL = StagingPool()
     return _POOL
+
+
+class Snapshots:
+    """Snapshots copied in a background thread, waited for by the next optimizer step."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-snapshot")
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._hook = None
+        self.waits = 0  # optimizer steps that waited for a snapshot
+        self.waited_s = 0.0
+
+    def submit(self, staging: StagingPool, state: Any) -> Future:
+        """Copy ``state`` with ``staging`` in the background: a future of ``staging.stage``'s
+        (copy, give back)."""
+        self._install()
+        future = self._executor.submit(staging.stage, state)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for every snapshot still being copied (within ``timeout_s``, default the run's)."""
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return
+        from ray_train_xla.planning.contract import worker_context
+        from ray_train_xla.toolkit import timeline
+
+        timeout_s = worker_context().timeout_s if timeout_s is None else timeout_s
+        start = time.perf_counter()
+        _, left = wait_all(pending, timeout=timeout_s)
+        waited = time.perf_counter() - start
+        self.waits += 1
+        self.waited_s += waited
+        timeline.add_stall(waited)
+        if left:
+            from ray_train_xla.errors import ReportError
+
+            raise ReportError(f"a checkpoint snapshot was not copied to host memory within "
+                              f"timeout_s={timeout_s:g}")
+
+    def _install(self) -> None:
+        if self._hook is not None:
+            return
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def before_step(optimizer, args, kwargs) -> None:
+            self.wait()
+
+        hook = torch._disable_dynamo(before_step) if hasattr(torch, "_disable_dynamo") \
+            else before_step
+        self._hook = register_optimizer_step_pre_hook(hook)
+
+
+_SNAPSHOTS: Snapshots | None = None
+
+
+def snapshots() -> Snapshots:
+    """This worker's background snapshots (one per process)."""
+    global _SNAPSHOTS
+    if _SNAPSHOTS is None:
+        _SNAPSHOTS = Snapshots()
+    return _SNAPSHOTS
+
+
+def wait_for_snapshots() -> None:
+    """Wait until every checkpoint snapshot of this worker is copied (the next optimizer step
+    does it itself; call it before changing the state in place any other way)."""
+    if _SNAPSHOTS is not None:
+        _SNAPSHOTS.wait()
