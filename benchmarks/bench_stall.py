@@ -10,7 +10,8 @@ Ray's). From the second save on, measured side by side in one run:
   against a plain copy of the same tensors into buffers allocated once (``copy_``), and
   against a synchronous ``torch.distributed.checkpoint.save`` of the same state to local disk;
 - **overlapped** (the default): the loop with a save every ``--every`` steps against the same
-  loop without saves; the extra time per save over ``dcp.save``'s time.
+  loop without saves; the extra time per save over ``dcp.save``'s time;
+- **the loop**: with a save every ``--loop-every-s`` seconds (10) against none, its speed ratio.
 
     python benchmarks/bench_stall.py               # writes results/stall.{json,md}
     python benchmarks/bench_stall.py --markdown    # stall.md again from stall.json
@@ -130,6 +131,18 @@ def measure(args) -> dict:
             "runs": pairs}
         print("overlapped", {k: v for k, v in out["overlapped"].items() if k != "runs"},
               flush=True)
+
+        # -- the loop with a checkpoint every loop_every_s seconds against none
+        every = max(1, round(args.loop_every_s / out["overlapped"]["step_s"]))
+        steps, args.every = 2 * every, every
+        saved_steps, args.steps = args.steps, steps
+        pairs = [(loop(False), loop(True)) for _ in range(max(2, args.reps - 1))]
+        args.steps = saved_steps
+        plain = statistics.median(p for p, _ in pairs)
+        with_saves = statistics.median(s for _, s in pairs)
+        out["loop"] = {"every_s": args.loop_every_s, "every_steps": every, "steps": steps,
+                       "ratio": plain / with_saves, "runs": pairs}
+        print("loop", {k: v for k, v in out["loop"].items() if k != "runs"}, flush=True)
     finally:
         reporting.flush_reports()
         dist.destroy_process_group()
@@ -165,6 +178,17 @@ def markdown(r: dict) -> str:
         f"| {o['extra_per_save_s']:.3f} | {o['extra_over_dcp_save']:.3f} | "
         f"{'met' if o['extra_over_dcp_save'] <= 0.05 else 'not met'} | {o['loop_ratio']:.3f} |",
         "",
+        "## The loop with a checkpoint every "
+        f"{r['loop']['every_s']:.0f} s",
+        "",
+        f"{r['loop']['steps']} steps, a save every {r['loop']['every_steps']} steps, against the "
+        "same loop without saves (medians of "
+        f"{len(r['loop']['runs'])} pairs).",
+        "",
+        "| loop without / with saves | target (>= 0.98) |",
+        "|---|---|",
+        f"| {r['loop']['ratio']:.3f} | {'met' if r['loop']['ratio'] >= 0.98 else 'not met'} |",
+        "",
         r.get("note", ""),
         "",
     ])
@@ -176,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--loop-every-s", type=float, default=10.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--markdown", action="store_true")

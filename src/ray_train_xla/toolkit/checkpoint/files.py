@@ -100,18 +100,19 @@ class MemoryFiles:
     """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory."""
 
     def __init__(self) -> None:
-        self.files: dict[str, bytes] = {}
+        self.files: dict[str, Any] = {}  # path -> bytes or a memoryview of them
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
         if "w" in mode:
             files, key = self.files, str(path)
 
-            class Kept(io.BytesIO):  # DCP may close the stream itself: keep the bytes then
+            class Kept(io.BytesIO):
+                """Kept without a copy once written (DCP may close the stream itself): the
+                file is the stream's own buffer, which stays open for it."""
+
                 def close(self) -> None:
-                    if not self.closed:
-                        files[key] = self.getvalue()
-                    super().close()
+                    files[key] = self.getbuffer()
 
             buf = Kept()
             yield buf
@@ -151,7 +152,7 @@ class MemoryFiles:
         torch.save(obj, buf)
         self.files[self.concat_path(ROOT, name)] = buf.getvalue()
 
-    def by_name(self) -> dict[str, bytes]:
+    def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""
         prefix = ROOT + "/"
         return {p[len(prefix):]: b for p, b in self.files.items() if p.startswith(prefix)}

@@ -61,8 +61,9 @@ class MemoryStore:
     def ready(self) -> str:
         return self.node
 
-    def put(self, gen: int, world: int, rank: int, files: dict[str, bytes]) -> int:
-        files = {name: bytes(data) for name, data in files.items()}  # owned here, not by the caller
+    def put(self, gen: int, world: int, rank: int, files: dict[str, Any]) -> int:
+        # Copied into this process: owned here, not by the worker that put them.
+        files = {name: bytes(data) for name, data in files.items()}
         with self._lock:
             older = [g for g in self._gens if g < gen]
             keep = {gen, max(older)} if older else {gen}
@@ -87,9 +88,12 @@ class MemoryStore:
                          for g, e in self._gens.items()},
             }
 
-    def get(self, gen: int, rank: int, name: str) -> bytes:
+    def get(self, gen: int, rank: int, name: str):
+        import numpy as np
+
         with self._lock:
-            return self._gens[gen]["ranks"][rank][name]
+            data = self._gens[gen]["ranks"][rank][name]
+        return np.frombuffer(data, dtype=np.uint8)  # sent out of band, without pickling
 
     def held_bytes(self) -> int:
         with self._lock:
@@ -151,7 +155,7 @@ class _StoreFiles:
                 errors.append(f"{store}: {type(exc).__name__}: {exc}")
                 continue
             with self._lock:
-                self.fetched_bytes += len(data)
+                self.fetched_bytes += data.nbytes
                 self.served.add(store)
             return data
         raise OSError(f"memory tier: {name} of generation {self.gen} could not be read from any "
@@ -332,11 +336,24 @@ class MemoryTier:
         import ray
 
         write()
-        data = files.by_name()
+        import numpy as np
+
+        # uint8 arrays: Ray copies them into its object store without pickling
+        data = {name: np.frombuffer(b, dtype=np.uint8) for name, b in files.by_name().items()}
         ref = ray.put(data)
-        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.my_stores()]
-        ray.get([h.put.remote(gen, self.world, self.rank, ref) for h in handles],
-                timeout=self.timeout_s)
+        own, *peer = self.my_stores()
+        # This node's store must take it; a peer that cannot (its node going away) leaves this
+        # generation with one copy, and says so.
+        calls = [ray.get_actor(name, namespace=NAMESPACE).put.remote(gen, self.world, self.rank, ref)
+                 for name in (own, *peer)]
+        ray.get(calls[0], timeout=self.timeout_s)
+        for name, call in zip(peer, calls[1:]):
+            try:
+                ray.get(call, timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 (logged: one copy of this generation)
+                logger.warning("rank %d: memory tier: the peer store %s did not take generation "
+                               "%d (%s: %s): this node holds the only copy", self.rank, name,
+                               gen, type(exc).__name__, exc)
         del ref
         if group is not None:  # every rank's files are in: the generation is complete
             import torch.distributed as dist
@@ -349,8 +366,13 @@ class MemoryTier:
         peer's store: memory older than ``gen`` no longer serves a restore."""
         import ray
 
-        handles = [ray.get_actor(n, namespace=NAMESPACE) for n in self.my_stores()]
-        ray.get([h.note_storage.remote(gen) for h in handles], timeout=self.timeout_s)
+        for name in self.my_stores():
+            try:
+                ray.get(ray.get_actor(name, namespace=NAMESPACE).note_storage.remote(gen),
+                        timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 (training goes on; a restore may read storage)
+                logger.warning("memory tier: store %s did not note checkpoint %d: %s: %s", name,
+                               gen, type(exc).__name__, exc)
 
     # -- restoring
     def choose(self) -> dict[str, Any]:
@@ -404,7 +426,8 @@ def broadcast_from_rank0(value_of):
     from ray_train_xla.toolkit.collectives import host_group
 
     box = [value_of() if rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=host_group("memory"))
+    # The training thread's group ("memory" is the background thread's: never both at once).
+    dist.broadcast_object_list(box, src=0, group=host_group("memory-poll"))
     return box[0]
 
 
