@@ -88,8 +88,9 @@ def measure(args) -> dict:
             for b, src in zip(buffers, tensors):
                 b.copy_(src)
             copies.append(time.perf_counter() - t)
+            s = state()  # the loop's own state dicts, built before the call
             t = time.perf_counter()
-            rtx.save_checkpoint(state())
+            rtx.save_checkpoint(s)
             calls.append(time.perf_counter() - t)
             reporting.flush_reports()
             d = os.path.join(root, f"dcp{i}")

@@ -71,3 +71,25 @@ def test_each_patch_is_listed_with_the_ray_version_it_was_tested_on():
                    "prepare_data_loader", "init_process_group"):
         assert target in section, target
     assert f"Ray {ray.__version__}" in section
+
+
+def test_what_checkpoints_in_place_and_the_memory_tier_rely_on():
+    import ray.train
+    import ray.util
+    from ray.train import CheckpointUploadMode
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    report = params(ray.train.report)
+    assert "checkpoint_dir_name" in report and "checkpoint_upload_mode" in report
+    assert CheckpointUploadMode.NO_UPLOAD.value == "NO_UPLOAD"
+    for attr in ("experiment_fs_path", "storage_filesystem"):
+        assert attr in inspect.getsource(StorageContext), attr
+    assert "all_namespaces" in params(ray.util.list_named_actors)
+    # The directory names Ray gives the checkpoints it copies: ours follow them.
+    from ray_train_xla.toolkit.reporting import Reporter
+
+    rep = Reporter(lambda *a, **k: None, rank=0, world=1, max_in_flight=1, timeout_s=5,
+                   place=lambda name: name)
+    ours, rays = rep._new_name(), StorageContext.make_default_checkpoint_dir_name()
+    rep.close()
+    assert len(ours) == len(rays) and ours[:11] == rays[:11] == "checkpoint_", (ours, rays)

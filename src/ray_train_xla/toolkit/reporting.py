@@ -229,9 +229,10 @@ class Reporter:
         rank 0's through the store); "" when checkpoints go through a temporary directory."""
         if self._place is None or (self._world > 1 and not self._agreeing):
             return ""
-        from ray.train.v2._internal.execution.storage import StorageContext
+        import datetime
 
-        return StorageContext.make_default_checkpoint_dir_name()
+        # As Ray Train names the checkpoints it copies itself (checkpoint_<date>)
+        return "checkpoint_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S.%f")
 
     def _next_in_queue(self, freeze: bool = False):
         """The head of this rank's queue as a decision, once there is one; None when closing
@@ -413,7 +414,7 @@ def in_place_directory() -> Callable[[str], str] | None:
         return None
 
     def place(name: str) -> str:
-        directory = storage.build_checkpoint_path_from_name(name)
+        directory = os.path.join(storage.experiment_fs_path, name)
         os.makedirs(directory, exist_ok=True)
         return directory
 
