@@ -159,6 +159,9 @@ def train_and_save(config):
         written = rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "step": STEPS}, {"step": STEPS}, wait=True)
         record["sharded_write"] = [_wchar() - before, written["bytes"]]
+        from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+
+        record["writer_process"] = writer_process_pid() not in (None, os.getpid())
     else:
         rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                              "step": STEPS}, {"step": STEPS})
@@ -170,9 +173,16 @@ def train_and_save(config):
 
 
 def _wchar() -> int:
-    """Bytes this process has passed to write calls (``/proc/self/io``)."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+    """Bytes this process and its checkpoint writer process (when it has one) have passed to
+    write calls (``/proc/<pid>/io``)."""
+    from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+
+    total = 0
+    for pid in ("self", writer_process_pid()):
+        if pid is not None:
+            with open(f"/proc/{pid}/io") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+    return total
 
 
 def restore(config):
@@ -330,6 +340,7 @@ def test_each_checkpoint_is_written_once_in_the_runs_storage(runs):
     for rec in runs["four"]:
         wrote, size = rec["sharded_write"]
         assert 0 < size and wrote <= 1.05 * size + slack, rec["sharded_write"]
+        assert rec["writer_process"] is True  # the shards were written by the writer process
     # Each checkpoint in its own directory of the run, named as Ray names its own.
     dirs = [d for d in runs["four_run"] if d.startswith("checkpoint_") and not d.endswith(".json")]
     assert len(dirs) == 2 and os.path.basename(runs["ckpt4"]) == dirs[-1], runs["four_run"]

@@ -19,7 +19,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                       LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), RAY_TRAIN_XLA_DEVICE="cpu",
                       RAY_TRAIN_XLA_RUNTIME="native", RAY_TRAIN_XLA_PG_BACKEND="gloo",
-                      TORCHELASTIC_RUN_ID=f"staging-{port}")
+                      TORCHELASTIC_RUN_ID=f"staging-{port}", RAY_TRAIN_XLA_TIMEOUT_S="30")
     import torch.distributed as dist
 
     import ray_train_xla as rtx
@@ -89,8 +89,42 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                                for a, b in zip(fresh.parameters(), before)),
                   "moved": not all(torch.equal(a.full_tensor(), b)
                                    for a, b in zip(model.parameters(), before))}
+    # The writer process (torch's own, dcp.async_save with AsyncCheckpointerType.PROCESS):
+    # the files are the same, and a writer that dies is reported, not waited for.
+    import signal
+
+    from ray_train_xla.errors import ReportError
+    from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+    from ray_train_xla.toolkit.collectives import host_group
+
+    group = host_group("checkpoint")
+    process = {"exact": []}
+    for i in (10, 11):
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "step": i})
+        t0 = time.perf_counter()
+        written = write_staged(staged, os.path.join(root, f"c{i}"), group, writer_process=True)
+        process.setdefault("write_s", []).append(time.perf_counter() - t0)
+        step()
+        extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt)
+        process["exact"].append(extra["step"] == i and f"__{rank}_0.distcp" in written["files"]
+                                and all(torch.equal(a.full_tensor(), b)
+                                        for a, b in zip(fresh.parameters(), before)))
+    pid = writer_process_pid()
+    process["pid"] = pid if pid != os.getpid() else None
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    try:
+        write_staged(stage_sharded({"model": model.state_dict(), "step": 12}),
+                     os.path.join(root, "c12"), group, writer_process=True)
+        process["dead"] = "no error"
+    except ReportError as exc:
+        process["dead"] = str(exc)
+    process["dead_s"] = time.perf_counter() - t0
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump({"counts": counts, "exact": exact, "overlapped": overlapped,
+        json.dump({"counts": counts, "exact": exact, "overlapped": overlapped, "process": process,
                    "state_bytes": sum(t.to_local().numel() * t.to_local().element_size()
                                       for t in [*model.parameters(),
                                                 *(v for s in opt.state.values() for v in s.values()
@@ -120,3 +154,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         o = r["overlapped"]
         assert o["returned_s"] < 0.25 and o["stepped_s"] >= 0.5 and o["waits"] == 1, o
         assert o["exact"] is True and o["moved"] is True, o
+        # Written by a writer process: the same checkpoints; killed, it is reported at once.
+        w = r["process"]
+        assert w["exact"] == [True, True] and w["pid"], w
+        assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
+        assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w

@@ -378,6 +378,7 @@ _reporter: Reporter | None = None
 _generation = 0  # reporters started in this process (every rank starts the same number)
 _max_in_flight = DEFAULT_MAX_IN_FLIGHT
 overlap_snapshots_on = True  # configure_reports(overlap_snapshots=...)
+writer_process_on = True  # configure_reports(writer_process=...)
 
 
 def _ray_report(metrics: dict, directory: str | None, name: str | None = None) -> None:
@@ -450,20 +451,23 @@ def reporter() -> Reporter:
 
 
 def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                      overlap_snapshots: bool = True) -> None:
+                      overlap_snapshots: bool = True, writer_process: bool = True) -> None:
     """Set how many checkpoints may wait for Ray at once on this worker (each holds a host copy
-    of the state; call before the first report), and whether the snapshot of sharded (DTensor)
+    of the state; call before the first report); whether the snapshot of sharded (DTensor)
     state is copied while the loop goes on, the next optimizer step waiting for it
     (``toolkit/checkpoint/staging.py``; False: ``save_checkpoint`` and ``keep_in_memory``
-    return once the copy is made)."""
-    global _max_in_flight, overlap_snapshots_on
+    return once the copy is made); and whether DTensor shards are written by a writer process
+    (``toolkit/checkpoint/writer.py``; False: in the background reporter's thread)."""
+    global _max_in_flight, overlap_snapshots_on, writer_process_on
     if not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ValueError(f"configure_reports: max_in_flight={max_in_flight!r} must be an int >= 1")
-    if not isinstance(overlap_snapshots, bool):
-        raise ValueError(f"configure_reports: overlap_snapshots={overlap_snapshots!r} must be "
-                         "True or False")
+    for name, value in (("overlap_snapshots", overlap_snapshots),
+                        ("writer_process", writer_process)):
+        if not isinstance(value, bool):
+            raise ValueError(f"configure_reports: {name}={value!r} must be True or False")
     _max_in_flight = max_in_flight
     overlap_snapshots_on = overlap_snapshots
+    writer_process_on = writer_process
 
 
 def report(metrics: Mapping[str, Any]) -> None:

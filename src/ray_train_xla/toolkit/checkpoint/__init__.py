@@ -124,8 +124,10 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
         staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on)
         group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
 
+        writer_process = reporting.writer_process_on
+
         def write(directory: str) -> dict[str, Any]:
-            return write_staged(staged, directory, group)
+            return write_staged(staged, directory, group, writer_process=writer_process)
     elif rank() == 0:
         cpu_state = stage_replicated(state)
 

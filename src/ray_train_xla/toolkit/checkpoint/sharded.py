@@ -187,12 +187,14 @@ def _device_count(layout: str, world: int) -> int:
 
 
 def write_staged(staged: dict[str, Any], directory: str, process_group=None,
-                 filesystem=None) -> dict[str, Any]:
+                 filesystem=None, writer_process: bool = False) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
     every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    ``filesystem``: a ``memory.MemoryFiles`` to write into host memory instead of the local
-    file system. Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's
-    host buffers go back to the staging pool once the shards are written (or the write failed)."""
+    ``filesystem``: a ``files.MemoryFiles`` to write into host memory instead of the local
+    file system. ``writer_process``: DTensor shards in a process group are written by this
+    worker's writer process (``writer.py``). Returns what this rank wrote:
+    ``{"files": [...], "bytes": n}``. The snapshot's host buffers go back to the staging pool
+    once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _dist()
@@ -208,8 +210,16 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
         before = set(filesystem.by_name())
         writer = memory_writer(filesystem)
     try:
-        dcp.save(staged["state"], storage_writer=writer, planner=_save_planner(staged["layout"]),
-                 process_group=process_group, no_dist=not distributed)
+        if filesystem is None and distributed and staged["layout"] == DTENSOR and writer_process:
+            from ray_train_xla.planning.contract import worker_context
+            from ray_train_xla.toolkit.checkpoint.writer import save_in_writer_process
+
+            save_in_writer_process(staged["state"], directory, process_group,
+                                   worker_context().timeout_s, rank)
+        else:
+            dcp.save(staged["state"], storage_writer=writer,
+                     planner=_save_planner(staged["layout"]), process_group=process_group,
+                     no_dist=not distributed)
     finally:
         if staged.get("release") is not None:
             staged["release"]()
