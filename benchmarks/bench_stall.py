@@ -20,15 +20,17 @@ Ray's). From the second save on, measured side by side in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from figures import add_output_arguments, write  # noqa: E402
+
 MB = 1e6
 
 
@@ -203,23 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--loop-every-s", type=float, default=10.0)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--markdown", action="store_true")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    path = os.path.join(args.out, "stall.json")
-    if args.markdown:
-        with open(path) as f:
-            results = json.load(f)
-    else:
-        results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                   **measure(args)}
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, "stall.md"), "w") as f:
-        f.write(markdown(results))
-    print(markdown(results))
-    return 0
-
+    return write(args, "stall", measure, markdown)
 
 if __name__ == "__main__":
     raise SystemExit(main())

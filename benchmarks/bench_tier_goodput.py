@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
-import platform
+import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_memory_tier import slow_filesystem  # noqa: E402
+from figures import add_output_arguments, write  # noqa: E402
+
 MB = 1e6
 
 
@@ -79,7 +82,6 @@ def run(memory: bool, args) -> dict:
 
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
-    from bench_memory_tier import slow_filesystem
 
     from ray_train_xla import TorchNeuronConfig
     from ray_train_xla.tools import goodput
@@ -138,38 +140,27 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def measure(args) -> dict:
+    import ray
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    runs = []
+    for memory in (True, False):
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        runs.append(run(memory, args))
+        print({k: v for k, v in runs[-1].items() if k != "printed"}, flush=True)
+    return {"minutes": args.minutes, "fail_every_s": args.fail_every_s,
+            "storage_every_s": args.storage_every_s, "state_mb": args.state_mb, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=6.0)
     parser.add_argument("--fail-every-s", type=float, default=90.0)
     parser.add_argument("--storage-every-s", type=float, default=30.0)
     parser.add_argument("--state-mb", type=float, default=200.0)
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--markdown", action="store_true")
-    args = parser.parse_args(argv)
-    path = os.path.join(args.out, "tier_goodput.json")
-    if args.markdown:
-        with open(path) as f:
-            results = json.load(f)
-    else:
-        import ray
-
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-        runs = []
-        for memory in (True, False):
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-            runs.append(run(memory, args))
-            print({k: v for k, v in runs[-1].items() if k != "printed"}, flush=True)
-        results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                   "minutes": args.minutes, "fail_every_s": args.fail_every_s,
-                   "storage_every_s": args.storage_every_s, "state_mb": args.state_mb,
-                   "runs": runs}
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, "tier_goodput.md"), "w") as f:
-        f.write(markdown(results))
-    print(markdown(results))
-    return 0
+    add_output_arguments(parser)
+    return write(parser.parse_args(argv), "tier_goodput", measure, markdown)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""What the checkpoint benchmarks share: measure (or take the committed figures again with
+``--markdown``), then write ``results/<name>.json`` and the ``<name>.md`` made from it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--markdown", action="store_true",
+                        help="write the .md again from the committed .json, measuring nothing")
+
+
+def write(args: argparse.Namespace, name: str, measure: Callable[[argparse.Namespace], dict],
+          markdown: Callable[[dict], str]) -> int:
+    path = os.path.join(args.out, f"{name}.json")
+    if args.markdown:
+        with open(path) as f:
+            results = json.load(f)
+    else:
+        results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                   **measure(args)}
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+    text = markdown(results)
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
