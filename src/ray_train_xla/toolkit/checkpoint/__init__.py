@@ -73,8 +73,10 @@ def save_checkpoint(
     wait: bool = False,
 ) -> dict[str, Any] | None:
     """Report ``metrics`` and a checkpoint holding ``state`` through Ray Train, without waiting
-    for Ray: the state is copied off the device now (a snapshot of this step), then written
-    and reported in this worker's background reporter (``reporting.py``), in call order.
+    for Ray: the state is copied off the device now (a snapshot of this step; DTensor state
+    while the next forward and backward run, the next optimizer step waiting for the copy,
+    ``staging.py``), then written and reported in this worker's background reporter
+    (``reporting.py``), in call order.
 
     Call it on every worker (like ``ray.train.report``). ``state`` is typically
     ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}``.
