@@ -55,6 +55,8 @@ def measure(args) -> dict:
     from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots
 
     torch.set_num_threads(1)
+    # As in a Ray worker (Ray sets it from num_cpus): the writer process starts with it.
+    os.environ["OMP_NUM_THREADS"] = "1"
     root = tempfile.mkdtemp(prefix="bench-stall-")
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
     reporting._ray_report = lambda metrics, directory, name=None: None  # no Ray here
