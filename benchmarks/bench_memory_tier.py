@@ -35,7 +35,8 @@ STORAGE_BPS = 100 * MB
 
 
 def slow_filesystem(bytes_per_s: float):
-    """A pyarrow filesystem over the local one that serves reads at ``bytes_per_s``."""
+    """A pyarrow filesystem over the local one that serves reads at ``bytes_per_s`` (writes at
+    the local file system's speed)."""
     import pyarrow as pa
     import pyarrow.fs as pafs
 
@@ -70,11 +71,33 @@ def slow_filesystem(bytes_per_s: float):
         def equals(self, other):
             return other is self
 
-        def _no(self, *args, **kwargs):
-            raise OSError("read only")
+        # Writes at the local file system's speed (what is measured is reading).
+        def create_dir(self, path, recursive):
+            self.fs.create_dir(path, recursive=recursive)
 
-        create_dir = delete_dir = delete_dir_contents = delete_root_dir_contents = _no
-        delete_file = move = copy_file = open_output_stream = open_append_stream = _no
+        def delete_dir(self, path):
+            self.fs.delete_dir(path)
+
+        def delete_dir_contents(self, path, missing_dir_ok=False):
+            self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+        def delete_root_dir_contents(self):
+            raise OSError("not here")
+
+        def delete_file(self, path):
+            self.fs.delete_file(path)
+
+        def move(self, src, dest):
+            self.fs.move(src, dest)
+
+        def copy_file(self, src, dest):
+            self.fs.copy_file(src, dest)
+
+        def open_output_stream(self, path, metadata):
+            return self.fs.open_output_stream(path, metadata=metadata)
+
+        def open_append_stream(self, path, metadata):
+            return self.fs.open_append_stream(path, metadata=metadata)
 
     return pafs.PyFileSystem(Slow())
 

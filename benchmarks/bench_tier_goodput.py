@@ -9,6 +9,7 @@ that takes). One run with ``memory_every=1`` (``keep_in_memory`` every step: the
 waits for it), one without. Each run's goodput is what ``ray-train-xla goodput`` prints for it.
 
     python benchmarks/bench_tier_goodput.py            # writes results/tier_goodput.{json,md}
+    python benchmarks/bench_tier_goodput.py --only memory   # one run again, the other kept
     python benchmarks/bench_tier_goodput.py --markdown
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import tempfile
@@ -54,7 +56,7 @@ def train(config):
         step += 1
         opt.zero_grad()
         model(x).pow(2).mean().backward()
-        rtx.optimizer_step(opt)
+        opt.step()
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
         if tier is not None:
             rtx.keep_in_memory(state, step)
@@ -144,8 +146,15 @@ def measure(args) -> dict:
     import ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    kept: dict = {}
+    if args.only:  # the other run as committed (the same settings)
+        with open(os.path.join(args.out, "tier_goodput.json")) as f:
+            kept = {r["memory_tier"]: r for r in json.load(f)["runs"]}
     runs = []
     for memory in (True, False):
+        if args.only and args.only != ("memory" if memory else "storage"):
+            runs.append(kept[memory])
+            continue
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         runs.append(run(memory, args))
         print({k: v for k, v in runs[-1].items() if k != "printed"}, flush=True)
@@ -159,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fail-every-s", type=float, default=90.0)
     parser.add_argument("--storage-every-s", type=float, default=30.0)
     parser.add_argument("--state-mb", type=float, default=200.0)
+    parser.add_argument("--only", choices=("memory", "storage"),
+                        help="measure this run again, the other as committed")
     add_output_arguments(parser)
     return write(parser.parse_args(argv), "tier_goodput", measure, markdown)
 

@@ -59,10 +59,11 @@ def _step(tl, clock, at: float, data: float = 0.0, compile_s: float = 0.0, compi
     tl.on_step(0)
 
 
-def write_run(run_dir, fail_at=(107.8, 107.6), run_start=0.0) -> None:
+def write_run(run_dir, fail_at=(107.8, 107.6), run_start=0.0, memory=None) -> None:
     """Two workers, two groups: group A (start 100) fails after a checkpoint at 105.3; group B
     (start 109) restarts and finishes at 114. ``run_start``: when fit() handed the config to Ray
-    (0.0: events without it)."""
+    (0.0: events without it). ``memory``: group A's memory tier also completed the snapshot of
+    107.3, and group B restored from that tier (``"memory"``) or from storage."""
     storage = RunStorage.at(str(run_dir))
     for rank in (0, 1):
         tl, clock, compiles = _worker(storage, "A", rank, 100.0, 101.0, run_start)
@@ -76,10 +77,14 @@ def write_run(run_dir, fail_at=(107.8, 107.6), run_start=0.0) -> None:
         tl.checkpoint_committed()
         _step(tl, clock, 106.3, data=0.2)
         _step(tl, clock, 107.3, data=0.2)
+        if memory:
+            tl.memory_kept(107.3)
         clock.t = fail_at[rank]
         tl.end(failed=True, error="RuntimeError: injected")
     for rank in (0, 1):
         tl, clock, compiles = _worker(storage, "B", rank, 109.0, 110.0)
+        if memory:
+            tl.restored(memory, 0.4)
         _step(tl, clock, 111.5, data=0.1, compile_s=0.8, compiles=compiles)
         _step(tl, clock, 112.5, data=0.1)
         _step(tl, clock, 113.5, data=0.1)
@@ -111,6 +116,19 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
         assert result.buckets[bucket] == pytest.approx(seconds, abs=1e-9), bucket
     assert sum(result.buckets.values()) == pytest.approx(result.wall)
     assert result.goodput == pytest.approx(EXPECTED["productive"] / 14.0)
+
+
+@pytest.mark.parametrize("tier", ["memory", "storage"])
+def test_work_kept_by_the_memory_tier_is_lost_only_when_storage_served_the_restore(tmp_path, tier):
+    """Group A's memory tier kept the step of 107.3: restored from memory, only 107.3 -> 107.6
+    is lost; restored from storage (the tier's copies gone), from the checkpoint at 105.3."""
+    write_run(tmp_path, memory=tier)
+    result = goodput.goodput_of(str(tmp_path))
+    lost = 107.6 - (107.3 if tier == "memory" else 105.3)
+    assert result.buckets["lost"] == pytest.approx(lost, abs=1e-9)
+    assert sum(result.buckets.values()) == pytest.approx(result.wall)
+    assert result.attempts[1].restore == {"tier": tier, "seconds": 0.4}
+    assert f"restored from {tier} in 0.40 s" in goodput.format_table(result)
 
 
 def test_the_clock_starts_at_fit_where_the_workers_know_it(tmp_path):

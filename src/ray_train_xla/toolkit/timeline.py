@@ -305,6 +305,13 @@ class Timeline:
             self._dirty = True
             self._last_write = 0.0
 
+    def memory_kept(self, t: float) -> None:
+        """The memory tier completed the snapshot taken at ``t`` (every rank's files are in):
+        a restore from memory resumes from there (goodput counts no work before it as lost)."""
+        with self._lock:
+            self._lines.append(json.dumps({"kind": "memory_kept", "t": t}))
+            self._dirty = True
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -488,6 +495,13 @@ def restored(tier: str, seconds: float) -> None:
     t = _active
     if t is not None:
         t.restored(tier, seconds)
+
+
+def memory_kept(t: float) -> None:
+    """The memory tier completed the snapshot this worker took at ``t``."""
+    tl = _active
+    if tl is not None:
+        tl.memory_kept(t)
 
 
 def checkpoint_committed() -> None:

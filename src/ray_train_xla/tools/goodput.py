@@ -69,6 +69,7 @@ class Worker:
     commits: list[float] = field(default_factory=list)  # Ray took the oldest in flight
     compiles: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds)
     restores: list[dict[str, Any]] = field(default_factory=list)  # tier (memory, storage), seconds
+    memory_kept: list[float] = field(default_factory=list)  # snapshots the memory tier completed
     end: dict[str, Any] | None = None
     last_seen: float = 0.0
 
@@ -176,6 +177,8 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
             worker.compiles.append((float(event["t"]), float(event["compile_s"])))
         elif kind == "restore":
             worker.restores.append({"tier": event.get("tier"), "seconds": event.get("seconds")})
+        elif kind == "memory_kept":
+            worker.memory_kept.append(float(event["t"]))
         elif kind == "end":
             worker.end = event
     worker.spans.sort(key=lambda s: s["t0"])
@@ -243,11 +246,15 @@ def _attempts(workers: list[Worker]) -> list[Attempt]:
     return attempts
 
 
-def _lost_from(worker: Worker, end: float) -> float:
+def _lost_from(worker: Worker, end: float, memory: bool = False) -> float:
     """Where a failed group's worker starts losing work: the last checkpoint Ray took before
-    ``end`` (the i-th commit is the i-th checkpoint: the reporter takes them in order), else the
-    end of its first step; ``end`` (nothing lost) when it never finished a step."""
+    ``end`` (the i-th commit is the i-th checkpoint: the reporter takes them in order), or, when
+    the next group restored from the memory tier (``memory``), the last snapshot the tier
+    completed if later; else the end of its first step; ``end`` (nothing lost) when it never
+    finished a step."""
     committed = [t for t in worker.checkpoints[:len(worker.commits)] if t <= end]
+    if memory:
+        committed = sorted(committed + [t for t in worker.memory_kept if t <= end])
     if committed:
         return committed[-1]
     first = worker.first_step_end
@@ -255,16 +262,17 @@ def _lost_from(worker: Worker, end: float) -> float:
 
 
 def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
-                   restarted: bool) -> dict[str, float]:
+                   restarted: bool, memory: bool = False) -> dict[str, float]:
     """One worker's seconds of ``[start, end]`` (its group's) by bucket; ``failed``: the group
-    failed (lost work); ``restarted``: a later group than the first (start-up is restart).
+    failed (lost work); ``restarted``: a later group than the first (start-up is restart);
+    ``memory``: the next group restored from the memory tier (``_lost_from``).
 
     ``[start, head]`` (to the end of the first step) is start-up (or restart) less what was
     measured in it; ``[head, lost_from]`` is the worker's spans, each its measured buckets and
     the rest productive (other in a span without a step end), and what no span covers is other;
     ``[lost_from, end]`` is lost (a failed group only)."""
     out = dict.fromkeys(BUCKETS, 0.0)
-    lost_from = _lost_from(worker, end) if failed else end
+    lost_from = _lost_from(worker, end, memory) if failed else end
     first = worker.first_step_end
     head = max(start, min(first if first is not None else end, lost_from))
     startup_key = "restart" if restarted else "start_up"
@@ -312,12 +320,14 @@ def compute(workers: list[Worker], run: str = "") -> Goodput:
         if previous_end is not None and attempt.start > previous_end:
             totals["restart"] += attempt.start - previous_end  # the failure to the next start
         failed = attempt.outcome in ("failed", "stopped")
-        per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, i > 0)
+        following = attempts[i + 1].restore if i + 1 < len(attempts) else None
+        memory = bool(following and following["tier"] == "memory")
+        per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, i > 0, memory)
                       for w in attempt.workers]
         attempt.buckets = {b: sum(p[b] for p in per_worker) / len(per_worker) for b in BUCKETS}
         if failed:
-            attempt.lost_from = sum(_lost_from(w, attempt.end) for w in attempt.workers) / len(
-                attempt.workers)
+            attempt.lost_from = sum(_lost_from(w, attempt.end, memory)
+                                    for w in attempt.workers) / len(attempt.workers)
         for b in BUCKETS:
             totals[b] += attempt.buckets[b]
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)

@@ -329,10 +329,10 @@ class MemoryTier:
                 if cpu_state is not None:
                     files.save("checkpoint.pt", cpu_state)
 
-        self._pending = self._pool.submit(self._put, gen, write, files, group)
+        self._pending = self._pool.submit(self._put, gen, write, files, group, time.time())
         return True
 
-    def _put(self, gen: int, write, files: MemoryFiles, group) -> None:
+    def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
         import ray
 
         write()
@@ -360,6 +360,9 @@ class MemoryTier:
 
             dist.barrier(group=group)
         self.kept += 1
+        from ray_train_xla.toolkit import timeline
+
+        timeline.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
 
     def note_storage(self, gen: int) -> None:
         """(rank 0, once Ray took checkpoint ``gen`` into storage) tell this node's and its
