@@ -181,6 +181,8 @@ def test_goodput_matches_the_wall_clock_audit(audited_run, tmp_path, capsys):
     result = goodput.goodput_of(audited_run["run_path"])
     assert [a.outcome for a in result.attempts] == ["failed", "finished"]
     assert [len(a.workers) for a in result.attempts] == [2, 2]
+    # The restarted group's restore is an event: from storage (no memory tier here).
+    assert [a.restore and a.restore["tier"] for a in result.attempts] == [None, "storage"]
     fit_start, fit_end = audited_run["fit"]
     start0, start1 = result.attempts[0].start, result.attempts[1].start
     # The groups' starts are the driver's: after fit() began, before the workers' functions.

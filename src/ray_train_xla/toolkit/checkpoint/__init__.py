@@ -168,6 +168,7 @@ def load_checkpoint(
         restored, why = _from_memory(model, optimizer, filename, layout)
         if restored is not None:
             return restored[0]
+    resuming = checkpoint is None  # the run's latest: a restart resuming, not a chosen one
     checkpoint = checkpoint if checkpoint is not None else ray.train.get_checkpoint()
     if checkpoint is None:
         return None
@@ -177,10 +178,11 @@ def load_checkpoint(
     with checkpoint.as_directory() as path:
         out = _load_from(path, None, f"rank {rank()}: checkpoint {checkpoint.path}", model,
                          optimizer, filename, layout)
-    if _memory.memory_tier() is not None:
+    if resuming:
+        seconds = time.perf_counter() - start
         logger.info("rank %d: restored from storage (%s) in %.2f s", rank(), checkpoint.path,
-                    time.perf_counter() - start)
-        timeline.restored("storage", time.perf_counter() - start)
+                    seconds)
+        timeline.restored("storage", seconds)
     return out
 
 
