@@ -175,3 +175,20 @@ def test_checkpoint_results_are_the_benchmarks_own_and_say_met_or_not(name):
     marks = [cell.strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line
              for cell in line.split("|") if cell.strip() in ("met", "not met")]
     assert marks == ["met" if c else "not met" for c in checks], (marks, checks)
+
+
+def test_tier_goodput_results_are_the_benchmarks_own():
+    """bench_tier_goodput's committed figures: the markdown is what it writes from its json;
+    the run with the memory tier restored every group from memory, the other from storage."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_tier_goodput
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "tier_goodput.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "benchmarks", "results", "tier_goodput.md")) as f:
+        assert f.read() == bench_tier_goodput.markdown(results)
+    for run in results["runs"]:
+        tiers = {r["tier"] for r in run["restores"] if r}
+        assert tiers == ({"memory"} if run["memory_tier"] else {"storage"}), run["restores"]
+        assert run["failures"] >= 3 and run["wall_s"] >= 6 * 60
+        assert f"goodput {run['goodput']:.1%}" in run["printed"]
