@@ -82,6 +82,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     step()  # waits for the copy
     stepped_s = time.perf_counter() - t0
     write_staged(staged, os.path.join(root, "c9"))
+    dist.barrier()  # rank 0 writes the metadata files last: every rank's write is done
     pool().stage = stage
     load_sharded(os.path.join(root, "c9"), fresh, fresh_opt)
     overlapped = {"returned_s": returned_s, "stepped_s": stepped_s, "waits": snapshots().waits,
@@ -106,6 +107,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         t0 = time.perf_counter()
         written = write_staged(staged, os.path.join(root, f"c{i}"), group, writer_process=True)
         process.setdefault("write_s", []).append(time.perf_counter() - t0)
+        dist.barrier()
         step()
         extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt)
         process["exact"].append(extra["step"] == i and f"__{rank}_0.distcp" in written["files"]
