@@ -1,6 +1,8 @@
 """A pyarrow filesystem over the local one that logs every file opened for reading (one line per
-open, ``<unix time> <bytes> <path>``) into a log file: a run's storage whose reads a test counts
-(``RunConfig(storage_filesystem=counting_filesystem(log))``). Pickled to Ray's workers whole."""
+open, ``<unix time> <bytes> <path>``) into a log file, and every file opened for writing (its
+path) into ``<log>.writes``: a run's storage whose reads and writes a test counts
+(``RunConfig(storage_filesystem=counting_filesystem(log))``); not pyarrow's local filesystem, so
+it is written as remote storage is. Pickled to Ray's workers whole."""
 
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ class CountingHandler(pafs.FileSystemHandler):
         return self._fs.open_input_file(path)
 
     def open_output_stream(self, path, metadata):
+        with open(self.log + ".writes", "a") as f:
+            f.write(f"{path}\n")
         return self._fs.open_output_stream(path, metadata=metadata)
 
     def open_append_stream(self, path, metadata):
@@ -90,3 +94,11 @@ def checkpoint_reads(log: str) -> list[tuple[float, int, str]]:
             if "/checkpoint_2" in path:
                 out.append((float(t), int(size), path))
     return out
+
+
+def checkpoint_writes(log: str) -> list[str]:
+    """The paths opened for writing through the filesystem, in order."""
+    if not os.path.exists(log + ".writes"):
+        return []
+    with open(log + ".writes") as f:
+        return f.read().split()

@@ -234,3 +234,11 @@ def test_memory_tier_serves_worker_and_node_failures_and_storage_serves_when_bot
     assert served[-3:] == ["memory", "memory", "storage"], served
     assert all(0 < a.restore["seconds"] < 30 for a in result.attempts if a.restore)
     assert "restored from memory in" in goodput.format_table(result)
+    # The run's storage is a pyarrow filesystem that is not the local one (as S3 or GCS): the
+    # storage checkpoints were written in place through it by every rank (DCP's .metadata.tmp,
+    # renamed there; a copy uploaded by Ray would not have one).
+    from counting_fs import checkpoint_writes
+
+    written = [p for p in checkpoint_writes(tiered_run["log"]) if "/checkpoint_2" in p]
+    assert any(p.endswith("/.metadata.tmp") for p in written), written
+    assert any(p.endswith("/__1_0.distcp") for p in written), written

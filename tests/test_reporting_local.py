@@ -56,7 +56,7 @@ def reporters(fake: FakeRay, max_in_flight: int = 2, timeout_s: float = 20.0):
 
 
 def writer(log: list, step: int):
-    def write(directory: str) -> dict:
+    def write(directory: str, filesystem=None) -> dict:
         log.append(step)
         return {"files": [f"{step}.pt"], "bytes": step}
     return write
@@ -128,7 +128,7 @@ def test_a_failed_write_is_raised_at_the_next_call_and_at_the_end():
     fake = FakeRay(world=1)
     (rep,) = reporters(fake)
 
-    def failing(directory: str) -> dict:
+    def failing(directory: str, filesystem) -> dict:
         raise OSError("disk full")
 
     rep.checkpoint({"step": 1}, failing)
@@ -241,10 +241,18 @@ def test_a_long_run_leaves_no_decisions_in_the_store():
     assert store.num_keys() == before
 
 
-def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_directory(tmp_path):
+@pytest.mark.parametrize("storage", ["local", "remote"])
+def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_directory(
+        tmp_path, storage):
     """Written once: every rank writes into the directory rank 0 named, in the run's storage,
     and reports that name (Ray's NO_UPLOAD); a write that fails removes the directory, so the
-    run's storage holds no partial checkpoint."""
+    run's storage holds no partial checkpoint. ``remote``: storage on a pyarrow filesystem that is
+    not the local one (as S3 or GCS): every rank writes through it, and the failed write's
+    directory is removed through it."""
+    import pyarrow.fs
+
+    remote = pyarrow.fs.SubTreeFileSystem(str(tmp_path), pyarrow.fs.LocalFileSystem()) \
+        if storage == "remote" else None
     world = 2
     port = _free_port()
     stores = [dist.TCPStore("127.0.0.1", port, world, r == 0, timedelta(seconds=20),
@@ -252,11 +260,11 @@ def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_dir
     reported: dict[int, list] = {r: [] for r in range(world)}
     places: list[str] = []
 
-    def place(name: str) -> str:
+    def place(name: str):
         directory = tmp_path / name
         directory.mkdir(exist_ok=True)
         places.append(name)
-        return str(directory)
+        return (str(directory), None) if remote is None else (name, remote)
 
     def report_fn(r):
         def report(metrics, directory, name=None):
@@ -267,9 +275,14 @@ def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_dir
                      store=stores[r], key_prefix="p", place=place) for r in range(world)]
 
     def write(r, step, fail=False):
-        def fn(directory: str) -> dict:
-            with open(f"{directory}/shard{r}", "w") as f:
-                f.write(str(step))
+        def fn(directory: str, filesystem) -> dict:
+            assert filesystem is remote
+            if remote is None:
+                with open(f"{directory}/shard{r}", "w") as f:
+                    f.write(str(step))
+            else:
+                with remote.open_output_stream(f"{directory}/shard{r}") as f:
+                    f.write(str(step).encode())
             if fail:
                 raise OSError("disk full")
             return {"files": [f"shard{r}"], "bytes": 1}
@@ -286,7 +299,7 @@ def test_in_place_checkpoints_share_rank0s_name_and_a_failed_write_leaves_no_dir
     assert [s for s, _, _ in reported[0]] == [0, 1, 2]
     for step in range(3):
         (_, d0, n0), (_, d1, n1) = reported[0][step], reported[1][step]
-        assert n0 and n0 == n1 and d0 == d1 == str(tmp_path / n0), (reported, step)
+        assert n0 and n0 == n1 and d0 == d1 == (n0 if remote else str(tmp_path / n0)), reported
         assert n0.startswith("checkpoint_")
         assert sorted(p.name for p in (tmp_path / n0).iterdir()) == ["shard0", "shard1"]
     assert len({n for _, _, n in reported[0]}) == 3  # a new directory per checkpoint

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import torch
 
@@ -100,16 +101,23 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     group = host_group("checkpoint")
     process = {"exact": []}
-    for i in (10, 11):
+    # c11 and c13 go to a storage that is not the local file system (remote storage: S3, GCS),
+    # through its pyarrow filesystem, by the writer process and in this process
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from counting_fs import counting_filesystem
+
+    remote = counting_filesystem(os.path.join(root, "storage.log"))
+    for i, on, by_writer in ((10, None, True), (11, remote, True), (13, remote, False)):
         before = [p.full_tensor().clone() for p in model.parameters()]
         staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "step": i})
         t0 = time.perf_counter()
-        written = write_staged(staged, os.path.join(root, f"c{i}"), group, writer_process=True)
+        written = write_staged(staged, os.path.join(root, f"c{i}"), group, filesystem=on,
+                               writer_process=by_writer)
         process.setdefault("write_s", []).append(time.perf_counter() - t0)
         dist.barrier()
         step()
-        extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt)
+        extra = load_sharded(os.path.join(root, f"c{i}"), fresh, fresh_opt, filesystem=on)
         process["exact"].append(extra["step"] == i and f"__{rank}_0.distcp" in written["files"]
                                 and all(torch.equal(a.full_tensor(), b)
                                         for a, b in zip(fresh.parameters(), before)))
@@ -158,6 +166,16 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         assert o["exact"] is True and o["moved"] is True, o
         # Written by a writer process: the same checkpoints; killed, it is reported at once.
         w = r["process"]
-        assert w["exact"] == [True, True] and w["pid"], w
+        assert w["exact"] == [True, True, True] and w["pid"], w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
         assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w
+    # c11 and c13 were written through the storage's filesystem, in place: every rank's shards
+    # and rank 0's metadata, DCP's .metadata.tmp renamed there; nothing of them locally first
+    from counting_fs import checkpoint_writes
+
+    writes = [os.path.relpath(p, tmp_path) for p in checkpoint_writes(str(tmp_path / "storage.log"))]
+    for c in ("c11", "c13"):
+        names = sorted(os.path.basename(p) for p in writes if p.startswith(c + "/"))
+        assert names == sorted([".metadata.tmp", "__0_0.distcp", "__1_0.distcp", "extra.pt",
+                                "param_groups.pt",
+                                "sharded.json"]), writes

@@ -24,12 +24,12 @@ only hands the report over and goes on:
   nothing after it is reported;
 - **the end**: the training function returns only after every report it made was taken by Ray
   (the backend makes its end wait; :func:`flush_reports` does the same anywhere);
-- **written once**: on Ray Train V2 with storage on a local or shared file system, a
-  checkpoint's files are written straight into its directory in the run's storage (named
-  ``checkpoint_<date>`` by rank 0, every rank following) and reported with
+- **written once**: on Ray Train V2, a checkpoint's files are written straight into its
+  directory in the run's storage (named ``checkpoint_<date>`` by rank 0, every rank following):
+  on a local or shared file system with plain file writes, on remote storage (S3, GCS, any
+  ``storage_filesystem``) through the storage's pyarrow filesystem; and reported with
   ``checkpoint_upload_mode=NO_UPLOAD``: Ray copies nothing. A write that fails removes that
-  directory. Elsewhere (Ray Train V1, remote storage) the files go to a temporary directory that
-  Ray uploads.
+  directory. On Ray Train V1 the files go to a temporary directory that Ray uploads.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ _POLL_S = 0.5  # how often a waiting background thread looks for an abort
 @dataclass
 class _Checkpoint:
     metrics: dict
-    write: Callable[[str], dict] | None  # None: this rank reports without files
+    write: Callable[[str, Any], dict] | None  # None: this rank reports without files
     after: Callable[[], None] | None = None  # once Ray took it
     done: threading.Event = field(default_factory=threading.Event)
     written: dict | None = None
@@ -80,10 +80,11 @@ class Reporter:
     def __init__(self, report_fn: Callable[..., None], *, rank: int, world: int,
                  max_in_flight: int, timeout_s: float, store: Any = None, key_prefix: str = "",
                  coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None,
-                 place: Callable[[str], str] | None = None) -> None:
+                 place: Callable[[str], tuple[str, Any]] | None = None) -> None:
         self._report_fn = report_fn
-        # place(name): the directory in the run's storage a checkpoint named ``name`` is written
-        # into, in place (None: every checkpoint goes through a temporary directory).
+        # place(name): (the directory in the run's storage a checkpoint named ``name`` is written
+        # into, in place; the pyarrow filesystem it is on, None for the local file system).
+        # None: every checkpoint goes through a temporary directory.
         self._place = place
         self._on_checkpoint = on_checkpoint  # called once Ray took each checkpoint
         self._rank, self._world = rank, world
@@ -104,9 +105,11 @@ class Reporter:
 
     # ---- the training thread ------------------------------------------------------------------
 
-    def checkpoint(self, metrics: Mapping[str, Any], write: Callable[[str], dict] | None,
+    def checkpoint(self, metrics: Mapping[str, Any], write: Callable[[str, Any], dict] | None,
                    wait: bool = False, after: Callable[[], None] | None = None) -> dict | None:
-        """Queue a checkpoint (``write(directory)`` writes this rank's files; ``after()`` runs
+        """Queue a checkpoint (``write(directory, filesystem)`` writes this rank's files into
+        ``directory`` on ``filesystem``, a pyarrow filesystem or None for the local file system;
+        ``after()`` runs
         once Ray took it); ``wait``: return once reported, with what ``write`` returned."""
         item = _Checkpoint(dict(metrics), write, after)
         with self._cv:
@@ -352,18 +355,18 @@ class Reporter:
             self._report_fn(item.metrics, None)
             return None
         if name:  # written once, in place, and reported without a copy
-            directory = self._place(name)
+            directory, filesystem = self._place(name)
             try:
-                written = item.write(directory)
+                written = item.write(directory, filesystem)
             except BaseException:
-                shutil.rmtree(directory, ignore_errors=True)  # no partial checkpoint left behind
+                _remove(directory, filesystem)  # no partial checkpoint left behind
                 raise
             item.write = None
             self._report_fn(item.metrics, directory, name)
             return written
         tmp = tempfile.mkdtemp(prefix="ray-train-xla-ckpt-")
         try:
-            written = item.write(tmp)
+            written = item.write(tmp, None)
             item.write = None  # the snapshot can go now
             self._report_fn(item.metrics, tmp)
             return written
@@ -398,10 +401,21 @@ def _ray_report(metrics: dict, directory: str | None, name: str | None = None) -
     ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def in_place_directory() -> Callable[[str], str] | None:
-    """``name -> directory`` in the run's storage, where checkpoints are written in place: on
-    Ray Train V2 with storage on a file system this process can write (local or shared, e.g.
-    NFS); None otherwise (Ray Train V1, remote storage, outside Ray Train)."""
+def _remove(directory: str, filesystem) -> None:
+    if filesystem is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    try:
+        filesystem.delete_dir(directory)
+    except Exception as exc:  # noqa: BLE001 (the write's own error is the one raised)
+        logger.warning("could not remove the partial checkpoint %s: %s", directory, exc)
+
+
+def in_place_directory() -> Callable[[str], tuple[str, Any]] | None:
+    """``name -> (directory, filesystem)`` in the run's storage, where checkpoints are written
+    in place, on Ray Train V2: the filesystem is None for storage on a file system this process
+    can write (local or shared, e.g. NFS), else the storage's pyarrow filesystem (S3, GCS, any
+    other), which every rank writes through. None outside Ray Train V2 (Ray Train V1, no run)."""
     if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
         return None
     try:
@@ -411,13 +425,19 @@ def in_place_directory() -> Callable[[str], str] | None:
         storage = ray.train.get_context().get_storage()
     except Exception:  # noqa: BLE001 (no Ray Train V2 context: not in place)
         return None
-    if storage is None or not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+    if storage is None:
         return None
-
-    def place(name: str) -> str:
-        directory = os.path.join(storage.experiment_fs_path, name)
-        os.makedirs(directory, exist_ok=True)
-        return directory
+    filesystem = storage.storage_filesystem
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        def place(name: str) -> tuple[str, Any]:
+            directory = os.path.join(storage.experiment_fs_path, name)
+            os.makedirs(directory, exist_ok=True)
+            return directory, None
+    else:
+        def place(name: str) -> tuple[str, Any]:
+            directory = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
+            filesystem.create_dir(directory, recursive=True)
+            return directory, filesystem
 
     return place
 

@@ -128,13 +128,14 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
 
         writer_process = reporting.writer_process_on
 
-        def write(directory: str) -> dict[str, Any]:
-            return write_staged(staged, directory, group, writer_process=writer_process)
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_staged(staged, directory, group, filesystem=filesystem,
+                                writer_process=writer_process)
     elif rank() == 0:
         cpu_state = stage_replicated(state)
 
-        def write(directory: str) -> dict[str, Any]:
-            return write_replicated(cpu_state, directory, filename)
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_replicated(cpu_state, directory, filename, filesystem)
     return reporter().checkpoint(metrics, write, wait=wait, after=after)
 
 

@@ -17,19 +17,45 @@ ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
 
 
 
+class LocalFiles:
+    """The local file system, as the checkpoint writers below use it (DCP's own writer)."""
+
+    def create_stream(self, path, mode: str):
+        return open(path, mode)
+
+    def concat_path(self, path, suffix: str) -> str:
+        return os.path.join(str(path), suffix)
+
+    def mkdir(self, path) -> None:
+        os.makedirs(str(path), exist_ok=True)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        """Each file of ``directory`` with its size in bytes."""
+        return {name: os.path.getsize(os.path.join(directory, name))
+                for name in os.listdir(directory)}
+
+    def dcp_writer(self, directory: str):
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(directory)
+
+
 class ArrowFileSystem:
-    """torch DCP's ``FileSystemBase`` over a pyarrow filesystem (reading only): what
-    ``FileSystemReader`` needs to read a checkpoint where it lies, byte ranges included."""
+    """torch DCP's ``FileSystemBase`` over a pyarrow filesystem: what ``FileSystemReader`` needs
+    to read a checkpoint where it lies (byte ranges included) and ``FileSystemWriter`` to write
+    one there, straight into the run's storage (S3, GCS, any filesystem Ray Train was given)."""
 
     def __init__(self, filesystem) -> None:
         self.filesystem = filesystem
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        if "r" not in mode:
-            raise OSError(f"{path}: this checkpoint storage is read only here")
-        with self.filesystem.open_input_file(str(path)) as f:
-            yield f
+        if "w" in mode:
+            with self.filesystem.open_output_stream(str(path)) as f:
+                yield f
+        else:
+            with self.filesystem.open_input_file(str(path)) as f:
+                yield f
 
     def concat_path(self, path, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
@@ -37,10 +63,19 @@ class ArrowFileSystem:
     def init_path(self, path) -> str:
         return str(path)
 
+    def rename(self, path, new_path) -> None:
+        self.filesystem.move(str(path), str(new_path))
+
+    def mkdir(self, path) -> None:
+        self.filesystem.create_dir(str(path), recursive=True)
+
     def exists(self, path) -> bool:
         import pyarrow.fs
 
         return self.filesystem.get_file_info(str(path)).type != pyarrow.fs.FileType.NotFound
+
+    def rm_file(self, path) -> None:
+        self.filesystem.delete_file(str(path))
 
     def ls(self, path) -> list[str]:
         import pyarrow.fs
@@ -51,6 +86,46 @@ class ArrowFileSystem:
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return True
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        """Each file of ``directory`` with its size in bytes."""
+        import pyarrow.fs
+
+        infos = self.filesystem.get_file_info(pyarrow.fs.FileSelector(directory,
+                                                                      allow_not_found=True))
+        return {info.base_name: info.size for info in infos
+                if info.type == pyarrow.fs.FileType.File}
+
+    def dcp_writer(self, directory: str):
+        """torch's ``FileSystemWriter`` writing into ``directory`` on this filesystem (no
+        ``fsync``: a remote store makes a file durable when it is closed)."""
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        writer = FileSystemWriter(os.devnull, sync_files=False)  # a path FileSystem accepts
+        writer.fs = self
+        writer.path = directory
+        return writer
+
+
+def files_at(filesystem=None):
+    """How a checkpoint is written on ``filesystem``: None or pyarrow's local filesystem (the
+    local file system), a ``MemoryFiles`` (host memory) or any other pyarrow filesystem."""
+    if filesystem is None or isinstance(filesystem, (LocalFiles, MemoryFiles, ArrowFileSystem)):
+        return LocalFiles() if filesystem is None else filesystem
+    import pyarrow.fs
+
+    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        return LocalFiles()
+    return ArrowFileSystem(filesystem)
+
+
+def save_file(files, directory: str, name: str, obj: Any) -> None:
+    """``torch.save(obj)`` as the file ``name`` of ``directory`` (streamed, never held whole)."""
+    with files.create_stream(files.concat_path(directory, name), "wb") as f:
+        if isinstance(obj, (bytes, bytearray)):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
 
 
 def reader_for(path: str, filesystem=None):
@@ -148,9 +223,14 @@ class MemoryFiles:
 
     def save(self, name: str, obj: Any) -> None:
         """A torch file ``name`` in the checkpoint's directory."""
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        self.files[self.concat_path(ROOT, name)] = buf.getvalue()
+        save_file(self, ROOT, name, obj)
+
+    def sizes(self, directory: str) -> dict[str, int]:
+        """Each file of the checkpoint with its size in bytes."""
+        return {name: len(data) for name, data in self.by_name().items()}
+
+    def dcp_writer(self, directory: str):
+        return memory_writer(self)
 
     def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""

@@ -26,11 +26,16 @@ def stage_replicated(state: Mapping[str, Any]) -> dict[str, Any]:
     return to_cpu(dict(state))
 
 
-def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str) -> dict[str, Any]:
-    """Write the staged state to ``directory/filename``; returns ``{"files", "bytes"}``."""
-    path = os.path.join(directory, filename)
-    torch.save(cpu_state, path)
-    return {"files": [filename], "bytes": os.path.getsize(path)}
+def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
+                     filesystem=None) -> dict[str, Any]:
+    """Write the staged state to ``directory/filename`` (on ``filesystem``, a pyarrow filesystem,
+    when given: the run's storage); returns ``{"files", "bytes"}``."""
+    from ray_train_xla.toolkit.checkpoint.files import files_at, save_file
+
+    files = files_at(filesystem)
+    files.mkdir(directory)
+    save_file(files, directory, filename, cpu_state)
+    return {"files": [filename], "bytes": files.sizes(directory)[filename]}
 
 
 def load_replicated(path: str, filename: str, where: str, filesystem=None) -> dict[str, Any]:

@@ -22,7 +22,6 @@ torch_xla is imported only for the ``spmd`` layout: native workers never import 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -190,31 +189,30 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
                  filesystem=None, writer_process: bool = False) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
     every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    ``filesystem``: a ``files.MemoryFiles`` to write into host memory instead of the local
-    file system. ``writer_process``: DTensor shards in a process group are written by this
-    worker's writer process (``writer.py``). Returns what this rank wrote:
-    ``{"files": [...], "bytes": n}``. The snapshot's host buffers go back to the staging pool
-    once the shards are written (or the write failed)."""
+    ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
+    (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
+    ``writer_process``: DTensor shards in a process group are written by this worker's writer
+    process (``writer.py``). Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
+    The snapshot's host buffers go back to the staging pool once the shards are written (or the
+    write failed)."""
     import torch.distributed.checkpoint as dcp
+
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
 
     distributed, rank, world = _dist()
     if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
         staged["state"], staged["release"] = staged["state"].result()
-    if filesystem is None:
-        os.makedirs(directory, exist_ok=True)
-        before = set(os.listdir(directory))
-        writer = dcp.FileSystemWriter(directory)
-    else:
-        from ray_train_xla.toolkit.checkpoint.files import memory_writer
-
-        before = set(filesystem.by_name())
-        writer = memory_writer(filesystem)
+    files = files_at(filesystem)
+    files.mkdir(directory)
+    before = files.sizes(directory)
+    writer = files.dcp_writer(directory)
     try:
-        if filesystem is None and distributed and staged["layout"] == DTENSOR and writer_process:
+        if distributed and staged["layout"] == DTENSOR and writer_process and \
+                not isinstance(files, MemoryFiles):
             from ray_train_xla.planning.contract import worker_context
             from ray_train_xla.toolkit.checkpoint.writer import save_in_writer_process
 
-            save_in_writer_process(staged["state"], directory, process_group,
+            save_in_writer_process(staged["state"], writer, directory, process_group,
                                    worker_context().timeout_s, rank)
         else:
             dcp.save(staged["state"], storage_writer=writer,
@@ -233,24 +231,13 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
             "devices": _device_count(staged["layout"], world),
             "keys": sorted(staged["state"]),
         })
-        if filesystem is None:
-            torch.save(staged["extra"], os.path.join(directory, EXTRA_FILE))
-            if staged["groups"] is not None:
-                torch.save(staged["groups"], os.path.join(directory, GROUPS_FILE))
-            with open(os.path.join(directory, SHARDED_MARKER), "w") as f:
-                f.write(marker)
-        else:
-            filesystem.save(EXTRA_FILE, staged["extra"])
-            if staged["groups"] is not None:
-                filesystem.save(GROUPS_FILE, staged["groups"])
-            filesystem.files[filesystem.concat_path(directory, SHARDED_MARKER)] = marker.encode()
-    if filesystem is not None:
-        written = filesystem.by_name()
-        files = sorted(set(written) - before)
-        return {"files": files, "bytes": sum(len(written[f]) for f in files)}
-    files = sorted(set(os.listdir(directory)) - before)
-    return {"files": files,
-            "bytes": sum(os.path.getsize(os.path.join(directory, f)) for f in files)}
+        save_file(files, directory, EXTRA_FILE, staged["extra"])
+        if staged["groups"] is not None:
+            save_file(files, directory, GROUPS_FILE, staged["groups"])
+        save_file(files, directory, SHARDED_MARKER, marker.encode())
+    after = files.sizes(directory)
+    new = sorted(set(after) - set(before))
+    return {"files": new, "bytes": sum(after[f] for f in new)}
 
 
 def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:

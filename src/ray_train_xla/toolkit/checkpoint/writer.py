@@ -42,15 +42,15 @@ def _as_is_stager():
     return AsIs()
 
 
-def save_in_writer_process(state: dict[str, Any], directory: str, process_group,
-                           timeout_s: float, rank: int) -> None:
-    """Write ``state`` (host DTensors) into ``directory`` through this worker's writer process;
-    collective over ``process_group`` like ``dcp.save``. Raises ``ReportError`` when the writer
-    fails, dies or takes longer than ``timeout_s``."""
+def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str,
+                           process_group, timeout_s: float, rank: int) -> None:
+    """Write ``state`` (host DTensors) with ``storage_writer`` (DCP's, into ``directory``)
+    through this worker's writer process; collective over ``process_group`` like ``dcp.save``.
+    Raises ``ReportError`` when the writer fails, dies or takes longer than ``timeout_s``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(directory),
+    future = dcp.async_save(state, storage_writer=storage_writer,
                             planner=dcp.DefaultSavePlanner(), process_group=process_group,
                             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                             async_stager=_as_is_stager())
