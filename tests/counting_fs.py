@@ -102,3 +102,22 @@ def checkpoint_writes(log: str) -> list[str]:
         return []
     with open(log + ".writes") as f:
         return f.read().split()
+
+
+class SlowHandler(CountingHandler):
+    """Writes that take ``seconds`` to start: a storage that hangs."""
+
+    def __init__(self, log: str, seconds: float) -> None:
+        super().__init__(log)
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return SlowHandler, (self.log, self.seconds)
+
+    def open_output_stream(self, path, metadata):
+        time.sleep(self.seconds)
+        return super().open_output_stream(path, metadata)
+
+
+def slow_filesystem(log: str, seconds: float) -> pafs.PyFileSystem:
+    return pafs.PyFileSystem(SlowHandler(log, seconds))

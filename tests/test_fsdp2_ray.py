@@ -159,9 +159,11 @@ def train_and_save(config):
         written = rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "step": STEPS}, {"step": STEPS}, wait=True)
         record["sharded_write"] = [_wchar() - before, written["bytes"]]
-        from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+        from ray_train_xla.toolkit.checkpoint.writer import save_process, writer_process_pid
 
         record["writer_process"] = writer_process_pid() not in (None, os.getpid())
+        if rtx.rank() == 0:  # rank 0's replicated file was written by its save process
+            record["replicated_writer"] = save_process().process.pid != os.getpid()
     else:
         rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                              "step": STEPS}, {"step": STEPS})
@@ -173,15 +175,14 @@ def train_and_save(config):
 
 
 def _wchar() -> int:
-    """Bytes this process and its checkpoint writer process (when it has one) have passed to
+    """Bytes this process and its checkpoint writer processes (those it has) have passed to
     write calls (``/proc/<pid>/io``)."""
-    from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+    from ray_train_xla.toolkit.checkpoint.writer import writer_process_pids
 
     total = 0
-    for pid in ("self", writer_process_pid()):
-        if pid is not None:
-            with open(f"/proc/{pid}/io") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+    for pid in ("self", *writer_process_pids()):
+        with open(f"/proc/{pid}/io") as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith("wchar"))
     return total
 
 
@@ -337,6 +338,7 @@ def test_each_checkpoint_is_written_once_in_the_runs_storage(runs):
     rank0 = next(r for r in runs["four"] if r["replicated_write"][1])
     wrote, size = rank0["replicated_write"]
     assert size >= 8_000_000 and wrote <= 1.05 * size + slack, (wrote, size)
+    assert rank0["replicated_writer"] is True  # written by rank 0's save process
     for rec in runs["four"]:
         wrote, size = rec["sharded_write"]
         assert 0 < size and wrote <= 1.05 * size + slack, rec["sharded_write"]

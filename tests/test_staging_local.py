@@ -179,3 +179,73 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         assert names == sorted([".metadata.tmp", "__0_0.distcp", "__1_0.distcp", "extra.pt",
                                 "param_groups.pt",
                                 "sharded.json"]), writes
+
+
+def test_replicated_saves_by_the_writer_process(tmp_path):
+    """Replicated state (rank 0's checkpoint.pt) written by the save process: from shared host
+    buffers reused from save to save, bit for bit, locally and through a pyarrow filesystem that
+    is not the local one; a write error, a killed writer and a write past ``timeout_s`` are
+    each a ReportError that names the fix, within the bound, and the next save works."""
+    import signal
+    import time
+
+    import pytest
+    from counting_fs import checkpoint_writes, counting_filesystem, slow_filesystem
+
+    from ray_train_xla.errors import ReportError
+    from ray_train_xla.toolkit.checkpoint.replicated import load_replicated, stage_replicated_shared
+    from ray_train_xla.toolkit.checkpoint.staging import shared_pool
+    from ray_train_xla.toolkit.checkpoint.writer import save_process, writer_process_pids
+
+    model = torch.nn.Linear(256, 512)
+    remote = counting_filesystem(str(tmp_path / "storage.log"))
+    allocated = []
+
+    def save(i, filesystem=None, timeout_s=30.0, directory=None):
+        state, release = stage_replicated_shared({"model": model.state_dict(), "step": i})
+        allocated.append(shared_pool().allocated_bytes)
+        try:
+            return save_process().save(state, directory or str(tmp_path / f"r{i}"),
+                                       "checkpoint.pt", filesystem, timeout_s, 0)
+        finally:
+            release()
+
+    try:
+        for i in range(3):
+            expected = {k: v.clone() for k, v in model.state_dict().items()}
+            written = save(i, remote if i == 1 else None)
+            back = load_replicated(str(tmp_path / f"r{i}"), "checkpoint.pt", "test",
+                                   remote if i == 1 else None)
+            assert written["files"] == ["checkpoint.pt"] and written["bytes"] > 256 * 512 * 4
+            assert back["step"] == i and all(torch.equal(back["model"][k], v)
+                                             for k, v in expected.items())
+            with torch.no_grad():
+                model.weight.add_(1.0)  # the next save holds other values
+        pid = save_process().process.pid
+        assert writer_process_pids() == [pid] and pid != os.getpid()
+        assert allocated[0] >= 256 * 513 * 4 and allocated == [allocated[0]] * 3  # reused
+        assert [os.path.relpath(p, tmp_path) for p in
+                checkpoint_writes(str(tmp_path / "storage.log"))] == ["r1/checkpoint.pt"]
+        # A write that fails in the writer (its directory is a file): reported, writer alive.
+        (tmp_path / "blocked").write_text("")
+        with pytest.raises(ReportError, match="writer process failed on .*blocked.*writer_process=False"):
+            save(3, directory=str(tmp_path / "blocked"))
+        assert save_process().process.pid == pid
+        # A killed writer: reported with its exit code at once; the next save starts another.
+        os.kill(pid, signal.SIGKILL)
+        save_process().process.join(5)
+        start = time.perf_counter()
+        with pytest.raises(ReportError, match=r"it is dead: pid \d+, exit code -9"):
+            save(4)
+        assert time.perf_counter() - start < 5
+        assert save(5)["files"] == ["checkpoint.pt"] and save_process().process.pid != pid
+        # A write that does not end (a storage that hangs): an error after timeout_s, the
+        # writer ended, the next save works.
+        slow = slow_filesystem(str(tmp_path / "slow.log"), 30)
+        start = time.perf_counter()
+        with pytest.raises(ReportError, match="did not write .* within timeout_s=1"):
+            save(6, slow, timeout_s=1)
+        assert time.perf_counter() - start < 5
+        assert save(7)["bytes"] > 0
+    finally:
+        save_process().end()

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import reporting, timeline
 from ray_train_xla.toolkit.checkpoint import memory as _memory
 from ray_train_xla.toolkit.checkpoint.format import (
@@ -47,6 +48,7 @@ from ray_train_xla.toolkit.checkpoint.replicated import (
     check_replicated,
     load_replicated,
     stage_replicated,
+    stage_replicated_shared,
     write_replicated,
 )
 from ray_train_xla.toolkit.checkpoint.sharded import (
@@ -132,10 +134,22 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
             return write_staged(staged, directory, group, filesystem=filesystem,
                                 writer_process=writer_process)
     elif rank() == 0:
-        cpu_state = stage_replicated(state)
+        if not reporting.writer_process_on:
+            cpu_state = stage_replicated(state)
 
-        def write(directory: str, filesystem) -> dict[str, Any]:
-            return write_replicated(cpu_state, directory, filename, filesystem)
+            def write(directory: str, filesystem) -> dict[str, Any]:
+                return write_replicated(cpu_state, directory, filename, filesystem)
+        else:  # written by the writer process, from shared host buffers (writer.py)
+            shared_state, release = stage_replicated_shared(state)
+
+            def write(directory: str, filesystem) -> dict[str, Any]:
+                from ray_train_xla.toolkit.checkpoint.writer import save_process
+
+                try:
+                    return save_process().save(shared_state, directory, filename, filesystem,
+                                               worker_context().timeout_s, 0)
+                finally:
+                    release()
     return reporter().checkpoint(metrics, write, wait=wait, after=after)
 
 

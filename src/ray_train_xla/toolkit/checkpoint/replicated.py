@@ -10,7 +10,7 @@ package to load.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +24,31 @@ FSDP_V2_PREFIX = "_orig_module."
 def stage_replicated(state: Mapping[str, Any]) -> dict[str, Any]:
     """A CPU copy of ``state`` (rank 0 only): what :func:`write_replicated` writes."""
     return to_cpu(dict(state))
+
+
+def stage_replicated_shared(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+    """(a CPU copy of ``state`` in shared memory for the writer process; the function that
+    gives its buffers back once written). Tensors with storage (the CPU, the native devices)
+    are copied into shared buffers reused from save to save (``staging.shared_pool``); torch_xla
+    tensors are copied off the device as by :func:`stage_replicated` and move into shared
+    memory when handed to the writer process."""
+    from ray_train_xla.toolkit.checkpoint.staging import shared_pool
+
+    state = dict(state)
+    if any(t.device.type == "xla" for t in _tensors(state)):
+        return to_cpu(state), lambda: None
+    return shared_pool().stage(state)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,

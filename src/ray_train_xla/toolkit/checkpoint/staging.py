@@ -11,6 +11,8 @@ and later saves allocate nothing that grows with the state. Buffers are pinned w
 available (torch pins host memory for CUDA only).
 
 ``allocated_bytes`` counts the host storages the pool allocated, for tests and benchmarks.
+Replicated state that a writer process writes is staged the same way into shared-memory
+buffers (:func:`shared_pool`), which the writer process maps instead of receiving a copy.
 
 **Overlapped snapshots** (:class:`Snapshots`, the default for DTensor state): the copy into
 those buffers runs in a background thread while the loop goes on to the next forward and
@@ -38,8 +40,9 @@ import torch
 class StagingPool:
     """Stagers lent to one snapshot each, from the snapshot until its write ends."""
 
-    def __init__(self, pin_memory: bool | None = None) -> None:
+    def __init__(self, pin_memory: bool | None = None, share_memory: bool = False) -> None:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.share_memory = share_memory  # buffers a writer process maps (writer.py)
         self._lock = threading.Lock()
         self._free: list[Any] = []
         self._stagers = 0
@@ -49,7 +52,7 @@ class StagingPool:
     def _new_stager(self):
         from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-        stager = StateDictStager(pin_memory=self.pin_memory)
+        stager = StateDictStager(pin_memory=self.pin_memory, share_memory=self.share_memory)
         stage_storage = stager._stage_untyped_storage
         pool = self
 
@@ -92,6 +95,7 @@ class StagingPool:
 
 
 _POOL: StagingPool | None = None
+_SHARED_POOL: StagingPool | None = None
 
 
 def pool() -> StagingPool:
@@ -100,6 +104,15 @@ def pool() -> StagingPool:
     if _POOL is None:
         _POOL = StagingPool()
     return _POOL
+
+
+def shared_pool() -> StagingPool:
+    """This worker's staging pool of shared-memory buffers, for snapshots a writer process
+    writes (replicated state, ``writer.py``)."""
+    global _SHARED_POOL
+    if _SHARED_POOL is None:
+        _SHARED_POOL = StagingPool(pin_memory=False, share_memory=True)
+    return _SHARED_POOL
 
 
 class Snapshots:

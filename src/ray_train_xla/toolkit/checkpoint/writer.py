@@ -1,4 +1,6 @@
-"""Sharded checkpoints written by a writer process: torch's own.
+"""Checkpoints written by a writer process, apart from the training process.
+
+**Sharded checkpoints: torch's own writer process.**
 
 ``torch.distributed.checkpoint.async_save(..., async_checkpointer_type=AsyncCheckpointerType.
 PROCESS)`` starts one writer process per worker at its first save (a spawned Python that joins a
@@ -9,11 +11,19 @@ DCP's planning and writes the files. The training process keeps only the waiting
 background reporter's thread: the write no longer shares the training thread's interpreter
 lock. The snapshot is taken as it is (no second staging: ``AsIs``).
 
-Used for DTensor state (FSDP2) in a process group, when ``configure_reports(writer_process=True)``
-(the default); torch_xla SPMD state, the memory tier and single-process saves write in the
-reporter's thread. A writer process that dies is reported (torch raises when its pipe closes)
-and a write that does not end within ``timeout_s`` is an error: neither is waited for without
-end. Either way the error reaches the training function as ``ReportError``, naming
+Used for DTensor state (FSDP2) in a process group.
+
+**Replicated checkpoints: a save process** (:class:`SaveProcess`). Rank 0's ``checkpoint.pt`` is
+written by one spawned Python of rank 0's own (started at its first replicated save): it is
+handed the snapshot through a pipe, its tensors as shared memory (the snapshot is staged into
+shared host buffers reused from save to save, ``staging.py``; torch_xla's tensors, copied off
+the device as before, move into shared memory in the reporter's thread), and writes it into
+the file with ``torch.save``, locally or through the run's storage filesystem.
+
+Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state and the
+memory tier write in the reporter's thread. A writer process that dies is reported (its pipe
+closes) and a write that does not end within ``timeout_s`` is an error: neither is waited for
+without end. Either way the error reaches the training function as ``ReportError``, naming
 ``configure_reports(writer_process=False)``, which writes in the reporter's thread instead.
 """
 
@@ -76,6 +86,92 @@ def _process():
 
 
 def writer_process_pid() -> int | None:
-    """The pid of this worker's writer process, None before the first save through it."""
+    """The pid of this worker's writer process of sharded checkpoints, None before the first
+    save through it."""
     process = _process()
     return None if process is None else process.pid
+
+
+def writer_process_pids() -> list[int]:
+    """The pids of this worker's writer processes (sharded, replicated) started so far."""
+    pids = [writer_process_pid(), None if _SAVE is None else _SAVE.process.pid]
+    return [pid for pid in pids if pid is not None]
+
+
+class SaveProcess:
+    """This worker's writer of replicated checkpoints: one spawned Python that writes each state
+    it is handed with ``torch.save`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child,), daemon=True,
+                                   name="ray_train_xla-checkpoint-writer")
+        self.process.start()
+        child.close()
+
+    def save(self, state: dict[str, Any], directory: str, filename: str, filesystem,
+             timeout_s: float, rank: int) -> dict[str, Any]:
+        """``write_replicated`` in the writer process; raises ``ReportError`` when it fails,
+        dies or takes longer than ``timeout_s`` (then it is ended: the next save starts
+        another)."""
+        fix = "configure_reports(writer_process=False) writes in the training process instead"
+        try:
+            self.conn.send((state, directory, filename, filesystem))
+            if not self.conn.poll(timeout_s):
+                self.end()
+                raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
+                                  f"{directory} within timeout_s={timeout_s:g}; {fix}")
+            ok, result = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.process.join(1)
+            self.end()
+            raise ReportError(
+                f"rank {rank}: the checkpoint writer process failed on {directory} (it is dead: "
+                f"pid {self.process.pid}, exit code {self.process.exitcode}): "
+                f"{type(exc).__name__}: {exc}; {fix}") from exc
+        if not ok:
+            raise ReportError(f"rank {rank}: the checkpoint writer process failed on "
+                              f"{directory}: {result}; {fix}")
+        return result
+
+    def end(self) -> None:
+        """Stop the process (it was started here) and forget it."""
+        global _SAVE
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+        if _SAVE is self:
+            _SAVE = None
+
+
+_SAVE: SaveProcess | None = None
+
+
+def save_process() -> SaveProcess:
+    """This worker's writer of replicated checkpoints, started at the first call."""
+    global _SAVE
+    if _SAVE is None:
+        _SAVE = SaveProcess()
+    return _SAVE
+
+
+def _serve(conn) -> None:
+    """The writer process: ``write_replicated`` each request until the pipe closes."""
+    from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
+
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        state, directory, filename, filesystem = request
+        try:
+            result = (True, write_replicated(state, directory, filename, filesystem))
+        except Exception as exc:  # noqa: BLE001 (sent to the worker, raised there)
+            result = (False, f"{type(exc).__name__}: {exc}")
+        del state, request  # the shared buffers go back before the worker reuses them
+        conn.send(result)
