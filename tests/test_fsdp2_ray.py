@@ -152,6 +152,10 @@ def train_and_save(config):
         # Ray's upload of a temporary directory included) is the checkpoint's bytes, once. A
         # replicated save (rank 0 writes) first, then the sharded one, which the run keeps last.
         blob = {"blob": torch.arange(2_000_000, dtype=torch.float32)}
+        from ray_train_xla.toolkit.checkpoint.writer import save_process
+
+        if rtx.rank() == 0:  # rank 0's save process, started (saves before it is are written
+            assert save_process().wait_ready(60)  # in the reporter's thread)
         before = _wchar()
         written = rtx.save_checkpoint(blob, {"step": 0}, wait=True)
         record["replicated_write"] = [_wchar() - before, written and written["bytes"]]
@@ -159,7 +163,7 @@ def train_and_save(config):
         written = rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "step": STEPS}, {"step": STEPS}, wait=True)
         record["sharded_write"] = [_wchar() - before, written["bytes"]]
-        from ray_train_xla.toolkit.checkpoint.writer import save_process, writer_process_pid
+        from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
 
         record["writer_process"] = writer_process_pid() not in (None, os.getpid())
         if rtx.rank() == 0:  # rank 0's replicated file was written by its save process

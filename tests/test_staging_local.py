@@ -211,6 +211,8 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
             release()
 
     try:
+        assert save_process().ready() is False  # just started: importing torch
+        assert save_process().wait_ready(60) is True
         for i in range(3):
             expected = {k: v.clone() for k, v in model.state_dict().items()}
             written = save(i, remote if i == 1 else None)

@@ -476,8 +476,9 @@ def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     of the state; call before the first report); whether the snapshot of sharded (DTensor)
     state is copied while the loop goes on, the next optimizer step waiting for it
     (``toolkit/checkpoint/staging.py``; False: ``save_checkpoint`` and ``keep_in_memory``
-    return once the copy is made); and whether DTensor shards are written by a writer process
-    (``toolkit/checkpoint/writer.py``; False: in the background reporter's thread)."""
+    return once the copy is made); and whether DTensor shards and replicated state are written
+    by a writer process (``toolkit/checkpoint/writer.py``; False: in the background reporter's
+    thread)."""
     global _max_in_flight, overlap_snapshots_on, writer_process_on
     if not isinstance(max_in_flight, int) or max_in_flight < 1:
         raise ValueError(f"configure_reports: max_in_flight={max_in_flight!r} must be an int >= 1")

@@ -29,6 +29,7 @@ without end. Either way the error reaches the training function as ``ReportError
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -111,6 +112,23 @@ class SaveProcess:
                                    name="ray_train_xla-checkpoint-writer")
         self.process.start()
         child.close()
+        self._ready = False  # the process says so once it has imported what it needs
+
+    def ready(self) -> bool:
+        """Whether the process has started (imported torch) and takes saves; never waits."""
+        if not self._ready and self.process.is_alive() and self.conn.poll(0):
+            try:
+                self._ready = self.conn.recv() == "ready"
+            except (EOFError, OSError):
+                pass
+        return self._ready
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until :meth:`ready`, at most ``timeout_s``; False when it is not by then."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready() and self.process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.ready()
 
     def save(self, state: dict[str, Any], directory: str, filename: str, filesystem,
              timeout_s: float, rank: int) -> dict[str, Any]:
@@ -119,6 +137,8 @@ class SaveProcess:
         another)."""
         fix = "configure_reports(writer_process=False) writes in the training process instead"
         try:
+            if not self._ready and self.conn.poll(timeout_s):  # its first message: ready
+                self._ready = self.conn.recv() == "ready"
             self.conn.send((state, directory, filename, filesystem))
             if not self.conn.poll(timeout_s):
                 self.end()
@@ -152,7 +172,8 @@ _SAVE: SaveProcess | None = None
 
 
 def save_process() -> SaveProcess:
-    """This worker's writer of replicated checkpoints, started at the first call."""
+    """This worker's writer of replicated checkpoints, started at the first call (in the
+    background: :meth:`SaveProcess.ready` says when it takes saves)."""
     global _SAVE
     if _SAVE is None:
         _SAVE = SaveProcess()
@@ -163,6 +184,7 @@ def _serve(conn) -> None:
     """The writer process: ``write_replicated`` each request until the pipe closes."""
     from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
 
+    conn.send("ready")
     while True:
         try:
             request = conn.recv()
