@@ -68,13 +68,13 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     from ray_train_xla.toolkit.checkpoint.staging import snapshots
 
-    stage = pool().stage
+    stage = pool().stage_tensors
 
-    def slow_stage(state):
+    def slow_stage(tensors):
         time.sleep(0.5)
-        return stage(state)
+        return stage(tensors)
 
-    pool().stage = slow_stage
+    pool().stage_tensors = slow_stage
     before = [p.full_tensor().clone() for p in model.parameters()]
     t0 = time.perf_counter()
     staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     stepped_s = time.perf_counter() - t0
     write_staged(staged, os.path.join(root, "c9"))
     dist.barrier()  # rank 0 writes the metadata files last: every rank's write is done
-    pool().stage = stage
+    pool().stage_tensors = stage
     load_sharded(os.path.join(root, "c9"), fresh, fresh_opt)
     overlapped = {"returned_s": returned_s, "stepped_s": stepped_s, "waits": snapshots().waits,
                   "exact": all(torch.equal(a.full_tensor(), b)

@@ -125,7 +125,7 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
     if layout is not None:
         # device -> host now, or while the next forward and backward run (the next optimizer
         # step waits for it); the files are written later
-        staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on)
+        staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout)
         group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
 
         writer_process = reporting.writer_process_on

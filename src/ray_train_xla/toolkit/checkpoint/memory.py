@@ -318,7 +318,7 @@ class MemoryTier:
         if layout is not None:
             from ray_train_xla.toolkit import reporting
 
-            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on)
+            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout)
 
             def write() -> None:
                 write_staged(staged, ROOT, group, filesystem=files)

@@ -123,12 +123,14 @@ def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
     return out, groups
 
 
-def stage_sharded(state: Mapping[str, Any], overlap: bool = False) -> dict[str, Any]:
+def stage_sharded(state: Mapping[str, Any], overlap: bool = False,
+                  layout: str | None = None) -> dict[str, Any]:
     """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
     sharded save that must happen before training goes on. Returns what :func:`write_staged`
     writes. ``overlap``: DTensors are copied in the background while the loop goes on, and the
-    next optimizer step waits for the copy (``staging.Snapshots``)."""
-    layout = sharded_layout(state, "save_checkpoint")
+    next optimizer step waits for the copy (``staging.Snapshots``). ``layout``: the state's
+    (``sharded_layout``), when the caller has it already."""
+    layout = layout or sharded_layout(state, "save_checkpoint")
     dist_state, extra = _split(state)
     named, groups = _named(dist_state)
     if layout == SPMD:
@@ -141,12 +143,16 @@ def stage_sharded(state: Mapping[str, Any], overlap: bool = False) -> dict[str, 
     else:
         # DTensors stay DTensors (same mesh and placements, local shard on the CPU), copied into
         # host buffers reused from save to save (staging.py), given back once written.
-        from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots
+        # The local shards are staged as plain tensors and made DTensors again when written.
+        from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots, split_dtensors
 
+        tree, shards, specs = split_dtensors(named)
         if overlap:  # a future of (staged, release): write_staged waits for it
-            staged, release = snapshots().submit(pool(), named), None
+            staged, release = snapshots().submit(pool().stage_tensors, shards), None
         else:
-            staged, release = pool().stage(named)
+            staged, release = pool().stage_tensors(shards)
+        return {"layout": layout, "state": staged, "tree": tree, "specs": specs,
+                "groups": groups, "extra": to_cpu(extra), "release": release}
     return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra),
             "release": release}
 
@@ -202,6 +208,10 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     distributed, rank, world = _dist()
     if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
         staged["state"], staged["release"] = staged["state"].result()
+    if staged.get("specs") is not None:  # DTensors again, over their staged local shards
+        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
+
+        staged["state"] = join_dtensors(staged.pop("tree"), staged["state"], staged.pop("specs"))
     files = files_at(filesystem)
     files.mkdir(directory)
     before = files.sizes(directory)

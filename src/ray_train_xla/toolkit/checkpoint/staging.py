@@ -27,11 +27,13 @@ first, or turns overlapping off (``configure_reports(overlap_snapshots=False)``)
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,11 +78,28 @@ class StagingPool:
     def stage(self, state: Any) -> tuple[Any, Callable[[], None]]:
         """(a host copy of ``state``, DTensors kept DTensors on the CPU; the function that gives
         its buffers back once the copy is written). Call the second exactly once."""
+        stager = self._lend()
+        return stager.stage(state), self._giving_back(stager)
+
+    def stage_tensors(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                                  Callable[[], None]]:
+        """As :meth:`stage` for a list of plain tensors: the same stager and buffers (torch's
+        ``StateDictStager``, storage by storage), without its deep copy of a structure."""
+        stager = self._lend()
+        out = []
+        with torch.no_grad():
+            for t in tensors:
+                storage = stager._stage_untyped_storage(t.untyped_storage())
+                out.append(torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(),
+                                                              t.size(), t.stride()))
+        return out, self._giving_back(stager)
+
+    def _lend(self):
         with self._lock:
             stager = self._free.pop() if self._free else None
-        if stager is None:
-            stager = self._new_stager()
-        staged = stager.stage(state)
+        return self._new_stager() if stager is None else stager
+
+    def _giving_back(self, stager) -> Callable[[], None]:
         with self._lock:
             self.snapshots += 1
         returned = threading.Event()
@@ -91,7 +110,70 @@ class StagingPool:
                 with self._lock:
                     self._free.append(stager)
 
-        return staged, give_back
+        return give_back
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """Where a DTensor was in a state dict whose local shards are staged apart."""
+
+    index: int
+
+    def __deepcopy__(self, memo) -> _Shard:  # immutable: the stager keeps it as it is
+        return self
+
+
+def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
+    """(``tree`` with each tensor replaced by a marker; the tensors, a DTensor by its local
+    shard; what makes each a DTensor again: mesh, placements, shape, stride, or None for a
+    plain tensor). The stager copies plain local tensors, which costs a fraction of copying
+    DTensors (each new DTensor is a DTensor dispatch): the DTensors are made again by
+    :func:`join_dtensors` when the snapshot is written, off the training thread."""
+    from torch.distributed.tensor import DTensor
+
+    shards: list[torch.Tensor] = []
+    specs: list[tuple] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = getattr(value, "_local_tensor", None)
+            shards.append(value.to_local() if local is None else local)
+            specs.append((value.device_mesh, value.placements, value.shape, value.stride()))
+            return _Shard(len(shards) - 1)
+        if isinstance(value, torch.Tensor):  # e.g. the optimizer's step count
+            shards.append(value)
+            specs.append(None)
+            return _Shard(len(shards) - 1)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v) for v in value)
+        if isinstance(value, (int, float, str, bytes, type(None), torch.dtype, torch.device)):
+            return value
+        return copy.deepcopy(value)  # as the stager would: the snapshot shares nothing mutable
+
+    return walk(tree), shards, specs
+
+
+def join_dtensors(tree: Any, shards: list[torch.Tensor], specs: list[tuple]) -> Any:
+    """``tree`` with each marker of :func:`split_dtensors` the DTensor of its staged shard
+    (the same mesh, placements, shape and stride; no copy, no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, _Shard):
+            if specs[value.index] is None:
+                return shards[value.index]
+            mesh, placements, shape, stride = specs[value.index]
+            return DTensor.from_local(shards[value.index], mesh, placements, run_check=False,
+                                      shape=shape, stride=stride)
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    return walk(tree)
 
 
 _POOL: StagingPool | None = None
@@ -126,11 +208,11 @@ class Snapshots:
         self.waits = 0  # optimizer steps that waited for a snapshot
         self.waited_s = 0.0
 
-    def submit(self, staging: StagingPool, state: Any) -> Future:
-        """Copy ``state`` with ``staging`` in the background: a future of ``staging.stage``'s
-        (copy, give back)."""
+    def submit(self, stage: Callable[[Any], tuple[Any, Callable[[], None]]], state: Any) -> Future:
+        """Copy ``state`` with ``stage`` (a pool's ``stage`` or ``stage_tensors``) in the
+        background: a future of its (copy, give back)."""
         self._install()
-        future = self._executor.submit(staging.stage, state)
+        future = self._executor.submit(stage, state)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._done)
