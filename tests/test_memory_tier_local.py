@@ -197,3 +197,30 @@ def test_memory_every_is_checked_in_the_config(bad):
             config(device="cpu", memory_every=bad)
     assert TorchNeuronConfig(device="cpu", memory_every=5).memory_every == 5
     assert os.environ.get("RAY_TRAIN_XLA_MEMORY_EVERY") is None
+
+
+def test_memory_files_write_into_one_buffer_reused_from_a_generation_to_the_next():
+    """A rank's data file is written into one buffer of its expected size (no copies as it
+    grows), which the next generation reuses once the files were released; a file larger than
+    expected grows and keeps every byte."""
+    from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
+
+    def write(chunks, expected):
+        files = MemoryFiles()
+        files.expected_bytes = expected
+        with files.create_stream(f"{ROOT}/__0_0.distcp", "wb") as stream:
+            for chunk in chunks:
+                stream.write(chunk)
+        return files
+
+    chunks = [bytes([i]) * 10_000 for i in range(100)]
+    first = write(chunks, 1 << 20)
+    assert bytes(first.by_name()["__0_0.distcp"]) == b"".join(chunks)
+    buffer = first._buffers[0]
+    first.release()
+    second = write(chunks[:50], 1 << 20)
+    assert second._buffers[0] is buffer  # reused: nothing allocated
+    assert bytes(second.by_name()["__0_0.distcp"]) == b"".join(chunks[:50])
+    second.release()
+    grown = write(chunks * 3, 1 << 20)  # 3 MB into 1 MB: grows, every byte kept
+    assert bytes(grown.by_name()["__0_0.distcp"]) == b"".join(chunks * 3)

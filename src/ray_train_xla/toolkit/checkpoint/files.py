@@ -171,27 +171,77 @@ def load_small(path: str, name: str, filesystem=None) -> Any:
                                                 weights_only=False)
 
 
+_SPARE: list[Any] = []  # data buffers given back by MemoryFiles.release, for the next ones
+
+
+class _Buffer(io.RawIOBase):
+    """A file written into one buffer of its expected size, reused from a generation to the
+    next once released (no copy as it grows, unlike ``io.BytesIO``, and no allocation a
+    generation; past that size it grows by doubling)."""
+
+    def __init__(self, capacity: int) -> None:
+        import numpy as np
+
+        capacity = max(capacity, 1 << 16)
+        spare = next((b for b in _SPARE if b.nbytes >= capacity), None)
+        if spare is not None:
+            _SPARE.remove(spare)
+        self.array = spare if spare is not None else np.empty(capacity, dtype=np.uint8)
+        self._view = memoryview(self.array)
+        self._n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        import numpy as np
+
+        view = memoryview(data).cast("B")
+        end = self._n + view.nbytes
+        if end > self.array.nbytes:
+            grown = np.empty(max(end, 2 * self.array.nbytes), dtype=np.uint8)
+            grown[:self._n] = self.array[:self._n]
+            self.array, self._view = grown, memoryview(grown)
+        self._view[self._n:end] = view
+        self._n = end
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._n
+
+    def written(self) -> memoryview:
+        return self._view[:self._n]
+
+
 class MemoryFiles:
-    """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory."""
+    """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory.
+    ``expected_bytes``: the size of the rank's data file (DCP's ``.distcp``), when known, so
+    that it is written into one buffer of that size."""
 
     def __init__(self) -> None:
         self.files: dict[str, Any] = {}  # path -> bytes or a memoryview of them
+        self.expected_bytes = 0
+        self._buffers: list[Any] = []
+
+    def release(self) -> None:
+        """The files were copied elsewhere: their data buffers serve the next MemoryFiles of this
+        process (at most two are kept spare). The files are gone."""
+        self.files.clear()
+        _SPARE.extend(self._buffers)
+        del _SPARE[:-2]
+        self._buffers = []
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
         if "w" in mode:
-            files, key = self.files, str(path)
-
-            class Kept(io.BytesIO):
-                """Kept without a copy once written (DCP may close the stream itself): the
-                file is the stream's own buffer, which stays open for it."""
-
-                def close(self) -> None:
-                    files[key] = self.getbuffer()
-
-            buf = Kept()
+            key = str(path)
+            large = key.endswith(".distcp")
+            buf = _Buffer(self.expected_bytes if large else 0)
             yield buf
-            buf.close()
+            # Kept without a copy (DCP may have closed the stream itself: the buffer stays)
+            self.files[key] = buf.written()
+            if large:
+                self._buffers.append(buf.array)
         else:
             yield io.BytesIO(self.files[str(path)])
 

@@ -341,6 +341,8 @@ class MemoryTier:
         # uint8 arrays: Ray copies them into its object store without pickling
         data = {name: np.frombuffer(b, dtype=np.uint8) for name, b in files.by_name().items()}
         ref = ray.put(data)
+        del data
+        files.release()  # copied into the object store: its buffers serve the next generation
         own, *peer = self.my_stores()
         # This node's store must take it; a peer that cannot (its node going away) leaves this
         # generation with one copy, and says so.

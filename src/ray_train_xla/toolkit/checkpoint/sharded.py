@@ -211,6 +211,10 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     if staged.get("specs") is not None:  # DTensors again, over their staged local shards
         from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
 
+        if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
+            filesystem.expected_bytes = sum(t.numel() * t.element_size()
+                                            for t in staged["state"]) + (1 << 20)
+
         staged["state"] = join_dtensors(staged.pop("tree"), staged["state"], staged.pop("specs"))
     files = files_at(filesystem)
     files.mkdir(directory)
