@@ -10,6 +10,12 @@ steady state the pool holds ``max_in_flight + 1`` sets of buffers, allocated by 
 and later saves allocate nothing that grows with the state. Buffers are pinned where CUDA is
 available (torch pins host memory for CUDA only).
 
+DTensor state is staged by its local shards, as plain tensors (:func:`split_dtensors`,
+:meth:`StagingPool.stage_tensors`: the stager's storage copies without its deep copy of the
+structure, whose new DTensors each cost a DTensor dispatch), and made DTensors again when the
+snapshot is written (:func:`join_dtensors`), off the training thread: the blocking call costs
+little more than the copy.
+
 ``allocated_bytes`` counts the host storages the pool allocated, for tests and benchmarks.
 Replicated state that a writer process writes is staged the same way into shared-memory
 buffers (:func:`shared_pool`), which the writer process maps instead of receiving a copy.
