@@ -195,7 +195,11 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     from ray_train_xla.errors import ReportError
     from ray_train_xla.toolkit.checkpoint.replicated import load_replicated, stage_replicated_shared
     from ray_train_xla.toolkit.checkpoint.staging import shared_pool
-    from ray_train_xla.toolkit.checkpoint.writer import save_process, writer_process_pids
+    from ray_train_xla.toolkit.checkpoint.writer import (
+        save_process,
+        save_replicated,
+        writer_process_pids,
+    )
 
     model = torch.nn.Linear(256, 512)
     remote = counting_filesystem(str(tmp_path / "storage.log"))
@@ -211,7 +215,15 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
             release()
 
     try:
-        assert save_process().ready() is False  # just started: importing torch
+        # Just started (importing torch): a save is written in this thread, without waiting.
+        start = time.perf_counter()
+        state, release = stage_replicated_shared({"model": model.state_dict(), "step": -1})
+        written = save_replicated(save_process(), state, str(tmp_path / "r-1"), "checkpoint.pt",
+                                  None, 30, 0)
+        release()
+        assert save_process().ready() is False and time.perf_counter() - start < 1.0
+        assert written["files"] == ["checkpoint.pt"]
+        assert load_replicated(str(tmp_path / "r-1"), "checkpoint.pt", "test")["step"] == -1
         assert save_process().wait_ready(60) is True
         for i in range(3):
             expected = {k: v.clone() for k, v in model.state_dict().items()}

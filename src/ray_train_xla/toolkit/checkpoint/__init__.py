@@ -140,17 +140,15 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
             def write(directory: str, filesystem) -> dict[str, Any]:
                 return write_replicated(cpu_state, directory, filename, filesystem)
         else:  # written by the writer process, from shared host buffers (writer.py)
-            from ray_train_xla.toolkit.checkpoint.writer import save_process
+            from ray_train_xla.toolkit.checkpoint.writer import save_process, save_replicated
 
             shared_state, release = stage_replicated_shared(state)
             writer = save_process()  # started at the first save, in the background
 
             def write(directory: str, filesystem) -> dict[str, Any]:
                 try:
-                    if not writer.ready():  # still starting: this one in the reporter's thread
-                        return write_replicated(shared_state, directory, filename, filesystem)
-                    return writer.save(shared_state, directory, filename, filesystem,
-                                       worker_context().timeout_s, 0)
+                    return save_replicated(writer, shared_state, directory, filename, filesystem,
+                                           worker_context().timeout_s, 0)
                 finally:
                     release()
     return reporter().checkpoint(metrics, write, wait=wait, after=after)

@@ -180,6 +180,17 @@ def save_process() -> SaveProcess:
     return _SAVE
 
 
+def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, filename: str,
+                    filesystem, timeout_s: float, rank: int) -> dict[str, Any]:
+    """Write a replicated snapshot by ``writer`` once it takes saves; before that (it is still
+    starting) in this thread, so that no save waits for the process to start."""
+    from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
+
+    if not writer.ready():
+        return write_replicated(state, directory, filename, filesystem)
+    return writer.save(state, directory, filename, filesystem, timeout_s, rank)
+
+
 def _serve(conn) -> None:
     """The writer process: ``write_replicated`` each request until the pipe closes."""
     from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
