@@ -140,7 +140,7 @@ def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
     shards: list[torch.Tensor] = []
     specs: list[tuple] = []
 
-    def walk(value: Any) -> Any:
+    def leaf(value: Any) -> Any:
         if isinstance(value, DTensor):
             local = getattr(value, "_local_tensor", None)
             shards.append(value.to_local() if local is None else local)
@@ -150,15 +150,11 @@ def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
             shards.append(value)
             specs.append(None)
             return _Shard(len(shards) - 1)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(walk(v) for v in value)
         if isinstance(value, (int, float, str, bytes, type(None), torch.dtype, torch.device)):
             return value
         return copy.deepcopy(value)  # as the stager would: the snapshot shares nothing mutable
 
-    return walk(tree), shards, specs
+    return _map_leaves(tree, leaf), shards, specs
 
 
 def join_dtensors(tree: Any, shards: list[torch.Tensor], specs: list[tuple]) -> Any:
@@ -166,20 +162,25 @@ def join_dtensors(tree: Any, shards: list[torch.Tensor], specs: list[tuple]) -> 
     (the same mesh, placements, shape and stride; no copy, no collective)."""
     from torch.distributed.tensor import DTensor
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, _Shard):
-            if specs[value.index] is None:
-                return shards[value.index]
-            mesh, placements, shape, stride = specs[value.index]
-            return DTensor.from_local(shards[value.index], mesh, placements, run_check=False,
-                                      shape=shape, stride=stride)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(walk(v) for v in value)
-        return value
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, _Shard):
+            return value
+        if specs[value.index] is None:
+            return shards[value.index]
+        mesh, placements, shape, stride = specs[value.index]
+        return DTensor.from_local(shards[value.index], mesh, placements, run_check=False,
+                                  shape=shape, stride=stride)
 
-    return walk(tree)
+    return _map_leaves(tree, leaf)
+
+
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with its dicts, lists and tuples rebuilt and ``leaf`` applied to the rest."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_map_leaves(v, leaf) for v in value)
+    return leaf(value)
 
 
 _POOL: StagingPool | None = None
