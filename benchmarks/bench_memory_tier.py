@@ -179,6 +179,10 @@ def measure(args) -> dict:
         print("restore", {k: v for k, v in out["restore"].items() if k != "runs"}, flush=True)
         del model, opt, fresh, fresh_opt, state
 
+        # The tier's writer process takes work (it starts at the first generation, in the
+        # background; the generations before are formatted in this process).
+        assert memory.memory_tier().wait_writer(120)
+
         # -- every step: the rest of the step in small kernels (256-wide matmuls, each a call
         # that takes the interpreter lock again) and in large ones (1024-wide)
         model, opt = build(width, args.step_layers, 2)

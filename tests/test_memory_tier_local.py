@@ -65,10 +65,52 @@ def test_a_store_keeps_two_generations_the_newest_and_the_one_before(ray_local):
     ray_local.kill(store)
 
 
-def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(tier_env):
+def _writer_io(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("wchar")).split()[1])
+
+
+def _start_writer(writer_process: bool) -> int | None:
+    """The tier's writer process started and ready (its pid), or off."""
+    from ray_train_xla.toolkit import reporting
+    from ray_train_xla.toolkit.checkpoint.memory import memory_tier
+
+    reporting.configure_reports(writer_process=writer_process)
+    if not writer_process:
+        return None
+    assert memory_tier().wait_writer(60)
+    return memory_tier().writer_pid()
+
+
+def _check_formatted(tier, pid: int | None, before: int, data_bytes: int) -> None:
+    """A generation formatted by the writer process wrote its data file there (the bytes went
+    through that process's writes) into shared memory, which is empty again."""
+    from ray_train_xla.toolkit.checkpoint.memory import _shared_root
+
+    if pid is None:
+        assert tier.by_writer == 0
+        return
+    assert tier.by_writer == tier.kept
+    assert _writer_io(pid) - before >= data_bytes
+    left = [f for _, _, fs in os.walk(os.path.join(_shared_root(), tier.tier)) for f in fs]
+    assert left == []
+
+
+@pytest.fixture(params=[False, True], ids=["in-process", "writer-process"])
+def writer_process(request):
+    from ray_train_xla.toolkit import reporting
+
+    yield request.param
+    reporting.configure_reports()
+
+
+def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(tier_env,
+                                                                              writer_process):
     import ray_train_xla as rtx
     from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
 
+    pid = _start_writer(writer_process)
+    before = _writer_io(pid) if pid else 0
     model, opt = _model_and_opt(0)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}
     assert rtx.keep_in_memory(state, 3) is False  # not a multiple of memory_every=2
@@ -76,6 +118,7 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
     flush_memory()
     tier = memory_tier()
     assert tier.kept == 1
+    _check_formatted(tier, pid, before, sum(t.numel() * 4 for t in model.state_dict().values()))
     fresh, fresh_opt = _model_and_opt(1)
     rest = rtx.load_checkpoint(fresh, fresh_opt)  # no Ray Train checkpoint: memory serves
     assert rest["step"] == 4
@@ -88,7 +131,7 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
     assert tier.next_generation() == 1
 
 
-def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path):
+def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, writer_process):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -97,6 +140,8 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
+        pid = _start_writer(writer_process)
+        before = _writer_io(pid) if pid else 0
         model, opt = _model_and_opt(0)
         fully_shard(model)
         opt = torch.optim.AdamW(model.named_parameters(), lr=0.1)
@@ -105,6 +150,8 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path):
         rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "step": 2}, 2)
         flush_memory()
+        _check_formatted(memory_tier(), pid, before,
+                         3 * sum(p.numel() * 4 for p in model.parameters()))
         fresh, _ = _model_and_opt(1)
         fully_shard(fresh)
         fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
@@ -224,3 +271,39 @@ def test_memory_files_write_into_one_buffer_reused_from_a_generation_to_the_next
     second.release()
     grown = write(chunks * 3, 1 << 20)  # 3 MB into 1 MB: grows, every byte kept
     assert bytes(grown.by_name()["__0_0.distcp"]) == b"".join(chunks * 3)
+
+
+def test_a_tier_writer_process_that_stops_is_an_error_and_the_next_generation_goes_on(
+        tier_env, monkeypatch):
+    import signal
+    import time
+
+    import ray_train_xla as rtx
+    from ray_train_xla.planning import contract
+    from ray_train_xla.toolkit import reporting
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
+
+    monkeypatch.setenv(contract.TIMEOUT_VAR, "2")
+    contract.reload()
+    try:
+        pid = _start_writer(True)
+        model, opt = _model_and_opt(0)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}
+        os.kill(pid, signal.SIGSTOP)  # alive, but it writes nothing
+        start = time.monotonic()
+        assert rtx.keep_in_memory(state, 2) is True
+        with pytest.raises(ReportError, match=r"writer process did not write .* within "
+                                              r"timeout_s=2; configure_reports\(writer_process"):
+            flush_memory()
+        assert time.monotonic() - start < 10
+        import psutil
+
+        tier = memory_tier()
+        assert not psutil.pid_exists(pid)  # ended (it was started here)
+        # The next generation is kept (in this process while a new writer starts).
+        assert rtx.keep_in_memory(state, 4) is True
+        flush_memory()
+        assert (tier.kept, tier.by_writer) == (1, 0) and tier.writer_pid() not in (None, pid)
+    finally:
+        reporting.configure_reports()
+        memory_tier().end()

@@ -85,6 +85,8 @@ def train_tiered(config):
             raise RuntimeError("injected failure after the memory stores were killed")
         time.sleep(120)
         return
+    if phase in ("a0", "a1"):  # every generation formatted by the tier's writer process
+        assert tier.wait_writer(60)
     step = start
     for step in range(start + 1, LAST + 1):
         opt.zero_grad()
@@ -102,14 +104,16 @@ def train_tiered(config):
             tier.wait()
             assert rtx.keep_in_memory(state, step) is True
         if phase == "a0" and step == CRASH_AT and rank == 3:
-            _put(out, "a0-crash", {"t": time.time()})
+            _put(out, "a0-crash", {"t": time.time(), "kept": tier.kept,
+                                   "by_writer": tier.by_writer})
             raise RuntimeError("injected worker failure")
         if phase == "a1" and step == REMOVE_AT:
             tier.wait()  # this step is in memory on every rank's node and its peer
             rtx.rendezvous("kept")
             time.sleep(2)  # Ray's controller takes the step-6 report at its next poll (0.5 s)
             if rank == 3:
-                _put(out, "ready_remove", {"node": record["node"]})
+                _put(out, "ready_remove", {"node": record["node"], "kept": tier.kept,
+                                           "by_writer": tier.by_writer})
             time.sleep(120)  # the test removes rank 3's node; Ray restarts the group
             return
     _put(out, f"{phase}-end-rank{rank}", {"step": step})
@@ -204,6 +208,9 @@ def test_memory_tier_serves_worker_and_node_failures_and_storage_serves_when_bot
     a1 = [records[f"a1-rank{r}"] for r in range(4)]
     a2 = [records[f"a2-rank{r}"] for r in range(2)]
     a3 = [records[f"a3-rank{r}"] for r in range(2)]
+    # The generations restored below were formatted by the tier's writer processes.
+    for name in ("a0-crash", "ready_remove"):
+        assert records[name]["by_writer"] == records[name]["kept"] > 0, records[name]
     # a1: after a worker failure, from memory, bit for bit, same world size.
     for rec in a1:
         assert rec["world"] == 4 and rec["restored"] is not None, rec

@@ -144,6 +144,7 @@ def rendezvous(tag: str) -> None:
     xm.rendezvous(tag)
 
 
+_HOST_GROUPS_OF = None  # the default group they were made in
 _HOST_GROUPS: dict[str, Any] = {}
 
 
@@ -164,6 +165,12 @@ def host_group(purpose: str = "checkpoint"):
     torch.distributed. Its operations are bounded by ``timeout_s`` (:func:`group_timeout`)."""
     import torch.distributed as dist
 
-    if purpose not in _HOST_GROUPS and dist.is_available() and dist.is_initialized():
+    global _HOST_GROUPS_OF
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _HOST_GROUPS_OF is not dist.group.WORLD:  # a new default group: the old ones are gone
+        _HOST_GROUPS.clear()
+        _HOST_GROUPS_OF = dist.group.WORLD
+    if purpose not in _HOST_GROUPS:
         _HOST_GROUPS[purpose] = dist.new_group(backend="gloo", timeout=group_timeout())
     return _HOST_GROUPS.get(purpose)

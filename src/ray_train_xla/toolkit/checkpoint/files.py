@@ -9,7 +9,7 @@ import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -213,19 +213,54 @@ class _Buffer(io.RawIOBase):
         return self._view[:self._n]
 
 
+class SharedFile(NamedTuple):
+    """A file of a ``MemoryFiles`` that a writer process wrote into shared memory (tmpfs)."""
+
+    path: str
+    size: int
+
+
 class MemoryFiles:
     """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory.
     ``expected_bytes``: the size of the rank's data file (DCP's ``.distcp``), when known, so
-    that it is written into one buffer of that size."""
+    that it is written into one buffer of that size.
+
+    With :meth:`write_by`, the data files (DCP's ``.distcp``, a replicated ``checkpoint.pt``)
+    are formatted by a writer process (``writer.SaveProcess``) into files of a shared-memory
+    directory (``SharedFile``), off this process's interpreter lock; the small ones (DCP's
+    ``.metadata``, ``extra.pt``) stay in this process."""
 
     def __init__(self) -> None:
-        self.files: dict[str, Any] = {}  # path -> bytes or a memoryview of them
+        self.files: dict[str, Any] = {}  # path -> bytes, a memoryview of them, or a SharedFile
         self.expected_bytes = 0
         self._buffers: list[Any] = []
+        self.writer = None
+        self.shared_dir = ""
+        self.timeout_s = 0.0
+        self.rank = 0
+
+    def write_by(self, writer, shared_dir: str, timeout_s: float, rank: int) -> None:
+        """Have ``writer`` (a ready ``writer.SaveProcess``) format the data files into
+        ``shared_dir``, within ``timeout_s``."""
+        os.makedirs(shared_dir, exist_ok=True)
+        self.writer, self.shared_dir, self.timeout_s, self.rank = writer, shared_dir, timeout_s, rank
+
+    def shared_files(self) -> dict[str, str]:
+        """The files written into shared memory: their names in the checkpoint, their paths."""
+        return {name: f.path for name, f in self.by_name().items() if isinstance(f, SharedFile)}
 
     def release(self) -> None:
         """The files were copied elsewhere: their data buffers serve the next MemoryFiles of this
-        process (at most two are kept spare). The files are gone."""
+        process (at most two are kept spare), and shared files still there are removed. The
+        files are gone."""
+        for f in self.files.values():
+            if isinstance(f, SharedFile) and os.path.exists(f.path):
+                os.remove(f.path)
+        if self.shared_dir and os.path.isdir(self.shared_dir):
+            try:
+                os.rmdir(self.shared_dir)
+            except OSError:  # a file left by someone else: not ours to remove
+                pass
         self.files.clear()
         _SPARE.extend(self._buffers)
         del _SPARE[:-2]
@@ -243,7 +278,12 @@ class MemoryFiles:
             if large:
                 self._buffers.append(buf.array)
         else:
-            yield io.BytesIO(self.files[str(path)])
+            data = self.files[str(path)]
+            if isinstance(data, SharedFile):
+                with open(data.path, "rb") as f:
+                    yield f
+            else:
+                yield io.BytesIO(data)
 
     def concat_path(self, path, suffix: str) -> str:
         return f"{str(path).rstrip('/')}/{suffix}"
@@ -272,15 +312,22 @@ class MemoryFiles:
         return True
 
     def save(self, name: str, obj: Any) -> None:
-        """A torch file ``name`` in the checkpoint's directory."""
-        save_file(self, ROOT, name, obj)
+        """A torch file ``name`` in the checkpoint's directory (by the writer process, when
+        there is one: ``obj``'s tensors are then best in shared memory already)."""
+        if self.writer is None:
+            save_file(self, ROOT, name, obj)
+            return
+        result = self.writer.save(obj, self.shared_dir, name, None, self.timeout_s, self.rank)
+        self.files[self.concat_path(ROOT, name)] = SharedFile(os.path.join(self.shared_dir, name),
+                                                              result["bytes"])
 
     def sizes(self, directory: str) -> dict[str, int]:
         """Each file of the checkpoint with its size in bytes."""
-        return {name: len(data) for name, data in self.by_name().items()}
+        return {name: data.size if isinstance(data, SharedFile) else len(data)
+                for name, data in self.by_name().items()}
 
     def dcp_writer(self, directory: str):
-        return memory_writer(self)
+        return memory_writer(self) if self.writer is None else _process_writer(self)
 
     def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""
@@ -296,3 +343,36 @@ def memory_writer(files: MemoryFiles):
     writer.fs = files
     writer.path = ROOT
     return writer
+
+
+def _process_writer(files: MemoryFiles):
+    """torch's ``FileSystemWriter`` into ``files`` whose data file is formatted by
+    ``files.writer``: the items are resolved here (the staged tensors, shared with the writer
+    process; the small objects, pickled here as DCP does), and written there into one file of
+    ``files.shared_dir``. Planning, and the ``.metadata`` written by the coordinator, stay
+    here (they are collective)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class ProcessWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            pairs = []
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                pairs.append((item, data.getvalue() if item.type == WriteItemType.BYTE_IO
+                              else data.detach()))
+            path = os.path.join(files.shared_dir, name)
+            results = files.writer.write_dcp([(path, name, pairs)], files.shared_dir,
+                                             files.timeout_s, files.rank)
+            files.files[files.concat_path(ROOT, name)] = SharedFile(path, os.path.getsize(path))
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(results)
+            return future
+
+    writer = ProcessWriter(ROOT, sync_files=False)
+    writer.fs = files
+    writer.path = ROOT
+    return writer
+

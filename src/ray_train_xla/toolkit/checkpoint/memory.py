@@ -25,6 +25,8 @@ Sharded (FSDP2 DTensors, torch_xla SPMD) and replicated state, on every config.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -46,6 +48,19 @@ def store_name(tier: str, node_id: str) -> str:
     return f"{STORE_PREFIX}-{tier}-{node_id}"
 
 
+def _hold(path: str) -> mmap.mmap | bytes:
+    """The shared-memory file ``path``, held by this process: mapped, then unlinked, so that
+    its memory goes back when the mapping is dropped or this process ends, however it ends."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        held = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return held
+
+
 class MemoryStore:
     """One node's memory store (a Ray actor): per generation, every rank's checkpoint files.
 
@@ -61,9 +76,53 @@ class MemoryStore:
     def ready(self) -> str:
         return self.node
 
-    def put(self, gen: int, world: int, rank: int, files: dict[str, Any]) -> int:
-        # Copied into this process: owned here, not by the worker that put them.
+    def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
+             shared: dict[str, str], peers: list[str], timeout_s: float) -> dict[str, Any]:
+        """A rank's files of generation ``gen``, from a worker of this node: ``files`` (their
+        bytes) and ``shared`` (files its writer process wrote into shared memory: read here,
+        then removed). Then handed to each store of ``peers`` (within ``timeout_s`` each).
+        Returns the bytes held and, per peer that did not take them, why."""
+
+        import numpy as np
+        import ray
+
         files = {name: bytes(data) for name, data in files.items()}
+        for name, path in shared.items():
+            files[name] = _hold(path)
+        self._remove_stale(shared, gen)
+        held = self.put(gen, world, rank, files)
+        errors: dict[str, str] = {}
+        if peers:
+            ref = ray.put({name: np.frombuffer(b, dtype=np.uint8) for name, b in files.items()})
+            calls = {name: ray.get_actor(name, namespace=NAMESPACE).put.remote(gen, world, rank, ref)
+                     for name in peers}
+            for name, call in calls.items():
+                try:
+                    ray.get(call, timeout=timeout_s)
+                except Exception as exc:  # noqa: BLE001 (the worker logs it: one copy)
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+        return {"bytes": held, "peers": errors}
+
+    @staticmethod
+    def _remove_stale(shared: dict[str, str], gen: int) -> None:
+        """Shared files of generations before ``gen - 1`` that no store took (their worker
+        died between its writer's write and this call): removed."""
+        import os
+        import shutil
+
+        for path in shared.values():
+            tier_dir = os.path.dirname(os.path.dirname(path))
+            for entry in os.listdir(tier_dir):
+                older = entry.split("-")[0]
+                if older.isdigit() and int(older) < gen - 1:
+                    shutil.rmtree(os.path.join(tier_dir, entry), ignore_errors=True)
+            return
+
+    def put(self, gen: int, world: int, rank: int, files: dict[str, Any]) -> int:
+        # Copied into this process: owned here, not by the worker that put them (a shared
+        # file's mapping is this process's already).
+        files = {name: data if isinstance(data, mmap.mmap) else bytes(data)
+                 for name, data in files.items()}
         with self._lock:
             older = [g for g in self._gens if g < gen]
             keep = {gen, max(older)} if older else {gen}
@@ -206,6 +265,20 @@ class _StoreFiles:
 
 # ---- the worker's side ------------------------------------------------------------------------
 
+SHARED_ROOT = "/dev/shm"  # tmpfs: where a writer process formats a generation for the store
+
+
+def _shared_root() -> str:
+    """The directory of this node's shared memory the tier's writer process writes into, ""
+    when there is none (a generation is then formatted in the training process)."""
+    path = os.path.join(SHARED_ROOT, STORE_PREFIX)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return ""
+    return path if os.access(path, os.W_OK) else ""
+
+
 class MemoryTier:
     """This worker's side of the memory tier (see the module docstring)."""
 
@@ -218,7 +291,9 @@ class MemoryTier:
         self._next_gen: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
         self._pending: Future | None = None
+        self._writer = None  # writer.SaveProcess: formats each generation (started at the first)
         self.kept = 0
+        self.by_writer = 0  # generations whose data files the writer process formatted
         self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
 
@@ -269,15 +344,17 @@ class MemoryTier:
 
     # -- keeping
     def wait(self) -> None:
-        """Wait for the generation in flight (within ``timeout_s``); raise its error."""
+        """Wait for the generation in flight; raise its error. Each of its parts is bounded by
+        ``timeout_s`` (the write, the store's take, the peer's, the ranks' barrier), so its
+        own error comes first; the wait as a whole is bounded by four times that."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         try:
-            pending.result(timeout=self.timeout_s)
+            pending.result(timeout=4 * self.timeout_s)
         except TimeoutError:
             raise ReportError(f"rank {self.rank}: the memory tier's previous generation was not "
-                              f"kept within timeout_s={self.timeout_s:g}") from None
+                              f"kept within 4 x timeout_s={self.timeout_s:g}") from None
         except ReportError:
             raise
         except Exception as exc:
@@ -301,8 +378,17 @@ class MemoryTier:
     def keep(self, state: Mapping[str, Any]) -> bool:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
         is still being kept somewhere: the loop never waits for the memory tier."""
-        from ray_train_xla.toolkit.checkpoint.replicated import stage_replicated
-        from ray_train_xla.toolkit.checkpoint.sharded import sharded_layout, stage_sharded, write_staged
+        from ray_train_xla.toolkit import reporting
+        from ray_train_xla.toolkit.checkpoint.replicated import (
+            stage_replicated,
+            stage_replicated_shared,
+        )
+        from ray_train_xla.toolkit.checkpoint.sharded import (
+            SPMD,
+            sharded_layout,
+            stage_sharded,
+            write_staged,
+        )
         from ray_train_xla.toolkit.collectives import host_group
         from ray_train_xla.toolkit.device import sync
 
@@ -314,49 +400,87 @@ class MemoryTier:
         layout = sharded_layout(state, "keep_in_memory")
         sync()
         files = MemoryFiles()
+        writer = self._writer_ready() if layout != SPMD else None
+        if writer is not None:
+            files.write_by(writer, os.path.join(_shared_root(), self.tier, f"{gen}-{self.rank}"),
+                           self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
-            from ray_train_xla.toolkit import reporting
-
             staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout)
 
             def write() -> None:
                 write_staged(staged, ROOT, group, filesystem=files)
         else:
-            cpu_state = stage_replicated(state) if self.rank == 0 else None
+            cpu_state, release = None, None
+            if self.rank == 0:
+                cpu_state, release = stage_replicated_shared(state) if writer is not None \
+                    else (stage_replicated(state), None)
 
             def write() -> None:
                 if cpu_state is not None:
-                    files.save("checkpoint.pt", cpu_state)
+                    try:
+                        files.save("checkpoint.pt", cpu_state)
+                    finally:
+                        if release is not None:
+                            release()
 
         self._pending = self._pool.submit(self._put, gen, write, files, group, time.time())
         return True
 
+    def _writer_ready(self):
+        """This worker's writer process of the tier when it takes work, else None (it is started
+        at the first call, and again after one ended; until it has started, and without
+        writer processes or shared memory, a generation is formatted in this process)."""
+        from ray_train_xla.toolkit import reporting
+
+        if not reporting.writer_process_on or not _shared_root():
+            return None
+        if self._writer is None or not self._writer.process.is_alive():
+            from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
+
+            self._writer = SaveProcess()
+        return self._writer if self._writer.ready() else None
+
+    def wait_writer(self, timeout_s: float) -> bool:
+        """Start the tier's writer process if it is not, and wait until it takes work (at most
+        ``timeout_s``); False when it does not by then, or there is none to start."""
+        return self._writer_ready() is not None or (
+            self._writer is not None and self._writer.wait_ready(timeout_s))
+
+    def writer_pid(self) -> int | None:
+        """The pid of the tier's writer process, None before it started."""
+        return None if self._writer is None else self._writer.process.pid
+
+    def end(self) -> None:
+        """End the tier's writer process (the training function ended)."""
+        if self._writer is not None:
+            self._writer.end()
+            self._writer = None
+
     def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
+        import numpy as np
         import ray
 
-        write()
-        import numpy as np
-
-        # uint8 arrays: Ray copies them into its object store without pickling
-        data = {name: np.frombuffer(b, dtype=np.uint8) for name, b in files.by_name().items()}
-        ref = ray.put(data)
-        del data
-        files.release()  # copied into the object store: its buffers serve the next generation
-        own, *peer = self.my_stores()
-        # This node's store must take it; a peer that cannot (its node going away) leaves this
-        # generation with one copy, and says so.
-        calls = [ray.get_actor(name, namespace=NAMESPACE).put.remote(gen, self.world, self.rank, ref)
-                 for name in (own, *peer)]
-        ray.get(calls[0], timeout=self.timeout_s)
-        for name, call in zip(peer, calls[1:]):
-            try:
-                ray.get(call, timeout=self.timeout_s)
-            except Exception as exc:  # noqa: BLE001 (logged: one copy of this generation)
-                logger.warning("rank %d: memory tier: the peer store %s did not take generation "
-                               "%d (%s: %s): this node holds the only copy", self.rank, name,
-                               gen, type(exc).__name__, exc)
-        del ref
+        try:
+            write()
+            shared = files.shared_files()
+            self.by_writer += bool(shared)
+            # uint8 arrays: Ray copies them into its object store without pickling
+            ref = ray.put({name: np.frombuffer(b, dtype=np.uint8)
+                           for name, b in files.by_name().items() if name not in shared})
+            own, *peers = self.my_stores()
+            # This node's store must take it (reading the shared files written on this node) and
+            # hands it to the peer's; a peer that cannot (its node going away) leaves this
+            # generation with one copy, and says so.
+            took = ray.get(ray.get_actor(own, namespace=NAMESPACE).take.remote(
+                gen, self.world, self.rank, ref, shared, peers, self.timeout_s),
+                timeout=2 * self.timeout_s)
+            del ref
+        finally:
+            files.release()  # in the store by now (or failed): buffers serve the next generation
+        for name, error in took["peers"].items():
+            logger.warning("rank %d: memory tier: the peer store %s did not take generation %d "
+                           "(%s): this node holds the only copy", self.rank, name, gen, error)
         if group is not None:  # every rank's files are in: the generation is complete
             import torch.distributed as dist
 
@@ -456,6 +580,8 @@ def memory_tier(required: str | None = None) -> MemoryTier | None:
         return None
     key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)
     if _tier is None or _tier_key != key:
+        if _tier is not None:
+            _tier.end()
         _tier, _tier_key = MemoryTier(ctx), key
     return _tier
 

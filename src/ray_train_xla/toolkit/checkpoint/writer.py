@@ -135,11 +135,21 @@ class SaveProcess:
         """``write_replicated`` in the writer process; raises ``ReportError`` when it fails,
         dies or takes longer than ``timeout_s`` (then it is ended: the next save starts
         another)."""
+        return self._call(("replicated", state, directory, filename, filesystem), directory,
+                          timeout_s, rank)
+
+    def write_dcp(self, files: list, directory: str, timeout_s: float, rank: int) -> list:
+        """DCP's data files in the writer process: ``files`` is ``[(path, storage_key,
+        [(WriteItem, tensor or bytes)])]``, written as torch's ``FileSystemWriter`` writes
+        them; returns their ``WriteResult``s. Errors as :meth:`save`."""
+        return self._call(("dcp", files), directory, timeout_s, rank)
+
+    def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
         fix = "configure_reports(writer_process=False) writes in the training process instead"
         try:
             if not self._ready and self.conn.poll(timeout_s):  # its first message: ready
                 self._ready = self.conn.recv() == "ready"
-            self.conn.send((state, directory, filename, filesystem))
+            self.conn.send(request)
             if not self.conn.poll(timeout_s):
                 self.end()
                 raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
@@ -191,9 +201,55 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
     return writer.save(state, directory, filename, filesystem, timeout_s, rank)
 
 
-def _serve(conn) -> None:
-    """The writer process: ``write_replicated`` each request until the pipe closes."""
+def write_dcp_files(files: list) -> list:
+    """Write DCP data files as torch's ``FileSystemWriter`` does (its own function, one
+    file after another), from items already resolved: ``[(path, storage_key, [(WriteItem,
+    tensor or bytes)])]``. Returns the ``WriteResult``s."""
+    import io
+    import queue
+
+    from torch.distributed.checkpoint.filesystem import (
+        SerializationFormat,
+        _StorageWriterTransforms,
+        _write_files_from_queue,
+    )
+
+    data: dict[int, Any] = {}
+    file_queue: queue.Queue = queue.Queue()
+    for path, key, pairs in files:
+        for item, value in pairs:
+            data[id(item)] = value
+        file_queue.put((path, key, [item for item, _ in pairs]))
+
+    class Resolved:
+        def resolve_data(self, item):
+            value = data[id(item)]
+            return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
+
+    results: queue.Queue = queue.Queue()
+    _write_files_from_queue(create_stream=open, file_queue=file_queue, result_queue=results,
+                            planner=Resolved(), transforms=_StorageWriterTransforms(None),
+                            inflight_threshhold=0, use_fsync=False, thread_count=1,
+                            serialization_format=SerializationFormat.TORCH_SAVE)
+    out: list = []
+    while not results.empty():
+        out += results.get_nowait()
+    return out
+
+
+def _handle(request: tuple):
     from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
+
+    if request[0] == "dcp":
+        return write_dcp_files(request[1])
+    _, state, directory, filename, filesystem = request
+    return write_replicated(state, directory, filename, filesystem)
+
+
+def _serve(conn) -> None:
+    """The writer process: each request (a replicated file, or DCP's data files) until the
+    pipe closes."""
+    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401 (imported before "ready")
 
     conn.send("ready")
     while True:
@@ -201,10 +257,9 @@ def _serve(conn) -> None:
             request = conn.recv()
         except (EOFError, OSError):
             return
-        state, directory, filename, filesystem = request
         try:
-            result = (True, write_replicated(state, directory, filename, filesystem))
+            result = (True, _handle(request))
         except Exception as exc:  # noqa: BLE001 (sent to the worker, raised there)
             result = (False, f"{type(exc).__name__}: {exc}")
-        del state, request  # the shared buffers go back before the worker reuses them
+        del request  # the shared buffers go back before the worker reuses them
         conn.send(result)
