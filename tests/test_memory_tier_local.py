@@ -150,16 +150,37 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, wri
         rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "step": 2}, 2)
         flush_memory()
-        _check_formatted(memory_tier(), pid, before,
-                         3 * sum(p.numel() * 4 for p in model.parameters()))
+        tier = memory_tier()
+        _check_formatted(tier, pid, before, 3 * sum(p.numel() * 4 for p in model.parameters()))
+        if writer_process:
+            # Written rank by rank: the rank's data file and its own metadata (merged when
+            # read); a second generation reuses the plan and the shared buffer.
+            inventory = tier.inventories()[0]
+            assert sorted(inventory["gens"][0]["ranks"][0]) == [
+                "__0.metadata", "__0_0.distcp", "extra.pt", "param_groups.pt",
+                "sharded.json"], inventory
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "step": 4}, 4)
+            flush_memory()
+            assert (tier._ranks.plans, tier._ranks.staging.allocations) == (1, 1)
+            assert tier.kept == tier.by_rank == tier.by_writer == 2
         fresh, _ = _model_and_opt(1)
         fully_shard(fresh)
         fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
-        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 2}
+        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 4 if writer_process else 2}
         files = memory_tier().restored
         assert files is not None and files["fetched_bytes"] > 0
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
             assert torch.equal(a.full_tensor(), b.full_tensor())
+        saved, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+        assert saved.keys() == got.keys()
+        for name in saved:
+            for k, v in saved[name].items():
+                w = got[name][k]
+                assert torch.equal(getattr(v, "full_tensor", lambda v=v: v)(),
+                                   getattr(w, "full_tensor", lambda w=w: w)()), (name, k)
     finally:
         dist.destroy_process_group()
 

@@ -105,7 +105,7 @@ def train_tiered(config):
             assert rtx.keep_in_memory(state, step) is True
         if phase == "a0" and step == CRASH_AT and rank == 3:
             _put(out, "a0-crash", {"t": time.time(), "kept": tier.kept,
-                                   "by_writer": tier.by_writer})
+                                   "by_writer": tier.by_writer, "by_rank": tier.by_rank})
             raise RuntimeError("injected worker failure")
         if phase == "a1" and step == REMOVE_AT:
             tier.wait()  # this step is in memory on every rank's node and its peer
@@ -113,7 +113,8 @@ def train_tiered(config):
             time.sleep(2)  # Ray's controller takes the step-6 report at its next poll (0.5 s)
             if rank == 3:
                 _put(out, "ready_remove", {"node": record["node"], "kept": tier.kept,
-                                           "by_writer": tier.by_writer})
+                                           "by_writer": tier.by_writer,
+                                           "by_rank": tier.by_rank})
             time.sleep(120)  # the test removes rank 3's node; Ray restarts the group
             return
     _put(out, f"{phase}-end-rank{rank}", {"step": step})
@@ -208,9 +209,12 @@ def test_memory_tier_serves_worker_and_node_failures_and_storage_serves_when_bot
     a1 = [records[f"a1-rank{r}"] for r in range(4)]
     a2 = [records[f"a2-rank{r}"] for r in range(2)]
     a3 = [records[f"a3-rank{r}"] for r in range(2)]
-    # The generations restored below were formatted by the tier's writer processes.
+    # The generations restored below were formatted by the tier's writer processes, rank by
+    # rank (each rank's own metadata, merged when read: resharding 4 -> 2 reads them too).
     for name in ("a0-crash", "ready_remove"):
-        assert records[name]["by_writer"] == records[name]["kept"] > 0, records[name]
+        rec = records[name]
+        # (a generation in flight when the record was made may count as written, not kept)
+        assert 0 < rec["kept"] <= min(rec["by_rank"], rec["by_writer"]), rec
     # a1: after a worker failure, from memory, bit for bit, same world size.
     for rec in a1:
         assert rec["world"] == 4 and rec["restored"] is not None, rec

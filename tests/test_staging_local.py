@@ -128,6 +128,57 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         process["exact"].append(extra["step"] == i and f"__{rank}_0.distcp" in written["files"]
                                 and all(torch.equal(a.full_tensor(), b)
                                         for a, b in zip(fresh.parameters(), before)))
+    # Rank by rank (the memory tier's format, rank_files.py): each rank's data file and its
+    # own metadata, no collective; merged, the metadata is torch's own for the same state (c15,
+    # dcp.save), and the checkpoint loads bit for bit.
+    import pickle
+
+    from ray_train_xla.toolkit.checkpoint import rank_files
+    from ray_train_xla.toolkit.checkpoint.files import LocalFiles
+    from ray_train_xla.toolkit.checkpoint.sharded import write_small_files
+    from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
+
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 14}
+    flat = rank_files.FlatStaging()
+    staged = stage_sharded(state, stager=flat.stage_tensors)
+    joined = join_dtensors(staged["tree"], staged["state"], staged["specs"])
+    plan = rank_files.RankPlan(joined, flat.flat)
+    c14 = os.path.join(root, "c14")
+    os.makedirs(c14, exist_ok=True)
+    rank_files.write_rank_files(flat.flat, plan.items, plan.where, plan.byte_values(joined),
+                                plan.metadata, os.path.join(c14, rank_files.rank_data_file(rank)),
+                                os.path.join(c14, rank_files.rank_metadata_file(rank)))
+    write_staged(stage_sharded(state), os.path.join(root, "c15"))
+    dist.barrier()
+    by_rank = {}
+    if rank == 0:
+        def load(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+
+        merged = rank_files.merge_metadata([load(os.path.join(c14, rank_files.rank_metadata_file(r)))
+                                            for r in range(world)])
+        theirs = load(os.path.join(root, "c15", ".metadata"))
+
+        def described(md):
+            out = {}
+            for fqn, entry in md.state_dict_metadata.items():
+                chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in getattr(entry, "chunks", []))
+                out[fqn] = (type(entry).__name__, tuple(getattr(entry, "size", ())),
+                            repr(getattr(entry, "properties", None)), chunks)
+            return out, sorted((i.fqn, tuple(i.offset or ())) for i in md.storage_data), \
+                md.planner_data
+
+        by_rank["same_as_torch"] = described(merged) == described(theirs)
+        with open(os.path.join(c14, ".metadata"), "wb") as f:
+            pickle.dump(merged, f)
+        write_small_files(LocalFiles(), c14, staged, sorted(staged["tree"]), world)
+    dist.barrier()
+    extra = load_sharded(c14, fresh, fresh_opt)
+    by_rank["exact"] = extra["step"] == 14 and all(
+        torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), before))
+    process["by_rank"] = by_rank
     pid = writer_process_pid()
     process["pid"] = pid if pid != os.getpid() else None
     os.kill(pid, signal.SIGKILL)
@@ -180,6 +231,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         # Written by a writer process: the same checkpoints; killed, it is reported at once.
         w = r["process"]
         assert w["exact"] == [True, True, True] and w["pid"], w
+        assert w["by_rank"] == ({"same_as_torch": True, "exact": True} if rank == 0
+                                else {"exact": True}), w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
         assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w
     # c11 and c13 were written through the storage's filesystem, in place: every rank's shards

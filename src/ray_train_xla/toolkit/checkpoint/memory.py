@@ -41,6 +41,7 @@ from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "ray_train_xla"
+METADATA = ".metadata"  # DCP's
 STORE_PREFIX = "ray_train_xla-memory"
 
 
@@ -198,11 +199,35 @@ class _StoreFiles:
         self.fetched_bytes = 0
         self.served: set[str] = set()  # the stores files were read from
         self._lock = threading.Lock()
+        self._merged: bytes | None = None
 
-    def _fetch(self, path: str) -> bytes:
+    def _metadata(self) -> bytes:
+        """A generation written rank by rank (``rank_files``): its ``.metadata``, the ranks'
+        own merged (once)."""
+        import pickle
+
+        from ray_train_xla.toolkit.checkpoint.rank_files import is_rank_metadata, merge_metadata
+
+        if self._merged is None:
+            parts = [pickle.loads(self._fetch(name)) for name in sorted(self.holders)
+                     if is_rank_metadata(name)]
+            self._merged = pickle.dumps(merge_metadata(parts))
+        return self._merged
+
+    def _names(self) -> list[str]:
+        from ray_train_xla.toolkit.checkpoint.rank_files import is_rank_metadata
+
+        names = sorted(self.holders)
+        if METADATA not in names and any(is_rank_metadata(n) for n in names):
+            names.append(METADATA)
+        return names
+
+    def _fetch(self, path: str):
         import ray
 
         name = path.rsplit("/", 1)[-1]
+        if name == METADATA and name not in self.holders and name in self._names():
+            return self._metadata()
         if name not in self.holders:
             raise FileNotFoundError(path)
         errors = []
@@ -238,7 +263,7 @@ class _StoreFiles:
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if path.rstrip("/") == ROOT:
                 out.append(pafs.FileInfo(path, pafs.FileType.Directory))
-            elif name in self.holders:
+            elif name in self._names():
                 out.append(pafs.FileInfo(path, pafs.FileType.File))
             else:
                 out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
@@ -247,7 +272,7 @@ class _StoreFiles:
     def get_file_info_selector(self, selector):
         import pyarrow.fs as pafs
 
-        return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in sorted(self.holders)]
+        return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in self._names()]
 
     def open_input_file(self, path: str):
         import pyarrow as pa
@@ -292,8 +317,10 @@ class MemoryTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
         self._pending: Future | None = None
         self._writer = None  # writer.SaveProcess: formats each generation (started at the first)
+        self._ranks = None  # rank_files.RankWriter: DTensor generations written rank by rank
         self.kept = 0
         self.by_writer = 0  # generations whose data files the writer process formatted
+        self.by_rank = 0  # of those, DTensor generations written rank by rank (rank_files)
         self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
 
@@ -361,19 +388,20 @@ class MemoryTier:
             raise ReportError(f"rank {self.rank}: keeping a checkpoint in memory failed: "
                               f"{type(exc).__name__}: {exc}") from exc
 
-    def busy(self) -> bool:
-        """Whether the previous generation is still being kept on some rank (every rank gets
-        the same answer: a one-number all-reduce on a host group of its own)."""
+    def poll(self, ready: bool = False) -> tuple[bool, bool]:
+        """(whether the previous generation is still being kept on some rank; whether every
+        rank's writer process is ``ready``). Every rank gets the same answers: one all-reduce
+        of two numbers on a host group of its own."""
         busy = self._pending is not None and not self._pending.done()
         if self.world > 1:
             import torch.distributed as dist
 
             from ray_train_xla.toolkit.collectives import host_group
 
-            flag = torch.tensor([int(busy)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
-            busy = bool(flag.item())
-        return busy
+            flags = torch.tensor([int(busy), int(not ready)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
+            busy, ready = bool(flags[0].item()), not flags[1].item()
+        return busy, ready
 
     def keep(self, state: Mapping[str, Any]) -> bool:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
@@ -384,6 +412,7 @@ class MemoryTier:
             stage_replicated_shared,
         )
         from ray_train_xla.toolkit.checkpoint.sharded import (
+            DTENSOR,
             SPMD,
             sharded_layout,
             stage_sharded,
@@ -392,7 +421,9 @@ class MemoryTier:
         from ray_train_xla.toolkit.collectives import host_group
         from ray_train_xla.toolkit.device import sync
 
-        if self.busy():
+        writer = self._writer_ready()
+        busy, everywhere = self.poll(writer is not None)
+        if busy:
             self.skipped += 1
             return False
         self.wait()
@@ -400,16 +431,28 @@ class MemoryTier:
         layout = sharded_layout(state, "keep_in_memory")
         sync()
         files = MemoryFiles()
-        writer = self._writer_ready() if layout != SPMD else None
+        if layout == SPMD:
+            writer = None
         if writer is not None:
             files.write_by(writer, os.path.join(_shared_root(), self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
-            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout)
+            # Rank by rank (no collective, planned once) when every rank's writer takes work.
+            by_rank = layout == DTENSOR and writer is not None and everywhere
+            if by_rank and self._ranks is None:
+                from ray_train_xla.toolkit.checkpoint.rank_files import RankWriter
+
+                self._ranks = RankWriter()
+            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout,
+                                   stager=self._ranks.staging.stage_tensors if by_rank else None)
 
             def write() -> None:
-                write_staged(staged, ROOT, group, filesystem=files)
+                if by_rank:
+                    self._ranks.write(staged, files, self.rank, self.world)
+                    self.by_rank += 1
+                else:
+                    write_staged(staged, ROOT, group, filesystem=files)
         else:
             cpu_state, release = None, None
             if self.rank == 0:
@@ -438,7 +481,7 @@ class MemoryTier:
         if self._writer is None or not self._writer.process.is_alive():
             from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
 
-            self._writer = SaveProcess()
+            self._writer = SaveProcess(checksums=False)  # generations live in memory only
         return self._writer if self._writer.ready() else None
 
     def wait_writer(self, timeout_s: float) -> bool:

@@ -124,12 +124,13 @@ def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
 
 
 def stage_sharded(state: Mapping[str, Any], overlap: bool = False,
-                  layout: str | None = None) -> dict[str, Any]:
+                  layout: str | None = None, stager=None) -> dict[str, Any]:
     """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
     sharded save that must happen before training goes on. Returns what :func:`write_staged`
     writes. ``overlap``: DTensors are copied in the background while the loop goes on, and the
     next optimizer step waits for the copy (``staging.Snapshots``). ``layout``: the state's
-    (``sharded_layout``), when the caller has it already."""
+    (``sharded_layout``), when the caller has it already. ``stager``: what copies DTensor
+    state's local shards (default: the staging pool's ``stage_tensors``)."""
     layout = layout or sharded_layout(state, "save_checkpoint")
     dist_state, extra = _split(state)
     named, groups = _named(dist_state)
@@ -147,10 +148,11 @@ def stage_sharded(state: Mapping[str, Any], overlap: bool = False,
         from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots, split_dtensors
 
         tree, shards, specs = split_dtensors(named)
+        stager = stager or pool().stage_tensors
         if overlap:  # a future of (staged, release): write_staged waits for it
-            staged, release = snapshots().submit(pool().stage_tensors, shards), None
+            staged, release = snapshots().submit(stager, shards), None
         else:
-            staged, release = pool().stage_tensors(shards)
+            staged, release = stager(shards)
         return {"layout": layout, "state": staged, "tree": tree, "specs": specs,
                 "groups": groups, "extra": to_cpu(extra), "release": release}
     return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra),
@@ -203,7 +205,7 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     write failed)."""
     import torch.distributed.checkpoint as dcp
 
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
 
     distributed, rank, world = _dist()
     if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
@@ -236,22 +238,31 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
         if staged.get("release") is not None:
             staged["release"]()
     if rank == 0:
-        marker = json.dumps({
-            "format": "torch.distributed.checkpoint",
-            "format_version": FORMAT_VERSION,
-            "names": "module",
-            "layout": staged["layout"],
-            "workers": world,
-            "devices": _device_count(staged["layout"], world),
-            "keys": sorted(staged["state"]),
-        })
-        save_file(files, directory, EXTRA_FILE, staged["extra"])
-        if staged["groups"] is not None:
-            save_file(files, directory, GROUPS_FILE, staged["groups"])
-        save_file(files, directory, SHARDED_MARKER, marker.encode())
+        write_small_files(files, directory, staged, sorted(staged["state"]), world)
     after = files.sizes(directory)
     new = sorted(set(after) - set(before))
     return {"files": new, "bytes": sum(after[f] for f in new)}
+
+
+def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[str],
+                      world: int) -> None:
+    """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
+    param groups, and the marker that says how the shards were written."""
+    from ray_train_xla.toolkit.checkpoint.files import save_file
+
+    marker = json.dumps({
+        "format": "torch.distributed.checkpoint",
+        "format_version": FORMAT_VERSION,
+        "names": "module",
+        "layout": staged["layout"],
+        "workers": world,
+        "devices": _device_count(staged["layout"], world),
+        "keys": keys,
+    })
+    save_file(files, directory, EXTRA_FILE, staged["extra"])
+    if staged["groups"] is not None:
+        save_file(files, directory, GROUPS_FILE, staged["groups"])
+    save_file(files, directory, SHARDED_MARKER, marker.encode())
 
 
 def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:

@@ -103,12 +103,15 @@ class SaveProcess:
     """This worker's writer of replicated checkpoints: one spawned Python that writes each state
     it is handed with ``torch.save`` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, checksums: bool = True) -> None:
+        """``checksums``: whether the files' zip records carry their CRC-32 (torch's
+        ``torch.utils.serialization.config.save.compute_crc32``; torch.load reads them either
+        way). The memory tier's generations, which live in memory only, go without."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child,), daemon=True,
+        self.process = ctx.Process(target=_serve, args=(child, checksums), daemon=True,
                                    name="ray_train_xla-checkpoint-writer")
         self.process.start()
         child.close()
@@ -143,6 +146,13 @@ class SaveProcess:
         [(WriteItem, tensor or bytes)])]``, written as torch's ``FileSystemWriter`` writes
         them; returns their ``WriteResult``s. Errors as :meth:`save`."""
         return self._call(("dcp", files), directory, timeout_s, rank)
+
+    def write_rank(self, flat, items: list, where: list, byte_values: list, metadata,
+                   data_path: str, metadata_path: str, timeout_s: float, rank: int) -> dict:
+        """A rank's data file and metadata from its shared buffer, in the writer process
+        (``rank_files.write_rank_files``). Errors as :meth:`save`."""
+        return self._call(("rank-dcp", flat, items, where, byte_values, metadata, data_path,
+                           metadata_path), data_path, timeout_s, rank)
 
     def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
         fix = "configure_reports(writer_process=False) writes in the training process instead"
@@ -242,14 +252,23 @@ def _handle(request: tuple):
 
     if request[0] == "dcp":
         return write_dcp_files(request[1])
+    if request[0] == "rank-dcp":
+        from ray_train_xla.toolkit.checkpoint.rank_files import write_rank_files
+
+        return write_rank_files(*request[1:])
     _, state, directory, filename, filesystem = request
     return write_replicated(state, directory, filename, filesystem)
 
 
-def _serve(conn) -> None:
+def _serve(conn, checksums: bool = True) -> None:
     """The writer process: each request (a replicated file, or DCP's data files) until the
     pipe closes."""
-    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401 (imported before "ready")
+    import torch.utils.serialization
+
+    import ray_train_xla.toolkit.checkpoint.rank_files  # noqa: F401 (imported before "ready")
+    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401
+
+    torch.utils.serialization.config.save.compute_crc32 = checksums
 
     conn.send("ready")
     while True:
