@@ -146,8 +146,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     plan = rank_files.RankPlan(joined, flat.flat)
     c14 = os.path.join(root, "c14")
     os.makedirs(c14, exist_ok=True)
-    rank_files.write_rank_files(flat.flat, plan.items, plan.where, plan.byte_values(joined),
-                                plan.metadata, os.path.join(c14, rank_files.rank_data_file(rank)),
+    rank_files.write_rank_files(1, (flat.flat, plan.items, plan.where, plan.metadata),
+                                plan.byte_values(joined),
+                                os.path.join(c14, rank_files.rank_data_file(rank)),
                                 os.path.join(c14, rank_files.rank_metadata_file(rank)))
     write_staged(stage_sharded(state), os.path.join(root, "c15"))
     dist.barrier()

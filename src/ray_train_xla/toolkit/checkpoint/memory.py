@@ -4,11 +4,16 @@ With ``memory_every=N`` on the config, the backend starts one **memory store** p
 worker group (a Ray actor with no CPU, owned by Ray Train's controller, so it outlives every
 worker group of the ``fit()`` and ends with it). :func:`keep_in_memory` (every rank, every
 step; it keeps the steps that are multiples of N) takes the same snapshot as
-``save_checkpoint`` and, in a background thread, writes it in the checkpoint's own format
-(``torch.distributed.checkpoint`` shards, or rank 0's ``checkpoint.pt``) into memory, then
-hands this rank's files to the store of its node and to the store of the next node of the group
-(its peer), both through one object in Ray's object store. A generation is complete once every
-rank handed its files (a barrier of the ranks ends each one).
+``save_checkpoint`` and returns. A writer process of the tier's own (``writer.SaveProcess``,
+one per worker) formats it in the checkpoint's own format into a file in the node's shared
+memory: rank 0's ``checkpoint.pt``, or, for DTensor state, each rank's DCP data file and its
+own DCP metadata, written rank by rank with no collective (``rank_files.py``). In a background
+thread, the worker then hands its files to the store of its node, which maps them (and unlinks
+them: their memory goes back when the store drops them or ends, however it ends) and hands them
+to the store of the next node of the group (its peer) through Ray's object store. Until the
+writer process takes work, for torch_xla SPMD state, or without shared memory or writer
+processes, the background thread writes the generation itself (``dcp.save`` into memory). A
+generation is complete once every rank handed its files (a barrier of the ranks ends each one).
 
 After a failure, ``load_checkpoint()`` asks the stores first: rank 0 takes the newest
 generation whose files every rank of its world survive on some live store, and which is newer

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 ALIGN = 64  # each shard's offset in the shared buffer
-_HELD: list[torch.Tensor] = []  # (the writer process) the buffer of the last generation
+_HELD: list[Any] = []  # (the writer process) the key and plan of the last generation
 
 
 def rank_data_file(rank: int) -> str:
@@ -113,11 +113,13 @@ class RankPlan:
         return [planner.resolve_data(item).getvalue() for item in self.bytes_items]
 
 
-def write_rank_files(flat: torch.Tensor, items: list, where: list, byte_values: list[bytes],
-                     metadata, data_path: str, metadata_path: str) -> dict[str, int]:
+def write_rank_files(key: Any, plan: tuple | None, byte_values: list[bytes], data_path: str,
+                     metadata_path: str) -> dict[str, int]:
     """(the writer process) The rank's data file and its metadata, from the shared buffer:
     each tensor item a tensor over its own bytes of the buffer (so that ``torch.save`` writes
-    those bytes, not the buffer). Returns each file's size."""
+    those bytes, not the buffer). ``plan``: ``(buffer, items, where, metadata)``, sent with the
+    first generation of each ``key`` and kept here (later generations send None: only this
+    generation's non-tensor values travel). Returns each file's size."""
     import dataclasses
     import os
     import pickle
@@ -126,7 +128,11 @@ def write_rank_files(flat: torch.Tensor, items: list, where: list, byte_values: 
 
     from ray_train_xla.toolkit.checkpoint.writer import write_dcp_files
 
-    _HELD[:] = [flat]  # mapped once: the next generation's handle finds this mapping
+    if plan is not None:
+        _HELD[:] = [key, plan]
+    elif not _HELD or _HELD[0] != key:
+        raise RuntimeError(f"no plan {key!r} in the writer process (it has {_HELD[:1]})")
+    flat, items, where, metadata = _HELD[1]
     array = flat.numpy()
     values = iter(byte_values)
     pairs = []
@@ -192,6 +198,7 @@ class RankWriter:
         self.plans = 0  # plans made (one per structure)
         self._plan: RankPlan | None = None
         self._key: tuple | None = None
+        self._sent: tuple | None = None  # (writer pid, plan number) the writer process holds
 
     def write(self, staged: dict[str, Any], files, rank: int, world: int) -> None:
         """Write ``staged`` (``sharded.stage_sharded`` with :attr:`staging`) into ``files`` (a
@@ -219,8 +226,13 @@ class RankWriter:
             if plan.bytes_items else []
         data = os.path.join(files.shared_dir, rank_data_file(rank))
         metadata = os.path.join(files.shared_dir, rank_metadata_file(rank))
-        sizes = files.writer.write_rank(self.staging.flat, plan.items, plan.where, values,
-                                        plan.metadata, data, metadata, files.timeout_s, rank)
+        sent = (files.writer.process.pid, self.plans)
+        payload = None if sent == self._sent else (self.staging.flat, plan.items, plan.where,
+                                                   plan.metadata)
+        self._sent = None  # until this generation is written
+        sizes = files.writer.write_rank(self.plans, payload, values, data, metadata,
+                                        files.timeout_s, rank)
+        self._sent = sent
         for path, size in sizes.items():
             files.files[files.concat_path(ROOT, os.path.basename(path))] = SharedFile(path, size)
         if rank == 0:

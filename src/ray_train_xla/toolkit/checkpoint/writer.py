@@ -20,10 +20,14 @@ shared host buffers reused from save to save, ``staging.py``; torch_xla's tensor
 the device as before, move into shared memory in the reporter's thread), and writes it into
 the file with ``torch.save``, locally or through the run's storage filesystem.
 
-Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state and the
-memory tier write in the reporter's thread. A writer process that dies is reported (its pipe
-closes) and a write that does not end within ``timeout_s`` is an error: neither is waited for
-without end. Either way the error reaches the training function as ``ReportError``, naming
+Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state is
+written in the reporter's thread. **The memory tier** has a :class:`SaveProcess` of its own per
+worker, which formats each generation into the node's shared memory (``memory.py``): a
+replicated ``checkpoint.pt``, DCP's data files (:meth:`SaveProcess.write_dcp`), or a rank's data
+file and metadata written rank by rank (:meth:`SaveProcess.write_rank`, ``rank_files.py``).
+
+A writer process that dies is reported (its pipe closes) and a write that does not end within
+``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the training function as ``ReportError``, naming
 ``configure_reports(writer_process=False)``, which writes in the reporter's thread instead.
 """
 
@@ -147,12 +151,12 @@ class SaveProcess:
         them; returns their ``WriteResult``s. Errors as :meth:`save`."""
         return self._call(("dcp", files), directory, timeout_s, rank)
 
-    def write_rank(self, flat, items: list, where: list, byte_values: list, metadata,
-                   data_path: str, metadata_path: str, timeout_s: float, rank: int) -> dict:
+    def write_rank(self, key, plan: tuple | None, byte_values: list, data_path: str,
+                   metadata_path: str, timeout_s: float, rank: int) -> dict:
         """A rank's data file and metadata from its shared buffer, in the writer process
-        (``rank_files.write_rank_files``). Errors as :meth:`save`."""
-        return self._call(("rank-dcp", flat, items, where, byte_values, metadata, data_path,
-                           metadata_path), data_path, timeout_s, rank)
+        (``rank_files.write_rank_files``: ``plan`` once per ``key``). Errors as :meth:`save`."""
+        return self._call(("rank-dcp", key, plan, byte_values, data_path, metadata_path),
+                          data_path, timeout_s, rank)
 
     def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
         fix = "configure_reports(writer_process=False) writes in the training process instead"
