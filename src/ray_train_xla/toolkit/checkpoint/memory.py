@@ -421,6 +421,7 @@ class MemoryTier:
             SPMD,
             sharded_layout,
             stage_sharded,
+            write_small_files,
             write_staged,
         )
         from ray_train_xla.toolkit.collectives import host_group
@@ -454,7 +455,9 @@ class MemoryTier:
 
             def write() -> None:
                 if by_rank:
-                    self._ranks.write(staged, files, self.rank, self.world)
+                    self._ranks.write(staged, files, self.rank)
+                    if self.rank == 0:
+                        write_small_files(files, ROOT, staged, sorted(staged["tree"]), self.world)
                     self.by_rank += 1
                 else:
                     write_staged(staged, ROOT, group, filesystem=files)

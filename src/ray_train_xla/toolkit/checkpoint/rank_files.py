@@ -113,6 +113,42 @@ class RankPlan:
         return [planner.resolve_data(item).getvalue() for item in self.bytes_items]
 
 
+def write_dcp_files(files: list) -> list:
+    """Write DCP data files as torch's ``FileSystemWriter`` does (its own function, one
+    file after another), from items already resolved: ``[(path, storage_key, [(WriteItem,
+    tensor or bytes)])]``. Returns the ``WriteResult``s."""
+    import io
+    import queue
+
+    from torch.distributed.checkpoint.filesystem import (
+        SerializationFormat,
+        _StorageWriterTransforms,
+        _write_files_from_queue,
+    )
+
+    data: dict[int, Any] = {}
+    file_queue: queue.Queue = queue.Queue()
+    for path, key, pairs in files:
+        for item, value in pairs:
+            data[id(item)] = value
+        file_queue.put((path, key, [item for item, _ in pairs]))
+
+    class Resolved:
+        def resolve_data(self, item):
+            value = data[id(item)]
+            return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
+
+    results: queue.Queue = queue.Queue()
+    _write_files_from_queue(create_stream=open, file_queue=file_queue, result_queue=results,
+                            planner=Resolved(), transforms=_StorageWriterTransforms(None),
+                            inflight_threshhold=0, use_fsync=False, thread_count=1,
+                            serialization_format=SerializationFormat.TORCH_SAVE)
+    out: list = []
+    while not results.empty():
+        out += results.get_nowait()
+    return out
+
+
 def write_rank_files(key: Any, plan: tuple | None, byte_values: list[bytes], data_path: str,
                      metadata_path: str) -> dict[str, int]:
     """(the writer process) The rank's data file and its metadata, from the shared buffer:
@@ -125,8 +161,6 @@ def write_rank_files(key: Any, plan: tuple | None, byte_values: list[bytes], dat
     import pickle
 
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-    from ray_train_xla.toolkit.checkpoint.writer import write_dcp_files
 
     if plan is not None:
         _HELD[:] = [key, plan]
@@ -178,17 +212,6 @@ def merge_metadata(parts: list[Any]):
                                planner_data=mappings)
 
 
-def _structure(value: Any) -> Any:
-    """The shape of a split state (dict keys, list lengths, leaf kinds), for the plan's key."""
-    from ray_train_xla.toolkit.checkpoint.staging import _Shard
-
-    if isinstance(value, dict):
-        return ("d", tuple((k, _structure(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return ("l", tuple(_structure(v) for v in value))
-    return value.index if isinstance(value, _Shard) else type(value).__name__
-
-
 class RankWriter:
     """This rank's side of a generation written rank by rank: its shared buffer, and its plan
     for the state's current structure (made again when the structure changes)."""
@@ -200,21 +223,21 @@ class RankWriter:
         self._key: tuple | None = None
         self._sent: tuple | None = None  # (writer pid, plan number) the writer process holds
 
-    def write(self, staged: dict[str, Any], files, rank: int, world: int) -> None:
+    def write(self, staged: dict[str, Any], files, rank: int) -> None:
         """Write ``staged`` (``sharded.stage_sharded`` with :attr:`staging`) into ``files`` (a
-        ``MemoryFiles`` with a writer process): this rank's data file and metadata by the
-        writer process, and on rank 0 the checkpoint's small files."""
+        ``MemoryFiles`` with a writer process): this rank's data file and metadata, by the
+        writer process (the checkpoint's small files are the caller's:
+        ``sharded.write_small_files``)."""
         import os
         from concurrent.futures import Future
 
         from ray_train_xla.toolkit.checkpoint.files import ROOT, SharedFile
-        from ray_train_xla.toolkit.checkpoint.sharded import write_small_files
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
+        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
 
         if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
             staged["state"], staged["release"] = staged["state"].result()
         views, tree, specs = staged["state"], staged["tree"], staged["specs"]
-        key = (self.staging.key, _structure(tree),
+        key = (self.staging.key, structure(tree),
                tuple(None if s is None else (tuple(s[1]), tuple(s[2])) for s in specs))
         state = None
         if key != self._key:
@@ -235,5 +258,3 @@ class RankWriter:
         self._sent = sent
         for path, size in sizes.items():
             files.files[files.concat_path(ROOT, os.path.basename(path))] = SharedFile(path, size)
-        if rank == 0:
-            write_small_files(files, ROOT, staged, sorted(tree), world)

@@ -174,6 +174,16 @@ def join_dtensors(tree: Any, shards: list[torch.Tensor], specs: list[tuple]) -> 
     return _map_leaves(tree, leaf)
 
 
+def structure(tree: Any) -> Any:
+    """The shape of a tree of :func:`split_dtensors` (dict keys, list lengths, each leaf's
+    kind or shard), hashable: equal for two snapshots of the same structure."""
+    if isinstance(tree, dict):
+        return ("d", tuple((k, structure(v)) for k, v in tree.items()))
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return ("l", tuple(structure(v) for v in tree))
+    return tree.index if isinstance(tree, _Shard) else type(tree).__name__
+
+
 def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
     """``value`` with its dicts, lists and tuples rebuilt and ``leaf`` applied to the rest."""
     if isinstance(value, dict):

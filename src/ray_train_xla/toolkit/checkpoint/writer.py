@@ -215,50 +215,13 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
     return writer.save(state, directory, filename, filesystem, timeout_s, rank)
 
 
-def write_dcp_files(files: list) -> list:
-    """Write DCP data files as torch's ``FileSystemWriter`` does (its own function, one
-    file after another), from items already resolved: ``[(path, storage_key, [(WriteItem,
-    tensor or bytes)])]``. Returns the ``WriteResult``s."""
-    import io
-    import queue
-
-    from torch.distributed.checkpoint.filesystem import (
-        SerializationFormat,
-        _StorageWriterTransforms,
-        _write_files_from_queue,
-    )
-
-    data: dict[int, Any] = {}
-    file_queue: queue.Queue = queue.Queue()
-    for path, key, pairs in files:
-        for item, value in pairs:
-            data[id(item)] = value
-        file_queue.put((path, key, [item for item, _ in pairs]))
-
-    class Resolved:
-        def resolve_data(self, item):
-            value = data[id(item)]
-            return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
-
-    results: queue.Queue = queue.Queue()
-    _write_files_from_queue(create_stream=open, file_queue=file_queue, result_queue=results,
-                            planner=Resolved(), transforms=_StorageWriterTransforms(None),
-                            inflight_threshhold=0, use_fsync=False, thread_count=1,
-                            serialization_format=SerializationFormat.TORCH_SAVE)
-    out: list = []
-    while not results.empty():
-        out += results.get_nowait()
-    return out
-
-
 def _handle(request: tuple):
+    from ray_train_xla.toolkit.checkpoint.rank_files import write_dcp_files, write_rank_files
     from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
 
     if request[0] == "dcp":
         return write_dcp_files(request[1])
     if request[0] == "rank-dcp":
-        from ray_train_xla.toolkit.checkpoint.rank_files import write_rank_files
-
         return write_rank_files(*request[1:])
     _, state, directory, filename, filesystem = request
     return write_replicated(state, directory, filename, filesystem)
