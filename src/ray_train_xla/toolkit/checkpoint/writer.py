@@ -27,8 +27,9 @@ replicated ``checkpoint.pt``, DCP's data files (:meth:`SaveProcess.write_dcp`), 
 file and metadata written rank by rank (:meth:`SaveProcess.write_rank`, ``rank_files.py``).
 
 A writer process that dies is reported (its pipe closes) and a write that does not end within
-``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the training function as ``ReportError``, naming
-``configure_reports(writer_process=False)``, which writes in the reporter's thread instead.
+``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the
+training function as ``ReportError``, naming ``configure_reports(writer_process=False)``, which
+writes in the reporter's thread instead.
 """
 
 from __future__ import annotations
