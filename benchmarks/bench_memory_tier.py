@@ -27,6 +27,9 @@ import tempfile
 import time
 import uuid
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from figures import add_output_arguments, write  # noqa: E402
@@ -35,72 +38,77 @@ MB = 1e6
 STORAGE_BPS = 100 * MB
 
 
+class SlowHandler(pafs.FileSystemHandler):
+    """A pyarrow filesystem handler over the local file system that serves reads at
+    ``bytes_per_s`` (writes at the local file system's speed). At module level, so that it is
+    pickled by name into writer processes."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.fs = pafs.LocalFileSystem()
+
+    def __reduce__(self):
+        return SlowHandler, (self.bytes_per_s,)
+
+    def _read(self, path):
+        with self.fs.open_input_file(path) as f:
+            data = f.read()
+        time.sleep(len(data) / self.bytes_per_s)
+        return pa.BufferReader(pa.py_buffer(data))
+
+    def open_input_file(self, path):
+        return self._read(path)
+
+    def open_input_stream(self, path):
+        return self._read(path)
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def get_type_name(self):
+        return "slow"
+
+    def normalize_path(self, path):
+        return path
+
+    def equals(self, other):
+        return other is self
+
+    # Writes at the local file system's speed (what is measured is reading).
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise OSError("not here")
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_output_stream(self, path, metadata):
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+
 def slow_filesystem(bytes_per_s: float):
-    """A pyarrow filesystem over the local one that serves reads at ``bytes_per_s`` (writes at
-    the local file system's speed)."""
-    import pyarrow as pa
-    import pyarrow.fs as pafs
-
-    class Slow(pafs.FileSystemHandler):
-        def __init__(self):
-            self.fs = pafs.LocalFileSystem()
-
-        def _read(self, path):
-            with self.fs.open_input_file(path) as f:
-                data = f.read()
-            time.sleep(len(data) / bytes_per_s)
-            return pa.BufferReader(pa.py_buffer(data))
-
-        def open_input_file(self, path):
-            return self._read(path)
-
-        def open_input_stream(self, path):
-            return self._read(path)
-
-        def get_file_info(self, paths):
-            return self.fs.get_file_info(paths)
-
-        def get_file_info_selector(self, selector):
-            return self.fs.get_file_info(selector)
-
-        def get_type_name(self):
-            return "slow"
-
-        def normalize_path(self, path):
-            return path
-
-        def equals(self, other):
-            return other is self
-
-        # Writes at the local file system's speed (what is measured is reading).
-        def create_dir(self, path, recursive):
-            self.fs.create_dir(path, recursive=recursive)
-
-        def delete_dir(self, path):
-            self.fs.delete_dir(path)
-
-        def delete_dir_contents(self, path, missing_dir_ok=False):
-            self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
-
-        def delete_root_dir_contents(self):
-            raise OSError("not here")
-
-        def delete_file(self, path):
-            self.fs.delete_file(path)
-
-        def move(self, src, dest):
-            self.fs.move(src, dest)
-
-        def copy_file(self, src, dest):
-            self.fs.copy_file(src, dest)
-
-        def open_output_stream(self, path, metadata):
-            return self.fs.open_output_stream(path, metadata=metadata)
-
-        def open_append_stream(self, path, metadata):
-            return self.fs.open_append_stream(path, metadata=metadata)
-
-    return pafs.PyFileSystem(Slow())
+    """A pyarrow filesystem that serves reads at ``bytes_per_s`` (``SlowHandler``)."""
+    return pafs.PyFileSystem(SlowHandler(bytes_per_s))
 
 
 def build(width: int, layers: int, seed: int):

@@ -256,11 +256,13 @@ class MemoryFiles:
         for f in self.files.values():
             if isinstance(f, SharedFile) and os.path.exists(f.path):
                 os.remove(f.path)
-        if self.shared_dir and os.path.isdir(self.shared_dir):
-            try:
-                os.rmdir(self.shared_dir)
-            except OSError:  # a file left by someone else: not ours to remove
-                pass
+        # This generation's directory, then the tier's when no other rank's is left in it
+        for directory in (self.shared_dir, os.path.dirname(self.shared_dir)):
+            if directory and os.path.isdir(directory):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # not empty: another rank's files, not ours to remove
+                    break
         self.files.clear()
         _SPARE.extend(self._buffers)
         del _SPARE[:-2]
