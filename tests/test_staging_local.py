@@ -344,3 +344,50 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
         assert save(7)["bytes"] > 0
     finally:
         save_process().end()
+
+
+def test_rank_by_rank_writes_non_tensor_values_of_each_generation_and_keeps_its_plan(tmp_path):
+    """Rank by rank (``rank_files``) in one process: a state with a non-tensor value (DCP
+    pickles it) and a namedtuple; the second generation sends no plan, and writes its own values,
+    not the first's; a writer that lost its plan refuses, naming it; a new structure makes a new
+    buffer. Read back through torch's FileSystemReader over the merged metadata."""
+    import pickle
+
+    import pytest
+    import torch.distributed.checkpoint as dcp
+
+    from ray_train_xla.toolkit.checkpoint import rank_files
+    from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, split_dtensors, structure
+
+    def generation(n: int, scale: float, plan):
+        state = {"w": torch.arange(6.0).reshape(2, 3) * scale,
+                 "opt": {"n": n, "pair": Pair(torch.ones(2) * scale, "label")}}
+        tree, shards, specs = split_dtensors(state)
+        views, _ = flat.stage_tensors(shards)
+        joined = join_dtensors(tree, views, specs)
+        plan = plan or rank_files.RankPlan(joined, flat.flat)
+        out = tmp_path / f"g{n}"
+        out.mkdir()
+        payload = (flat.flat, plan.items, plan.where, plan.metadata) if n == 1 else None
+        rank_files.write_rank_files(structure(tree), payload, plan.byte_values(joined),
+                                    str(out / rank_files.rank_data_file(0)),
+                                    str(out / rank_files.rank_metadata_file(0)))
+        with open(out / rank_files.rank_metadata_file(0), "rb") as f:
+            merged = rank_files.merge_metadata([pickle.load(f)])
+        with open(out / ".metadata", "wb") as f:
+            pickle.dump(merged, f)
+        target = {"w": torch.zeros(2, 3), "opt": {"n": None, "pair": Pair(torch.zeros(2), None)}}
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
+        return plan, target
+
+    flat = rank_files.FlatStaging()
+    plan, first = generation(1, 1.0, None)
+    _, second = generation(2, 2.0, plan)  # the writer keeps the plan: only the values travel
+    assert first["opt"]["n"] == 1 and second["opt"]["n"] == 2
+    assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) * 2)
+    assert torch.equal(second["opt"]["pair"][0], torch.ones(2) * 2)
+    assert flat.allocations == 1
+    with pytest.raises(RuntimeError, match="no plan"):
+        rank_files.write_rank_files(("another",), None, [], str(tmp_path / "x"), str(tmp_path / "y"))
+    flat.stage_tensors([torch.ones(3)])  # another structure: another buffer
+    assert flat.allocations == 2

@@ -67,6 +67,17 @@ def _hold(path: str) -> mmap.mmap | bytes:
     return held
 
 
+def _remove_stale(tier_dir: str, gen: int) -> None:
+    """The generation directories (``<gen>-<rank>``) of ``tier_dir`` older than ``gen - 1``:
+    files no store took (their worker died between its writer's write and the store's take)."""
+    import shutil
+
+    for entry in os.listdir(tier_dir):
+        older = entry.split("-")[0]
+        if older.isdigit() and int(older) < gen - 1:
+            shutil.rmtree(os.path.join(tier_dir, entry), ignore_errors=True)
+
+
 class MemoryStore:
     """One node's memory store (a Ray actor): per generation, every rank's checkpoint files.
 
@@ -85,17 +96,17 @@ class MemoryStore:
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
              shared: dict[str, str], peers: list[str], timeout_s: float) -> dict[str, Any]:
         """A rank's files of generation ``gen``, from a worker of this node: ``files`` (their
-        bytes) and ``shared`` (files its writer process wrote into shared memory: read here,
-        then removed). Then handed to each store of ``peers`` (within ``timeout_s`` each).
-        Returns the bytes held and, per peer that did not take them, why."""
-
+        bytes) and ``shared`` (files its writer process wrote into shared memory: mapped here,
+        then unlinked, ``_hold``). Then handed to each store of ``peers`` (within ``timeout_s``
+        each). Returns the bytes held and, per peer that did not take them, why."""
         import numpy as np
         import ray
 
         files = {name: bytes(data) for name, data in files.items()}
         for name, path in shared.items():
             files[name] = _hold(path)
-        self._remove_stale(shared, gen)
+        if shared:
+            _remove_stale(os.path.dirname(os.path.dirname(next(iter(shared.values())))), gen)
         held = self.put(gen, world, rank, files)
         errors: dict[str, str] = {}
         if peers:
@@ -108,21 +119,6 @@ class MemoryStore:
                 except Exception as exc:  # noqa: BLE001 (the worker logs it: one copy)
                     errors[name] = f"{type(exc).__name__}: {exc}"
         return {"bytes": held, "peers": errors}
-
-    @staticmethod
-    def _remove_stale(shared: dict[str, str], gen: int) -> None:
-        """Shared files of generations before ``gen - 1`` that no store took (their worker
-        died between its writer's write and this call): removed."""
-        import os
-        import shutil
-
-        for path in shared.values():
-            tier_dir = os.path.dirname(os.path.dirname(path))
-            for entry in os.listdir(tier_dir):
-                older = entry.split("-")[0]
-                if older.isdigit() and int(older) < gen - 1:
-                    shutil.rmtree(os.path.join(tier_dir, entry), ignore_errors=True)
-            return
 
     def put(self, gen: int, world: int, rank: int, files: dict[str, Any]) -> int:
         # Copied into this process: owned here, not by the worker that put them (a shared
@@ -322,6 +318,7 @@ class MemoryTier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
         self._pending: Future | None = None
         self._writer = None  # writer.SaveProcess: formats each generation (started at the first)
+        self._shared: str | None = None  # _shared_root(), found at the first generation
         self._ranks = None  # rank_files.RankWriter: DTensor generations written rank by rank
         self.kept = 0
         self.by_writer = 0  # generations whose data files the writer process formatted
@@ -440,7 +437,7 @@ class MemoryTier:
         if layout == SPMD:
             writer = None
         if writer is not None:
-            files.write_by(writer, os.path.join(_shared_root(), self.tier, f"{gen}-{self.rank}"),
+            files.write_by(writer, os.path.join(self._shared, self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
@@ -484,7 +481,9 @@ class MemoryTier:
         writer processes or shared memory, a generation is formatted in this process)."""
         from ray_train_xla.toolkit import reporting
 
-        if not reporting.writer_process_on or not _shared_root():
+        if self._shared is None:
+            self._shared = _shared_root()  # once: it stays
+        if not reporting.writer_process_on or not self._shared:
             return None
         if self._writer is None or not self._writer.process.is_alive():
             from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
@@ -503,7 +502,7 @@ class MemoryTier:
         return None if self._writer is None else self._writer.process.pid
 
     def end(self) -> None:
-        """End the tier's writer process (the training function ended)."""
+        """End the tier's writer process (it was started here)."""
         if self._writer is not None:
             self._writer.end()
             self._writer = None
