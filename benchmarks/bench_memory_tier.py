@@ -8,9 +8,10 @@ with FSDP2 over a one-rank gloo group (the path a sharded model takes):
   ``load_checkpoint`` into a fresh model, from memory, and from the directory read through a
   storage that serves 100 MB/s (a pyarrow filesystem that waits as long as that takes);
   alternating, medians;
-- **every step**: a loop of about 200 ms steps (one training thread), with ``keep_in_memory``
-  at every step against none; the extra time per step over the step time. The rest of the
-  step is matrix products, small (256-wide) then large (1024-wide).
+- **every step**: a loop of about 200 ms steps (one training thread), blocks of steps with
+  ``keep_in_memory`` at every step alternating with blocks without; the extra time per step
+  (the median of the pairs of blocks) over the step time. The rest of the step is matrix
+  products, small (256-wide) then large (1024-wide).
 
     python benchmarks/bench_memory_tier.py                # writes results/memory_tier.{json,md}
     python benchmarks/bench_memory_tier.py --markdown     # memory_tier.md again from the json
@@ -36,6 +37,7 @@ from figures import add_output_arguments, write  # noqa: E402
 
 MB = 1e6
 STORAGE_BPS = 100 * MB
+SETTLE = 2  # the first steps of each block of the every-step loop, not counted
 
 
 class SlowHandler(pafs.FileSystemHandler):
@@ -151,8 +153,10 @@ def measure(args) -> dict:
     node = ray.get_runtime_context().get_node_id()
     tier_id = uuid.uuid4().hex[:12]
     memory.start_stores(tier_id, [node], 120)
+    # FSDP2 on the CPU twin of a native config (TorchNeuronConfig, TorchTPUConfig)
     os.environ.update({contract.MEMORY_EVERY_VAR: "1", contract.MEMORY_TIER_VAR: tier_id,
-                       contract.MEMORY_NODES_VAR: node, contract.TIMEOUT_VAR: "300"})
+                       contract.MEMORY_NODES_VAR: node, contract.TIMEOUT_VAR: "300",
+                       contract.RUNTIME_VAR: "native", contract.DEVICE_VAR: "cpu"})
     contract.reload()
     out: dict = {}
     try:
@@ -187,10 +191,6 @@ def measure(args) -> dict:
         print("restore", {k: v for k, v in out["restore"].items() if k != "runs"}, flush=True)
         del model, opt, fresh, fresh_opt, state
 
-        # The tier's writer process takes work (it starts at the first generation, in the
-        # background; the generations before are formatted in this process).
-        assert memory.memory_tier().wait_writer(120)
-
         # -- every step: the rest of the step in small kernels (256-wide matmuls, each a call
         # that takes the interpreter lock again) and in large ones (1024-wide)
         model, opt = build(width, args.step_layers, 2)
@@ -206,26 +206,34 @@ def measure(args) -> dict:
             train_s = time.perf_counter() - base
             matmuls = max(0, int((args.step_s - train_s) / per))
 
-            def loop(keep: bool, matmuls=matmuls, work=work) -> float:
-                for step in range(1, 4):  # warm up
+            def block(keep: bool, first: int, matmuls=matmuls, work=work) -> float:
+                """The mean step of a block of steps, keeping every one or none; its first
+                steps (the change of regime) are not counted; the tier's last generation is
+                waited for after the block, untimed."""
+                times = []
+                for step in range(first, first + args.block):
+                    t = time.perf_counter()
                     train_step(model, opt, x, matmuls, work)
                     if keep:
                         rtx.keep_in_memory(state_of(model, opt, step), step)
+                    times.append(time.perf_counter() - t)
                 memory.flush_memory()
-                t = time.perf_counter()
-                for step in range(4, 4 + args.steps):
-                    train_step(model, opt, x, matmuls, work)
-                    if keep:
-                        rtx.keep_in_memory(state_of(model, opt, step), step)
-                memory.flush_memory()
-                return (time.perf_counter() - t) / args.steps
+                return statistics.mean(times[SETTLE:])
 
-            pairs = [(loop(False), loop(True)) for _ in range(args.reps)]
+            block(True, 1)  # warm up: the slots are laid out, the plan made
+            pairs = []
+            for rep in range(args.reps * 4):  # alternating which comes first
+                first = 1 + (rep + 1) * 2 * args.block
+                plain, kept = (block(False, first), block(True, first + args.block)) \
+                    if rep % 2 == 0 else \
+                    tuple(reversed((block(True, first), block(False, first + args.block))))
+                pairs.append((plain, kept))
             plain = statistics.median(p for p, _ in pairs)
             kept = statistics.median(k for _, k in pairs)
+            extra = statistics.median(k - p for p, k in pairs)
             out[key] = {"state_mb": step_state_mb, "kernel": size, "kernels": matmuls,
-                        "step_s": plain, "kept_step_s": kept,
-                        "extra_fraction": (kept - plain) / plain, "runs": pairs}
+                        "step_s": plain, "kept_step_s": kept, "block": args.block,
+                        "settle": SETTLE, "extra_fraction": extra / plain, "runs": pairs}
             print(key, {k: v for k, v in out[key].items() if k != "runs"}, flush=True)
     finally:
         dist.destroy_process_group()
@@ -259,7 +267,10 @@ def markdown(r: dict) -> str:
         f"A loop of about {es['step_s'] * 1000:.0f} ms steps with {es['state_mb']:.0f} MB of "
         "model and AdamW state, `keep_in_memory` at every step against none (one training "
         "thread). The rest of each step is matrix products: small kernels (each a short call "
-        "that takes the interpreter lock again), or large ones.",
+        "that takes the interpreter lock again), or large ones. Blocks of "
+        f"{es.get('block', 20)} steps keeping every step alternate with blocks keeping none "
+        f"({len(es['runs'])} pairs); the first {es.get('settle', 0)} steps of each block are not "
+        "counted; the extra is the median of the pairs' differences.",
         "",
         "| the step's kernels | step (ms) | with keep_in_memory every step (ms) | extra | "
         "target (<= 2%) |",
@@ -280,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-layers", type=int, default=4,
                         help="1024-wide layers of the every-step loop's model (4: 50 MB of state)")
     parser.add_argument("--step-s", type=float, default=0.2)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--block", type=int, default=8,
+                        help="steps per block of the every-step loop (keeping every step or none)")
     parser.add_argument("--reps", type=int, default=3)
     add_output_arguments(parser)
     args = parser.parse_args(argv)

@@ -130,45 +130,89 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
     assert tier.next_generation() == 1
 
 
-def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, writer_process):
+@pytest.fixture(params=[False, True], ids=["in-process", "in-place"])
+def shared_memory(request, monkeypatch):
+    """With the node's shared memory (DTensor generations written in place into slots), or
+    without (formatted by ``dcp.save`` in the training process)."""
+    from ray_train_xla.toolkit.checkpoint import memory
+
+    if not request.param:
+        monkeypatch.setattr(memory, "_shared_root", lambda: "")
+    yield request.param
+    memory.memory_tier().end()
+
+
+def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, shared_memory):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.memory import flush_memory, memory_tier
+    from ray_train_xla.toolkit.checkpoint.memory import (
+        NAMESPACE,
+        _shared_root,
+        flush_memory,
+        memory_tier,
+        store_name,
+    )
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        pid = _start_writer(writer_process)
-        before = _writer_io(pid) if pid else 0
-        model, opt = _model_and_opt(0)
-        fully_shard(model)
-        opt = torch.optim.AdamW(model.named_parameters(), lr=0.1)
+    def step_and_keep(step: int) -> None:
         model(torch.randn(3, 8)).sum().backward()
         opt.step()
         rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "step": 2}, 2)
+                            "step": step}, step)
         flush_memory()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, opt = _model_and_opt(0)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.named_parameters(), lr=0.1)
+        if shared_memory:  # a slot file an earlier run's worker left (it died before a take)
+            import subprocess
+            import sys
+
+            dead = subprocess.Popen([sys.executable, "-c", "pass"])
+            dead.wait()
+            left = os.path.join(_shared_root(), "an-earlier-tier", f"slot-{dead.pid}-0-0-0.distcp")
+            os.makedirs(os.path.dirname(left), exist_ok=True)
+            open(left, "wb").close()
+        step_and_keep(2)
         tier = memory_tier()
-        _check_formatted(tier, pid, before, 3 * sum(p.numel() * 4 for p in model.parameters()))
-        if writer_process:
-            # Written rank by rank: the rank's data file and its own metadata (merged when
-            # read); a second generation reuses the plan and the shared buffer.
+        if shared_memory:  # swept by the store's take, with its directory
+            assert not os.path.exists(os.path.dirname(left))
+        assert tier.by_writer == 0 and tier.writer_pid() is None  # no writer process for it
+        if shared_memory:
+            # Written rank by rank, in place: the rank's data file (a slot, which the store
+            # mapped and unlinked), its own metadata (merged when read).
             inventory = tier.inventories()[0]
             assert sorted(inventory["gens"][0]["ranks"][0]) == [
                 "__0.metadata", "__0_0.distcp", "extra.pt", "param_groups.pt",
                 "sharded.json"], inventory
-            model(torch.randn(3, 8)).sum().backward()
-            opt.step()
-            rtx.keep_in_memory({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "step": 4}, 4)
-            flush_memory()
-            assert (tier._ranks.plans, tier._ranks.staging.allocations) == (1, 1)
-            assert tier.kept == tier.by_rank == tier.by_writer == 2
+            tier_dir = os.path.join(_shared_root(), tier.tier)
+            assert os.listdir(tier_dir) == []  # mapped by the store, and unlinked
+            # Three more generations: the two slots are used in turn, laid out and planned
+            # once; the store holds the newest two.
+            for step in (4, 6, 8):
+                step_and_keep(step)
+            assert (tier._slots.allocations, tier._slots.plans) == (2, 1)
+            assert tier.kept == tier.by_rank == 4
+            assert sorted(tier.inventories()[0]["gens"]) == [2, 3]
+            assert os.listdir(tier_dir) == []
+            # A slot being written again no longer serves the generation it held.
+            store = ray_local_actor(store_name(tier.tier, tier.node), NAMESPACE)
+            tier._slots.slots[0].stamp(-1)  # generation 2's slot, as when the next one starts
+            assert sorted(tier.inventories()[0]["gens"][2]["ranks"]) == []
+            with pytest.raises(Exception, match="no longer held here"):
+                import ray
+
+                ray.get(store.get.remote(2, 0, "__0_0.distcp"))
+            tier._slots.slots[0].stamp(2)
+        else:
+            assert tier.by_rank == 0
         fresh, _ = _model_and_opt(1)
         fully_shard(fresh)
         fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
-        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 4 if writer_process else 2}
+        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 8 if shared_memory else 2}
         files = memory_tier().restored
         assert files is not None and files["fetched_bytes"] > 0
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
@@ -180,8 +224,17 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, wri
                 w = got[name][k]
                 assert torch.equal(getattr(v, "full_tensor", lambda v=v: v)(),
                                    getattr(w, "full_tensor", lambda w=w: w)()), (name, k)
+        if shared_memory:
+            tier.end()  # at the worker's end: nothing of its own left in shared memory
+            assert not os.path.exists(tier_dir)
     finally:
         dist.destroy_process_group()
+
+
+def ray_local_actor(name: str, namespace: str):
+    import ray
+
+    return ray.get_actor(name, namespace=namespace)
 
 
 def test_storage_serves_when_a_rank_is_missing_or_storage_is_newer_and_a_dead_holder_is_skipped(

@@ -128,28 +128,25 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         process["exact"].append(extra["step"] == i and f"__{rank}_0.distcp" in written["files"]
                                 and all(torch.equal(a.full_tensor(), b)
                                         for a, b in zip(fresh.parameters(), before)))
-    # Rank by rank (the memory tier's format, rank_files.py): each rank's data file and its
-    # own metadata, no collective; merged, the metadata is torch's own for the same state (c15,
-    # dcp.save), and the checkpoint loads bit for bit.
+    # Rank by rank, in place (the memory tier's format, rank_files.py): each rank's data file
+    # (a slot, its shards copied into torch.save's records) and its own metadata, no
+    # collective; merged, the metadata is torch's own for the same state (c15, dcp.save), and
+    # the checkpoint loads bit for bit.
     import pickle
 
     from ray_train_xla.toolkit.checkpoint import rank_files
-    from ray_train_xla.toolkit.checkpoint.files import LocalFiles
+    from ray_train_xla.toolkit.checkpoint.files import LocalFiles, MemoryFiles
     from ray_train_xla.toolkit.checkpoint.sharded import write_small_files
-    from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
 
     before = [p.full_tensor().clone() for p in model.parameters()]
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 14}
-    flat = rank_files.FlatStaging()
-    staged = stage_sharded(state, stager=flat.stage_tensors)
-    joined = join_dtensors(staged["tree"], staged["state"], staged["specs"])
-    plan = rank_files.RankPlan(joined, flat.flat)
+    os.makedirs(os.path.join(root, f"slots{rank}"))
+    slots = rank_files.RankSlots(os.path.join(root, f"slots{rank}"), rank)
+    staged = stage_sharded(state, stager=slots.stager(14))
+    in_memory = MemoryFiles()
+    slots.write(staged, in_memory, 14)
     c14 = os.path.join(root, "c14")
-    os.makedirs(c14, exist_ok=True)
-    rank_files.write_rank_files(1, (flat.flat, plan.items, plan.where, plan.metadata),
-                                plan.byte_values(joined),
-                                os.path.join(c14, rank_files.rank_data_file(rank)),
-                                os.path.join(c14, rank_files.rank_metadata_file(rank)))
+    copy_out(in_memory, c14)
     write_staged(stage_sharded(state), os.path.join(root, "c15"))
     dist.barrier()
     by_rank = {}
@@ -179,6 +176,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     extra = load_sharded(c14, fresh, fresh_opt)
     by_rank["exact"] = extra["step"] == 14 and all(
         torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), before))
+    with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
+        by_rank["stamp"] = rank_files.slot_stamp(f.read(8))
     process["by_rank"] = by_rank
     pid = writer_process_pid()
     process["pid"] = pid if pid != os.getpid() else None
@@ -232,8 +231,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         # Written by a writer process: the same checkpoints; killed, it is reported at once.
         w = r["process"]
         assert w["exact"] == [True, True, True] and w["pid"], w
-        assert w["by_rank"] == ({"same_as_torch": True, "exact": True} if rank == 0
-                                else {"exact": True}), w
+        assert w["by_rank"] == ({"same_as_torch": True, "exact": True, "stamp": 14} if rank == 0
+                                else {"exact": True, "stamp": 14}), w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
         assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w
     # c11 and c13 were written through the storage's filesystem, in place: every rank's shards
@@ -346,48 +345,80 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
         save_process().end()
 
 
-def test_rank_by_rank_writes_non_tensor_values_of_each_generation_and_keeps_its_plan(tmp_path):
-    """Rank by rank (``rank_files``) in one process: a state with a non-tensor value (DCP
-    pickles it) and a namedtuple; the second generation sends no plan, and writes its own values,
-    not the first's; a writer that lost its plan refuses, naming it; a new structure makes a new
-    buffer. Read back through torch's FileSystemReader over the merged metadata."""
+def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_its_plan(tmp_path):
+    """Rank by rank, in place (``rank_files``) in one process: a state with a non-tensor value
+    (DCP pickles it), a namedtuple, an empty tensor and a scalar one; each generation reads back
+    its own values through torch's FileSystemReader over the merged metadata; the two slots
+    are used in turn (laid out and planned once), each stamped with its generation (-1 while
+    the snapshot copies into it); a new structure lays out new slots."""
     import pickle
 
-    import pytest
     import torch.distributed.checkpoint as dcp
 
     from ray_train_xla.toolkit.checkpoint import rank_files
-    from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, split_dtensors, structure
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles
+    from ray_train_xla.toolkit.checkpoint.staging import split_dtensors
 
-    def generation(n: int, scale: float, plan):
-        state = {"w": torch.arange(6.0).reshape(2, 3) * scale,
-                 "opt": {"n": n, "pair": Pair(torch.ones(2) * scale, "label")}}
+    def stamps():
+        out = []
+        for slot in slots.slots:
+            if slot is None:  # not used yet
+                out.append(None)
+                continue
+            with open(slot.path, "rb") as f:
+                out.append(rank_files.slot_stamp(f.read(8)))
+        return out
+
+    def generation(n: int, scale: float):
+        state = {"w": torch.arange(6.0).reshape(2, 3) * scale, "empty": torch.empty(0, 3),
+                 "opt": {"n": n, "step": torch.tensor(float(n)),
+                         "pair": Pair(torch.ones(2) * scale, "label")}}
         tree, shards, specs = split_dtensors(state)
-        views, _ = flat.stage_tensors(shards)
-        joined = join_dtensors(tree, views, specs)
-        plan = plan or rank_files.RankPlan(joined, flat.flat)
+        views, _ = slots.stager(n)(shards)
+        assert stamps()[(n - 1) % 2] == -1  # being written
+        files = MemoryFiles()
+        slots.write({"state": views, "tree": tree, "specs": specs}, files, n)
         out = tmp_path / f"g{n}"
-        out.mkdir()
-        payload = (flat.flat, plan.items, plan.where, plan.metadata) if n == 1 else None
-        rank_files.write_rank_files(structure(tree), payload, plan.byte_values(joined),
-                                    str(out / rank_files.rank_data_file(0)),
-                                    str(out / rank_files.rank_metadata_file(0)))
+        copy_out(files, str(out))
+        assert sorted(os.listdir(out)) == ["__0.metadata", "__0_0.distcp", "__0_1.distcp"]
         with open(out / rank_files.rank_metadata_file(0), "rb") as f:
             merged = rank_files.merge_metadata([pickle.load(f)])
         with open(out / ".metadata", "wb") as f:
             pickle.dump(merged, f)
-        target = {"w": torch.zeros(2, 3), "opt": {"n": None, "pair": Pair(torch.zeros(2), None)}}
+        target = {"w": torch.zeros(2, 3), "empty": torch.ones(0, 3),
+                  "opt": {"n": None, "step": torch.tensor(0.0),
+                          "pair": Pair(torch.zeros(2), None)}}
         dcp.load(target, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
-        return plan, target
+        return target
 
-    flat = rank_files.FlatStaging()
-    plan, first = generation(1, 1.0, None)
-    _, second = generation(2, 2.0, plan)  # the writer keeps the plan: only the values travel
-    assert first["opt"]["n"] == 1 and second["opt"]["n"] == 2
-    assert torch.equal(second["w"], torch.arange(6.0).reshape(2, 3) * 2)
-    assert torch.equal(second["opt"]["pair"][0], torch.ones(2) * 2)
-    assert flat.allocations == 1
-    with pytest.raises(RuntimeError, match="no plan"):
-        rank_files.write_rank_files(("another",), None, [], str(tmp_path / "x"), str(tmp_path / "y"))
-    flat.stage_tensors([torch.ones(3)])  # another structure: another buffer
-    assert flat.allocations == 2
+    (tmp_path / "slots").mkdir()
+    slots = rank_files.RankSlots(str(tmp_path / "slots"), 0)
+    first = generation(1, 1.0)
+    assert stamps() == [1, None]  # the second slot is made at its first use
+    second = generation(2, 2.0)
+    assert stamps() == [1, 2]
+    third = generation(3, 3.0)  # the first slot again
+    assert stamps() == [3, 2]
+    for n, got in ((1, first), (2, second), (3, third)):
+        assert got["opt"]["n"] == n and float(got["opt"]["step"]) == n
+        assert torch.equal(got["w"], torch.arange(6.0).reshape(2, 3) * n)
+        assert torch.equal(got["opt"]["pair"][0], torch.ones(2) * n)
+        assert got["empty"].shape == (0, 3)
+    assert (slots.allocations, slots.plans) == (2, 1)
+    slots.stager(4)([torch.ones(3)])  # another structure: new slots, each made when used
+    assert slots.allocations == 3 and slots.slots[1] is None
+    slots.remove()
+    assert os.listdir(tmp_path / "slots") == []
+
+
+def copy_out(files, directory: str) -> None:
+    """A checkpoint kept in memory (a ``MemoryFiles``, slots included) written into ``directory``."""
+    from ray_train_xla.toolkit.checkpoint.files import SharedFile
+
+    os.makedirs(directory, exist_ok=True)
+    for name, data in files.by_name().items():
+        if isinstance(data, SharedFile):
+            with open(data.path, "rb") as f:
+                data = f.read()
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(bytes(data))

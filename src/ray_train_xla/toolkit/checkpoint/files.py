@@ -220,15 +220,22 @@ class SharedFile(NamedTuple):
     size: int
 
 
+class SlotFile(SharedFile):
+    """A rank's data file written in place into one of its slots in shared memory
+    (``rank_files.RankSlots``): the store maps it once and serves it as the generation it
+    says."""
+
+
 class MemoryFiles:
     """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory.
     ``expected_bytes``: the size of the rank's data file (DCP's ``.distcp``), when known, so
     that it is written into one buffer of that size.
 
-    With :meth:`write_by`, the data files (DCP's ``.distcp``, a replicated ``checkpoint.pt``)
-    are formatted by a writer process (``writer.SaveProcess``) into files of a shared-memory
-    directory (``SharedFile``), off this process's interpreter lock; the small ones (DCP's
-    ``.metadata``, ``extra.pt``) stay in this process."""
+    With :meth:`write_by`, a replicated ``checkpoint.pt`` is formatted by a writer process
+    (``writer.SaveProcess``) into a file of a shared-memory directory (``SharedFile``), off
+    this process's interpreter lock; a rank's DCP data file written in place is one of its
+    slots (``SlotFile``); the small files (DCP's ``.metadata``, ``extra.pt``) stay in this
+    process."""
 
     def __init__(self) -> None:
         self.files: dict[str, Any] = {}  # path -> bytes, a memoryview of them, or a SharedFile
@@ -246,7 +253,8 @@ class MemoryFiles:
         self.writer, self.shared_dir, self.timeout_s, self.rank = writer, shared_dir, timeout_s, rank
 
     def shared_files(self) -> dict[str, str]:
-        """The files written into shared memory: their names in the checkpoint, their paths."""
+        """The files written into shared memory (slots included): their names in the
+        checkpoint, their paths."""
         return {name: f.path for name, f in self.by_name().items() if isinstance(f, SharedFile)}
 
     def release(self) -> None:
@@ -329,7 +337,7 @@ class MemoryFiles:
                 for name, data in self.by_name().items()}
 
     def dcp_writer(self, directory: str):
-        return memory_writer(self) if self.writer is None else _process_writer(self)
+        return memory_writer(self)
 
     def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""
@@ -345,36 +353,3 @@ def memory_writer(files: MemoryFiles):
     writer.fs = files
     writer.path = ROOT
     return writer
-
-
-def _process_writer(files: MemoryFiles):
-    """torch's ``FileSystemWriter`` into ``files`` whose data file is formatted by
-    ``files.writer``: the items are resolved here (the staged tensors, shared with the writer
-    process; the small objects, pickled here as DCP does), and written there into one file of
-    ``files.shared_dir``. Planning, and the ``.metadata`` written by the coordinator, stay
-    here (they are collective)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    class ProcessWriter(FileSystemWriter):
-        def write_data(self, plan, planner):
-            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-            pairs = []
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                pairs.append((item, data.getvalue() if item.type == WriteItemType.BYTE_IO
-                              else data.detach()))
-            path = os.path.join(files.shared_dir, name)
-            results = files.writer.write_dcp([(path, name, pairs)], files.shared_dir,
-                                             files.timeout_s, files.rank)
-            files.files[files.concat_path(ROOT, name)] = SharedFile(path, os.path.getsize(path))
-            future: torch.futures.Future = torch.futures.Future()
-            future.set_result(results)
-            return future
-
-    writer = ProcessWriter(ROOT, sync_files=False)
-    writer.fs = files
-    writer.path = ROOT
-    return writer
-

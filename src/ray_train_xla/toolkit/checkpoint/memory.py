@@ -4,16 +4,18 @@ With ``memory_every=N`` on the config, the backend starts one **memory store** p
 worker group (a Ray actor with no CPU, owned by Ray Train's controller, so it outlives every
 worker group of the ``fit()`` and ends with it). :func:`keep_in_memory` (every rank, every
 step; it keeps the steps that are multiples of N) takes the same snapshot as
-``save_checkpoint`` and returns. A writer process of the tier's own (``writer.SaveProcess``,
-one per worker) formats it in the checkpoint's own format into a file in the node's shared
-memory: rank 0's ``checkpoint.pt``, or, for DTensor state, each rank's DCP data file and its
-own DCP metadata, written rank by rank with no collective (``rank_files.py``). In a background
-thread, the worker then hands its files to the store of its node, which maps them (and unlinks
-them: their memory goes back when the store drops them or ends, however it ends) and hands them
-to the store of the next node of the group (its peer) through Ray's object store. Until the
-writer process takes work, for torch_xla SPMD state, or without shared memory or writer
-processes, the background thread writes the generation itself (``dcp.save`` into memory). A
-generation is complete once every rank handed its files (a barrier of the ranks ends each one).
+``save_checkpoint`` and returns. DTensor state is written in place into the node's shared
+memory: each rank copies its shards straight into one of its two slot files, laid out once as
+its DCP data file, and writes its own DCP metadata, rank by rank with no collective
+(``rank_files.py``). Replicated state is formatted by a writer process of the tier's own
+(``writer.SaveProcess``, one per worker) into a file there: rank 0's ``checkpoint.pt``. In a
+background thread, the worker then hands its files to the store of its node, which maps them
+(and unlinks them: their memory goes back when the store drops them or ends, however it ends)
+and hands them to the store of the next node of the group (its peer) through Ray's object
+store. Without shared memory, for torch_xla SPMD state, and for replicated state until the
+writer process takes work or without writer processes, the background thread writes the
+generation itself (``dcp.save`` into memory). A generation is complete once every rank handed
+its files (a barrier of the ranks ends each one).
 
 After a failure, ``load_checkpoint()`` asks the stores first: rank 0 takes the newest
 generation whose files every rank of its world survive on some live store, and which is newer
@@ -29,6 +31,7 @@ Sharded (FSDP2 DTensors, torch_xla SPMD) and replicated state, on every config.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -67,47 +70,101 @@ def _hold(path: str) -> mmap.mmap | bytes:
     return held
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def _remove_stale(tier_dir: str, gen: int) -> None:
-    """The generation directories (``<gen>-<rank>``) of ``tier_dir`` older than ``gen - 1``:
-    files no store took (their worker died between its writer's write and the store's take)."""
+    """Files of ``tier_dir`` no store took (their worker died between its write and the
+    store's take): generation directories (``<gen>-<rank>``) older than ``gen - 1``; and, in
+    every tier's directory of the node (an earlier run's too), slot files of workers that are
+    gone, and directories left empty."""
     import shutil
+
+    from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
 
     for entry in os.listdir(tier_dir):
         older = entry.split("-")[0]
-        if older.isdigit() and int(older) < gen - 1:
+        if slot_owner(entry) is None and older.isdigit() and int(older) < gen - 1:
             shutil.rmtree(os.path.join(tier_dir, entry), ignore_errors=True)
+    root = os.path.dirname(tier_dir)
+    for tier in os.listdir(root):
+        directory = os.path.join(root, tier)
+        try:
+            entries = os.listdir(directory)
+        except OSError:  # not a directory, or removed meanwhile
+            continue
+        for entry in entries:
+            owner = slot_owner(entry)
+            if owner is not None and not _alive(owner[0]):
+                try:
+                    os.remove(os.path.join(directory, entry))
+                except FileNotFoundError:
+                    pass
+        if directory != tier_dir:
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty: a live tier's
+                pass
 
 
 class MemoryStore:
     """One node's memory store (a Ray actor): per generation, every rank's checkpoint files.
 
     At most two generations: a put of generation ``g`` keeps ``g`` and the newest generation
-    before it (complete: a rank starts ``g`` only after every rank finished the one before)."""
+    before it (complete: a rank starts ``g`` only after every rank finished the one before).
+    A rank's data file written in place into one of its two slots (``rank_files.RankSlots``)
+    is mapped once and serves as long as the slot says it holds that generation."""
 
     def __init__(self, node_id: str) -> None:
         self.node = node_id
         self._lock = threading.Lock()
         self._gens: dict[int, dict[str, Any]] = {}
         self._storage_gen = -1
+        self._slots: dict[str, mmap.mmap] = {}  # slot file -> its mapping
+        self._series: dict[tuple[int, int], int] = {}  # (pid, rank) -> its newest slots
 
     def ready(self) -> str:
         return self.node
 
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
-             shared: dict[str, str], peers: list[str], timeout_s: float) -> dict[str, Any]:
+             shared: dict[str, str], peers: list[str], timeout_s: float,
+             slots: dict[str, str] | None = None) -> dict[str, Any]:
         """A rank's files of generation ``gen``, from a worker of this node: ``files`` (their
-        bytes) and ``shared`` (files its writer process wrote into shared memory: mapped here,
-        then unlinked, ``_hold``). Then handed to each store of ``peers`` (within ``timeout_s``
-        each). Returns the bytes held and, per peer that did not take them, why."""
+        bytes), ``shared`` (files its writer process wrote into shared memory: mapped here,
+        then unlinked, ``_hold``) and ``slots`` (its data file in one of its slots: mapped
+        and unlinked the first time, then the same mapping). Then handed to each store of
+        ``peers`` (within ``timeout_s`` each). Returns the bytes held and, per peer that did not
+        take them, why."""
         import numpy as np
         import ray
+
+        from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner, slot_stamp
 
         files = {name: bytes(data) for name, data in files.items()}
         for name, path in shared.items():
             files[name] = _hold(path)
-        if shared:
-            _remove_stale(os.path.dirname(os.path.dirname(next(iter(shared.values())))), gen)
-        held = self.put(gen, world, rank, files)
+        slots = slots or {}
+        with self._lock:
+            for name, path in slots.items():
+                if path not in self._slots:
+                    self._slots[path] = _hold(path)
+                pid, owner_rank, series = slot_owner(path)
+                self._series[pid, owner_rank] = max(series, self._series.get((pid, owner_rank), 0))
+                files[name] = self._slots[path]
+                if slot_stamp(files[name]) != gen:
+                    raise ValueError(f"rank {rank}: its slot {path} holds generation "
+                                     f"{slot_stamp(files[name])}, not {gen}")
+        for path in [*shared.values(), *slots.values()][:1]:
+            tier_dir = os.path.dirname(path if path in slots.values() else os.path.dirname(path))
+            _remove_stale(tier_dir, gen)
+        held = self.put(gen, world, rank, files, set(slots))
         errors: dict[str, str] = {}
         if peers:
             ref = ray.put({name: np.frombuffer(b, dtype=np.uint8) for name, b in files.items()})
@@ -120,7 +177,9 @@ class MemoryStore:
                     errors[name] = f"{type(exc).__name__}: {exc}"
         return {"bytes": held, "peers": errors}
 
-    def put(self, gen: int, world: int, rank: int, files: dict[str, Any]) -> int:
+    def put(self, gen: int, world: int, rank: int, files: dict[str, Any],
+            slots: set[str] | frozenset = frozenset()) -> int:
+        """Hold a rank's ``files`` of generation ``gen`` (``slots``: the names that are slots)."""
         # Copied into this process: owned here, not by the worker that put them (a shared
         # file's mapping is this process's already).
         files = {name: data if isinstance(data, mmap.mmap) else bytes(data)
@@ -131,9 +190,33 @@ class MemoryStore:
             for g in list(self._gens):
                 if g not in keep:
                     del self._gens[g]
-            entry = self._gens.setdefault(gen, {"world": world, "ranks": {}})
+            entry = self._gens.setdefault(gen, {"world": world, "ranks": {}, "slots": {}})
             entry["ranks"][rank] = files
+            entry["slots"][rank] = set(slots)
+            self._forget_slots()
         return sum(len(b) for b in files.values())
+
+    def _forget_slots(self) -> None:
+        """Drop the mappings of slots no generation held here names, once their worker is gone
+        or has newer slots (a live worker's slots are mapped once)."""
+        from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
+
+        named = {id(e["ranks"][r][n]) for e in self._gens.values()
+                 for r, names in e["slots"].items() for n in names}
+        for path, held in list(self._slots.items()):
+            pid, rank, series = slot_owner(path)
+            if id(held) not in named and (not _alive(pid)
+                                          or self._series.get((pid, rank), series) > series):
+                del self._slots[path]
+
+    def _valid(self, gen: int, rank: int) -> bool:
+        """Whether rank ``rank``'s files of ``gen`` are still that generation (a slot may have
+        been taken for a newer one since)."""
+        from ray_train_xla.toolkit.checkpoint.rank_files import slot_stamp
+
+        entry = self._gens[gen]
+        return all(slot_stamp(entry["ranks"][rank][n]) == gen
+                   for n in entry["slots"].get(rank, ()))
 
     def note_storage(self, gen: int) -> None:
         with self._lock:
@@ -145,7 +228,7 @@ class MemoryStore:
                 "node": self.node, "storage_gen": self._storage_gen,
                 "gens": {g: {"world": e["world"],
                              "ranks": {r: {n: len(b) for n, b in f.items()}
-                                       for r, f in e["ranks"].items()}}
+                                       for r, f in e["ranks"].items() if self._valid(g, r)}}
                          for g, e in self._gens.items()},
             }
 
@@ -154,6 +237,9 @@ class MemoryStore:
 
         with self._lock:
             data = self._gens[gen]["ranks"][rank][name]
+            if not self._valid(gen, rank):
+                raise ValueError(f"generation {gen} of rank {rank} is no longer held here (its "
+                                 "slot holds a newer one)")
         return np.frombuffer(data, dtype=np.uint8)  # sent out of band, without pickling
 
     def held_bytes(self) -> int:
@@ -317,14 +403,18 @@ class MemoryTier:
         self._next_gen: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
         self._pending: Future | None = None
-        self._writer = None  # writer.SaveProcess: formats each generation (started at the first)
+        self._writer = None  # writer.SaveProcess: formats replicated generations
         self._shared: str | None = None  # _shared_root(), found at the first generation
-        self._ranks = None  # rank_files.RankWriter: DTensor generations written rank by rank
+        self._slots = None  # rank_files.RankSlots: DTensor generations written in place
+        self._handles: dict[str, Any] = {}  # store name -> its actor handle
         self.kept = 0
-        self.by_writer = 0  # generations whose data files the writer process formatted
-        self.by_rank = 0  # of those, DTensor generations written rank by rank (rank_files)
+        self.by_writer = 0  # generations whose data file the writer process formatted
+        self.by_rank = 0  # DTensor generations written rank by rank, in place (rank_files)
         self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
+        import atexit
+
+        atexit.register(self.end)  # when the process ends normally (else the stores sweep)
 
     # -- where
     def my_stores(self) -> list[str]:
@@ -415,7 +505,6 @@ class MemoryTier:
         )
         from ray_train_xla.toolkit.checkpoint.sharded import (
             DTENSOR,
-            SPMD,
             sharded_layout,
             stage_sharded,
             write_small_files,
@@ -424,35 +513,33 @@ class MemoryTier:
         from ray_train_xla.toolkit.collectives import host_group
         from ray_train_xla.toolkit.device import sync
 
-        writer = self._writer_ready()
-        busy, everywhere = self.poll(writer is not None)
+        layout = sharded_layout(state, "keep_in_memory")
+        if self._shared is None:
+            self._shared = _shared_root()  # once: it stays
+        # DTensor state is written in place, rank by rank, when every rank has shared memory;
+        # replicated state is formatted by the tier's writer process once it takes work.
+        writer = self._writer_ready() if layout is None else None
+        busy, everywhere = self.poll(bool(self._shared) if layout == DTENSOR
+                                     else writer is not None)
         if busy:
             self.skipped += 1
             return False
         self.wait()
         gen = self.next_generation()
-        layout = sharded_layout(state, "keep_in_memory")
         sync()
         files = MemoryFiles()
-        if layout == SPMD:
-            writer = None
         if writer is not None:
             files.write_by(writer, os.path.join(self._shared, self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
-            # Rank by rank (no collective, planned once) when every rank's writer takes work.
-            by_rank = layout == DTENSOR and writer is not None and everywhere
-            if by_rank and self._ranks is None:
-                from ray_train_xla.toolkit.checkpoint.rank_files import RankWriter
-
-                self._ranks = RankWriter()
+            slots = self._in_place() if layout == DTENSOR and everywhere else None
             staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout,
-                                   stager=self._ranks.staging.stage_tensors if by_rank else None)
+                                   stager=slots.stager(gen) if slots is not None else None)
 
             def write() -> None:
-                if by_rank:
-                    self._ranks.write(staged, files, self.rank)
+                if slots is not None:
+                    slots.write(staged, files, gen)
                     if self.rank == 0:
                         write_small_files(files, ROOT, staged, sorted(staged["tree"]), self.world)
                     self.by_rank += 1
@@ -474,6 +561,25 @@ class MemoryTier:
 
         self._pending = self._pool.submit(self._put, gen, write, files, group, time.time())
         return True
+
+    def _in_place(self):
+        """This rank's slots in the node's shared memory (``rank_files.RankSlots``, made at the
+        first DTensor generation and again after one failed)."""
+        if self._slots is None:
+            from ray_train_xla.toolkit.checkpoint.rank_files import RankSlots
+
+            directory = os.path.join(self._shared, self.tier)
+            os.makedirs(directory, exist_ok=True)
+            self._slots = RankSlots(directory, self.rank)
+        return self._slots
+
+    def _store(self, name: str):
+        """The handle of the store ``name``, found once."""
+        import ray
+
+        if name not in self._handles:
+            self._handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self._handles[name]
 
     def _writer_ready(self):
         """This worker's writer process of the tier when it takes work, else None (it is started
@@ -502,30 +608,60 @@ class MemoryTier:
         return None if self._writer is None else self._writer.process.pid
 
     def end(self) -> None:
-        """End the tier's writer process (it was started here)."""
+        """End the tier's writer process (it was started here) and remove the slot files no
+        store took."""
         if self._writer is not None:
             self._writer.end()
             self._writer = None
+        if self._slots is not None:
+            self._slots.remove()
+            try:
+                os.rmdir(self._slots.directory)
+            except OSError:  # another rank's files are there
+                pass
+            self._slots = None
 
     def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
         import numpy as np
         import ray
 
+        from ray_train_xla.toolkit.checkpoint.files import SlotFile
+
         try:
             write()
             shared = files.shared_files()
-            self.by_writer += bool(shared)
-            # uint8 arrays: Ray copies them into its object store without pickling
-            ref = ray.put({name: np.frombuffer(b, dtype=np.uint8)
-                           for name, b in files.by_name().items() if name not in shared})
+            slots = {name: f.path for name, f in files.by_name().items()
+                     if isinstance(f, SlotFile)}
+            self.by_writer += bool(set(shared) - set(slots))
+            # uint8 arrays: sent without pickling (in the call when small, else through Ray's
+            # object store, as Ray decides)
+            rest = {name: np.frombuffer(b, dtype=np.uint8)
+                    for name, b in files.by_name().items() if name not in shared}
             own, *peers = self.my_stores()
             # This node's store must take it (reading the shared files written on this node) and
             # hands it to the peer's; a peer that cannot (its node going away) leaves this
             # generation with one copy, and says so.
-            took = ray.get(ray.get_actor(own, namespace=NAMESPACE).take.remote(
-                gen, self.world, self.rank, ref, shared, peers, self.timeout_s),
-                timeout=2 * self.timeout_s)
-            del ref
+            try:
+                call = self._store(own).take.remote(
+                    gen, self.world, self.rank, rest,
+                    {n: p for n, p in shared.items() if n not in slots}, peers, self.timeout_s,
+                    slots)
+                took = ray.get(call, timeout=2 * self.timeout_s)
+            except Exception:
+                self._handles.pop(own, None)  # found again next time (a store that died: its
+                raise                         # replacement, or the error again)
+            del rest
+        except BaseException as exc:
+            if self._slots is not None:  # the next generation writes into new slots
+                self._slots.remove()
+                self._slots = None
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                self._shared = ""  # from now on formatted in this process
+                raise ReportError(f"rank {self.rank}: the memory tier could not keep generation "
+                                  f"{gen}: {exc}. The node's shared memory (/dev/shm) is full: "
+                                  "give it more (docker run --shm-size); later generations are "
+                                  "formatted in the training process") from exc
+            raise
         finally:
             files.release()  # in the store by now (or failed): buffers serve the next generation
         for name, error in took["peers"].items():

@@ -1,37 +1,56 @@
-"""DCP checkpoints written rank by rank, with no collective: the memory tier's format when its
-writer process formats each generation.
+"""DCP checkpoints written rank by rank, in place, with no collective: the memory tier's format
+for DTensor state.
 
 torch's ``dcp.save`` plans every checkpoint collectively (every rank's plan gathered on the
 coordinator, the global plan scattered back, the write results gathered for the one
-``.metadata``): Python work and collectives in the training process at each save. The memory
-tier saves the same structure again and again, so each rank plans once per structure, with
-DCP's own planner over its own shards (``DefaultSavePlanner``: ``create_local_plan``, then
-``create_global_plan`` over that one plan, as DCP does without a process group), and stages its
-shards into one shared host buffer (:class:`FlatStaging`). At each generation its writer
-process (``writer.SaveProcess``) writes, from that buffer, the rank's data file
-(``__{rank}_0.distcp``, with torch's own writer function) and the rank's metadata
-(``__{rank}.metadata``: its chunks and where they lie). A reader merges the ranks' metadata
-into the checkpoint's ``.metadata`` (:func:`merge_metadata`) and reads it with torch's
-``FileSystemReader`` like any DCP checkpoint, resharding included.
+``.metadata``) and then formats each shard with ``torch.save``: Python work, collectives and
+copies at each save. The memory tier saves the same structure again and again, so each rank
+lays its DCP data file out once per structure and then only copies its shards into it:
 
-DTensor state (FSDP2); torch_xla SPMD state and the first generations (before the writer
-process has started) go through ``dcp.save`` as before.
+- **Slots.** Each rank keeps two files in the node's shared memory (:class:`RankSlots`), used in
+  turn: the generation being written, and the newest complete one (which the node's store
+  serves until the next generation is complete). A slot is laid out as DCP's data file of the
+  rank (``__{rank}_0.distcp``): each shard's record as ``torch.save`` writes it (the record's
+  frame taken from a save of a tensor of the same dtype and shape, written once), the shard's
+  bytes where ``torch.save`` puts them. The snapshot copies the shards straight there: that
+  copy is the only work that grows with the state. The slot's memory is allocated once.
+- **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``:
+  ``create_local_plan``, then ``create_global_plan`` over that one plan, as DCP does without a
+  process group), once per structure. Each generation gets the rank's metadata
+  (``__{rank}.metadata``: its chunks and where they lie) and a small file for what is not a
+  shard's bytes (``__{rank}_1.distcp``: non-tensor values, empty shards).
+- **Stamp.** A slot's first 8 bytes say which generation it holds (-1 while the snapshot
+  copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
+
+A reader merges the ranks' metadata into the checkpoint's ``.metadata`` (:func:`merge_metadata`)
+and reads it with torch's ``FileSystemReader`` like any DCP checkpoint, resharding included.
+
+DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
+``dcp.save`` (``memory.py``).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import itertools
+import mmap
+import os
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-ALIGN = 64  # each shard's offset in the shared buffer
-_HELD: list[Any] = []  # (the writer process) the key and plan of the last generation
+ALIGN = 64  # each record's offset in a slot
+HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
+SLOT_PREFIX = "slot-"  # slot-<pid>-<rank>-<series>-<turn>.distcp
+_SERIES = itertools.count()  # this process's slot files, numbered
 
 
 def rank_data_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
+
+
+def rank_small_file(rank: int) -> str:
+    return f"__{rank}_1.distcp"
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -42,149 +61,221 @@ def is_rank_metadata(name: str) -> bool:
     return name.startswith("__") and name.endswith(".metadata") and name[2:-9].isdigit()
 
 
-class FlatStaging:
-    """A rank's shards staged into one shared host buffer, reused from a generation to the next
-    while their dtypes and shapes stay (a new one when they change). One generation at a time:
-    the memory tier stages a generation only once the one before is written."""
+def slot_owner(path: str) -> tuple[int, int, int] | None:
+    """(pid, rank, series) of a slot file's name, None for another file."""
+    name = os.path.basename(path)
+    if not name.startswith(SLOT_PREFIX):
+        return None
+    parts = name[len(SLOT_PREFIX):].split(".")[0].split("-")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.flat: torch.Tensor | None = None
+
+def slot_stamp(data) -> int:
+    """The generation a slot holds (its first 8 bytes), -1 while it is being written."""
+    return int.from_bytes(bytes(data[:8]), "little", signed=True)
+
+
+def record_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int]:
+    """``torch.save`` of a tensor of ``dtype`` and ``shape`` (zeros), and where its bytes lie in
+    it (the records, their order and offsets depend only on the dtype and shape). The record's
+    checksum is the zeros': ``torch.load`` does not check it, and the tier's files live in
+    memory only."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(shape, dtype=dtype), buf)
+    frame = buf.getvalue()
+    return frame, torch._C.PyTorchFileReader(io.BytesIO(frame)).get_record_offset("data/0")
+
+
+class _Slot:
+    """One slot file in shared memory, mapped here: the records' frames written once, a view of
+    each shard's bytes."""
+
+    def __init__(self, path: str, layout: list, size: int, shapes: list) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # Allocated now (a full tmpfs is this error, not a SIGBUS at the first copy)
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size)  # shared with the store, which maps it too
+        except OSError as exc:
+            os.close(fd)
+            os.remove(path)
+            raise OSError(exc.errno, f"{size} bytes of the node's shared memory for {path}: "
+                                     f"{exc.strerror}") from exc
+        os.close(fd)
+        self.path, self.size = path, size
+        data = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._stamp = data[:8].view(torch.int64)
+        self.stamp(-1)
         self.views: list[torch.Tensor] = []
-        self.allocations = 0
-        self._lock = threading.Lock()
+        for record, (dtype, shape) in zip(layout, shapes):
+            if record is None:  # an empty shard: its record goes in the small file
+                self.views.append(torch.empty(shape, dtype=dtype))
+                continue
+            start, at, nbytes, frame = record
+            self._map[start:start + at] = frame[:at]
+            self._map[start + at + nbytes:start + len(frame)] = frame[at + nbytes:]
+            self.views.append(data[start + at:start + at + nbytes].view(dtype).view(shape))
 
-    def stage_tensors(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
-                                                                  Callable[[], None]]:
-        """(the tensors copied into the buffer, as contiguous views of it; a no-op release)."""
-        key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        with self._lock:
+    def stamp(self, gen: int) -> None:
+        self._stamp[0] = gen
+
+
+class RankSlots:
+    """This rank's two slot files (see the module docstring), laid out again when the shards'
+    dtypes or shapes change, and its plan for the state's structure. One generation at a time:
+    :meth:`stager` then :meth:`write`; after an error, use a new one."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.directory, self.rank = directory, rank
+        self.key: tuple | None = None
+        self.slots: list[_Slot | None] = []  # each made at its first use
+        self.allocations = 0  # slot files made (two per layout)
+        self.plans = 0  # plans made (one per structure)
+        self._turn = 0
+        self._layout: list = []
+        self._plan: dict[str, Any] | None = None
+        self._plan_key: tuple | None = None
+
+    def stager(self, gen: int):
+        """What copies generation ``gen``'s shards (a staging function for
+        ``sharded.stage_sharded``): into the slot whose turn it is, stamped -1 meanwhile."""
+
+        def stage(tensors: list[torch.Tensor]):
+            key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
             if key != self.key:
-                spans, end = [], 0
-                for t in tensors:
-                    spans.append(end)
-                    end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-                flat = torch.empty(max(end, ALIGN), dtype=torch.uint8).share_memory_()
-                self.views = [flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                              for o, t in zip(spans, tensors)]
-                self.flat, self.key = flat, key
-                self.allocations += 1
+                self._lay_out(key)
+            slot = self._slot(self._turn)
+            slot.stamp(-1)
             with torch.no_grad():
-                for view, t in zip(self.views, tensors):
+                for view, t in zip(slot.views, tensors):
                     view.copy_(t)
-            return list(self.views), lambda: None
+            return list(slot.views), lambda: None
 
+        return stage
 
-class RankPlan:
-    """What this rank writes for one structure of its state: DCP's plan over its own shards,
-    each tensor item's place in the shared buffer, and the metadata (without where the items
-    lie, which the writer fills in)."""
+    def _lay_out(self, key: tuple) -> None:
+        layout, end = [], HEADER
+        for dtype, shape in key:
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            if not nbytes:
+                layout.append(None)
+                continue
+            frame, at = record_frame(dtype, shape)
+            layout.append((end, at, nbytes, frame))
+            end += -(-len(frame) // ALIGN) * ALIGN
+        self.remove()  # the old layout's slot files no store took
+        self._series, self._size = next(_SERIES), end
+        self.slots = [None, None]
+        self.key, self._layout, self._turn = key, layout, 0
 
-    def __init__(self, state: dict[str, Any], flat: torch.Tensor) -> None:
+    def _slot(self, turn: int) -> _Slot:
+        """The slot of ``turn``, made at its first use (so that a worker that ends early leaves
+        no file no store took but the one being written)."""
+        if self.slots[turn] is None:
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"{SLOT_PREFIX}{os.getpid()}-{self.rank}-"
+                                                f"{self._series}-{turn}.distcp")
+            self.slots[turn] = _Slot(path, self._layout, self._size, list(self.key))
+            self.allocations += 1
+        return self.slots[turn]
+
+    def write(self, staged: dict[str, Any], files, gen: int) -> None:
+        """Generation ``gen`` (``staged``: ``sharded.stage_sharded`` with :meth:`stager`) into
+        ``files`` (a ``MemoryFiles``): the slot as the rank's data file, its small file and its
+        metadata; the slot stamped ``gen``. The checkpoint's own small files are the caller's
+        (``sharded.write_small_files``)."""
+        import dataclasses
+        import io
+        import pickle
+
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile
+        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
+
+        if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
+            staged["state"], staged["release"] = staged["state"].result()
+        views, tree, specs = staged["state"], staged["tree"], staged["specs"]
+        slot = self.slots[self._turn]
+        key = (self.key, structure(tree),
+               tuple(None if s is None else (tuple(s[1]), tuple(s[2])) for s in specs))
+        state = None
+        if key != self._plan_key:
+            state = join_dtensors(tree, views, specs)
+            self._plan, self._plan_key = self._make_plan(state, views), key
+            self.plans += 1
+        plan = self._plan
+        data_name, small_name = rank_data_file(self.rank), rank_small_file(self.rank)
+        storage = dict(plan["fixed"])
+        small = io.BytesIO()
+        if plan["small"]:
+            from torch.distributed.checkpoint import DefaultSavePlanner
+
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state or join_dtensors(tree, views, specs), storage_meta=None,
+                                   is_coordinator=True)
+            for item in plan["small"]:
+                value = planner.resolve_data(item)
+                offset = small.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    small.write(value.getbuffer())
+                else:  # an empty shard
+                    torch.save(getattr(value, "_local_tensor", value), small)
+                storage[item.index] = _StorageInfo(small_name, offset, small.tell() - offset)
+        if plan["small"] or "pickled" not in plan:  # else the same every generation
+            metadata = dataclasses.replace(plan["metadata"], version=CURRENT_DCP_VERSION,
+                                           storage_data=storage)
+            plan["pickled"] = pickle.dumps(metadata)
+        files.files[files.concat_path(ROOT, data_name)] = SlotFile(slot.path, slot.size)
+        if plan["small"]:
+            files.files[files.concat_path(ROOT, small_name)] = small.getvalue()
+        files.files[files.concat_path(ROOT, rank_metadata_file(self.rank))] = plan["pickled"]
+        slot.stamp(gen)
+        self._turn ^= 1
+
+    def _make_plan(self, state: dict[str, Any], views: list[torch.Tensor]) -> dict[str, Any]:
+        """DCP's plan over this rank's shards: where each tensor item's record lies in a slot
+        (the same in both), and the items that go in the small file."""
         from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.planner import WriteItemType
 
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
-        plans, self.metadata = planner.create_global_plan([planner.create_local_plan()])
+        plans, metadata = planner.create_global_plan([planner.create_local_plan()])
         plan = planner.finish_plan(plans[0])
-        base = flat.data_ptr()
-        self.items, self.where = list(plan.items), []
-        for item in self.items:
+        index = {v.data_ptr(): i for i, v in enumerate(views) if v.numel()}
+        fixed, small = {}, []
+        for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                self.where.append(None)
+                small.append(item)
                 continue
             data = planner.resolve_data(item)
             local = getattr(data, "_local_tensor", data)
-            offset = local.data_ptr() - base
-            if not (0 <= offset < flat.numel()) or not local.is_contiguous():
-                raise ValueError(f"{item.index.fqn}: not a view of the staged buffer")
-            self.where.append((offset, local.dtype, tuple(local.shape)))
-        self.bytes_items = [i for i, w in zip(self.items, self.where) if w is None]
+            if not local.numel():
+                small.append(item)
+                continue
+            i = index.get(local.data_ptr())
+            if i is None or views[i].shape != local.shape:
+                raise ValueError(f"{item.index.fqn}: not a shard of the slot")
+            start, _, _, frame = self._layout[i]
+            fixed[item.index] = _StorageInfo(rank_data_file(self.rank), start, len(frame))
+        return {"metadata": metadata, "fixed": fixed, "small": small}
 
-    def byte_values(self, state: dict[str, Any]) -> list[bytes]:
-        """This generation's values of the plan's non-tensor items (DCP pickles them)."""
-        if not self.bytes_items:
-            return []
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
-        return [planner.resolve_data(item).getvalue() for item in self.bytes_items]
-
-
-def write_dcp_files(files: list) -> list:
-    """Write DCP data files as torch's ``FileSystemWriter`` does (its own function, one
-    file after another), from items already resolved: ``[(path, storage_key, [(WriteItem,
-    tensor or bytes)])]``. Returns the ``WriteResult``s."""
-    import io
-    import queue
-
-    from torch.distributed.checkpoint.filesystem import (
-        SerializationFormat,
-        _StorageWriterTransforms,
-        _write_files_from_queue,
-    )
-
-    data: dict[int, Any] = {}
-    file_queue: queue.Queue = queue.Queue()
-    for path, key, pairs in files:
-        for item, value in pairs:
-            data[id(item)] = value
-        file_queue.put((path, key, [item for item, _ in pairs]))
-
-    class Resolved:
-        def resolve_data(self, item):
-            value = data[id(item)]
-            return io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value
-
-    results: queue.Queue = queue.Queue()
-    _write_files_from_queue(create_stream=open, file_queue=file_queue, result_queue=results,
-                            planner=Resolved(), transforms=_StorageWriterTransforms(None),
-                            inflight_threshhold=0, use_fsync=False, thread_count=1,
-                            serialization_format=SerializationFormat.TORCH_SAVE)
-    out: list = []
-    while not results.empty():
-        out += results.get_nowait()
-    return out
-
-
-def write_rank_files(key: Any, plan: tuple | None, byte_values: list[bytes], data_path: str,
-                     metadata_path: str) -> dict[str, int]:
-    """(the writer process) The rank's data file and its metadata, from the shared buffer:
-    each tensor item a tensor over its own bytes of the buffer (so that ``torch.save`` writes
-    those bytes, not the buffer). ``plan``: ``(buffer, items, where, metadata)``, sent with the
-    first generation of each ``key`` and kept here (later generations send None: only this
-    generation's non-tensor values travel). Returns each file's size."""
-    import dataclasses
-    import os
-    import pickle
-
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-    if plan is not None:
-        _HELD[:] = [key, plan]
-    elif not _HELD or _HELD[0] != key:
-        raise RuntimeError(f"no plan {key!r} in the writer process (it has {_HELD[:1]})")
-    flat, items, where, metadata = _HELD[1]
-    array = flat.numpy()
-    values = iter(byte_values)
-    pairs = []
-    for item, place in zip(items, where):
-        if place is None:
-            pairs.append((item, next(values)))
-            continue
-        offset, dtype, shape = place
-        size = dtype.itemsize * int(torch.Size(shape).numel())
-        tensor = torch.frombuffer(array[offset:offset + size], dtype=dtype) if size \
-            else torch.empty(0, dtype=dtype)
-        pairs.append((item, tensor.view(shape)))
-    results = write_dcp_files([(data_path, os.path.basename(data_path), pairs)])
-    metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION,
-                                   storage_data={r.index: r.storage_data for r in results})
-    with open(metadata_path, "wb") as f:
-        pickle.dump(metadata, f)
-    return {path: os.path.getsize(path) for path in (data_path, metadata_path)}
+    def remove(self) -> None:
+        """Remove the slot files still on the file system (the store unlinks them once it maps
+        them: these are the ones it never took)."""
+        for slot in self.slots:
+            try:
+                if slot is not None:
+                    os.remove(slot.path)
+            except FileNotFoundError:
+                pass
 
 
 def merge_metadata(parts: list[Any]):
@@ -210,51 +301,3 @@ def merge_metadata(parts: list[Any]):
         mappings.update(part.planner_data or {})
     return dataclasses.replace(parts[0], state_dict_metadata=tensors, storage_data=storage,
                                planner_data=mappings)
-
-
-class RankWriter:
-    """This rank's side of a generation written rank by rank: its shared buffer, and its plan
-    for the state's current structure (made again when the structure changes)."""
-
-    def __init__(self) -> None:
-        self.staging = FlatStaging()
-        self.plans = 0  # plans made (one per structure)
-        self._plan: RankPlan | None = None
-        self._key: tuple | None = None
-        self._sent: tuple | None = None  # (writer pid, plan number) the writer process holds
-
-    def write(self, staged: dict[str, Any], files, rank: int) -> None:
-        """Write ``staged`` (``sharded.stage_sharded`` with :attr:`staging`) into ``files`` (a
-        ``MemoryFiles`` with a writer process): this rank's data file and metadata, by the
-        writer process (the checkpoint's small files are the caller's:
-        ``sharded.write_small_files``)."""
-        import os
-        from concurrent.futures import Future
-
-        from ray_train_xla.toolkit.checkpoint.files import ROOT, SharedFile
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
-
-        if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
-            staged["state"], staged["release"] = staged["state"].result()
-        views, tree, specs = staged["state"], staged["tree"], staged["specs"]
-        key = (self.staging.key, structure(tree),
-               tuple(None if s is None else (tuple(s[1]), tuple(s[2])) for s in specs))
-        state = None
-        if key != self._key:
-            state = join_dtensors(tree, views, specs)
-            self._plan, self._key = RankPlan(state, self.staging.flat), key
-            self.plans += 1
-        plan = self._plan
-        values = plan.byte_values(state or join_dtensors(tree, views, specs)) \
-            if plan.bytes_items else []
-        data = os.path.join(files.shared_dir, rank_data_file(rank))
-        metadata = os.path.join(files.shared_dir, rank_metadata_file(rank))
-        sent = (files.writer.process.pid, self.plans)
-        payload = None if sent == self._sent else (self.staging.flat, plan.items, plan.where,
-                                                   plan.metadata)
-        self._sent = None  # until this generation is written
-        sizes = files.writer.write_rank(self.plans, payload, values, data, metadata,
-                                        files.timeout_s, rank)
-        self._sent = sent
-        for path, size in sizes.items():
-            files.files[files.concat_path(ROOT, os.path.basename(path))] = SharedFile(path, size)

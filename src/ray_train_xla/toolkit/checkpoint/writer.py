@@ -22,9 +22,8 @@ the file with ``torch.save``, locally or through the run's storage filesystem.
 
 Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state is
 written in the reporter's thread. **The memory tier** has a :class:`SaveProcess` of its own per
-worker, which formats each generation into the node's shared memory (``memory.py``): a
-replicated ``checkpoint.pt``, DCP's data files (:meth:`SaveProcess.write_dcp`), or a rank's data
-file and metadata written rank by rank (:meth:`SaveProcess.write_rank`, ``rank_files.py``).
+worker for replicated state, which formats each generation's ``checkpoint.pt`` into the node's
+shared memory (``memory.py``; DTensor state is written in place there, ``rank_files.py``).
 
 A writer process that dies is reported (its pipe closes) and a write that does not end within
 ``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the
@@ -146,19 +145,6 @@ class SaveProcess:
         return self._call(("replicated", state, directory, filename, filesystem), directory,
                           timeout_s, rank)
 
-    def write_dcp(self, files: list, directory: str, timeout_s: float, rank: int) -> list:
-        """DCP's data files in the writer process: ``files`` is ``[(path, storage_key,
-        [(WriteItem, tensor or bytes)])]``, written as torch's ``FileSystemWriter`` writes
-        them; returns their ``WriteResult``s. Errors as :meth:`save`."""
-        return self._call(("dcp", files), directory, timeout_s, rank)
-
-    def write_rank(self, key, plan: tuple | None, byte_values: list, data_path: str,
-                   metadata_path: str, timeout_s: float, rank: int) -> dict:
-        """A rank's data file and metadata from its shared buffer, in the writer process
-        (``rank_files.write_rank_files``: ``plan`` once per ``key``). Errors as :meth:`save`."""
-        return self._call(("rank-dcp", key, plan, byte_values, data_path, metadata_path),
-                          data_path, timeout_s, rank)
-
     def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
         fix = "configure_reports(writer_process=False) writes in the training process instead"
         try:
@@ -217,24 +203,17 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
 
 
 def _handle(request: tuple):
-    from ray_train_xla.toolkit.checkpoint.rank_files import write_dcp_files, write_rank_files
     from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
 
-    if request[0] == "dcp":
-        return write_dcp_files(request[1])
-    if request[0] == "rank-dcp":
-        return write_rank_files(*request[1:])
     _, state, directory, filename, filesystem = request
     return write_replicated(state, directory, filename, filesystem)
 
 
 def _serve(conn, checksums: bool = True) -> None:
-    """The writer process: each request (a replicated file, or DCP's data files) until the
-    pipe closes."""
+    """The writer process: each request (a replicated file) until the pipe closes."""
     import torch.utils.serialization
 
-    import ray_train_xla.toolkit.checkpoint.rank_files  # noqa: F401 (imported before "ready")
-    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401
+    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401 (imported before "ready")
 
     torch.utils.serialization.config.save.compute_crc32 = checksums
 
