@@ -11,7 +11,8 @@ with FSDP2 over a one-rank gloo group (the path a sharded model takes):
 - **every step**: a loop of about 200 ms steps (one training thread), blocks of steps with
   ``keep_in_memory`` at every step alternating with blocks without; the extra time per step
   (the median of the pairs of blocks) over the step time. The rest of the step is matrix
-  products, small (256-wide) then large (1024-wide).
+  products, small (256-wide) then large (1024-wide). Then the CPU of every process of the
+  machine per generation kept (``/proc/stat``), with an idle rest of the step.
 
     python benchmarks/bench_memory_tier.py                # writes results/memory_tier.{json,md}
     python benchmarks/bench_memory_tier.py --markdown     # memory_tier.md again from the json
@@ -108,6 +109,13 @@ class SlowHandler(pafs.FileSystemHandler):
         return self.fs.open_append_stream(path, metadata=metadata)
 
 
+def busy_s() -> float:
+    """Seconds of CPU the machine's processes used so far, all together (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
 def slow_filesystem(bytes_per_s: float):
     """A pyarrow filesystem that serves reads at ``bytes_per_s`` (``SlowHandler``)."""
     return pafs.PyFileSystem(SlowHandler(bytes_per_s))
@@ -160,39 +168,11 @@ def measure(args) -> dict:
     contract.reload()
     out: dict = {}
     try:
-        # -- restore
+        # -- every step (first: the restore's 500 MB are not in this process yet): the rest of
+        # the step in small kernels (256-wide matmuls, each a call that takes the interpreter
+        # lock again) and in large ones (1024-wide)
         width = 1024
-        layers = max(1, round(args.state_mb * MB / (3 * 4 * (width * width + width))))
-        model, opt = build(width, layers, 0)
         x = torch.randn(8, width)
-        train_step(model, opt, x)
-        state = state_of(model, opt, 1)
-        rtx.keep_in_memory(state, 1)
-        memory.flush_memory()
-        directory = os.path.join(root, "checkpoint")
-        written = write_staged(stage_sharded(state), directory)
-        state_bytes = written["bytes"]
-        slow = slow_filesystem(STORAGE_BPS)
-        fresh, fresh_opt = build(width, layers, 1)
-        train_step(fresh, fresh_opt, x)  # the optimizer state exists, as after a restart
-        times: dict[str, list[float]] = {"memory": [], "storage": []}
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            rtx.load_checkpoint(fresh, fresh_opt)
-            times["memory"].append(time.perf_counter() - t)
-            assert memory.memory_tier().restored is not None
-            t = time.perf_counter()
-            _load_from(directory, slow, "bench", fresh, fresh_opt, "checkpoint.pt", "dtensor")
-            times["storage"].append(time.perf_counter() - t)
-        out["restore"] = {"state_mb": state_bytes / MB, "storage_mb_per_s": STORAGE_BPS / MB,
-                          "memory_s": statistics.median(times["memory"]),
-                          "storage_s": statistics.median(times["storage"]), "runs": times}
-        out["restore"]["speedup"] = out["restore"]["storage_s"] / out["restore"]["memory_s"]
-        print("restore", {k: v for k, v in out["restore"].items() if k != "runs"}, flush=True)
-        del model, opt, fresh, fresh_opt, state
-
-        # -- every step: the rest of the step in small kernels (256-wide matmuls, each a call
-        # that takes the interpreter lock again) and in large ones (1024-wide)
         model, opt = build(width, args.step_layers, 2)
         step_state_mb = sum(p.numel() * 4 * 3 for p in model.parameters()) / MB
         for key, size in (("every_step", 256), ("every_step_large", 1024)):
@@ -235,6 +215,56 @@ def measure(args) -> dict:
                         "step_s": plain, "kept_step_s": kept, "block": args.block,
                         "settle": SETTLE, "extra_fraction": extra / plain, "runs": pairs}
             print(key, {k: v for k, v in out[key].items() if k != "runs"}, flush=True)
+
+        # -- the CPU of every process of the machine per generation kept (the tier's work beside
+        # the loop: the snapshot's copy, the tier's thread, Ray's call, the store): blocks of
+        # training steps with an idle rest, keeping every step against none
+        tier, blocks, step = memory.memory_tier(), [], 10_000
+        for _ in range(args.reps):
+            used = {}
+            for keep in (False, True):
+                kept, start = tier.kept, busy_s()
+                for _ in range(25):
+                    step += 1
+                    train_step(model, opt, x)
+                    if keep:
+                        rtx.keep_in_memory(state_of(model, opt, step), step)
+                    time.sleep(0.1)
+                memory.flush_memory()
+                used[keep] = (busy_s() - start, tier.kept - kept)
+            blocks.append((used[True][0] - used[False][0]) / max(1, used[True][1]))
+        out["cpu_per_generation"] = {"ms": statistics.median(blocks) * 1000,
+                                     "runs_ms": [b * 1000 for b in blocks]}
+        print("cpu_per_generation", out["cpu_per_generation"], flush=True)
+        del model, opt
+
+        # -- restore
+        layers = max(1, round(args.state_mb * MB / (3 * 4 * (width * width + width))))
+        model, opt = build(width, layers, 0)
+        train_step(model, opt, x)
+        state = state_of(model, opt, 1)
+        rtx.keep_in_memory(state, 1)
+        memory.flush_memory()
+        directory = os.path.join(root, "checkpoint")
+        written = write_staged(stage_sharded(state), directory)
+        state_bytes = written["bytes"]
+        slow = slow_filesystem(STORAGE_BPS)
+        fresh, fresh_opt = build(width, layers, 1)
+        train_step(fresh, fresh_opt, x)  # the optimizer state exists, as after a restart
+        times: dict[str, list[float]] = {"memory": [], "storage": []}
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            rtx.load_checkpoint(fresh, fresh_opt)
+            times["memory"].append(time.perf_counter() - t)
+            assert memory.memory_tier().restored is not None
+            t = time.perf_counter()
+            _load_from(directory, slow, "bench", fresh, fresh_opt, "checkpoint.pt", "dtensor")
+            times["storage"].append(time.perf_counter() - t)
+        out["restore"] = {"state_mb": state_bytes / MB, "storage_mb_per_s": STORAGE_BPS / MB,
+                          "memory_s": statistics.median(times["memory"]),
+                          "storage_s": statistics.median(times["storage"]), "runs": times}
+        out["restore"]["speedup"] = out["restore"]["storage_s"] / out["restore"]["memory_s"]
+        print("restore", {k: v for k, v in out["restore"].items() if k != "runs"}, flush=True)
     finally:
         dist.destroy_process_group()
         ray.shutdown()
@@ -280,6 +310,10 @@ def markdown(r: dict) -> str:
           f"{e['extra_fraction']:.1%} | {'met' if e['extra_fraction'] <= 0.02 else 'not met'} |"
           for e in (es, r.get("every_step_large")) if e),
         "",
+        *([f"The CPU of every process of the machine per generation kept (the tier's work beside "
+           f"the loop): {r['cpu_per_generation']['ms']:.1f} ms (median of "
+           f"{len(r['cpu_per_generation']['runs_ms'])} blocks of 25 steps).", ""]
+          if "cpu_per_generation" in r else []),
         r.get("note", ""),
         "",
     ])
@@ -293,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=0.2)
     parser.add_argument("--block", type=int, default=8,
                         help="steps per block of the every-step loop (keeping every step or none)")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=6,
+                        help="restores of each kind; the every-step loop makes 4x as many pairs")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     return write(args, "memory_tier", measure, markdown)
