@@ -231,6 +231,53 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
         dist.destroy_process_group()
 
 
+def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_process(
+        tier_env, tmp_path, monkeypatch):
+    """Slots are allocated when made (not a SIGBUS at the first copy): /dev/shm full is a
+    ReportError that says so; the next generations are formatted in the training process, and
+    restore bit for bit."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.memory import _shared_root, flush_memory, memory_tier
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, opt = _model_and_opt(0)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.named_parameters(), lr=0.1)
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}
+        with monkeypatch.context() as m:
+            m.setattr(os, "posix_fallocate", full)
+            assert rtx.keep_in_memory(state, 2) is True
+            with pytest.raises(ReportError, match=r"shared memory \(/dev/shm\) is full.*later "
+                                                  r"generations are formatted in the training"):
+                flush_memory()
+        state["step"] = 4
+        assert rtx.keep_in_memory(state, 4) is True
+        flush_memory()
+        tier = memory_tier()
+        assert (tier.kept, tier.by_rank) == (1, 0)
+        fresh, _ = _model_and_opt(1)
+        fully_shard(fresh)
+        fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
+        assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 4}
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        assert not os.path.exists(os.path.join(_shared_root(), tier.tier))  # nothing left
+    finally:
+        memory_tier().end()
+        dist.destroy_process_group()
+
+
 def ray_local_actor(name: str, namespace: str):
     import ray
 

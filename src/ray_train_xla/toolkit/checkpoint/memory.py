@@ -613,6 +613,11 @@ class MemoryTier:
         if self._writer is not None:
             self._writer.end()
             self._writer = None
+        self._drop_slots()
+
+    def _drop_slots(self) -> None:
+        """Remove this rank's slot files no store took (and the tier's directory when no other
+        rank's files are there); the next DTensor generation makes new slots."""
         if self._slots is not None:
             self._slots.remove()
             try:
@@ -652,9 +657,7 @@ class MemoryTier:
                 raise                         # replacement, or the error again)
             del rest
         except BaseException as exc:
-            if self._slots is not None:  # the next generation writes into new slots
-                self._slots.remove()
-                self._slots = None
+            self._drop_slots()  # the next generation writes into new slots
             if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 self._shared = ""  # from now on formatted in this process
                 raise ReportError(f"rank {self.rank}: the memory tier could not keep generation "
