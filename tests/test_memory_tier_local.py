@@ -207,6 +207,7 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
 
                 ray.get(store.get.remote(2, 0, "__0_0.distcp"))
             tier._slots.slots[0].stamp(2)
+            assert tier.inventories()[0]["slots"] == 2  # mapped once each
         else:
             assert tier.by_rank == 0
         fresh, _ = _model_and_opt(1)
@@ -225,23 +226,35 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
                 assert torch.equal(getattr(v, "full_tensor", lambda v=v: v)(),
                                    getattr(w, "full_tensor", lambda w=w: w)()), (name, k)
         if shared_memory:
+            # Kept another way from now on (as when another rank's node has no shared memory):
+            # the rank's slots go, and the store lets go of them once it holds no generation
+            # in them.
+            tier._shared = ""
+            for step in (10, 12):
+                step_and_keep(step)
+            assert tier._slots is None and tier.by_rank == 4
+            assert tier.inventories()[0]["slots"] == 0
             tier.end()  # at the worker's end: nothing of its own left in shared memory
             assert not os.path.exists(tier_dir)
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "blocking"])
 def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_process(
-        tier_env, tmp_path, monkeypatch):
+        tier_env, tmp_path, monkeypatch, overlap):
     """Slots are allocated when made (not a SIGBUS at the first copy): /dev/shm full is a
-    ReportError that says so; the next generations are formatted in the training process, and
-    restore bit for bit."""
+    ReportError that says so (from the next call when the snapshot is overlapped, from this one
+    when it is copied in the call); the next generations are formatted in the training process,
+    and restore bit for bit."""
+    import contextlib
     import errno
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import ray_train_xla as rtx
+    from ray_train_xla.toolkit import reporting
     from ray_train_xla.toolkit.checkpoint.memory import _shared_root, flush_memory, memory_tier
 
     def full(fd, offset, size):
@@ -255,12 +268,16 @@ def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_proc
         model(torch.randn(3, 8)).sum().backward()
         opt.step()
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}
+        reporting.configure_reports(overlap_snapshots=overlap)
+        full_error = pytest.raises(ReportError, match=r"shared memory \(/dev/shm\) is full.*"
+                                                      r"later generations are formatted in the")
         with monkeypatch.context() as m:
             m.setattr(os, "posix_fallocate", full)
-            assert rtx.keep_in_memory(state, 2) is True
-            with pytest.raises(ReportError, match=r"shared memory \(/dev/shm\) is full.*later "
-                                                  r"generations are formatted in the training"):
-                flush_memory()
+            with contextlib.nullcontext() if overlap else full_error:
+                assert rtx.keep_in_memory(state, 2) is True
+            if overlap:
+                with full_error:
+                    flush_memory()
         state["step"] = 4
         assert rtx.keep_in_memory(state, 4) is True
         flush_memory()
@@ -274,6 +291,7 @@ def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_proc
             assert torch.equal(a.full_tensor(), b.full_tensor())
         assert not os.path.exists(os.path.join(_shared_root(), tier.tier))  # nothing left
     finally:
+        reporting.configure_reports()
         memory_tier().end()
         dist.destroy_process_group()
 

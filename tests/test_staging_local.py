@@ -144,7 +144,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     slots = rank_files.RankSlots(os.path.join(root, f"slots{rank}"), rank)
     staged = stage_sharded(state, stager=slots.stager(14))
     in_memory = MemoryFiles()
-    slots.write(staged, in_memory, 14)
+    slots.write(staged, in_memory, 14, 30)
     c14 = os.path.join(root, "c14")
     copy_out(in_memory, c14)
     write_staged(stage_sharded(state), os.path.join(root, "c15"))
@@ -377,7 +377,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
         views, _ = slots.stager(n)(shards)
         assert stamps()[(n - 1) % 2] == -1  # being written
         files = MemoryFiles()
-        slots.write({"state": views, "tree": tree, "specs": specs}, files, n)
+        slots.write({"state": views, "tree": tree, "specs": specs}, files, n, 30)
         out = tmp_path / f"g{n}"
         copy_out(files, str(out))
         assert sorted(os.listdir(out)) == ["__0.metadata", "__0_0.distcp", "__0_1.distcp"]

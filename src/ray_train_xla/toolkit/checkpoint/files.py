@@ -247,8 +247,8 @@ class MemoryFiles:
         self.rank = 0
 
     def write_by(self, writer, shared_dir: str, timeout_s: float, rank: int) -> None:
-        """Have ``writer`` (a ready ``writer.SaveProcess``) format the data files into
-        ``shared_dir``, within ``timeout_s``."""
+        """Have ``writer`` (a ready ``writer.SaveProcess``) format the files of :meth:`save`
+        (a replicated ``checkpoint.pt``) into ``shared_dir``, within ``timeout_s``."""
         os.makedirs(shared_dir, exist_ok=True)
         self.writer, self.shared_dir, self.timeout_s, self.rank = writer, shared_dir, timeout_s, rank
 

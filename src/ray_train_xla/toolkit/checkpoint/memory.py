@@ -14,8 +14,8 @@ background thread, the worker then hands its files to the store of its node, whi
 and hands them to the store of the next node of the group (its peer) through Ray's object
 store. Without shared memory, for torch_xla SPMD state, and for replicated state until the
 writer process takes work or without writer processes, the background thread writes the
-generation itself (``dcp.save`` into memory). A generation is complete once every rank handed
-its files (a barrier of the ranks ends each one).
+generation itself into memory (``dcp.save``; ``torch.save`` for replicated state). A
+generation is complete once every rank handed its files (a barrier of the ranks ends each one).
 
 After a failure, ``load_checkpoint()`` asks the stores first: rank 0 takes the newest
 generation whose files every rank of its world survive on some live store, and which is newer
@@ -128,20 +128,21 @@ class MemoryStore:
         self._gens: dict[int, dict[str, Any]] = {}
         self._storage_gen = -1
         self._slots: dict[str, mmap.mmap] = {}  # slot file -> its mapping
-        self._series: dict[tuple[int, int], int] = {}  # (pid, rank) -> its newest slots
+        self._series: dict[tuple[int, int], int] = {}  # (pid, rank) -> the slots it uses now
 
     def ready(self) -> str:
         return self.node
 
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
              shared: dict[str, str], peers: list[str], timeout_s: float,
-             slots: dict[str, str] | None = None) -> dict[str, Any]:
+             slots: dict[str, str] | None = None, pid: int = 0) -> dict[str, Any]:
         """A rank's files of generation ``gen``, from a worker of this node: ``files`` (their
         bytes), ``shared`` (files its writer process wrote into shared memory: mapped here,
         then unlinked, ``_hold``) and ``slots`` (its data file in one of its slots: mapped
         and unlinked the first time, then the same mapping). Then handed to each store of
-        ``peers`` (within ``timeout_s`` each). Returns the bytes held and, per peer that did not
-        take them, why."""
+        ``peers`` (within ``timeout_s`` each). ``pid``: the worker's (a take without slots says
+        that its earlier slots are no longer used). Returns the bytes held and, per peer that
+        did not take them, why."""
         import numpy as np
         import ray
 
@@ -152,11 +153,12 @@ class MemoryStore:
             files[name] = _hold(path)
         slots = slots or {}
         with self._lock:
+            self._series[pid, rank] = -1  # no slots, unless this take has some
             for name, path in slots.items():
                 if path not in self._slots:
                     self._slots[path] = _hold(path)
-                pid, owner_rank, series = slot_owner(path)
-                self._series[pid, owner_rank] = max(series, self._series.get((pid, owner_rank), 0))
+                _, _, series = slot_owner(path)
+                self._series[pid, rank] = series
                 files[name] = self._slots[path]
                 if slot_stamp(files[name]) != gen:
                     raise ValueError(f"rank {rank}: its slot {path} holds generation "
@@ -198,7 +200,7 @@ class MemoryStore:
 
     def _forget_slots(self) -> None:
         """Drop the mappings of slots no generation held here names, once their worker is gone
-        or has newer slots (a live worker's slots are mapped once)."""
+        or uses other slots or none (a live worker's slots are mapped once)."""
         from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
 
         named = {id(e["ranks"][r][n]) for e in self._gens.values()
@@ -206,7 +208,7 @@ class MemoryStore:
         for path, held in list(self._slots.items()):
             pid, rank, series = slot_owner(path)
             if id(held) not in named and (not _alive(pid)
-                                          or self._series.get((pid, rank), series) > series):
+                                          or self._series.get((pid, rank), series) != series):
                 del self._slots[path]
 
     def _valid(self, gen: int, rank: int) -> bool:
@@ -226,6 +228,7 @@ class MemoryStore:
         with self._lock:
             return {
                 "node": self.node, "storage_gen": self._storage_gen,
+                "slots": len(self._slots),  # slot files mapped
                 "gens": {g: {"world": e["world"],
                              "ranks": {r: {n: len(b) for n, b in f.items()}
                                        for r, f in e["ranks"].items() if self._valid(g, r)}}
@@ -534,12 +537,21 @@ class MemoryTier:
         group = host_group("memory") if self.world > 1 else None
         if layout is not None:
             slots = self._in_place() if layout == DTENSOR and everywhere else None
-            staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout,
-                                   stager=slots.stager(gen) if slots is not None else None)
+            if slots is None:
+                self._drop_slots()  # another way now: the store lets go of them too
+            try:
+                staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on,
+                                       layout=layout,
+                                       stager=slots.stager(gen) if slots is not None else None)
+            except Exception as exc:  # copied here (no overlap): its error is this call's
+                error = self._failed(exc, gen)
+                if error is exc:
+                    raise
+                raise error from exc
 
             def write() -> None:
                 if slots is not None:
-                    slots.write(staged, files, gen)
+                    slots.write(staged, files, gen, self.timeout_s)
                     if self.rank == 0:
                         write_small_files(files, ROOT, staged, sorted(staged["tree"]), self.world)
                     self.by_rank += 1
@@ -609,11 +621,30 @@ class MemoryTier:
 
     def end(self) -> None:
         """End the tier's writer process (it was started here) and remove the slot files no
-        store took."""
+        store took, once the generation in flight ended (waited for at most ``timeout_s``; its
+        error was the training function's to see)."""
+        pending = self._pending
+        if pending is not None:
+            try:
+                pending.result(timeout=self.timeout_s)
+            except Exception:  # noqa: BLE001 (see above)
+                pass
         if self._writer is not None:
             self._writer.end()
             self._writer = None
         self._drop_slots()
+
+    def _failed(self, exc: BaseException, gen: int) -> BaseException:
+        """What generation ``gen``'s error ``exc`` is raised as; the next generation writes into
+        new slots, and once the node's shared memory is full, in the training process."""
+        self._drop_slots()
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            self._shared = ""
+            return ReportError(f"rank {self.rank}: the memory tier could not keep generation "
+                               f"{gen}: {exc}. The node's shared memory (/dev/shm) is full: give "
+                               "it more (docker run --shm-size); later generations are "
+                               "formatted in the training process")
+        return exc
 
     def _drop_slots(self) -> None:
         """Remove this rank's slot files no store took (and the tier's directory when no other
@@ -650,21 +681,17 @@ class MemoryTier:
                 call = self._store(own).take.remote(
                     gen, self.world, self.rank, rest,
                     {n: p for n, p in shared.items() if n not in slots}, peers, self.timeout_s,
-                    slots)
+                    slots, os.getpid())
                 took = ray.get(call, timeout=2 * self.timeout_s)
             except Exception:
                 self._handles.pop(own, None)  # found again next time (a store that died: its
                 raise                         # replacement, or the error again)
             del rest
         except BaseException as exc:
-            self._drop_slots()  # the next generation writes into new slots
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                self._shared = ""  # from now on formatted in this process
-                raise ReportError(f"rank {self.rank}: the memory tier could not keep generation "
-                                  f"{gen}: {exc}. The node's shared memory (/dev/shm) is full: "
-                                  "give it more (docker run --shm-size); later generations are "
-                                  "formatted in the training process") from exc
-            raise
+            error = self._failed(exc, gen)
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             files.release()  # in the store by now (or failed): buffers serve the next generation
         for name, error in took["peers"].items():

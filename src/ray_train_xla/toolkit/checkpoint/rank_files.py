@@ -8,12 +8,14 @@ copies at each save. The memory tier saves the same structure again and again, s
 lays its DCP data file out once per structure and then only copies its shards into it:
 
 - **Slots.** Each rank keeps two files in the node's shared memory (:class:`RankSlots`), used in
-  turn: the generation being written, and the newest complete one (which the node's store
-  serves until the next generation is complete). A slot is laid out as DCP's data file of the
-  rank (``__{rank}_0.distcp``): each shard's record as ``torch.save`` writes it (the record's
-  frame taken from a save of a tensor of the same dtype and shape, written once), the shard's
-  bytes where ``torch.save`` puts them. The snapshot copies the shards straight there: that
-  copy is the only work that grows with the state. The slot's memory is allocated once.
+  turn: the generation being written, and the newest complete one. A slot is laid out as DCP's
+  data file of the rank (``__{rank}_0.distcp``): each shard's record as ``torch.save`` writes
+  it (the record's frame taken from a save of a tensor of the same dtype and shape, written
+  once), the shard's bytes where ``torch.save`` puts them. The snapshot copies the shards
+  straight there: that copy is the only work that grows with the state. The slot's memory is
+  allocated once. The slot of the newest complete generation serves until the generation
+  after the next one starts (a rank starts a generation only once every rank completed the one
+  before).
 - **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``:
   ``create_local_plan``, then ``create_global_plan`` over that one plan, as DCP does without a
   process group), once per structure. Each generation gets the rank's metadata
@@ -34,6 +36,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import secrets
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,7 +45,9 @@ import torch
 ALIGN = 64  # each record's offset in a slot
 HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
 SLOT_PREFIX = "slot-"  # slot-<pid>-<rank>-<series>-<turn>.distcp
-_SERIES = itertools.count()  # this process's slot files, numbered
+# This process's layouts, numbered from a random start: a slot's name is unique on its node even
+# when a later worker gets the pid of one that died.
+_SERIES = itertools.count(secrets.randbits(40))
 
 
 def rank_data_file(rank: int) -> str:
@@ -77,17 +82,22 @@ def slot_stamp(data) -> int:
     return int.from_bytes(bytes(data[:8]), "little", signed=True)
 
 
-def record_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, int]:
-    """``torch.save`` of a tensor of ``dtype`` and ``shape`` (zeros), and where its bytes lie in
-    it (the records, their order and offsets depend only on the dtype and shape). The record's
-    checksum is the zeros': ``torch.load`` does not check it, and the tier's files live in
-    memory only."""
+def record_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, bytes, int]:
+    """``torch.save`` of a tensor of ``dtype`` and ``shape`` (zeros) around its bytes: (what
+    comes before them, what comes after, the record's whole length). The records, their order
+    and offsets depend only on the dtype and shape. The record's checksum is the zeros':
+    ``torch.load`` does not check it, and the tier's files live in memory only."""
     import io
 
     buf = io.BytesIO()
     torch.save(torch.zeros(shape, dtype=dtype), buf)
-    frame = buf.getvalue()
-    return frame, torch._C.PyTorchFileReader(io.BytesIO(frame)).get_record_offset("data/0")
+    buf.seek(0)
+    at = torch._C.PyTorchFileReader(buf).get_record_offset("data/0")
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    view = buf.getbuffer()
+    head, tail, length = bytes(view[:at]), bytes(view[at + nbytes:]), len(view)
+    del view
+    return head, tail, length
 
 
 class _Slot:
@@ -115,10 +125,11 @@ class _Slot:
             if record is None:  # an empty shard: its record goes in the small file
                 self.views.append(torch.empty(shape, dtype=dtype))
                 continue
-            start, at, nbytes, frame = record
-            self._map[start:start + at] = frame[:at]
-            self._map[start + at + nbytes:start + len(frame)] = frame[at + nbytes:]
-            self.views.append(data[start + at:start + at + nbytes].view(dtype).view(shape))
+            start, head, tail, nbytes = record
+            at = start + len(head)
+            self._map[start:at] = head
+            self._map[at + nbytes:at + nbytes + len(tail)] = tail
+            self.views.append(data[at:at + nbytes].view(dtype).view(shape))
 
     def stamp(self, gen: int) -> None:
         self._stamp[0] = gen
@@ -164,9 +175,9 @@ class RankSlots:
             if not nbytes:
                 layout.append(None)
                 continue
-            frame, at = record_frame(dtype, shape)
-            layout.append((end, at, nbytes, frame))
-            end += -(-len(frame) // ALIGN) * ALIGN
+            head, tail, length = record_frame(dtype, shape)
+            layout.append((end, head, tail, nbytes))
+            end += -(-length // ALIGN) * ALIGN
         self.remove()  # the old layout's slot files no store took
         self._series, self._size = next(_SERIES), end
         self.slots = [None, None]
@@ -176,18 +187,24 @@ class RankSlots:
         """The slot of ``turn``, made at its first use (so that a worker that ends early leaves
         no file no store took but the one being written)."""
         if self.slots[turn] is None:
-            os.makedirs(self.directory, exist_ok=True)
             path = os.path.join(self.directory, f"{SLOT_PREFIX}{os.getpid()}-{self.rank}-"
                                                 f"{self._series}-{turn}.distcp")
-            self.slots[turn] = _Slot(path, self._layout, self._size, list(self.key))
+            for last in (False, True):  # the directory may be swept as empty meanwhile
+                os.makedirs(self.directory, exist_ok=True)
+                try:
+                    self.slots[turn] = _Slot(path, self._layout, self._size, list(self.key))
+                    break
+                except FileNotFoundError:
+                    if last:
+                        raise
             self.allocations += 1
         return self.slots[turn]
 
-    def write(self, staged: dict[str, Any], files, gen: int) -> None:
-        """Generation ``gen`` (``staged``: ``sharded.stage_sharded`` with :meth:`stager`) into
-        ``files`` (a ``MemoryFiles``): the slot as the rank's data file, its small file and its
-        metadata; the slot stamped ``gen``. The checkpoint's own small files are the caller's
-        (``sharded.write_small_files``)."""
+    def write(self, staged: dict[str, Any], files, gen: int, timeout_s: float) -> None:
+        """Generation ``gen`` (``staged``: ``sharded.stage_sharded`` with :meth:`stager`, whose
+        copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
+        as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
+        checkpoint's own small files are the caller's (``sharded.write_small_files``)."""
         import dataclasses
         import io
         import pickle
@@ -199,7 +216,11 @@ class RankSlots:
         from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
 
         if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
-            staged["state"], staged["release"] = staged["state"].result()
+            try:
+                staged["state"], staged["release"] = staged["state"].result(timeout=timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"the snapshot was not copied into the slot within "
+                                   f"timeout_s={timeout_s:g}") from None
         views, tree, specs = staged["state"], staged["tree"], staged["specs"]
         slot = self.slots[self._turn]
         key = (self.key, structure(tree),
@@ -263,8 +284,9 @@ class RankSlots:
             i = index.get(local.data_ptr())
             if i is None or views[i].shape != local.shape:
                 raise ValueError(f"{item.index.fqn}: not a shard of the slot")
-            start, _, _, frame = self._layout[i]
-            fixed[item.index] = _StorageInfo(rank_data_file(self.rank), start, len(frame))
+            start, head, tail, nbytes = self._layout[i]
+            fixed[item.index] = _StorageInfo(rank_data_file(self.rank), start,
+                                             len(head) + nbytes + len(tail))
         return {"metadata": metadata, "fixed": fixed, "small": small}
 
     def remove(self) -> None:
