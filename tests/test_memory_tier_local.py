@@ -199,12 +199,12 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
             assert sorted(tier.inventories()[0]["gens"]) == [2, 3]
             assert os.listdir(tier_dir) == []
             # A slot being written again no longer serves the generation it held.
-            store = ray_local_actor(store_name(tier.tier, tier.node), NAMESPACE)
+            import ray
+
+            store = ray.get_actor(store_name(tier.tier, tier.node), namespace=NAMESPACE)
             tier._slots.slots[0].stamp(-1)  # generation 2's slot, as when the next one starts
             assert sorted(tier.inventories()[0]["gens"][2]["ranks"]) == []
             with pytest.raises(Exception, match="no longer held here"):
-                import ray
-
                 ray.get(store.get.remote(2, 0, "__0_0.distcp"))
             tier._slots.slots[0].stamp(2)
             assert tier.inventories()[0]["slots"] == 2  # mapped once each
@@ -294,12 +294,6 @@ def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_proc
         reporting.configure_reports()
         memory_tier().end()
         dist.destroy_process_group()
-
-
-def ray_local_actor(name: str, namespace: str):
-    import ray
-
-    return ray.get_actor(name, namespace=namespace)
 
 
 def test_storage_serves_when_a_rank_is_missing_or_storage_is_newer_and_a_dead_holder_is_skipped(

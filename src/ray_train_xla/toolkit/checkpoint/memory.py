@@ -80,11 +80,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale(tier_dir: str, gen: int) -> None:
+def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
     """Files of ``tier_dir`` no store took (their worker died between its write and the
-    store's take): generation directories (``<gen>-<rank>``) older than ``gen - 1``; and, in
-    every tier's directory of the node (an earlier run's too), slot files of workers that are
-    gone, and directories left empty."""
+    store's take): generation directories (``<gen>-<rank>``) older than ``gen - 1``, slot files
+    of workers that are gone; with ``every_tier``, the same slot files in every tier's
+    directory of the node (an earlier run's too), and directories left empty."""
     import shutil
 
     from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
@@ -94,7 +94,7 @@ def _remove_stale(tier_dir: str, gen: int) -> None:
         if slot_owner(entry) is None and older.isdigit() and int(older) < gen - 1:
             shutil.rmtree(os.path.join(tier_dir, entry), ignore_errors=True)
     root = os.path.dirname(tier_dir)
-    for tier in os.listdir(root):
+    for tier in os.listdir(root) if every_tier else [os.path.basename(tier_dir)]:
         directory = os.path.join(root, tier)
         try:
             entries = os.listdir(directory)
@@ -129,6 +129,7 @@ class MemoryStore:
         self._storage_gen = -1
         self._slots: dict[str, mmap.mmap] = {}  # slot file -> its mapping
         self._series: dict[tuple[int, int], int] = {}  # (pid, rank) -> the slots it uses now
+        self._swept = False  # the node's other tiers' directories (at the first take)
 
     def ready(self) -> str:
         return self.node
@@ -163,9 +164,11 @@ class MemoryStore:
                 if slot_stamp(files[name]) != gen:
                     raise ValueError(f"rank {rank}: its slot {path} holds generation "
                                      f"{slot_stamp(files[name])}, not {gen}")
-        for path in [*shared.values(), *slots.values()][:1]:
-            tier_dir = os.path.dirname(path if path in slots.values() else os.path.dirname(path))
-            _remove_stale(tier_dir, gen)
+        tier_dirs = [os.path.dirname(p) for p in slots.values()] + \
+            [os.path.dirname(os.path.dirname(p)) for p in shared.values()]
+        if tier_dirs:  # the node's other tiers once, at this store's first take
+            _remove_stale(tier_dirs[0], gen, every_tier=not self._swept)
+            self._swept = True
         held = self.put(gen, world, rank, files, set(slots))
         errors: dict[str, str] = {}
         if peers:
