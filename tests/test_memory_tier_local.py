@@ -213,6 +213,27 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
         fresh, _ = _model_and_opt(1)
         fully_shard(fresh)
         fresh_opt = torch.optim.AdamW(fresh.named_parameters(), lr=0.1)
+        if shared_memory:
+            # A slot taken for a newer generation while a restore reads it (its writer alive):
+            # the bytes read do not serve, though the store held the generation when asked.
+            from ray_train_xla.toolkit.checkpoint import memory
+
+            slot = next(s for s in tier._slots.slots if s._stamp[0] == 3)
+            read = memory._StoreFiles._read
+
+            def read_then_written_over(self, handle, rank, name):
+                slot.stamp(3)  # (as if the data file were read last)
+                data = read(self, handle, rank, name)
+                if name == "__0_0.distcp":
+                    slot.stamp(-1)  # the next generation starts copying into it
+                return data
+
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(memory._StoreFiles, "_read", read_then_written_over)
+                # (DCP raises its CheckpointException, a BaseException)
+                with pytest.raises(BaseException, match="written over while it was read"):
+                    rtx.load_checkpoint(fresh, fresh_opt)
+            slot.stamp(3)
         assert rtx.load_checkpoint(fresh, fresh_opt) == {"step": 8 if shared_memory else 2}
         files = memory_tier().restored
         assert files is not None and files["fetched_bytes"] > 0

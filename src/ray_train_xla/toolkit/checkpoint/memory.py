@@ -223,6 +223,13 @@ class MemoryStore:
         return all(slot_stamp(entry["ranks"][rank][n]) == gen
                    for n in entry["slots"].get(rank, ()))
 
+    def held(self, gen: int, rank: int) -> bool:
+        """Whether rank ``rank``'s files of ``gen`` are still held here as that generation
+        (asked after a read of a slot: it was not written again meanwhile)."""
+        with self._lock:
+            return gen in self._gens and rank in self._gens[gen]["ranks"] and \
+                self._valid(gen, rank)
+
     def note_storage(self, gen: int) -> None:
         with self._lock:
             self._storage_gen = max(self._storage_gen, gen)
@@ -318,6 +325,8 @@ class _StoreFiles:
     def _fetch(self, path: str):
         import ray
 
+        from ray_train_xla.toolkit.checkpoint.rank_files import rank_data_file
+
         name = path.rsplit("/", 1)[-1]
         if name == METADATA and name not in self.holders and name in self._names():
             return self._metadata()
@@ -327,7 +336,14 @@ class _StoreFiles:
         for store, rank in self.holders[name]:
             try:
                 handle = ray.get_actor(store, namespace=NAMESPACE)
-                data = ray.get(handle.get.remote(self.gen, rank, name), timeout=self.timeout_s)
+                data = self._read(handle, rank, name)
+                # A rank's data file may be a slot, which a live writer could take for a newer
+                # generation while it is read: the read serves only if the slot still holds
+                # this generation after it (it is stamped -1 before it is written again).
+                if name == rank_data_file(rank) and not ray.get(
+                        handle.held.remote(self.gen, rank), timeout=self.timeout_s):
+                    raise ValueError(f"generation {self.gen} of rank {rank} was written over "
+                                     "while it was read")
             except Exception as exc:  # noqa: BLE001 (the next holder serves)
                 errors.append(f"{store}: {type(exc).__name__}: {exc}")
                 continue
@@ -337,6 +353,11 @@ class _StoreFiles:
             return data
         raise OSError(f"memory tier: {name} of generation {self.gen} could not be read from any "
                       f"store ({'; '.join(errors)})")
+
+    def _read(self, handle, rank: int, name: str):
+        import ray
+
+        return ray.get(handle.get.remote(self.gen, rank, name), timeout=self.timeout_s)
 
     # pyarrow's FileSystemHandler
     def get_type_name(self) -> str:
