@@ -21,7 +21,9 @@ with FSDP2 over a one-rank gloo group (the path a sharded model takes):
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -116,6 +118,21 @@ def busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
 
 
+def timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
+def interval(values: list[float], level: float = 0.9, resamples: int = 2000) -> list[float]:
+    """The bootstrap interval of the median of ``values`` (``level``: 90%), seeded."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return [medians[cut], medians[-cut - 1]]
+
+
 def slow_filesystem(bytes_per_s: float):
     """A pyarrow filesystem that serves reads at ``bytes_per_s`` (``SlowHandler``)."""
     return pafs.PyFileSystem(SlowHandler(bytes_per_s))
@@ -177,14 +194,19 @@ def measure(args) -> dict:
         step_state_mb = sum(p.numel() * 4 * 3 for p in model.parameters()) / MB
         for key, size in (("every_step", 256), ("every_step_large", 1024)):
             work = torch.randn(size, size)
+            for _ in range(3):  # warm
+                train_step(model, opt, x, 2, work)
             t = time.perf_counter()
             for _ in range(20):
                 work @ work
             per = (time.perf_counter() - t) / 20
-            base = time.perf_counter()
-            train_step(model, opt, x)
-            train_s = time.perf_counter() - base
+            train_s = statistics.median(timed(train_step, model, opt, x) for _ in range(5))
             matmuls = max(0, int((args.step_s - train_s) / per))
+            for _ in range(2):  # the whole step at step_s, as measured
+                step_s = statistics.median(
+                    timed(train_step, model, opt, x, matmuls, work) for _ in range(5))
+                matmuls = max(0, round(matmuls * (args.step_s - train_s) /
+                                       max(1e-6, step_s - train_s)))
 
             def block(keep: bool, first: int, matmuls=matmuls, work=work) -> float:
                 """The mean step of a block of steps, keeping every one or none; its first
@@ -201,19 +223,25 @@ def measure(args) -> dict:
                 return statistics.mean(times[SETTLE:])
 
             block(True, 1)  # warm up: the slots are laid out, the plan made
-            pairs = []
-            for rep in range(args.reps * 4):  # alternating which comes first
-                first = 1 + (rep + 1) * 2 * args.block
-                plain, kept = (block(False, first), block(True, first + args.block)) \
-                    if rep % 2 == 0 else \
-                    tuple(reversed((block(True, first), block(False, first + args.block))))
-                pairs.append((plain, kept))
-            plain = statistics.median(p for p, _ in pairs)
-            kept = statistics.median(k for _, k in pairs)
-            extra = statistics.median(k - p for p, k in pairs)
+            # Triples of blocks: none kept, every step kept, none kept again (the control: what
+            # the same difference measures with nothing to find), in each of the six orders.
+            orders = list(itertools.permutations(("plain", "kept", "control")))
+            runs = []
+            for rep in range(args.reps * 4):
+                first = 1 + (rep + 1) * 3 * args.block
+                means = {kind: block(kind == "kept", first + i * args.block)
+                         for i, kind in enumerate(orders[rep % len(orders)])}
+                runs.append((means["plain"], means["kept"], means["control"]))
+            plain = statistics.median(p for p, _, _ in runs)
+            kept = statistics.median(k for _, k, _ in runs)
+            extra = [(k - p) / plain for p, k, _ in runs]
+            control = [(c - p) / plain for p, _, c in runs]
             out[key] = {"state_mb": step_state_mb, "kernel": size, "kernels": matmuls,
                         "step_s": plain, "kept_step_s": kept, "block": args.block,
-                        "settle": SETTLE, "extra_fraction": extra / plain, "runs": pairs}
+                        "settle": SETTLE, "extra_fraction": statistics.median(extra),
+                        "extra_interval": interval(extra),
+                        "control_fraction": statistics.median(control),
+                        "control_interval": interval(control), "runs": runs}
             print(key, {k: v for k, v in out[key].items() if k != "runs"}, flush=True)
 
         # -- the CPU of every process of the machine per generation kept (the tier's work beside
@@ -272,6 +300,16 @@ def measure(args) -> dict:
     return out
 
 
+def _bracket(bounds) -> str:
+    return f" [{bounds[0]:.1%}, {bounds[1]:.1%}]" if bounds else ""
+
+
+def _control(e: dict) -> str:
+    if "control_fraction" not in e:
+        return ""
+    return f"{e['control_fraction']:.1%}{_bracket(e.get('control_interval'))}"
+
+
 def markdown(r: dict) -> str:
     rs, es = r["restore"], r["every_step"]
     return "\n".join([
@@ -298,16 +336,20 @@ def markdown(r: dict) -> str:
         "model and AdamW state, `keep_in_memory` at every step against none (one training "
         "thread). The rest of each step is matrix products: small kernels (each a short call "
         "that takes the interpreter lock again), or large ones. Blocks of "
-        f"{es.get('block', 20)} steps keeping every step alternate with blocks keeping none "
-        f"({len(es['runs'])} pairs); the first {es.get('settle', 0)} steps of each block are not "
-        "counted; the extra is the median of the pairs' differences.",
+        f"{es.get('block', 20)} steps: none kept, every step kept, none kept again (the "
+        f"control), in each of the six orders ({len(es['runs'])} triples); the first "
+        f"{es.get('settle', 0)} steps of each block are not counted. The extra is the median of "
+        "the differences (kept less none), over the step; the control, the same of the two "
+        "blocks that keep none (what the method finds where there is nothing to find); in "
+        "brackets, the median's 90% bootstrap interval.",
         "",
         "| the step's kernels | step (ms) | with keep_in_memory every step (ms) | extra | "
-        "target (<= 2%) |",
-        "|---|---|---|---|---|",
+        "control | target (<= 2%) |",
+        "|---|---|---|---|---|---|",
         *(f"| {e.get('kernels', '')} of {e.get('kernel', 256)}x{e.get('kernel', 256)} | "
           f"{e['step_s'] * 1000:.0f} | {e['kept_step_s'] * 1000:.0f} | "
-          f"{e['extra_fraction']:.1%} | {'met' if e['extra_fraction'] <= 0.02 else 'not met'} |"
+          f"{e['extra_fraction']:.1%}{_bracket(e.get('extra_interval'))} | "
+          f"{_control(e)} | {'met' if e['extra_fraction'] <= 0.02 else 'not met'} |"
           for e in (es, r.get("every_step_large")) if e),
         "",
         *([f"The CPU of every process of the machine per generation kept (the tier's work beside "
