@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -36,7 +35,7 @@ import pyarrow.fs as pafs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from figures import add_output_arguments, write  # noqa: E402
+from figures import add_output_arguments, interval, write  # noqa: E402
 
 MB = 1e6
 STORAGE_BPS = 100 * MB
@@ -122,15 +121,6 @@ def timed(fn, *args) -> float:
     t = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t
-
-
-def interval(values: list[float], level: float = 0.9, resamples: int = 2000) -> list[float]:
-    """The bootstrap interval of the median of ``values`` (``level``: 90%), seeded."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
-                     for _ in range(resamples))
-    cut = int(resamples * (1 - level) / 2)
-    return [medians[cut], medians[-cut - 1]]
 
 
 def slow_filesystem(bytes_per_s: float):

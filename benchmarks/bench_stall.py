@@ -9,10 +9,12 @@ Ray's). From the second save on, measured side by side in one run:
 - **blocking snapshot** (``configure_reports(overlap_snapshots=False)``): the call's time
   against a plain copy of the same tensors into buffers allocated once (``copy_``), and
   against a synchronous ``torch.distributed.checkpoint.save`` of the same state to local disk;
-- **overlapped** (the default): the loop with a save every ``--every`` steps (half-way through
-  each interval, so the last write has steps to overlap too; the loop ends once every write
-  did) against the same loop without saves; the extra time per save over ``dcp.save``'s time;
-- **the loop**: with a save every ``--loop-every-s`` seconds (10) against none, its speed ratio.
+- **overlapped** (the default): blocks of ``--every`` steps with a save half-way through, each
+  ended once its write did, against blocks without and a control (two blocks without), in
+  triples of every order; the extra time per save (the median difference, with its bootstrap
+  interval) over ``dcp.save``'s time;
+- **the loop**: with a save every ``--loop-every-s`` seconds (10) against none, its speed ratio
+  (blocks of that many seconds with one save, triples as above).
 
     python benchmarks/bench_stall.py               # writes results/stall.{json,md}
     python benchmarks/bench_stall.py --markdown    # stall.md again from stall.json
@@ -21,6 +23,7 @@ Ray's). From the second save on, measured side by side in one run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -30,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from figures import add_output_arguments, write  # noqa: E402
+from figures import add_output_arguments, interval, write  # noqa: E402
 
 MB = 1e6
 
@@ -109,70 +112,59 @@ def measure(args) -> dict:
         out["blocking"]["call_over_copy"] = out["blocking"]["call_s"] / out["blocking"]["copy_s"]
         print("blocking", {k: v for k, v in out["blocking"].items() if k != "runs"}, flush=True)
 
-        # -- overlapped: the loop with saves against the loop without
+        # -- overlapped: blocks of `every` steps with a save half-way through against blocks
+        # without, each ended once its write did (the write counts)
         reporting.configure_reports(max_in_flight=2, overlap_snapshots=True)
         allocated = pool().allocated_bytes
 
-        durations: list[list[float]] = []  # per loop with saves: each step, its save call in
-
-        def loop(saves: bool) -> float:
-            t = last = time.perf_counter()
-            steps = []
-            for i in range(1, args.steps + 1):
+        def block(saves: bool, steps: int) -> float:
+            t = time.perf_counter()
+            for i in range(1, steps + 1):
                 step()
-                if saves and i % args.every == args.every // 2:
+                if saves and i == steps // 2:
                     rtx.save_checkpoint(state())
-                now = time.perf_counter()
-                steps.append(now - last)
-                last = now
-            reporting.flush_reports()  # the last write counts
-            steps[-1] += time.perf_counter() - last
-            if saves:
-                durations.append(steps)
+            reporting.flush_reports()
             return time.perf_counter() - t
 
-        loop(True)  # warm: the buffers of overlapped saves
-        durations.clear()
-        pairs = [(loop(False), loop(True)) for _ in range(args.reps)]
-        saves_per_loop = args.steps // args.every
-        plain = statistics.median(p for p, _ in pairs)
-        with_saves = statistics.median(s for _, s in pairs)
-        extra = (with_saves - plain) / saves_per_loop
-        # Paired within each loop with saves (no drift between loops): the steps from a save's
-        # call to the next half-interval (its write runs beside them) against the loop's quiet
-        # steps (no call, no write), per save.
-        half = args.every // 2
-        per_save = []
-        for steps in durations:
-            busy = {i for s in range(half, args.steps + 1, args.every)
-                    for i in range(s, min(s + half, args.steps) + 1)}
-            quiet = statistics.median(d for i, d in enumerate(steps, 1) if i not in busy)
-            for s in range(half, args.steps + 1, args.every):
-                window = [steps[i - 1] for i in range(s, min(s + half, args.steps) + 1)]
-                per_save.append(sum(window) - len(window) * quiet)
-        paired = statistics.median(per_save)
+        def triples(steps: int, count: int) -> list[tuple[float, float, float]]:
+            """(no save, a save, no save again: the control, what the same difference measures
+            with nothing to find) blocks of ``steps``, ``count`` times, in each of the six
+            orders alike."""
+            orders = list(itertools.permutations(("plain", "saved", "control")))
+            runs = []
+            for rep in range(count):
+                times = {kind: block(kind == "saved", steps)
+                         for kind in orders[rep % len(orders)]}
+                runs.append((times["plain"], times["saved"], times["control"]))
+            return runs
+
+        block(True, args.every)  # warm: the buffers of overlapped saves
+        runs = triples(args.every, args.triples)
+        extra = [s - p for p, s, _ in runs]
+        control = [c - p for p, _, c in runs]
+        dcp_s = out["blocking"]["dcp_save_s"]
         out["overlapped"] = {
-            "steps": args.steps, "every": args.every, "step_s": plain / args.steps,
-            "loop_s": plain, "loop_with_saves_s": with_saves, "extra_per_save_s": extra,
-            "extra_over_dcp_save": extra / out["blocking"]["dcp_save_s"],
-            "paired_extra_per_save_s": paired,
-            "paired_over_dcp_save": paired / out["blocking"]["dcp_save_s"],
-            "loop_ratio": plain / with_saves, "optimizer_waits": snapshots().waits,
+            "every": args.every, "step_s": statistics.median(p for p, _, _ in runs) / args.every,
+            "extra_per_save_s": statistics.median(extra), "extra_interval_s": interval(extra),
+            "extra_over_dcp_save": statistics.median(extra) / dcp_s,
+            "control_per_save_s": statistics.median(control),
+            "control_interval_s": interval(control),
+            "optimizer_waits": snapshots().waits,
             "allocated_mb_after_warmup": (pool().allocated_bytes - allocated) / MB,
-            "runs": pairs, "per_save_s": per_save}
+            "runs": runs}
         print("overlapped", {k: v for k, v in out["overlapped"].items() if k != "runs"},
               flush=True)
 
-        # -- the loop with a checkpoint every loop_every_s seconds against none
+        # -- the loop with a checkpoint every loop_every_s seconds against none: blocks of that
+        # many seconds, one save each
         every = max(1, round(args.loop_every_s / out["overlapped"]["step_s"]))
-        steps, args.every = 2 * every, every
-        saved_steps, args.steps = args.steps, steps
-        pairs = [(loop(False), loop(True)) for _ in range(max(2, args.reps - 1))]
-        args.steps = saved_steps
-        plain = statistics.median(p for p, _ in pairs)
-        with_saves = statistics.median(s for _, s in pairs)
-        out["loop"] = {"every_s": args.loop_every_s, "every_steps": every, "steps": steps,
-                       "ratio": plain / with_saves, "runs": pairs}
+        runs = triples(every, args.loop_triples)
+        ratios = [p / s for p, s, _ in runs]
+        controls = [p / c for p, _, c in runs]
+        out["loop"] = {"every_s": args.loop_every_s, "every_steps": every,
+                       "ratio": statistics.median(ratios), "ratio_interval": interval(ratios),
+                       "control_ratio": statistics.median(controls),
+                       "control_interval": interval(controls), "runs": runs}
         print("loop", {k: v for k, v in out["loop"].items() if k != "runs"}, flush=True)
     finally:
         reporting.flush_reports()
@@ -201,30 +193,37 @@ def markdown(r: dict) -> str:
         "",
         "## Overlapped (the default)",
         "",
-        f"{o['steps']} steps of {o['step_s'] * 1000:.0f} ms, a save every {o['every']} steps "
-        "(half-way through each interval), against the same loop without saves: the loops' "
-        f"medians ({len(o['runs'])} pairs). Paired: in each loop with saves, the steps from a "
-        "save's call to the next half-interval (its write runs beside them) against that loop's "
-        f"other steps, per save: the median of {len(o['per_save_s'])} and their range.",
+        f"Blocks of {o['every']} steps of {o['step_s'] * 1000:.0f} ms, each ended once its write "
+        "did: no save, a save half-way through, no save again (the control), in each of the six "
+        f"orders ({len(o['runs'])} triples). The extra per save is the median of the "
+        "differences (with a save less without); the control, the same of the two blocks "
+        "without (what the method finds where there is nothing to find); in brackets, the "
+        "median's 90% bootstrap interval.",
         "",
-        "| extra per save (s) | / `dcp.save` | target (<= 0.05) | paired: median (s) | "
-        "paired: range (s) | loop without / with saves |",
-        "|---|---|---|---|---|---|",
-        f"| {o['extra_per_save_s']:.3f} | {o['extra_over_dcp_save']:.3f} | "
+        "| extra per save (s) | / `dcp.save` | target (<= 0.05) | control (s) | "
+        "optimizer steps that waited for a copy |",
+        "|---|---|---|---|---|",
+        f"| {o['extra_per_save_s']:.3f} [{o['extra_interval_s'][0]:.3f}, "
+        f"{o['extra_interval_s'][1]:.3f}] | {o['extra_over_dcp_save']:.3f} | "
         f"{'met' if o['extra_over_dcp_save'] <= 0.05 else 'not met'} | "
-        f"{o['paired_extra_per_save_s']:.3f} | {min(o['per_save_s']):.3f} to "
-        f"{max(o['per_save_s']):.3f} | {o['loop_ratio']:.3f} |",
+        f"{o['control_per_save_s']:.3f} [{o['control_interval_s'][0]:.3f}, "
+        f"{o['control_interval_s'][1]:.3f}] | {o['optimizer_waits']} |",
         "",
         "## The loop with a checkpoint every "
         f"{r['loop']['every_s']:.0f} s",
         "",
-        f"{r['loop']['steps']} steps, a save every {r['loop']['every_steps']} steps, against the "
-        "same loop without saves (medians of "
-        f"{len(r['loop']['runs'])} pairs).",
+        f"Blocks of {r['loop']['every_steps']} steps with a save half-way through against "
+        "blocks without, and the control, as above "
+        f"({len(r['loop']['runs'])} triples): the loop's speed without saves over its speed "
+        "with them, the median and its 90% bootstrap interval.",
         "",
-        "| loop without / with saves | target (>= 0.98) |",
-        "|---|---|",
-        f"| {r['loop']['ratio']:.3f} | {'met' if r['loop']['ratio'] >= 0.98 else 'not met'} |",
+        "| loop without / with saves | target (>= 0.98) | control |",
+        "|---|---|---|",
+        f"| {r['loop']['ratio']:.3f} [{r['loop']['ratio_interval'][0]:.3f}, "
+        f"{r['loop']['ratio_interval'][1]:.3f}] | "
+        f"{'met' if r['loop']['ratio'] >= 0.98 else 'not met'} | "
+        f"{r['loop']['control_ratio']:.3f} [{r['loop']['control_interval'][0]:.3f}, "
+        f"{r['loop']['control_interval'][1]:.3f}] |",
         "",
         r.get("note", ""),
         "",
@@ -235,10 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mb", type=float, default=190.0)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--loop-every-s", type=float, default=10.0)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="blocking saves measured")
+    parser.add_argument("--triples", type=int, default=18,
+                        help="triples of blocks of the overlapped measure (3 of each order)")
+    parser.add_argument("--loop-triples", type=int, default=6,
+                        help="triples of blocks of loop-every-s seconds (one of each order)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     return write(args, "stall", measure, markdown)

@@ -7,9 +7,20 @@ import argparse
 import json
 import os
 import platform
+import random
+import statistics
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def interval(values: list[float], level: float = 0.9, resamples: int = 2000) -> list[float]:
+    """The bootstrap interval of the median of ``values`` (``level``: 90%), seeded."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    cut = int(resamples * (1 - level) / 2)
+    return [medians[cut], medians[-cut - 1]]
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
