@@ -8,11 +8,12 @@ with FSDP2 over a one-rank gloo group (the path a sharded model takes):
   ``load_checkpoint`` into a fresh model, from memory, and from the directory read through a
   storage that serves 100 MB/s (a pyarrow filesystem that waits as long as that takes);
   alternating, medians;
-- **every step**: a loop of about 200 ms steps (one training thread), blocks of steps with
-  ``keep_in_memory`` at every step alternating with blocks without; the extra time per step
-  (the median of the pairs of blocks) over the step time. The rest of the step is matrix
-  products, small (256-wide) then large (1024-wide). Then the CPU of every process of the
-  machine per generation kept (``/proc/stat``), with an idle rest of the step.
+- **every step**: a loop of 200 ms steps (one training thread; the rest of the step matrix
+  products, small (256-wide) then large (1024-wide), calibrated on the whole step), in triples
+  of blocks: none kept, ``keep_in_memory`` at every step, none kept again (the control), each
+  order alike; the extra time per step (the median difference, with its bootstrap interval)
+  over the step time. Then the CPU of every process of the machine per generation kept
+  (``/proc/stat``), with an idle rest of the step.
 
     python benchmarks/bench_memory_tier.py                # writes results/memory_tier.{json,md}
     python benchmarks/bench_memory_tier.py --markdown     # memory_tier.md again from the json
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=8,
                         help="steps per block of the every-step loop (keeping every step or none)")
     parser.add_argument("--reps", type=int, default=6,
-                        help="restores of each kind; the every-step loop makes 4x as many pairs")
+                        help="restores of each kind; the every-step loop makes 4x as many triples")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     return write(args, "memory_tier", measure, markdown)

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -568,10 +568,7 @@ class MemoryTier:
                                        layout=layout,
                                        stager=slots.stager(gen) if slots is not None else None)
             except Exception as exc:  # copied here (no overlap): its error is this call's
-                error = self._failed(exc, gen)
-                if error is exc:
-                    raise
-                raise error from exc
+                self._fail(exc, gen)
 
             def write() -> None:
                 if slots is not None:
@@ -658,17 +655,18 @@ class MemoryTier:
             self._writer = None
         self._drop_slots()
 
-    def _failed(self, exc: BaseException, gen: int) -> BaseException:
-        """What generation ``gen``'s error ``exc`` is raised as; the next generation writes into
-        new slots, and once the node's shared memory is full, in the training process."""
+    def _fail(self, exc: BaseException, gen: int) -> NoReturn:
+        """Raise generation ``gen``'s error ``exc`` (a full shared memory as ``ReportError``);
+        the next generation writes into new slots, and once the node's shared memory is full,
+        in the training process."""
         self._drop_slots()
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             self._shared = ""
-            return ReportError(f"rank {self.rank}: the memory tier could not keep generation "
-                               f"{gen}: {exc}. The node's shared memory (/dev/shm) is full: give "
-                               "it more (docker run --shm-size); later generations are "
-                               "formatted in the training process")
-        return exc
+            raise ReportError(f"rank {self.rank}: the memory tier could not keep generation "
+                              f"{gen}: {exc}. The node's shared memory (/dev/shm) is full: give "
+                              "it more (docker run --shm-size); later generations are "
+                              "formatted in the training process") from exc
+        raise exc
 
     def _drop_slots(self) -> None:
         """Remove this rank's slot files no store took (and the tier's directory when no other
@@ -712,10 +710,7 @@ class MemoryTier:
                 raise                         # replacement, or the error again)
             del rest
         except BaseException as exc:
-            error = self._failed(exc, gen)
-            if error is exc:
-                raise
-            raise error from exc
+            self._fail(exc, gen)
         finally:
             files.release()  # in the store by now (or failed): buffers serve the next generation
         for name, error in took["peers"].items():
