@@ -9,10 +9,12 @@ Ray's). From the second save on, measured side by side in one run:
 - **blocking snapshot** (``configure_reports(overlap_snapshots=False)``): the call's time
   against a plain copy of the same tensors into buffers allocated once (``copy_``), and
   against a synchronous ``torch.distributed.checkpoint.save`` of the same state to local disk;
-- **overlapped** (the default): blocks of ``--every`` steps with a save half-way through, each
-  ended once its write did, against blocks without and a control (two blocks without), in
-  triples of every order; the extra time per save (the median difference, with its bootstrap
-  interval) over ``dcp.save``'s time;
+- **overlapped** (the default): the steps right after ``save_checkpoint``, while its write runs
+  beside them (torch's writer process), against as many steps once it has ended, in rounds that
+  alternate with a control (the same two sets of steps with no save); the extra time per save
+  (the median difference, with its bootstrap interval) over ``dcp.save``'s time, at each CPU
+  niceness of the writer process given (``--writer-niceness``; the package runs it at the
+  training process's);
 - **the loop**: with a save every ``--loop-every-s`` seconds (10) against none, its speed ratio
   (blocks of that many seconds with one save, triples as above).
 
@@ -59,8 +61,9 @@ def measure(args) -> dict:
     from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots
 
     torch.set_num_threads(1)
-    # As in a Ray worker (Ray sets it from num_cpus): the writer process starts with it.
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # This process's environment says nothing of threads (torch's default: one per core); the
+    # writer process starts on one thread of its pools all the same (writer.WRITER_THREADS).
+    os.environ.pop("OMP_NUM_THREADS", None)
     root = tempfile.mkdtemp(prefix="bench-stall-")
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
     reporting._ray_report = lambda metrics, directory, name=None: None  # no Ray here
@@ -112,11 +115,66 @@ def measure(args) -> dict:
         out["blocking"]["call_over_copy"] = out["blocking"]["call_s"] / out["blocking"]["copy_s"]
         print("blocking", {k: v for k, v in out["blocking"].items() if k != "runs"}, flush=True)
 
-        # -- overlapped: blocks of `every` steps with a save half-way through against blocks
-        # without, each ended once its write did (the write counts)
-        reporting.configure_reports(max_in_flight=2, overlap_snapshots=True)
-        allocated = pool().allocated_bytes
+        # -- overlapped: the steps right after a save, while its write runs beside them, against
+        # as many steps once the write has ended; the control, the same two sets of steps with
+        # no save (what the method finds where there is nothing to find). Rounds of each kind
+        # alternate; the writer process's CPU niceness cycles through --writer-niceness.
+        from ray_train_xla.toolkit import runtime as rt_mod
+        from ray_train_xla.toolkit.checkpoint import writer
 
+        pid = writer.writer_process_pid()  # torch's, started by the saves above
+        rt_mod.begin()  # as another training function would: these options are its own
+        reporting.configure_reports(max_in_flight=2, overlap_snapshots=True)
+
+        def steps(n: int) -> float:
+            t = time.perf_counter()
+            for _ in range(n):
+                step()
+            return time.perf_counter() - t
+
+        def saved_round(n: int) -> float:
+            rtx.save_checkpoint(state())
+            during = steps(n)
+            reporting.flush_reports()  # the write has ended
+            return during - steps(n)
+
+        def control_round(n: int) -> float:
+            first = steps(n)
+            return steps(n) - first
+
+        saved_round(args.overlap_steps)  # warm: the buffers
+        allocated = pool().allocated_bytes
+        by_niceness: dict = {n: {"extra": [], "control": []} for n in args.writer_niceness}
+        for i in range(args.rounds * len(args.writer_niceness)):
+            niceness = args.writer_niceness[i % len(args.writer_niceness)]
+            renice(pid, niceness)
+            first, second = (saved_round, control_round) if i % 2 else (control_round, saved_round)
+            runs = {f: f(args.overlap_steps) for f in (first, second)}
+            by_niceness[niceness]["extra"].append(runs[saved_round])
+            by_niceness[niceness]["control"].append(runs[control_round])
+        dcp_s = out["blocking"]["dcp_save_s"]
+        out["overlapped"] = {
+            "steps": args.overlap_steps, "rounds": args.rounds,
+            "step_s": statistics.median(steps(1) for _ in range(5)),
+            "shipped_niceness": 0,  # the package runs its writers at the training's priority
+            "writer_threads": writer.WRITER_THREADS,
+            "optimizer_waits": snapshots().waits,
+            "allocated_mb_after_warmup": (pool().allocated_bytes - allocated) / MB,
+            "by_niceness": {str(n): {
+                "extra_per_save_s": statistics.median(r["extra"]),
+                "extra_interval_s": interval(r["extra"]),
+                "extra_over_dcp_save": statistics.median(r["extra"]) / dcp_s,
+                "control_s": statistics.median(r["control"]),
+                "control_interval_s": interval(r["control"]), "runs": r}
+                for n, r in by_niceness.items()}}
+        shipped = out["overlapped"]["by_niceness"].get("0") or \
+            next(iter(out["overlapped"]["by_niceness"].values()))
+        out["overlapped"]["extra_over_dcp_save"] = shipped["extra_over_dcp_save"]
+        print("overlapped", {n: {k: v for k, v in r.items() if k != "runs"}
+                             for n, r in out["overlapped"]["by_niceness"].items()}, flush=True)
+
+        # -- the loop: blocks of steps with a save half-way through against blocks without,
+        # each ended once its write did (the write counts), in triples with a control
         def block(saves: bool, steps: int) -> float:
             t = time.perf_counter()
             for i in range(1, steps + 1):
@@ -138,23 +196,6 @@ def measure(args) -> dict:
                 runs.append((times["plain"], times["saved"], times["control"]))
             return runs
 
-        block(True, args.every)  # warm: the buffers of overlapped saves
-        runs = triples(args.every, args.triples)
-        extra = [s - p for p, s, _ in runs]
-        control = [c - p for p, _, c in runs]
-        dcp_s = out["blocking"]["dcp_save_s"]
-        out["overlapped"] = {
-            "every": args.every, "step_s": statistics.median(p for p, _, _ in runs) / args.every,
-            "extra_per_save_s": statistics.median(extra), "extra_interval_s": interval(extra),
-            "extra_over_dcp_save": statistics.median(extra) / dcp_s,
-            "control_per_save_s": statistics.median(control),
-            "control_interval_s": interval(control),
-            "optimizer_waits": snapshots().waits,
-            "allocated_mb_after_warmup": (pool().allocated_bytes - allocated) / MB,
-            "runs": runs}
-        print("overlapped", {k: v for k, v in out["overlapped"].items() if k != "runs"},
-              flush=True)
-
         # -- the loop with a checkpoint every loop_every_s seconds against none: blocks of that
         # many seconds, one save each
         every = max(1, round(args.loop_every_s / out["overlapped"]["step_s"]))
@@ -171,6 +212,15 @@ def measure(args) -> dict:
         dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def renice(pid: int, niceness: int) -> None:
+    """The CPU niceness of every thread of process ``pid`` (Linux keeps one per thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def markdown(r: dict) -> str:
@@ -193,21 +243,28 @@ def markdown(r: dict) -> str:
         "",
         "## Overlapped (the default)",
         "",
-        f"Blocks of {o['every']} steps of {o['step_s'] * 1000:.0f} ms, each ended once its write "
-        "did: no save, a save half-way through, no save again (the control), in each of the six "
-        f"orders ({len(o['runs'])} triples). The extra per save is the median of the "
-        "differences (with a save less without); the control, the same of the two blocks "
-        "without (what the method finds where there is nothing to find); in brackets, the "
-        "median's 90% bootstrap interval.",
+        f"Each round: `save_checkpoint` returns, then {o['steps']} steps while the write runs "
+        f"beside them (torch's writer process), then {o['steps']} steps once it has ended; the "
+        "extra per save is the first set's time less the second's. The control: "
+        f"{o['steps']} steps, then {o['steps']} more, no save (what the method finds where "
+        f"there is nothing to find). {o['rounds']} rounds of each, alternating, at each CPU "
+        "niceness of the writer process (the training process's is 0; the writer runs "
+        f"on {o['writer_threads']} thread of its pools); medians, "
+        "in brackets their 90% bootstrap intervals. A step takes "
+        f"{o['step_s'] * 1000:.0f} ms.",
         "",
-        "| extra per save (s) | / `dcp.save` | target (<= 0.05) | control (s) | "
-        "optimizer steps that waited for a copy |",
+        "| writer's niceness | extra per save (s) | / `dcp.save` | target (<= 0.05) | control (s) |",
         "|---|---|---|---|---|",
-        f"| {o['extra_per_save_s']:.3f} [{o['extra_interval_s'][0]:.3f}, "
-        f"{o['extra_interval_s'][1]:.3f}] | {o['extra_over_dcp_save']:.3f} | "
-        f"{'met' if o['extra_over_dcp_save'] <= 0.05 else 'not met'} | "
-        f"{o['control_per_save_s']:.3f} [{o['control_interval_s'][0]:.3f}, "
-        f"{o['control_interval_s'][1]:.3f}] | {o['optimizer_waits']} |",
+        *(f"| {n}{' (shipped)' if int(n) == o['shipped_niceness'] else ''} | "
+          f"{r['extra_per_save_s']:.3f} [{r['extra_interval_s'][0]:.3f}, "
+          f"{r['extra_interval_s'][1]:.3f}] | {r['extra_over_dcp_save']:.3f} | "
+          + ("met" if r["extra_over_dcp_save"] <= 0.05 else "not met")
+          + f" | {r['control_s']:.3f} [{r['control_interval_s'][0]:.3f}, "
+          f"{r['control_interval_s'][1]:.3f}] |"
+          for n, r in o["by_niceness"].items()),
+        "",
+        f"Optimizer steps that waited for a snapshot's copy: {o['optimizer_waits']}; host memory "
+        f"allocated after the warm-up: {o['allocated_mb_after_warmup']:.1f} MB.",
         "",
         "## The loop with a checkpoint every "
         f"{r['loop']['every_s']:.0f} s",
@@ -234,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-mb", type=float, default=190.0)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--overlap-steps", type=int, default=3,
+                        help="steps measured while a write runs, and after it (default 3)")
+    parser.add_argument("--rounds", type=int, default=30,
+                        help="rounds with a save and control rounds, each, per niceness")
+    parser.add_argument("--writer-niceness", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[0], help="the writer process's CPU niceness, one or several "
+                        "(comma-separated; rounds cycle through them; default 0, the package's)")
     parser.add_argument("--loop-every-s", type=float, default=10.0)
     parser.add_argument("--reps", type=int, default=3, help="blocking saves measured")
-    parser.add_argument("--triples", type=int, default=18,
-                        help="triples of blocks of the overlapped measure (3 of each order)")
     parser.add_argument("--loop-triples", type=int, default=6,
                         help="triples of blocks of loop-every-s seconds (one of each order)")
     add_output_arguments(parser)

@@ -105,7 +105,7 @@ def ft_config(**overrides) -> dict:
         "hidden": 64, "layers": 2, "heads": 4, "ff": 128,
         "seq_len": DEFAULT_SEQ_LEN, "buckets": None, "pack": False,
         "batch_size": 8, "accum": 1,
-        "lr": None, "warmup": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1,
+        "lr": None, "warmup": None, "min_lr_ratio": 0.1, "weight_decay": 0.1,
         "steps": 40, "max_grad_norm": 1.0,
         "eval_every": 10, "checkpoint_every": 10,
         "precision": "auto",  # auto: bf16 on Neuron/TPU devices, fp32 on the CPU
@@ -121,7 +121,15 @@ def ft_config(**overrides) -> dict:
     config["seq_len"] = config["buckets"][-1]
     if config["lr"] is None:
         config["lr"] = default_lr(config["model"])
+    if config["warmup"] is None:
+        config["warmup"] = default_warmup(config["steps"])
     return config
+
+
+def default_warmup(steps: int) -> int:
+    """The warm-up when ``--warmup`` is not given: 5 steps, or a quarter of ``steps`` when that
+    is fewer (a short run keeps most of its steps for the decay; 0 below 4 steps)."""
+    return min(5, steps // 4)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -835,8 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"peak learning rate (default {PRETRAINED_LR:g} with --model, for full "
                         f"fine-tuning; {TINY_LR:g} for the built-in random tiny model, which needs "
                         "a large rate to show a falling loss within a few steps)")
-    parser.add_argument("--warmup", type=int, default=5,
-                        help="linear LR warm-up steps, then a cosine decay (default 5)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="linear LR warm-up steps, then a cosine decay (default 5, or a "
+                        "quarter of --steps when that is fewer)")
     parser.add_argument("--min-lr-ratio", type=float, default=0.1,
                         help="the cosine decay ends at this fraction of --lr (default 0.1)")
     parser.add_argument("--weight-decay", type=float, default=0.1,
@@ -905,6 +914,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--min-lr-ratio is a fraction of --lr: give 0..1")
     if args.weight_decay < 0:
         parser.error("--weight-decay must be at least 0")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.warmup is None:
+        args.warmup = default_warmup(args.steps)
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup}: give 0..{args.steps - 1} (fewer than --steps, so "
                      "the cosine decay has steps)")

@@ -83,6 +83,19 @@ def counting_filesystem(log: str) -> pafs.PyFileSystem:
     return pafs.PyFileSystem(CountingHandler(log))
 
 
+def driver_script_filesystem(log: str) -> pafs.PyFileSystem:
+    """``counting_filesystem`` whose handler class is defined as a driver script defines one: in
+    ``__main__``, where no other process finds it. Ray pickles it to its workers by value
+    (cloudpickle); the standard pickler refuses it."""
+
+    class DriverHandler(CountingHandler):
+        def __reduce__(self):
+            return DriverHandler, (self.log,)
+
+    DriverHandler.__module__, DriverHandler.__qualname__ = "__main__", "DriverHandler"
+    return pafs.PyFileSystem(DriverHandler(log))
+
+
 def checkpoint_reads(log: str) -> list[tuple[float, int, str]]:
     """The logged reads of files inside checkpoint directories (``checkpoint_<date>/``)."""
     if not os.path.exists(log):

@@ -68,15 +68,15 @@ def _run(script: str, payload):
 
 NEURON = {
     "per-core-1x2": lambda: cli_plan("--device", "neuron", "--workers-per-node", "2",
-                                     "--cores-per-worker", "1"),
+                                     "--accelerators-per-worker", "1"),
     "per-core-2x4": lambda: cli_plan("--device", "neuron", "--nodes", "2", "--workers-per-node",
-                                     "4", "--cores-per-worker", "1"),
+                                     "4", "--accelerators-per-worker", "1"),
     "per-core-uneven-3+1": lambda: cli_plan("--device", "neuron", "--nodes", "2",
-                                            "--workers-per-node", "3,1", "--cores-per-worker", "1"),
-    "spmd-1x8": lambda: cli_plan("--device", "neuron", "--cores-per-worker", "8", "--spmd"),
-    "spmd-2x4": lambda: cli_plan("--device", "neuron", "--nodes", "2", "--cores-per-worker", "4",
+                                            "--workers-per-node", "3,1", "--accelerators-per-worker", "1"),
+    "spmd-1x8": lambda: cli_plan("--device", "neuron", "--accelerators-per-worker", "8", "--spmd"),
+    "spmd-2x4": lambda: cli_plan("--device", "neuron", "--nodes", "2", "--accelerators-per-worker", "4",
                                  "--spmd"),
-    "spmd-2x32": lambda: cli_plan("--device", "neuron", "--nodes", "2", "--cores-per-worker",
+    "spmd-2x32": lambda: cli_plan("--device", "neuron", "--nodes", "2", "--accelerators-per-worker",
                                   "32", "--spmd"),
     # Not describable with the CLI: nodes whose SPMD workers got different core sets.
     "spmd-uneven-4+2": lambda: planned(facts_for([[(0, 1, 2, 3)], [(6, 7)]], "neuron_cores"),
@@ -146,11 +146,11 @@ def _tpu_cases():
     """name -> (rows, TPU worker id of each node, chips per host)."""
     return {
         "per-chip-1x4": (cli_plan("--device", "tpu", "--workers-per-node", "4",
-                                  "--cores-per-worker", "1"), [0], 4),
+                                  "--accelerators-per-worker", "1"), [0], 4),
         "per-chip-2x4": (cli_plan("--device", "tpu", "--nodes", "2", "--workers-per-node", "4",
-                                  "--cores-per-worker", "1"), [0, 1], 4),
-        "spmd-1x4": (cli_plan("--device", "tpu", "--cores-per-worker", "4", "--spmd"), [0], 4),
-        "spmd-2x4": (cli_plan("--device", "tpu", "--nodes", "2", "--cores-per-worker", "4",
+                                  "--accelerators-per-worker", "1"), [0, 1], 4),
+        "spmd-1x4": (cli_plan("--device", "tpu", "--accelerators-per-worker", "4", "--spmd"), [0], 4),
+        "spmd-2x4": (cli_plan("--device", "tpu", "--nodes", "2", "--accelerators-per-worker", "4",
                               "--spmd"), [0, 1], 4),
         # Ray's node order is not the slice's host order: node 0 is TPU worker 2, and so on.
         "per-chip-4x4-worker-ids": (
@@ -334,7 +334,7 @@ def test_tpu_duplicate_or_partial_worker_ids_are_refused():
 @pytest.mark.parametrize("nodes,per_node", [(1, 2), (2, 4)], ids=["1x2", "2x4"])
 def test_xrt_plans_meet_torch_xla_1_13_init(nodes, per_node):
     rows = cli_plan("--device", "neuron", "--runtime", "xrt", "--nodes", str(nodes),
-                    "--workers-per-node", str(per_node), "--cores-per-worker", "1")
+                    "--workers-per-node", str(per_node), "--accelerators-per-worker", "1")
     store: dict = {}
     for row in rows:
         xrt_init_model.publish(row["env"], store)

@@ -10,7 +10,7 @@ from ray_train_xla.tools.cli import build_parser, format_plan_table, main
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"], ["consolidate"],
-                                     ["goodput"], ["profile"]])
+                                     ["goodput"], ["profile"], ["check"]])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([*command, "--help"])
@@ -29,6 +29,24 @@ def test_every_command_has_help(command, capsys):
         for name, sub in parser.command_parsers.items():
             assert name in out and sub.description
         assert "Exit status: 0 success" in " ".join(out.split())
+
+
+def test_one_name_for_each_option_across_commands_and_examples():
+    """The accelerators a worker asks Ray for are --accelerators-per-worker in plan, check and
+    the examples; check's --device names the field of each config it can run."""
+    import os
+
+    parser = build_parser()
+    options = {cmd: {o for a in sub._actions for o in a.option_strings}
+               for cmd, sub in parser.command_parsers.items()}
+    assert "--accelerators-per-worker" in options["plan"] & options["check"]
+    assert not any("--cores-per-worker" in o for o in options.values())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "examples", "finetune_hf.py"), encoding="utf-8") as f:
+        assert '"--accelerators-per-worker"' in f.read()
+    device = next(a for a in parser.command_parsers["check"]._actions if "--device" in a.option_strings)
+    assert all(f"{c}.device" in device.help for c in ("TorchXLAConfig", "TorchNeuronConfig",
+                                                      "TorchTPUConfig"))
 
 
 def test_plan_json_for_two_nodes_of_two_workers(capsys):
@@ -88,7 +106,7 @@ def test_plan_table_format():
 def test_plan_reports_bad_input_without_a_traceback():
     out = subprocess.run(
         [sys.executable, "-m", "ray_train_xla.tools.cli", "plan", "--device", "neuron",
-         "--cores-per-worker", "2", "--workers-per-node", "2"],
+         "--accelerators-per-worker", "2", "--workers-per-node", "2"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("ray-train-xla plan: error: ")

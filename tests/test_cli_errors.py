@@ -93,7 +93,7 @@ def assert_one_line(proc, code):
     # sizes that would exhaust memory
     (["plan", "--nodes", "99999999999"], ["99999999999 workers", "at most 100000"]),
     (["plan", "--workers-per-node", "99999999999,1"], ["at most 100000"]),
-    (["plan", "--device", "neuron", "--cores-per-worker", "99999999"], ["at most 1000000"]),
+    (["plan", "--device", "neuron", "--accelerators-per-worker", "99999999"], ["at most 1000000"]),
     # unknown commands and options name the parser they belong to
     (["doctor", "--bogus"], ["ray-train-xla doctor: error: unrecognized arguments: --bogus"]),
     (["bogus"], ["ray-train-xla: error:", "invalid choice: 'bogus'"]),

@@ -9,6 +9,7 @@ import warnings
 
 from ray_train_xla.toolkit import compile_causes, steps
 from ray_train_xla.toolkit.compile_causes import DebugLog, GraphCheck, parse_analysis
+from ray_train_xla.toolkit.runtime import runtime
 
 
 def block(graph_hash: str, line: int, cause: str = "user torch_xla.sync") -> str:
@@ -47,11 +48,11 @@ def test_parse_torch_xla_analysis_as_the_file_grows(tmp_path):
 def test_cause_text_names_the_line_that_cut_a_new_graph(tmp_path, monkeypatch):
     path = tmp_path / "debug.txt"
     path.write_text(block("aaaa1111", 42) + block("bbbb2222", 42))
-    monkeypatch.setattr(compile_causes, "_log", DebugLog(str(path)))
+    monkeypatch.setattr(runtime(), "debug_log", DebugLog(str(path)))
     text = compile_causes.causes_text(since=1)
     assert "user torch_xla.sync (graph bbbb2222, 4 inputs, 3 outputs) at train_func " in text
     assert "the same line cut graph aaaa1111 before: an input shape" in text
-    monkeypatch.setattr(compile_causes, "_log", DebugLog(None))
+    monkeypatch.setattr(runtime(), "debug_log", DebugLog(None))
     assert "compile_causes=True" in compile_causes.causes_text(since=1)
 
 

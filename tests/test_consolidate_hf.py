@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 
 from ray_train_xla.tools.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SRC_DIR = os.path.join(os.path.dirname(TESTS_DIR), "src")
 INPUT = torch.tensor([[1, 5, 9, 77, 3, 127, 0, 42, 8, 64]])

@@ -40,7 +40,7 @@ plans = json.loads(out.getvalue())
 print("planned", len(plans), plans[3]["env"]["NEURON_RT_VISIBLE_CORES"])
 for spmd_device in ("tpu", "neuron"):
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["plan", "--device", spmd_device, "--spmd", "--cores-per-worker", "4"]) == 0
+        assert main(["plan", "--device", spmd_device, "--spmd", "--accelerators-per-worker", "4"]) == 0
 print("loaded", sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "torch", "torch_xla")))
 """
 

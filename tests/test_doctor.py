@@ -65,6 +65,11 @@ def runs(tmp_path_factory):
         "new-cache": start_doctor("--no-load-check", "--json",
                                   env={"XLA_PERSISTENT_CACHE_PATH": str(tmp / "a" / "b")}),
         "json": start_doctor("--no-load-check", "--json"),
+        # A torch no config supports, and one only the native configs do.
+        "torch-2.7": start_doctor("--no-load-check", "--json",
+                                  env=fake_dist(tmp / "site27", "torch", "2.7.0")),
+        "torch-2.14": start_doctor("--no-load-check", "--json",
+                                   env=fake_dist(tmp / "site214", "torch", "2.14.1")),
         "unreachable": start_doctor("--no-load-check", "--cluster", "127.0.0.1:1",
                                     "--timeout", "3"),
     }
@@ -111,6 +116,24 @@ def test_table_on_this_machine(runs):
     assert "xm collectives" in rows["CPU collectives"][0]
     assert "xr.world_size()/global_ordinal() are Ray's" in rows["CPU collectives"][0]
     assert "0 FAIL" in out.splitlines()[-1]
+
+
+def test_a_torch_outside_every_configs_range_fails_and_the_range_is_named(runs):
+    """The configs' torch ranges (planning/versions.py): 2.7 is in none; 2.14 serves the native
+    configs only; the installed torch is reported with the configs it serves."""
+    rows = {}
+    for name in ("torch-2.7", "torch-2.14", "json"):
+        code, out, _ = runs[name]
+        rows[name] = {r["check"]: r for r in json.loads(out)["checks"]}["torch"]
+    old, native, here = rows["torch-2.7"], rows["torch-2.14"], rows["json"]
+    assert old["status"] == "FAIL" and "torch 2.7.0: no config supports it" in old["detail"], old
+    assert "TorchXLAConfig 2.9; TorchNeuronConfig 2.9-2.14; TorchTPUConfig 2.9-2.15" in old["detail"]
+    assert "torch-xla 2.9.0 for TorchXLAConfig" in old["fix"]
+    assert native["status"] == "OK", native
+    assert native["detail"].startswith("torch 2.14.1: TorchNeuronConfig, TorchTPUConfig ("), native
+    import torch
+
+    assert here["status"] == "OK" and here["detail"].startswith(f"torch {torch.__version__.split('+')[0]}")
 
 
 def test_forced_mismatch_fails_with_fix(runs):

@@ -16,6 +16,8 @@ from ray_train_xla.driver.backend import plan_workers
 from ray_train_xla.planning.contract import DEVMODE_VAR, WorkerContext
 from ray_train_xla.planning.topology import WorkerFacts
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 
 def group(workers_per_node, resource=None):
     """One WorkerFacts per worker of a group Ray started: node n at 10.0.0.<n+1>."""

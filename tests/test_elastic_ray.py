@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import is_train_v2, write_record
+from conftest import HAS_TORCH_XLA, is_train_v2, write_record
 
 # The FSDP2 run is in `make test`; the replicated one (the same scenario, the path the toolkit had
 # first) only in `make test-e2e`.
@@ -170,9 +170,10 @@ def fixed_size_run():
     # torch's autograd engine sizes its per-device queues at a process's first backward, from
     # the devices known then: with torch_xla's device started first, the tests that later run
     # XLA backward passes in this process still find a queue for it.
-    import torch_xla
+    if HAS_TORCH_XLA:
+        import torch_xla
 
-    torch_xla.device()
+        torch_xla.device()
 
     import ray_train_xla as rtx
 
@@ -251,7 +252,7 @@ def elastic_cluster():
 @pytest.mark.skipif(not is_train_v2(), reason="elastic training is Ray Train V2's")
 @pytest.mark.parametrize("sharded", [
     pytest.param(False, id="replicated-xla", marks=pytest.mark.e2e),
-    pytest.param(True, id="fsdp2-native"),
+    pytest.param(True, id="fsdp2-native", marks=pytest.mark.native),
 ])
 def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_cluster, sharded):
     import torch

@@ -15,6 +15,8 @@ import shlex
 
 import pytest
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = "examples/finetune_hf.py"
 
@@ -73,6 +75,19 @@ def test_validation_refuses_what_cannot_run(ft, tmp_path, capsys):
     assert "fewer than --batch-size" in refused("--config", "neuron", "--device", "neuron",
                                                 "--workers", "32", "--no-export")
     assert "no such file" in refused("--data", str(tmp_path / "missing.jsonl"))
+
+
+def test_the_default_warmup_fits_every_run_length(ft, capsys):
+    """Without --warmup, every --steps from 1 is valid: the warm-up is 5 steps, or a quarter of
+    the run when that is fewer; a --warmup the user gives that does not fit is refused."""
+    for steps, warmup in ((1, 0), (2, 0), (3, 0), (4, 1), (12, 3), (20, 5), (40, 5)):
+        args, config, _ = ft.validate(["--steps", str(steps)])
+        assert (args.warmup, config["warmup"]) == (warmup, warmup), steps
+        assert 0 < ft.lr_at(steps - 1, config) <= config["lr"]
+    assert ft.ft_config(steps=2)["warmup"] == 0
+    with pytest.raises(SystemExit):
+        ft.validate(["--steps", "3", "--warmup", "3"])
+    assert "--warmup 3: give 0..2" in capsys.readouterr().err
 
 
 def test_lr_defaults_to_full_fine_tuning_with_a_model_and_larger_for_the_tiny_one(ft):

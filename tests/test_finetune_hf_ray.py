@@ -108,7 +108,8 @@ def pretrained_dir(path, tie: bool) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["xla", "neuron", "tpu"])
+@pytest.fixture(scope="module", params=["xla", pytest.param("neuron", marks=pytest.mark.native),
+                                        pytest.param("tpu", marks=pytest.mark.native)])
 def run(request, cluster, tmp_path_factory):
     """One fit of the example on this config: 8 steps, a crash after step 4, a resume. The xla
     and tpu runs start from a pretrained directory (``--model``: loaded by slices; tied

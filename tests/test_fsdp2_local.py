@@ -13,6 +13,8 @@ from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
 from ray_train_xla.toolkit import fsdp2
 from ray_train_xla.toolkit.checkpoint import names
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 
 class Block(torch.nn.Module):
     def __init__(self):

@@ -13,12 +13,16 @@ import time
 import pytest
 import torch
 
+from ray_train_xla.toolkit import runtime as rt_mod
 from ray_train_xla.toolkit import steps
 from ray_train_xla.toolkit import timeline as tl_mod
 from ray_train_xla.toolkit.run_storage import RunStorage
+from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
 from ray_train_xla.toolkit.timeline import Timeline
 from ray_train_xla.tools import goodput
 from ray_train_xla.tools.cli import main
+
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
 
 
 class Clock:
@@ -47,7 +51,8 @@ def _worker(storage, attempt: str, rank: int, group_start: float, begin: float,
             run_start: float = 0.0):
     clock, compiles = Clock(begin), Compiles()
     tl = Timeline(attempt=attempt, rank=rank, world=2, group_start=group_start, storage=storage,
-                  run_start=run_start, compile_reader=compiles.reader(), clock=clock)
+                  run_start=run_start, compile_reader=compiles.reader(), clock=clock,
+                  options=lambda: runtime().options(TimelineOptions))
     return tl, clock, compiles
 
 
@@ -225,6 +230,7 @@ def test_files_are_parts_and_a_torn_line_is_skipped(tmp_path, monkeypatch):
 
 
 def test_report_metrics_are_the_steps_since_the_last_call():
+    rt_mod.begin()  # a training function's runtime: configure_timeline's options are its own
     tl, clock, compiles = _worker(None, "A", 0, 0.0, 0.0)
     tl_mod.configure_timeline(samples_per_step=32)
     try:
@@ -242,8 +248,10 @@ def test_report_metrics_are_the_steps_since_the_last_call():
         assert out["timeline/compile_s"] == pytest.approx(0.5 / 3)
         assert out["timeline/samples_per_s"] == pytest.approx(32 / (2.5 / 3))
         assert tl.report_metrics() == {}
+        # Another caller's window: every step since the start, not taken by the first caller.
+        assert tl.report_metrics(caller="other")["timeline/steps"] == 3
     finally:
-        tl_mod._settings["samples_per_step"] = None
+        rt_mod.end()
     with pytest.raises(ValueError, match="samples_per_step"):
         tl_mod.configure_timeline(samples_per_step=0)
 
@@ -351,7 +359,7 @@ def test_a_plain_optimizer_step_loop_counts_every_step_and_its_time(tmp_path, ho
     n, data_s, compute_s, after_s = 30, 0.002, 0.004, 0.002
     storage = RunStorage.at(str(tmp_path))
     tl = Timeline(attempt="A", rank=0, world=1, storage=storage)
-    monkeypatch.setattr(tl_mod, "_active", tl)  # where the loader's data wait goes
+    monkeypatch.setattr(runtime(), "timeline", tl)  # where the loader's data wait goes
     steps.add_step_hook(tl.on_step)
 
     def batches():
@@ -493,9 +501,10 @@ def test_an_error_in_the_hook_is_warned_once_and_never_reaches_the_step(hooked, 
 
 
 def test_the_training_function_wrapper_hooks_the_optimizers_then_unhooks_them():
-    """As the backend runs a training function (``startup/report_flush.py``): the hook is on while
-    it runs, its plain steps reach the timeline, and it is off when it returns or raises."""
-    from ray_train_xla.startup import report_flush
+    """As Ray Train runs a training function in our configs' ``train_func_context``
+    (``startup/train_function.py``): the hook is on while it runs, its plain steps reach the
+    timeline, and it is off when it returns or raises; each function counts its own steps."""
+    from ray_train_xla.startup.train_function import training_function
 
     steps.reset()
     seen = {}
@@ -507,16 +516,18 @@ def test_the_training_function_wrapper_hooks_the_optimizers_then_unhooks_them():
             _grad(p)
             opt.step()
         seen["timeline"] = tl_mod.active().report_metrics().get("timeline/steps")
+        seen["steps"] = steps.steps_done()  # this training function's own count
         if fail:
             raise RuntimeError("injected (test)")
 
     try:
-        report_flush._then_flush(train)()
+        with training_function():
+            train()
         assert seen["timeline"] == 3 and not steps.optimizer_hook_installed()
-        with pytest.raises(RuntimeError, match="injected"):
-            report_flush._then_flush(train)(fail=True)
+        with pytest.raises(RuntimeError, match="injected"), training_function():
+            train(fail=True)
         assert seen["timeline"] == 3 and not steps.optimizer_hook_installed()
-        assert steps.steps_done() == 6 and tl_mod.active() is None
+        assert seen["steps"] == 3 and tl_mod.active() is None
     finally:
         steps.uninstall_optimizer_hook()
         steps.reset()

@@ -7,7 +7,8 @@ Every worker times its own steps, loader waits, compilations, checkpoint stall a
 each bucket of ``ray-train-xla goodput`` must match what they timed within 1% of the run's
 wall time, and the PNG is written. At the end, rank 0 reads Ray's Prometheus export of the
 node (the shared one-node cluster serves it) until it shows our metrics for every rank.
-The arithmetic on its own, without Ray, is in ``test_goodput_local.py``."""
+The arithmetic on its own, without Ray, is in ``test_goodput_local.py``. Under TorchXLAConfig;
+where torch_xla is not installed (`make test-native`), under TorchNeuronConfig's CPU twin."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import time
 
 import pytest
 
-from conftest import connected, fit, write_record
+from conftest import HAS_TORCH_XLA, connected, fit, write_record
 
 # `make test` runs it in its second process, after the tests without Ray (tests/run_suite.py).
-pytestmark = [pytest.mark.ray, pytest.mark.beside]
+pytestmark = [pytest.mark.ray, pytest.mark.beside, pytest.mark.native]
 
 STEPS = 10  # steps of the run (the restarted attempt resumes after the checkpoint)
 CHECKPOINT_AT = 3
@@ -32,6 +33,9 @@ RUN_NAME = "audit"
 
 
 def _compile_total() -> float:
+    """torch_xla's compile time so far (nothing compiles on the native path)."""
+    if not HAS_TORCH_XLA:
+        return 0.0
     import torch_xla
 
     data = torch_xla._XLAC._xla_metric_data("CompileTime")
@@ -156,13 +160,16 @@ def audited_run(one_node):
     from ray._private.utils import get_dashboard_dependency_error
     from ray.train import FailureConfig, RunConfig
 
+    from ray_train_xla import TorchNeuronConfig
+
     storage = tempfile.mkdtemp(prefix="rtx-test-goodput-")
+    native = None if HAS_TORCH_XLA else TorchNeuronConfig(device="cpu", timeout_s=120)
     # Without Ray's metrics agent nothing serves the port: no Prometheus check then.
     port = one_node.metrics_export_port if get_dashboard_dependency_error() is None else None
     with connected(one_node):
         fit_start = time.time()
         result, records = fit(
-            audit_loop, num_workers=2, loop_config={"metrics_port": port},
+            audit_loop, num_workers=2, loop_config={"metrics_port": port}, torch_config=native,
             run_config=RunConfig(storage_path=storage, name=RUN_NAME,
                                  failure_config=FailureConfig(max_failures=1)))
         fit_end = time.time()

@@ -61,7 +61,7 @@ def train_kept(config):
 
 
 @pytest.mark.skipif(not is_train_v2(), reason="the memory tier's stores live in Ray Train V2's controller")
-@pytest.mark.parametrize("kind", ["xla", "tpu"])
+@pytest.mark.parametrize("kind", ["xla", pytest.param("tpu", marks=pytest.mark.native)])
 def test_a_worker_failure_restores_replicated_state_from_memory(ray_local, kind, tmp_path):
     from ray.train import FailureConfig, RunConfig
 

@@ -14,28 +14,37 @@ import torch
 
 from ray_train_xla.errors import ReportError
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.native, pytest.mark.ray]
+
+
+# The stores' handles, kept as the backend keeps them on the run's config (a store lives as long
+# as its first handle).
+STORES: dict = {}
 
 
 @pytest.fixture
 def tier_env(ray_local, monkeypatch):
-    """A worker context with a memory tier whose store runs on this node."""
+    """A worker context with a memory tier whose store runs on this node: the CPU twin of a
+    native config (plain torch on the CPU, no torch_xla)."""
     from ray_train_xla.planning import contract
     from ray_train_xla.toolkit.checkpoint import memory
 
     node = ray_local.get_runtime_context().get_node_id()
     tier = uuid.uuid4().hex[:12]
-    memory.start_stores(tier, [node], 30)
+    memory.start_stores(tier, [node], 30, STORES)
+    monkeypatch.setenv(contract.RUNTIME_VAR, "native")
+    monkeypatch.setenv(contract.DEVICE_VAR, "cpu")
     monkeypatch.setenv(contract.MEMORY_EVERY_VAR, "2")
     monkeypatch.setenv(contract.MEMORY_TIER_VAR, tier)
     monkeypatch.setenv(contract.MEMORY_NODES_VAR, node)
     contract.reload()
     yield tier, node
-    monkeypatch.delenv(contract.MEMORY_TIER_VAR)
+    for var in (contract.MEMORY_TIER_VAR, contract.RUNTIME_VAR, contract.DEVICE_VAR):
+        monkeypatch.delenv(var)
     contract.reload()
-    for name in list(memory._stores):
+    for name in list(STORES):
         if tier in name:
-            ray_local.kill(memory._stores.pop(name))
+            ray_local.kill(STORES.pop(name)[0])
 
 
 def _model_and_opt(seed: int):
@@ -52,7 +61,7 @@ def test_a_store_keeps_two_generations_the_newest_and_the_one_before(ray_local):
 
     node = ray_local.get_runtime_context().get_node_id()
     tier = uuid.uuid4().hex[:12]
-    start_stores(tier, [node], 30)
+    start_stores(tier, [node], 30, STORES)
     store = ray_local.get_actor(store_name(tier, node), namespace=NAMESPACE)
     for gen in (0, 1, 2):
         ray_local.get(store.put.remote(gen, 2, 0, {"a": b"x" * 10}))
@@ -334,7 +343,7 @@ def test_storage_serves_when_a_rank_is_missing_or_storage_is_newer_and_a_dead_ho
     assert choice["tier"] == "storage" and "newer" in choice["why"] and choice["next"] == 7
     # A file listed on a store that is gone is read from the next one that holds it.
     other = uuid.uuid4().hex[:12]
-    start_stores(other, [node], 30)
+    start_stores(other, [node], 30, STORES)
     spare = ray_local.get_actor(store_name(other, node), namespace=NAMESPACE)
     ray_local.get(spare.put.remote(5, 2, 1, {"__1_0.distcp": b"b"}))
     ray_local.kill(spare)
@@ -416,10 +425,10 @@ def test_memory_files_write_into_one_buffer_reused_from_a_generation_to_the_next
     chunks = [bytes([i]) * 10_000 for i in range(100)]
     first = write(chunks, 1 << 20)
     assert bytes(first.by_name()["__0_0.distcp"]) == b"".join(chunks)
-    buffer = first._buffers[0]
+    buffer = first._arrays[0]
     first.release()
     second = write(chunks[:50], 1 << 20)
-    assert second._buffers[0] is buffer  # reused: nothing allocated
+    assert second._arrays[0] is buffer  # reused: nothing allocated
     assert bytes(second.by_name()["__0_0.distcp"]) == b"".join(chunks[:50])
     second.release()
     grown = write(chunks * 3, 1 << 20)  # 3 MB into 1 MB: grows, every byte kept

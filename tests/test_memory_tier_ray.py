@@ -29,7 +29,7 @@ import pytest
 
 from conftest import is_train_v2
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(900),
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.native, pytest.mark.timeout(900),
               pytest.mark.skipif(not is_train_v2(), reason="elastic runs need Ray Train V2")]
 
 SAVE_AT, CRASH_AT, REMOVE_AT, LAST = 2, 4, 6, 8

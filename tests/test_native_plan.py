@@ -17,6 +17,8 @@ from ray_train_xla.tools.cli import main
 
 from neuron_contract import process_error, runtime_view, world_problems
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RDZV = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(29611,))
 SHAPES = {"1x2": (1, 2), "2x4": (2, 4), "2x32": (2, 32)}
@@ -236,7 +238,7 @@ def fake_native_neuronx(tmp_path, torch_spec):
 
 
 @pytest.mark.parametrize("torch_spec, cache, status", [
-    ("~=2.10", "writable", "FAIL"),   # built for torch 2.10; 2.9 is installed here
+    ("<2.9", "writable", "FAIL"),     # built for an older torch than any installed here
     (">=2.9", "writable", "OK"),
     (">=2.9", "/proc/neff", "FAIL"),  # the cache directory cannot be written
 ])

@@ -30,7 +30,7 @@ from conftest import (
     write_record,
 )
 
-pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+pytestmark = [pytest.mark.ray, pytest.mark.train_v1, pytest.mark.native]
 
 RECORDS = tempfile.mkdtemp(prefix="rtx-native-double-")
 VARS = ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_ROOT_COMM_ID", "ACCELERATE_TORCH_DEVICE",

@@ -391,3 +391,19 @@ def test_devices_per_chip_are_torchtpus(all_results):
     assert {int(k): v for k, v in theirs["v7_topology"].items()} == V7_HOST_GRIDS
     for spelling in ("tpu7x-32", "v7x-32", "TPU-V7X"):
         assert devices_per_chip(spelling) == 2
+
+
+def test_the_private_names_of_torch_tpu_are_there():
+    """The torch-tpu names the source uses (docs/architecture.md, "Private names"; the others
+    are checked by ``test_torch_internals.py``): the loader Ray's ``tpu_dist`` path calls, and
+    the module of the chip-coordinate query run as ``python -m``."""
+    from test_torch_internals import private_names
+
+    names = sorted(k for k in private_names() if k.startswith("torch_tpu"))
+    assert names == ["torch_tpu._internal.distributed.distributed", "torch_tpu._loader"], names
+    code = ("import importlib.util, torch_tpu._loader as loader; assert callable(loader.load); "
+            "assert importlib.util.find_spec('torch_tpu._internal.distributed.distributed')")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out = subprocess.run([torch_tpu_python(), "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]

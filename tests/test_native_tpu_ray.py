@@ -22,7 +22,7 @@ from ray_train_xla import TorchTPUConfig
 
 from conftest import DOUBLES_DIR, connected, fit, is_train_v2, write_record
 
-pytestmark = [pytest.mark.ray, pytest.mark.train_v1]
+pytestmark = [pytest.mark.ray, pytest.mark.train_v1, pytest.mark.native]
 
 RECORDS = tempfile.mkdtemp(prefix="rtx-tpu-double-")
 VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "TPU_VISIBLE_DEVICES",

@@ -203,7 +203,7 @@ def test_plan_cli_describes_neuron_topologies():
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert main(["plan", "--device", "neuron", "--nodes", "2", "--workers-per-node", "4",
-                     "--cores-per-worker", "1", "--json"]) == 0
+                     "--accelerators-per-worker", "1", "--json"]) == 0
     rows = json.loads(buf.getvalue())
     assert len(rows) == 8
     assert [r["node_rank"] for r in rows] == [0] * 4 + [1] * 4

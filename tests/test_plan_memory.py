@@ -197,7 +197,7 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
                  "--workers-per-node", "4", "--model", model, "--json"]) == 0
     per_chip = json.loads(capsys.readouterr().out)
     assert main(["plan", "--device", "tpu", "--accelerator-type", "v5p-128", "--nodes", "16",
-                 "--spmd", "--cores-per-worker", "4", "--model", model, "--json"]) == 0
+                 "--spmd", "--accelerators-per-worker", "4", "--model", model, "--json"]) == 0
     spmd = json.loads(capsys.readouterr().out)
     assert per_chip["layout"] == spmd["layout"] and spmd["layout"]["devices"] == 64
     assert spmd["device_memory"]["bytes"] == 95 * GIB

@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Con
 from ray_train_xla.errors import CheckpointMismatchError  # noqa: E402
 from ray_train_xla.toolkit import pretrained  # noqa: E402
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 PROBE = torch.tensor([[1, 5, 9, 77, 3, 127, 0, 42]])
 
 

@@ -28,7 +28,7 @@ import torch
 
 from conftest import connected, fit, write_record
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.native, pytest.mark.timeout(900)]
 
 WORKERS = 4
 STEPS = 3

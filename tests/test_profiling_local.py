@@ -14,6 +14,7 @@ import pytest
 from ray_train_xla.toolkit import profiling, steps
 from ray_train_xla.toolkit.profiling import Profiles, RequestWatcher, Window
 from ray_train_xla.toolkit.run_storage import RunStorage
+from ray_train_xla.toolkit.runtime import runtime
 from ray_train_xla.tools.cli import main as cli_main
 
 
@@ -90,7 +91,7 @@ def test_a_config_window_of_step_one_starts_with_the_training_function(tmp_path)
     FakeTracer.log = []
     prof = Profiles(rank=0, world=1, storage=RunStorage.at(str(tmp_path)),
                     tracer_factory=FakeTracer)
-    profiling._profiles = prof  # as install() leaves it, from the process-group start
+    runtime().profiles = prof  # as install() leaves it, as the training function starts
     steps.add_step_hook(prof.on_step)
     prof.add(Window(1, 1, "config"), on_training_thread=False)
     assert FakeTracer.log == []  # not on the thread that installed it

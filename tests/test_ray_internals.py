@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import threading
 
 import pytest
+
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Ray's own torch helpers, replaced on XLA workers (startup/ray_helpers.py): every module that
@@ -46,18 +47,17 @@ def test_where_rays_helpers_resolve_the_device():
     assert params(v2.get_devices_distributed) == []  # V2's
 
 
-def test_the_training_function_starts_where_report_flush_wraps_it():
-    """Train V2 starts the training function in ``ThreadRunner.run(target)``; V1's session
-    creates ``training_thread`` (a ``threading.Thread`` whose ``_target`` is wrapped) before it
-    sets ``training_started``."""
-    from ray.train._internal import session
-    from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
+def test_the_training_function_runs_in_the_configs_train_func_context():
+    """Ray Train (V2 and V1) enters ``BackendConfig.train_func_context`` (public) around the
+    training function on every worker: ours waits for the reports there."""
+    from ray.train.backend import BackendConfig
 
-    assert params(ThreadRunner.run) == ["self", "target"]
-    source = inspect.getsource(session._TrainSession)
-    assert "self.training_thread = " in source and "self.training_started = " in source
-    assert callable(getattr(session, "get_session", None))
-    assert hasattr(threading.Thread(target=print), "_target")
+    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
+    from ray_train_xla.startup.train_function import training_function
+
+    assert isinstance(inspect.getattr_static(BackendConfig, "train_func_context"), property)
+    for config in (TorchXLAConfig(), TorchNeuronConfig(), TorchTPUConfig()):
+        assert config.train_func_context is training_function
 
 
 def test_each_patch_is_listed_with_the_ray_version_it_was_tested_on():
@@ -66,7 +66,7 @@ def test_each_patch_is_listed_with_the_ray_version_it_was_tested_on():
     with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Patches of Ray's internals", 1)[1].split("\n## ", 1)[0]
-    for target in ("ThreadRunner.run", "training_thread._target", "get_devices_distributed",
+    for target in ("get_devices_distributed",
                    "ray.air._internal.torch_utils.get_devices", "prepare_model",
                    "prepare_data_loader", "init_process_group"):
         assert target in section, target

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit.reporting import COALESCED_KEY, Reporter
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -202,6 +204,45 @@ def test_unequal_calls_across_ranks_are_an_error_not_a_hang():
 
     run_ranks([lambda: train(0), lambda: train(1)])
     assert seen, "neither rank noticed"
+
+
+def test_a_rank_that_waits_for_its_last_checkpoint_while_rank_0_ends_gets_it(monkeypatch):
+    """Both ranks save once with ``wait=True``; rank 0 ends its reports as soon as its save is
+    reported, and rank 1's background thread follows that end before rank 1's training thread
+    looks again (its wake-up delayed here): the save was reported, and rank 1 gets it."""
+    from ray_train_xla.toolkit import reporting
+
+    late_threads = set()  # rank 1's training thread
+
+    class LateEvent(threading.Event):
+        def wait(self, timeout=None):
+            if super().wait(timeout):
+                if threading.current_thread() in late_threads:
+                    time.sleep(1.0)  # its background thread follows rank 0's end meanwhile
+                return True
+            return False
+
+    original = reporting._Checkpoint.__init__
+
+    def late(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.done = LateEvent()
+
+    monkeypatch.setattr(reporting._Checkpoint, "__init__", late)
+    fake = FakeRay(world=2)
+    reps = reporters(fake)
+    written = {}
+
+    def train(rank: int):
+        if rank == 1:
+            late_threads.add(threading.current_thread())
+        written[rank] = reps[rank].checkpoint({"step": 0}, writer([], 0), wait=True)
+        if rank == 1:  # rank 0 ended its reports meanwhile, and this rank follows it
+            assert not reps[1]._thread.is_alive()
+        reps[rank].close(timeout_s=10)
+
+    run_ranks([lambda: train(0), lambda: train(1)])
+    assert written == {0: {"files": ["0.pt"], "bytes": 0}, 1: {"files": ["0.pt"], "bytes": 0}}
 
 
 def test_a_long_run_leaves_no_decisions_in_the_store():

@@ -13,7 +13,10 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
 
 Pair = collections.namedtuple("Pair", "a b")  # pickled by reference, as torch.save does
 
@@ -111,10 +114,13 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     # c11 and c13 go to a storage that is not the local file system (remote storage: S3, GCS),
     # through its pyarrow filesystem, by the writer process and in this process
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from counting_fs import counting_filesystem
+    from counting_fs import counting_filesystem, driver_script_filesystem
 
     remote = counting_filesystem(os.path.join(root, "storage.log"))
-    for i, on, by_writer in ((10, None, True), (11, remote, True), (13, remote, False)):
+    # c16: a filesystem whose handler class only Ray's cloudpickle carries (a driver script's)
+    scripted = driver_script_filesystem(os.path.join(root, "scripted.log"))
+    for i, on, by_writer in ((10, None, True), (11, remote, True), (16, scripted, True),
+                             (13, remote, False)):
         before = [p.full_tensor().clone() for p in model.parameters()]
         staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                 "step": i})
@@ -181,6 +187,10 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     process["by_rank"] = by_rank
     pid = writer_process_pid()
     process["pid"] = pid if pid != os.getpid() else None
+    # started on one thread in its pools (its environment said so; this process's own is as
+    # it was)
+    process["threads"] = [_started_with(pid, "OMP_NUM_THREADS"),
+                          os.environ.get("OMP_NUM_THREADS", "unset")]
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     t0 = time.perf_counter()
@@ -207,8 +217,17 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     os._exit(0)
 
 
-def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_path):
+def _started_with(pid: int, name: str) -> str:
+    """The value of ``name`` in the environment process ``pid`` started with ("" if none)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return env.get(name.encode(), b"").decode()
+
+
+def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the workers' own: torch's default
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,7 +249,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         assert o["exact"] is True and o["moved"] is True, o
         # Written by a writer process: the same checkpoints; killed, it is reported at once.
         w = r["process"]
-        assert w["exact"] == [True, True, True] and w["pid"], w
+        assert w["exact"] == [True, True, True, True] and w["pid"], w
+        assert w["threads"] == ["1", "unset"], w
         assert w["by_rank"] == ({"same_as_torch": True, "exact": True, "stamp": 14} if rank == 0
                                 else {"exact": True, "stamp": 14}), w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
@@ -240,7 +260,10 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
     from counting_fs import checkpoint_writes
 
     writes = [os.path.relpath(p, tmp_path) for p in checkpoint_writes(str(tmp_path / "storage.log"))]
-    for c in ("c11", "c13"):
+    # c16 too, through a filesystem whose class only Ray's cloudpickle carries (a driver
+    # script's): the writer process got it as Ray's workers did
+    writes += [os.path.relpath(p, tmp_path) for p in checkpoint_writes(str(tmp_path / "scripted.log"))]
+    for c in ("c11", "c13", "c16"):
         names = sorted(os.path.basename(p) for p in writes if p.startswith(c + "/"))
         assert names == sorted([".metadata.tmp", "__0_0.distcp", "__1_0.distcp", "extra.pt",
                                 "param_groups.pt",
@@ -256,7 +279,12 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     import time
 
     import pytest
-    from counting_fs import checkpoint_writes, counting_filesystem, slow_filesystem
+    from counting_fs import (
+        checkpoint_writes,
+        counting_filesystem,
+        driver_script_filesystem,
+        slow_filesystem,
+    )
 
     from ray_train_xla.errors import ReportError
     from ray_train_xla.toolkit.checkpoint.replicated import load_replicated, stage_replicated_shared
@@ -267,8 +295,10 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
         writer_process_pids,
     )
 
+    threads = os.environ.get("OMP_NUM_THREADS")
     model = torch.nn.Linear(256, 512)
     remote = counting_filesystem(str(tmp_path / "storage.log"))
+    scripted = driver_script_filesystem(str(tmp_path / "scripted.log"))  # only cloudpickle carries it
     allocated = []
 
     def save(i, filesystem=None, timeout_s=30.0, directory=None):
@@ -305,11 +335,10 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
         assert torch.equal(back["pair"].b[0], torch.zeros(3)) and back["pair"].b[1] == "x"
         assert torch.equal(back["view"], base[3:7]) and torch.equal(back["base"], base)
         assert back["none"] is None and back["step"] == 7
-        for i in range(3):
+        for i, on in enumerate((None, remote, scripted)):
             expected = {k: v.clone() for k, v in model.state_dict().items()}
-            written = save(i, remote if i == 1 else None)
-            back = load_replicated(str(tmp_path / f"r{i}"), "checkpoint.pt", "test",
-                                   remote if i == 1 else None)
+            written = save(i, on)
+            back = load_replicated(str(tmp_path / f"r{i}"), "checkpoint.pt", "test", on)
             assert written["files"] == ["checkpoint.pt"] and written["bytes"] > 256 * 512 * 4
             assert back["step"] == i and all(torch.equal(back["model"][k], v)
                                              for k, v in expected.items())
@@ -317,9 +346,13 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
                 model.weight.add_(1.0)  # the next save holds other values
         pid = save_process().process.pid
         assert writer_process_pids() == [pid] and pid != os.getpid()
+        assert _started_with(pid, "OMP_NUM_THREADS") == "1"  # one thread in its pools
+        assert os.environ.get("OMP_NUM_THREADS") == threads  # this process's own, as it was
         assert allocated[0] >= 256 * 513 * 4 and allocated == [allocated[0]] * 3  # reused
         assert [os.path.relpath(p, tmp_path) for p in
                 checkpoint_writes(str(tmp_path / "storage.log"))] == ["r1/checkpoint.pt"]
+        assert [os.path.relpath(p, tmp_path) for p in
+                checkpoint_writes(str(tmp_path / "scripted.log"))] == ["r2/checkpoint.pt"]
         # A write that fails in the writer (its directory is a file): reported, writer alive.
         (tmp_path / "blocked").write_text("")
         with pytest.raises(ReportError, match="writer process failed on .*blocked.*writer_process=False"):
@@ -422,3 +455,4 @@ def copy_out(files, directory: str) -> None:
                 data = f.read()
         with open(os.path.join(directory, name), "wb") as f:
             f.write(bytes(data))
+

@@ -157,18 +157,18 @@ def cli(*args: str) -> tuple[int, str, str]:
 def test_cli_plan_prints_the_slice_bounds():
     # The command, now told the slice: one SPMD process per host of a v4-64.
     for flag in (["--accelerator-type", "v4-64"], ["--tpu-topology", "2x4x4"]):
-        code, out, _ = cli("--nodes", "8", "--cores-per-worker", "4", "--spmd", *flag)
+        code, out, _ = cli("--nodes", "8", "--accelerators-per-worker", "4", "--spmd", *flag)
         assert code == 0 and "TPU_PROCESS_BOUNDS=1,2,4" in out and "TPU_HOST_BOUNDS=1,2,4" in out
         assert "TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1" in out
         code, out, _ = cli("--nodes", "8", "--workers-per-node", "4", *flag)
         assert code == 0 and "TPU_PROCESS_BOUNDS=2,4,4" in out, out
-    code, out, _ = cli("--nodes", "64", "--cores-per-worker", "4", "--spmd",
+    code, out, _ = cli("--nodes", "64", "--accelerators-per-worker", "4", "--spmd",
                        "--accelerator-type", "v6e-256")
     assert code == 0 and "TPU_PROCESS_BOUNDS=8,8,1" in out
     # Without the slice, 8 hosts are refused rather than guessed.
-    code, _, err = cli("--nodes", "8", "--cores-per-worker", "4", "--spmd")
+    code, _, err = cli("--nodes", "8", "--accelerators-per-worker", "4", "--spmd")
     assert code == 2 and "--tpu-topology or --accelerator-type" in err
-    code, _, err = cli("--nodes", "8", "--cores-per-worker", "4", "--spmd",
+    code, _, err = cli("--nodes", "8", "--accelerators-per-worker", "4", "--spmd",
                        "--accelerator-type", "v4-64", "--tpu-topology", "4x4x4")
     assert code == 2 and "has 64 chips but v4-64 has 32" in err
     code, _, err = cli("--accelerator-type", "v4-64", "--device", "cpu")

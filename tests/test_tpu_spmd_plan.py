@@ -143,7 +143,7 @@ def test_topology_errors(device, chips, nodes, spmd, match):
 
 
 def test_cli_plan_tpu(capsys):
-    assert cli_main(["plan", "--device", "tpu", "--nodes", "2", "--cores-per-worker", "4",
+    assert cli_main(["plan", "--device", "tpu", "--nodes", "2", "--accelerators-per-worker", "4",
                      "--spmd", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["env"]["TPU_VISIBLE_CHIPS"] for r in rows] == ["0,1,2,3", "0,1,2,3"]

@@ -5,6 +5,8 @@ import pytest
 from ray_train_xla.planning import Rendezvous, Topology, XLAOptions, plan
 from ray_train_xla.planning.contract import WorkerContext, reload, worker_context
 
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
 
 def test_a_planned_environment_reads_back_as_the_options_and_places():
     rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="run-a")

@@ -90,6 +90,7 @@ _EXPORTS = {
         "sync",
         "to_cpu",
         "uses_host_collectives",
+        "wait_for_snapshots",
         "world_size",
     )},
 }

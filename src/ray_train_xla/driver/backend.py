@@ -141,8 +141,9 @@ def plan_memory_tier(config, facts: Sequence[WorkerFacts], plans: Sequence[Worke
     if tier is None:
         tier = uuid.uuid4().hex[:12]
         object.__setattr__(config, "_memory_tier_id", tier)
+        object.__setattr__(config, "_memory_stores", {})  # their handles: they live with it
     nodes = sorted({f.node_id for f in facts})
-    start_stores(tier, nodes, config.timeout_s)
+    start_stores(tier, nodes, config.timeout_s, config._memory_stores)
     if len(nodes) == 1:
         logger.warning("ray_train_xla: memory tier on one node: no peer holds a copy, so a lost "
                        "node means a restore from storage")

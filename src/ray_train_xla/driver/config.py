@@ -40,6 +40,7 @@ def _submitted_state(config: Any) -> dict[str, Any]:
     import time
 
     state = dict(config.__dict__)
+    state.pop("_memory_stores", None)  # the controller's handles of the memory stores
     state.setdefault(SUBMITTED_AT, time.time())
     return state
 
@@ -129,20 +130,18 @@ class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
 
     @property
     def train_func_context(self):
-        return NoDeviceContext
+        return _train_func_context()
 
     def to_dict(self) -> dict[str, Any]:
         return XLAOptions.to_dict(self)
 
 
-class NoDeviceContext:
-    """Train-function context: XLA needs none (TorchConfig's default selects a CUDA device)."""
+def _train_func_context():
+    """Ray Train's public hook around the training function on every worker (in place of
+    TorchConfig's, which selects a CUDA device): ``startup/train_function.py``."""
+    from ray_train_xla.startup.train_function import training_function
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return training_function
 
 
 # TorchConfig's own fields: the process group follows from the device.
@@ -210,7 +209,7 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
 
     @property
     def train_func_context(self):
-        return NoDeviceContext
+        return _train_func_context()
 
     def to_dict(self) -> dict[str, Any]:
         return NeuronOptions.to_dict(self)
@@ -274,7 +273,7 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
 
     @property
     def train_func_context(self):
-        return NoDeviceContext
+        return _train_func_context()
 
     def to_dict(self) -> dict[str, Any]:
         return TPUOptions.to_dict(self)

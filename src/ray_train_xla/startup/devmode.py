@@ -467,9 +467,9 @@ def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None
 def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` runs outside any graph ``torch.compile`` builds (a graph break); with
     ``fullgraph=True`` compiling fails, and the error gives this reason."""
-    import torch._dynamo
+    import torch.compiler
 
-    return torch._dynamo.disable(fn, reason=(
+    return torch.compiler.disable(fn, reason=(
         f"xm.{name} exchanges Python objects between workers and cannot be part of a compiled "
         f"graph in ray_train_xla's CPU development mode: call xm.{name} outside the compiled "
         "function (or compile without fullgraph=True, which runs it between graphs)"))

@@ -72,10 +72,7 @@ def init_process_group() -> None:
         ) from exc
     if ctx.devmode:
         devmode.install(dist.get_rank(), dist.get_world_size())
-    from ray_train_xla.startup import report_flush
-
-    report_flush.install()
-    _install_step_observers()
+    _analyse_compilations()
     if not ctx.native:  # native runtimes point Ray at their own device (native_neuron/_tpu.py)
         from ray_train_xla.startup import ray_helpers
 
@@ -86,16 +83,15 @@ def init_process_group() -> None:
         ray_helpers.install_native()
 
 
-def _install_step_observers() -> None:
-    """What watches the steps on every worker: the profile windows (and the watcher of requests
-    from outside) and the comparison of the ranks' compiled graphs."""
-    from ray_train_xla.toolkit import compile_causes, profiling
+def _analyse_compilations() -> None:
+    """With torch_xla's analysis of compilations on (``compile_causes=True``), have it analyse
+    this worker's too, before anything compiles (``toolkit/compile_causes.py``)."""
+    from ray_train_xla.toolkit import compile_causes
 
     try:
-        profiling.install()
-        compile_causes.install()
+        compile_causes.analyse_this_process()
     except Exception as exc:  # noqa: BLE001 (diagnostics never stop a run from starting)
-        logger.warning("%s: profiles and graph checks are off: %s: %s", who(),
+        logger.warning("%s: torch_xla's analysis of compilations is off: %s: %s", who(),
                        type(exc).__name__, exc)
 
 

@@ -1,6 +1,8 @@
 """The toolkit: helpers used inside the training function (imported on workers, never by the
 backend). Each module is one concern:
 
+- ``runtime``: one object per worker and training function, holding every other module's
+  options and components (no module holds state of its own);
 - ``device``: the worker's device and the device layer (XLA, native Neuron, CPU);
 - ``ranks``: ranks and world sizes from the planned environment;
 - ``collectives``: all_reduce, broadcast, rendezvous on every device;
@@ -24,6 +26,7 @@ backend). Each module is one concern:
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
 from ray_train_xla.toolkit.checkpoint.memory import keep_in_memory
+from ray_train_xla.toolkit.checkpoint.staging import wait_for_snapshots
 from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
 from ray_train_xla.toolkit.compile_causes import DivergentGraphsWarning, check_graphs_every
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
@@ -110,5 +113,6 @@ __all__ = [
     "sync",
     "to_cpu",
     "uses_host_collectives",
+    "wait_for_snapshots",
     "world_size",
 ]

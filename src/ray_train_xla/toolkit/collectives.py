@@ -25,13 +25,12 @@ tensor is one **global** value that all processes share; see :func:`all_reduce`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.ranks import rank, spmd_global, uses_host_collectives, world_size
+from ray_train_xla.toolkit.runtime import runtime
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
@@ -40,24 +39,21 @@ def _is_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type != "xla"
 
 
-_pg_ranks: tuple[object, dict[int, int]] | None = None
-
-
 def pg_rank(ray_rank: int) -> int:
     """The torch.distributed rank of the worker with Ray Train rank ``ray_rank``. The same with
     ``env://``; through ``xla://`` (SPMD) the group numbers processes by PJRT process index,
-    so the map is gathered once per process group."""
-    global _pg_ranks
+    so the map is gathered once per process group (kept by the runtime)."""
     if worker_context().init_method != "xla://":
         return ray_rank
     import torch.distributed as dist
 
+    rt = runtime()
     group = dist.group.WORLD
-    if _pg_ranks is None or _pg_ranks[0] is not group:
+    if rt.group_ranks is None or rt.group_ranks[0] is not group:
         ranks: list = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, rank())
-        _pg_ranks = (group, {r: i for i, r in enumerate(ranks)})
-    return _pg_ranks[1][ray_rank]
+        rt.group_ranks = (group, {r: i for i, r in enumerate(ranks)})
+    return rt.group_ranks[1][ray_rank]
 
 
 def _check_op(op: str) -> str:
@@ -144,10 +140,6 @@ def rendezvous(tag: str) -> None:
     xm.rendezvous(tag)
 
 
-_HOST_GROUPS_OF = None  # the default group they were made in
-_HOST_GROUPS: dict[str, Any] = {}
-
-
 def group_timeout():
     """The config's ``timeout_s`` as the timeout of a process group's operations: every group
     the package creates takes it, so a rank that withholds a collective fails the others
@@ -165,12 +157,13 @@ def host_group(purpose: str = "checkpoint"):
     torch.distributed. Its operations are bounded by ``timeout_s`` (:func:`group_timeout`)."""
     import torch.distributed as dist
 
-    global _HOST_GROUPS_OF
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _HOST_GROUPS_OF is not dist.group.WORLD:  # a new default group: the old ones are gone
-        _HOST_GROUPS.clear()
-        _HOST_GROUPS_OF = dist.group.WORLD
-    if purpose not in _HOST_GROUPS:
-        _HOST_GROUPS[purpose] = dist.new_group(backend="gloo", timeout=group_timeout())
-    return _HOST_GROUPS.get(purpose)
+    rt = runtime()
+    with rt.lock:
+        if rt.host_groups_of is not dist.group.WORLD:  # a new default group: the old are gone
+            rt.host_groups.clear()
+            rt.host_groups_of = dist.group.WORLD
+        if purpose not in rt.host_groups:
+            rt.host_groups[purpose] = dist.new_group(backend="gloo", timeout=group_timeout())
+        return rt.host_groups[purpose]

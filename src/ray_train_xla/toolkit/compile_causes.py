@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import steps as _steps
+from ray_train_xla.toolkit.runtime import GraphCheckOptions, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -167,15 +168,10 @@ def _debug_level() -> int:
     return 1 if os.environ.get("PT_XLA_DEBUG", "") == "1" else 0
 
 
-_log: DebugLog | None = None
-
-
 def debug_log() -> DebugLog:
-    """This process's :class:`DebugLog` (one reader, so each block is read once)."""
-    global _log
-    if _log is None:
-        _log = DebugLog()
-    return _log
+    """This worker's :class:`DebugLog` (one reader, so each block is read once; held by the
+    runtime)."""
+    return runtime().part("debug_log", DebugLog)
 
 
 def dynamo_reasons(limit: int = 5) -> list[str]:
@@ -354,9 +350,6 @@ class GraphCheck:
         warnings.warn(message, DivergentGraphsWarning, stacklevel=2)
 
 
-_check: GraphCheck | None = None
-
-
 def _process_group_store():
     import torch.distributed as dist
 
@@ -396,49 +389,62 @@ def analyse_every_process() -> bool:
     return True
 
 
-def install(store=None, every: int = DEFAULT_CHECK_EVERY) -> GraphCheck | None:
-    """Start the graph check on this worker (at process-group start, every rank), on the
-    process group's store unless given one; with torch_xla's analysis on
-    (``compile_causes=True``), have it analyse this worker's compilations too."""
-    global _check
+def analyse_this_process() -> None:
+    """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
+    compilations too (at process-group start, every rank, before anything compiles)."""
     ctx = worker_context()
-    uninstall()
     if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
         if not analyse_every_process():
             logger.warning("rank %d: torch_xla compiled before the process group started, so "
                            "it analyses compilations only where %s is 0 (local rank 0): this "
                            "worker's recompilation warnings will not name their cause",
                            ctx.rank, LOCAL_RANK_VAR)
+
+
+def install(store=None) -> GraphCheck | None:
+    """Start the graph check on this worker (as the training function starts, every rank; held
+    by the runtime), on the process group's store unless given one; None with one worker."""
+    uninstall()
+    rt = runtime()
+    ctx = rt.ctx
     store = store if store is not None else _process_group_store()
     if store is None or ctx.world_size < 2:
         return None
-    _check = GraphCheck(store, ctx.rank, ctx.world_size,
-                        f"ray_train_xla/graphs/{ctx.run_id or os.getpid()}", every)
-    _steps.add_step_hook(_check.on_step)
-    return _check
+    rt.graph_check = GraphCheck(store, ctx.rank, ctx.world_size,
+                                f"ray_train_xla/graphs/{ctx.run_id or os.getpid()}",
+                                rt.options(GraphCheckOptions).every)
+    _steps.add_step_hook(rt.graph_check.on_step)
+    return rt.graph_check
 
 
 def uninstall() -> None:
-    global _check
-    if _check is not None:
-        _steps.remove_step_hook(_check.on_step)
-        _check = None
+    rt = runtime()
+    check, rt.graph_check = rt.graph_check, None
+    if check is not None:
+        _steps.remove_step_hook(check.on_step)
 
 
 def check_graphs_every(steps: int) -> None:
     """Compare the ranks' compiled graphs every ``steps`` steps (default 100). Call it with the
-    same value on every rank."""
+    same value on every rank; a value that differs from one set before raises ``ValueError``.
+    With one worker there is nothing to compare: it says so, once."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"check_graphs_every(steps={steps!r}): expected an int >= 1")
-    if _check is not None:
-        _check.set_every(steps)
+    rt = runtime()
+    rt.configure(GraphCheckOptions, every=steps)
+    if rt.graph_check is not None:
+        rt.graph_check.set_every(steps)
+    elif rt.ctx.world_size < 2 and not rt.warned_one_worker_check:
+        rt.warned_one_worker_check = True
+        logger.warning("check_graphs_every(%d): one worker, no other rank's graphs to compare "
+                       "with: nothing is checked", steps)
 
 
 def check_interval() -> int:
     """Steps between two graph checks on this worker."""
-    return _check.every if _check is not None else DEFAULT_CHECK_EVERY
+    return runtime().options(GraphCheckOptions).every
 
 
 def checked() -> GraphCheck | None:
     """This worker's graph check (None with one worker or outside a run)."""
-    return _check
+    return runtime().graph_check

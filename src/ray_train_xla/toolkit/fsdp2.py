@@ -25,9 +25,6 @@ from ray_train_xla.toolkit.ranks import local_rank, node_rank, rank, world_size
 FSDP_AXES = ("fsdp",)
 HSDP_AXES = ("replicate", "fsdp")
 
-_MESHES: dict[tuple[int, ...], Any] = {}
-
-
 def _device_type() -> str:
     from ray_train_xla.toolkit.device import get_device
 
@@ -72,15 +69,18 @@ def native_mesh(shape: Any = None):
     if math.prod(shape) != world:
         raise ValueError(f"get_sharded_mesh: shape {shape} holds {math.prod(shape)} workers, "
                          f"but the job has {world}")
-    if shape not in _MESHES:
+    from ray_train_xla.toolkit.runtime import runtime
+
+    meshes = runtime().meshes  # one per shape
+    if shape not in meshes:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("get_sharded_mesh: torch.distributed is not initialised on this "
                                "worker; call it inside a TorchTrainer training function")
         names = FSDP_AXES if len(shape) == 1 else HSDP_AXES
-        _MESHES[shape] = init_device_mesh(_device_type(), shape, mesh_dim_names=names)
-    return _MESHES[shape]
+        meshes[shape] = init_device_mesh(_device_type(), shape, mesh_dim_names=names)
+    return meshes[shape]
 
 
 def block_classes_policy(policy: Any) -> Callable[[torch.nn.Module, int], bool] | None:

@@ -10,11 +10,13 @@ stack reports it (``compile_causes``: torch_xla's compilation analysis with
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit.runtime import MetricsOptions, runtime
 
 logger = logging.getLogger(__name__)
 
@@ -192,28 +194,36 @@ def _analysed() -> int | None:
     return len(log.compilations)
 
 
-_default: CompileMonitor | None = None
-
-
-def metrics(step: int | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+def metrics(step: int | None = None, warmup_steps: int | None = None,
             execute_time: bool = False) -> dict[str, Any]:
     """This worker's XLA compile/execution metrics and step timeline as a flat dict for
     ``ray.train.report``.
 
-    Counts since the process started; warns once on recompilations after
-    ``warmup_steps`` (see ``CompileMonitor``). Cheap enough for every step; ``execute_time=True``
-    adds ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
+    Counts since the process started; warns once on recompilations after ``warmup_steps``
+    (default 3; see ``CompileMonitor``: a value that differs from the one in effect raises
+    ``ValueError``). Cheap enough for every step; ``execute_time=True`` adds
+    ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
 
-    In a training function run by the backend, the step timeline of the steps since the previous
-    call is added (``timeline.py``): ``timeline/steps``, and per step on average
-    ``timeline/step_time_s``, ``timeline/data_wait_s``, ``timeline/checkpoint_stall_s``,
-    ``timeline/compile_s``; ``timeline/samples_per_s`` and ``timeline/tokens_per_s`` once
-    ``configure_timeline`` says what a step processes; ``timeline/device_memory_bytes`` and
-    ``timeline/device_memory_peak_bytes`` once the background thread has read them.
+    In a training function, the step timeline of the steps since this call site's previous call
+    is added (``timeline.py``; each place that calls it has its own window): ``timeline/steps``,
+    and per step on average ``timeline/step_time_s``, ``timeline/data_wait_s``,
+    ``timeline/checkpoint_stall_s``, ``timeline/compile_s``; ``timeline/samples_per_s`` and
+    ``timeline/tokens_per_s`` once ``configure_timeline`` says what a step processes;
+    ``timeline/device_memory_bytes`` and ``timeline/device_memory_peak_bytes`` once the
+    background thread has read them.
     """
-    global _default
-    if _default is None:
-        _default = CompileMonitor(warmup_steps=warmup_steps, since_start=True)
-    out = _default.metrics(step, execute_time)
-    out.update(timeline.report_metrics())
+    if warmup_steps is not None and (isinstance(warmup_steps, bool) or
+                                     not isinstance(warmup_steps, int) or warmup_steps < 0):
+        raise ValueError(f"metrics: warmup_steps={warmup_steps!r} must be an int >= 0")
+    rt = runtime()
+    rt.configure(MetricsOptions, warmup_steps=warmup_steps)
+    with rt.lock:
+        if rt.compile_monitor is None:
+            rt.compile_monitor = CompileMonitor(
+                warmup_steps=rt.options(MetricsOptions, capture=True).warmup_steps,
+                since_start=True)
+        monitor = rt.compile_monitor
+    out = monitor.metrics(step, execute_time)
+    caller = sys._getframe(1)
+    out.update(timeline.report_metrics((caller.f_code, caller.f_lineno)))
     return out

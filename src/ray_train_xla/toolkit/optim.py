@@ -32,6 +32,7 @@ from ray_train_xla.toolkit.collectives import broadcast
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
+from ray_train_xla.toolkit.runtime import runtime
 from ray_train_xla.toolkit.sharding import refuse_sharded
 from ray_train_xla.toolkit.steps import marks_own_step, step_done
 
@@ -74,9 +75,12 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
-# Optimizers whose parameters were checked for sharding, with their parameter count then: the
-# check walks every parameter, so it runs again only when the parameters change, not every step.
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _weak(name: str) -> weakref.WeakKeyDictionary:
+    """The runtime's weak map ``name``: ``checked``, optimizers whose parameters were checked
+    for sharding, with their parameter count then (the check walks every parameter, so it runs
+    again only when the parameters change, not every step); ``reduced``, gradients
+    clip_grad_norm_ averaged for the next step: param -> (its grad, the grad's version then)."""
+    return runtime().part(name, weakref.WeakKeyDictionary)
 
 
 def _fsdp2_params(params: list) -> bool:
@@ -96,8 +100,9 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
     """True when the optimizer steps an FSDP2 model (nothing to reduce); raises
     ShardedStateError for other sharded parameters."""
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if count and _checked.get(optimizer, (None,))[0] == count:
-        return _checked[optimizer][1]
+    checked = _weak("checked")
+    if count and checked.get(optimizer, (None,))[0] == count:
+        return checked[optimizer][1]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     fsdp2 = _fsdp2_params(params)
     if not fsdp2:
@@ -105,12 +110,8 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
                   for g, group in enumerate(optimizer.param_groups)}
         refuse_sharded(groups, "optimizer_step", "averages every gradient over all workers",
                        use=SHARDED_STEP)
-    _checked[optimizer] = (count, fsdp2)
+    checked[optimizer] = (count, fsdp2)
     return fsdp2
-
-
-# Gradients clip_grad_norm_ averaged for the next step: param -> (its grad, the grad's version then).
-_reduced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
@@ -125,9 +126,10 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
     if n == 1 or spmd_global():  # one worker, or XLA reduces over the mesh: nothing to average
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    done = bool(params) and all(_reduced.get(p) == (id(p.grad), p.grad._version)
+    reduced = _weak("reduced")
+    done = bool(params) and all(reduced.get(p) == (id(p.grad), p.grad._version)
                                 for p in params)
-    _reduced.clear()  # a mark serves one step: a new backward changes the gradients' version
+    reduced.clear()  # a mark serves one step: a new backward changes the gradients' version
     if done:
         return  # clip_grad_norm_ averaged exactly these gradients, untouched since
     with torch.no_grad():
@@ -167,8 +169,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
             _reduce(_Params(params), world_size(), bucket_mb)
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     if average:
+        reduced = _weak("reduced")
         for p in params:  # these exact gradients, as they are now, are averaged
-            _reduced[p] = (id(p.grad), p.grad._version)
+            reduced[p] = (id(p.grad), p.grad._version)
     full = getattr(total, "full_tensor", None)
     return full() if full is not None else total
 

@@ -13,8 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ray_train_xla.toolkit.checkpoint import save_checkpoint
-
-_SAVED: set[tuple] = set()
+from ray_train_xla.toolkit.runtime import runtime
 
 
 def checkpoint_if_preempted(
@@ -41,8 +40,9 @@ was reported (``wait=True``), so it is safe before the node goes. Needs Ray Trai
     if info is None:
         return None
     key = (info.deadline_ms, tuple(info.preempted_node_ids))
-    if key not in _SAVED:
-        _SAVED.add(key)
+    saved = runtime().preempt_saved  # the drains a checkpoint was made for
+    if key not in saved:
+        saved.add(key)
         saved_metrics = {**(metrics or {}), "preempted": 1,
                          "preemption_deadline_ms": info.deadline_ms or 0}
         save_checkpoint(state() if callable(state) else state, saved_metrics, wait=wait)

@@ -56,6 +56,7 @@ from typing import Any
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import steps as _steps
+from ray_train_xla.toolkit.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -567,10 +568,6 @@ def _alive(store) -> bool:
 
 # ---- this worker ---------------------------------------------------------------------------------
 
-_profiles: Profiles | None = None
-_watcher: RequestWatcher | None = None
-
-
 def _store_client():
     """A connection of its own to the run's store (rank 0's ``MASTER_ADDR:MASTER_PORT``)."""
     from datetime import timedelta
@@ -584,42 +581,43 @@ def _store_client():
 
 
 def install(watch_requests: bool = True) -> Profiles:
-    """Start this worker's profiles (at process-group start, every rank): the config's window
-    and, with several workers or one, the watcher of requests from outside."""
-    global _profiles, _watcher
+    """Start this worker's profiles (as the training function starts, every rank; held by the
+    runtime): the config's window and, with several workers or one, the watcher of requests
+    from outside."""
     uninstall()
-    ctx = worker_context()
-    _profiles = Profiles(ctx.rank, ctx.world_size)
-    _steps.add_step_hook(_profiles.on_step)
+    rt = runtime()
+    ctx = rt.ctx
+    profiles = rt.profiles = Profiles(ctx.rank, ctx.world_size)
+    _steps.add_step_hook(profiles.on_step)
     if ctx.profile_steps is not None:
         start, count = ctx.profile_steps
         try:
-            _profiles.add(Window(start, count, "config"))
+            profiles.add(Window(start, count, "config"))
         except ValueError as exc:
             logger.warning("rank %d: profile_steps not scheduled: %s", ctx.rank, exc)
     if watch_requests and ctx.master_addr and ctx.master_port:
-        _watcher = RequestWatcher(_profiles, _store_client,
-                                  f"ray_train_xla/{ctx.run_id or 'run'}/profile").start()
-    return _profiles
+        rt.profile_watcher = RequestWatcher(profiles, _store_client,
+                                            f"ray_train_xla/{ctx.run_id or 'run'}/profile").start()
+    return profiles
 
 
 def uninstall() -> None:
-    global _profiles, _watcher
-    if _watcher is not None:
-        _watcher.stop()
-        _watcher = None
-    if _profiles is not None:
-        _steps.remove_step_hook(_profiles.on_step)
-        _profiles = None
+    rt = runtime()
+    watcher, rt.profile_watcher = rt.profile_watcher, None
+    if watcher is not None:
+        watcher.stop()
+    profiles, rt.profiles = rt.profiles, None
+    if profiles is not None:
+        _steps.remove_step_hook(profiles.on_step)
 
 
 def _worker_profiles() -> Profiles:
-    global _profiles
-    if _profiles is None:  # outside a planned worker (one process): no watcher
-        ctx = worker_context()
-        _profiles = Profiles(ctx.rank, ctx.world_size)
-        _steps.add_step_hook(_profiles.on_step)
-    return _profiles
+    rt = runtime()
+    with rt.lock:
+        if rt.profiles is None:  # outside a training function (one process): no watcher
+            rt.profiles = Profiles(rt.ctx.rank, rt.ctx.world_size)
+            _steps.add_step_hook(rt.profiles.on_step)
+        return rt.profiles
 
 
 def profile_steps(start: int, count: int) -> Window:
@@ -637,17 +635,20 @@ def profile_steps(start: int, count: int) -> Window:
 
 def profile_windows() -> list[Window]:
     """This worker's profile windows: captured, running and scheduled."""
-    return _worker_profiles().windows() if _profiles is not None else []
+    profiles = runtime().profiles
+    return profiles.windows() if profiles is not None else []
 
 
 def training_starts() -> None:
     """On the training thread, as the training function starts: a window of the first step
     (``profile_steps=(1, n)`` in the config) starts now."""
-    if _profiles is not None:
-        _profiles.on_step(_steps.steps_done(), force=True)
+    profiles = runtime().profiles
+    if profiles is not None:
+        profiles.on_step(_steps.steps_done(), force=True)
 
 
 def flush(timeout_s: float = 300.0) -> None:
     """Wait until the traces of finished windows are in the run's storage."""
-    if _profiles is not None:
-        _profiles.flush(timeout_s)
+    profiles = runtime().profiles
+    if profiles is not None:
+        profiles.flush(timeout_s)

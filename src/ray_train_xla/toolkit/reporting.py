@@ -46,12 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_train_xla.errors import ReportError
-from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit.runtime import ReportOptions, runtime
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_IN_FLIGHT = 2
 COALESCED_KEY = "reports_coalesced"
 # A wait for a slot longer than this is warned about (once per worker).
 BACKPRESSURE_WARN_S = 1.0
@@ -183,8 +182,9 @@ class Reporter:
             if time.monotonic() > deadline:
                 raise ReportError(f"rank {self._rank}: checkpoint not reported within "
                                   f"timeout_s={self._timeout_s:g}")
-        with self._cv:
-            self._raise_error()
+        with self._cv:  # reported: only an error of the background thread is raised now (it
+            if self._error is not None:  # may have ended since, rank 0 having stopped)
+                self._raise_error()
 
     def _raise_error(self, again: bool = False) -> None:
         if self._error is None and not self._thread.is_alive() and not self._closing:
@@ -374,14 +374,7 @@ class Reporter:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# ---- this worker's reporter -------------------------------------------------------------------
-
-_lock = threading.Lock()
-_reporter: Reporter | None = None
-_generation = 0  # reporters started in this process (every rank starts the same number)
-_max_in_flight = DEFAULT_MAX_IN_FLIGHT
-overlap_snapshots_on = True  # configure_reports(overlap_snapshots=...)
-writer_process_on = True  # configure_reports(writer_process=...)
+# ---- this worker's reporter (held by the runtime) ---------------------------------------------
 
 
 def _ray_report(metrics: dict, directory: str | None, name: str | None = None) -> None:
@@ -455,40 +448,46 @@ def _default_store() -> Any:
 
 def reporter() -> Reporter:
     """This worker's reporter, started on first use (its first call is on every rank)."""
-    global _reporter, _generation
-    with _lock:
-        if _reporter is None:  # a failed one stays: its error is raised at every call
-            _generation += 1
-            ctx = worker_context()
+    rt = runtime()
+    with rt.lock:
+        if rt.reporter is None:  # a failed one stays: its error is raised at every call
+            rt.reporters += 1
+            ctx = rt.ctx
             store = _default_store() if ctx.world_size > 1 else None
-            _reporter = Reporter(
-                _ray_report, rank=ctx.rank, world=ctx.world_size, max_in_flight=_max_in_flight,
+            rt.reporter = Reporter(
+                _ray_report, rank=ctx.rank, world=ctx.world_size,
+                max_in_flight=rt.options(ReportOptions, capture=True).max_in_flight,
                 timeout_s=ctx.timeout_s, store=store,
-                key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{_generation}",
+                key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{rt.reporters}",
                 coalesce=ctx.world_size == 1 or store is not None,
                 on_checkpoint=timeline.checkpoint_committed, place=in_place_directory())
-        return _reporter
+        return rt.reporter
 
 
-def configure_reports(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                      overlap_snapshots: bool = True, writer_process: bool = True) -> None:
+def configure_reports(max_in_flight: int | None = None, overlap_snapshots: bool | None = None,
+                      writer_process: bool | None = None) -> None:
     """Set how many checkpoints may wait for Ray at once on this worker (each holds a host copy
-    of the state; call before the first report); whether the snapshot of sharded (DTensor)
-    state is copied while the loop goes on, the next optimizer step waiting for it
-    (``toolkit/checkpoint/staging.py``; False: ``save_checkpoint`` and ``keep_in_memory``
-    return once the copy is made); and whether DTensor shards and replicated state are written
-    by a writer process (``toolkit/checkpoint/writer.py``; False: in the background reporter's
-    thread)."""
-    global _max_in_flight, overlap_snapshots_on, writer_process_on
-    if not isinstance(max_in_flight, int) or max_in_flight < 1:
+    of the state; default 2); whether the snapshot of sharded (DTensor) state is copied while
+    the loop goes on, the next optimizer step waiting for it (``toolkit/checkpoint/staging.py``;
+    default True; False: ``save_checkpoint`` and ``keep_in_memory`` return once the copy is
+    made); and whether DTensor shards and replicated state are written by a writer process
+    (``toolkit/checkpoint/writer.py``; default True; False: in the background reporter's
+    thread). Values left None are as they are. Call it before the first report: a value that
+    differs from one set before, or from one in effect, raises ``ValueError``."""
+    if max_in_flight is not None and (isinstance(max_in_flight, bool) or
+                                      not isinstance(max_in_flight, int) or max_in_flight < 1):
         raise ValueError(f"configure_reports: max_in_flight={max_in_flight!r} must be an int >= 1")
     for name, value in (("overlap_snapshots", overlap_snapshots),
                         ("writer_process", writer_process)):
-        if not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool):
             raise ValueError(f"configure_reports: {name}={value!r} must be True or False")
-    _max_in_flight = max_in_flight
-    overlap_snapshots_on = overlap_snapshots
-    writer_process_on = writer_process
+    runtime().configure(ReportOptions, max_in_flight=max_in_flight,
+                        overlap_snapshots=overlap_snapshots, writer_process=writer_process)
+
+
+def report_options() -> ReportOptions:
+    """The reports' options in effect on this worker (``configure_reports``)."""
+    return runtime().options(ReportOptions)
 
 
 def report(metrics: Mapping[str, Any]) -> None:
@@ -506,11 +505,11 @@ def report(metrics: Mapping[str, Any]) -> None:
 
 def flush_reports(timeout_s: float | None = None) -> None:
     """Wait until every report this worker made was taken by Ray (bounded by ``timeout_s``,
-    default the run's), then raise the first background error if there was one. The backend
-    calls it when the training function returns; reports after it start a new reporter."""
-    global _reporter
-    with _lock:
-        rep, _reporter = _reporter, None
+    default the run's), then raise the first background error if there was one. The training
+    function's end does it; reports after it start a new reporter."""
+    rt = runtime()
+    with rt.lock:
+        rep, rt.reporter = rt.reporter, None
     if rep is not None:
         start = time.perf_counter()
         try:

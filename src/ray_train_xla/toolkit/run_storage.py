@@ -13,19 +13,13 @@ from typing import Any
 
 
 def _worker_storage() -> Any:
-    """Ray's StorageContext of this worker (Train V2 or V1), or None outside a Ray Train run."""
+    """Ray's StorageContext of this worker (``ray.train.get_context().get_storage()``, a
+    DeveloperAPI of Train V2 and V1), or None outside a Ray Train run."""
     try:
-        from ray.train.v2._internal.execution.context import get_train_context
+        import ray.train
 
-        return get_train_context().get_storage()
-    except Exception:  # noqa: BLE001 (not a Train V2 worker)
-        pass
-    try:
-        from ray.train._internal.session import get_session
-
-        session = get_session()
-        return session.storage if session is not None else None
-    except Exception:  # noqa: BLE001 (not a Train V1 worker)
+        return ray.train.get_context().get_storage()
+    except Exception:  # noqa: BLE001 (not a Ray Train worker)
         return None
 
 

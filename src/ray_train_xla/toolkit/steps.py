@@ -53,45 +53,62 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_steps = 0
-_hooks: list[Callable[[int], None]] = []
-
-# The optimizer hook's state (the training thread's, reset at each training function's start).
-_handle: Any = None  # torch's RemovableHandle while the optimizer hook is installed
-_marked = False  # the loop marks its own steps (step_done / optimizer_step): the hook counts none
-_pending = False  # the last step was counted by the hook and no mark came since
-_lead: weakref.ref | None = None  # the optimizer whose step() ends a step
-_others: set[int] = set()  # other optimizers stepped since the lead's last step (ids)
-_warned = False
-
 # step() called from these only creates the optimizer's state (before a checkpoint loads into it).
 PRIMING = frozenset({"_init_optim_state", "prime_optimizer"})
 PRIMING_DEPTH = 8  # frames looked up from the hook (torch's step wrapper, a scheduler's, dynamo's)
 
 
+class StepCounter:
+    """This worker's step count, its hooks and the optimizer hook's state (held by the
+    runtime: one per training function; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.hooks: list[Callable[[int], None]] = []
+        self.handle: Any = None  # torch's RemovableHandle while the optimizer hook is installed
+        self.marked = False  # the loop marks its own steps (step_done / optimizer_step)
+        self.pending = False  # the last step was counted by the hook and no mark came since
+        self.lead: weakref.ref | None = None  # the optimizer whose step() ends a step
+        self.others: set[int] = set()  # other optimizers stepped since the lead's last step
+        self.warned = False
+
+    def close(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.remove()
+
+    def count(self) -> int:
+        self.steps += 1
+        for hook in self.hooks:
+            hook(self.steps)
+        return self.steps
+
+
+def _counter() -> StepCounter:
+    from ray_train_xla.toolkit.runtime import runtime
+
+    rt = runtime()
+    counter = rt.steps  # (every step: the lock only the first time)
+    return counter if counter is not None else rt.part("steps", StepCounter)
+
+
 def steps_done() -> int:
     """Steps this worker has finished (``optimizer_step`` / ``step_done`` calls, and the lead
     optimizer's ``step()`` while the loop marks none itself) so far."""
-    return _steps
+    return _counter().steps
 
 
 def add_step_hook(hook: Callable[[int], None]) -> None:
     """Call ``hook(steps_done)`` at the end of every step from now on (once per hook)."""
-    if hook not in _hooks:
-        _hooks.append(hook)
+    hooks = _counter().hooks
+    if hook not in hooks:
+        hooks.append(hook)
 
 
 def remove_step_hook(hook: Callable[[int], None]) -> None:
-    if hook in _hooks:
-        _hooks.remove(hook)
-
-
-def _count() -> int:
-    global _steps
-    _steps += 1
-    for hook in _hooks:
-        hook(_steps)
-    return _steps
+    hooks = _counter().hooks
+    if hook in hooks:
+        hooks.remove(hook)
 
 
 def step_done() -> int:
@@ -101,19 +118,18 @@ def step_done() -> int:
     A call right after a ``step()`` that ended a step (no mark in between) ends that same step:
     it counts nothing more, so ``opt.step(); rtx.step_done()`` counts one step (see the module
     docstring)."""
-    global _marked, _pending
-    _marked = True
-    if _pending:
-        _pending = False
-        return _steps
-    return _count()
+    counter = _counter()
+    counter.marked = True
+    if counter.pending:
+        counter.pending = False
+        return counter.steps
+    return counter.count()
 
 
 def marks_own_step() -> None:
     """``optimizer_step`` is about to step its optimizer and will end the step itself: the
     optimizer hook stands down from now on."""
-    global _marked
-    _marked = True
+    _counter().marked = True
 
 
 # ---- plain optimizer.step(): torch's global optimizer step post-hook --------------------------
@@ -132,36 +148,36 @@ def _is_priming() -> bool:
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global post-hook: ``optimizer.step()`` returned (see the module docstring)."""
-    global _lead, _pending, _warned
-    if _marked:
+    counter = _counter()
+    if counter.marked:
         return
     try:
         if _is_priming():
             return
-        lead = _lead() if _lead is not None else None
+        lead = counter.lead() if counter.lead is not None else None
         if lead is not optimizer:
-            if lead is not None and id(optimizer) not in _others:
-                _others.add(id(optimizer))
+            if lead is not None and id(optimizer) not in counter.others:
+                counter.others.add(id(optimizer))
                 return
-            _lead = weakref.ref(optimizer)  # the first stepped, or the lead went quiet
-        _others.clear()
-        _pending = True
-        _count()
+            counter.lead = weakref.ref(optimizer)  # the first stepped, or the lead went quiet
+        counter.others.clear()
+        counter.pending = True
+        counter.count()
     except Exception as exc:  # noqa: BLE001 (observation never fails the user's step)
-        if not _warned:
-            _warned = True
+        if not counter.warned:
+            counter.warned = True
             logger.warning("the step count's optimizer hook failed (warned once; the training "
                            "step goes on): %s: %s", type(exc).__name__, exc)
 
 
 def install_optimizer_hook() -> bool:
-    """See plain ``optimizer.step()`` calls from now on (the backend does, as the training
-    function starts): register torch's global optimizer post-hook once per process and start
-    the rules afresh. False when torch has no global optimizer hooks."""
-    global _handle, _marked, _pending, _lead
-    _marked, _pending, _lead = False, False, None
-    _others.clear()
-    if _handle is not None:
+    """See plain ``optimizer.step()`` calls from now on (the training function's start does):
+    register torch's global optimizer post-hook for this runtime's counter and start the rules
+    afresh. False when torch has no global optimizer hooks."""
+    counter = _counter()
+    counter.marked, counter.pending, counter.lead = False, False, None
+    counter.others.clear()
+    if counter.handle is not None:
         return True
     try:
         import torch
@@ -171,29 +187,26 @@ def install_optimizer_hook() -> bool:
     # Run eagerly even inside a compiled step (no graph break to trace, no warning).
     hook = torch._disable_dynamo(_after_optimizer_step) if hasattr(torch, "_disable_dynamo") \
         else _after_optimizer_step
-    _handle = register_optimizer_step_post_hook(hook)
+    counter.handle = register_optimizer_step_post_hook(hook)
     return True
 
 
 def uninstall_optimizer_hook() -> None:
     """Stop seeing plain ``optimizer.step()`` calls (the training function's end, shutdown)."""
-    global _handle, _lead
-    handle, _handle = _handle, None
-    if handle is not None:
-        handle.remove()
-    _lead = None
-    _others.clear()
+    counter = _counter()
+    counter.close()
+    counter.lead = None
+    counter.others.clear()
 
 
 def optimizer_hook_installed() -> bool:
-    return _handle is not None
+    return _counter().handle is not None
 
 
 def reset() -> None:
-    """Forget the count, the hooks and the optimizer hook's state (a new training function in
-    this process)."""
-    global _steps, _marked, _pending, _lead, _warned
-    _steps = 0
-    _hooks.clear()
-    _marked, _pending, _lead, _warned = False, False, None, False
-    _others.clear()
+    """Forget the count, the hooks and the optimizer hook's state (a new counter; the hook of
+    the old one, if installed, is removed)."""
+    from ray_train_xla.toolkit.runtime import runtime
+
+    uninstall_optimizer_hook()
+    runtime().steps = StepCounter()

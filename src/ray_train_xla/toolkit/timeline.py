@@ -24,7 +24,7 @@ resident memory on CPU), sets the Ray metrics (``ray_metrics.py``) and, every
 the run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``).
 
 The backend starts the timeline when the training function starts and ends it when it returns
-or raises (``startup/report_flush.py``); :func:`configure_timeline` says what one step
+or raises (``startup/train_function.py``); :func:`configure_timeline` says what one step
 processes (samples, tokens) and how often the background thread runs. ``metrics()`` adds the
 steps since its previous call as ``timeline/...`` keys (:func:`report_metrics`).
 """
@@ -40,10 +40,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 5.0
-DEFAULT_STORAGE_INTERVAL_S = 30.0
 BUFFER_RECORDS = 65536  # steps (and marks) held between two background runs; older ones drop
 PART_LINES = 2000  # lines per goodput file part (a part is rewritten whole: bounded)
 MAX_COMPILE_EVENTS = 500  # compilation events kept per worker and attempt (storms are summed)
@@ -52,14 +52,6 @@ GOODPUT_DIR = "goodput"
 # Record kinds in the buffer.
 STEP, CHECKPOINT, END = 0, 1, 2
 
-_settings: dict[str, Any] = {
-    "samples_per_step": None,
-    "tokens_per_step": None,
-    "interval_s": DEFAULT_INTERVAL_S,
-    "storage_interval_s": DEFAULT_STORAGE_INTERVAL_S,
-}
-
-
 def configure_timeline(samples_per_step: float | None = None, tokens_per_step: float | None = None,
                        interval_s: float | None = None,
                        storage_interval_s: float | None = None) -> None:
@@ -67,22 +59,25 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
     the timeline then gives samples/s and tokens/s) and how often the background thread runs
     (``interval_s``: Ray metrics and memory, 5 s by default; ``storage_interval_s``: goodput
     events written to the run's storage, 30 s by default, and always at checkpoints and at the
-    end). Call it on every worker, at any time; values left None are kept."""
+    end). Call it on every worker; values left None are as they are, and a value that differs
+    from one set before raises ``ValueError``."""
     for name, value in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step),
                         ("interval_s", interval_s), ("storage_interval_s", storage_interval_s)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
             raise ValueError(f"configure_timeline: {name}={value!r} must be a number > 0")
-        _settings[name] = float(value)
-    tl = _active
-    if tl is not None:
-        tl.wake()
+    rt = runtime()
+    rt.configure(TimelineOptions, **{k: None if v is None else float(v) for k, v in (
+        ("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step),
+        ("interval_s", interval_s), ("storage_interval_s", storage_interval_s))})
+    if rt.timeline is not None:
+        rt.timeline.wake()
 
 
 def step_size() -> tuple[float | None, float | None]:
     """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
-    return _settings["samples_per_step"], _settings["tokens_per_step"]
+    options = runtime().options(TimelineOptions)
+    return options.samples_per_step, options.tokens_per_step
 
 
 # ---- compile time, read cheaply ---------------------------------------------------------------
@@ -116,26 +111,23 @@ def _compile_reader() -> tuple[Callable[[], float], Callable[[], float]] | None:
 
 # ---- device memory, off the step path ---------------------------------------------------------
 
-_xla_memory_info = True  # False once the XLA device said it has no allocator statistics
-
-
-def device_memory() -> tuple[float, float] | None:
+def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
     """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info on XLA
-    devices that report it, the native device's allocator, else this process's resident memory
-    (current, peak). None when nothing can be read."""
-    global _xla_memory_info
+    devices that report it (``xla_info[0]``, set False once the device said it has none), the
+    native device's allocator, else this process's resident memory (current, peak). None when
+    nothing can be read."""
     from ray_train_xla.toolkit import device as _device
 
     try:
         if not _device.is_native():
-            if not _xla_memory_info:
+            if not xla_info[0]:
                 return _process_memory()
             import torch_xla.core.xla_model as xm
 
             try:
                 info = xm.get_memory_info(_device.get_device())
             except RuntimeError:  # the XLA CPU device: "GetAllocatorStats is not supported"
-                _xla_memory_info = False
+                xla_info[0] = False
                 return _process_memory()
             used = float(info.get("bytes_used", 0))
             return used, float(info.get("peak_bytes_used", used))
@@ -175,8 +167,11 @@ class Timeline:
     def __init__(self, *, attempt: str = "", rank: int = 0, world: int = 1, local_rank: int = 0,
                  node: str = "", device: str = "", group_start: float = 0.0,
                  run_start: float = 0.0, storage: Any = None, run: str = "", export: Any = None,
-                 compile_reader: Any = None, clock: Callable[[], float] = time.time) -> None:
+                 compile_reader: Any = None, clock: Callable[[], float] = time.time,
+                 options: Callable[[], TimelineOptions] = TimelineOptions) -> None:
         self.attempt, self.rank, self.world = attempt, rank, world
+        self._options = options  # configure_timeline's, as they are now
+        self._xla_memory_info = [True]  # False once the XLA device said it has no statistics
         self.node, self.device, self.run = node, device, run
         self._clock = clock
         self.begin = clock()
@@ -195,8 +190,10 @@ class Timeline:
         self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
         self._appended = 0  # records appended (the training thread), to count drops
         self._commits: collections.deque = collections.deque()  # when Ray took each checkpoint
-        # What metrics() reports: steps since its last call.
-        self._m = [0, 0.0, 0.0, 0.0, 0.0]  # steps, step s, data s, stall s, compile s
+        # What metrics() reports: steps, step s, data s, stall s, compile s since the start, and
+        # where each caller of metrics() read them last (its window starts there).
+        self._m = [0, 0.0, 0.0, 0.0, 0.0]
+        self._read: dict[Any, list] = {}
         # The background side.
         self._lock = threading.Lock()
         self._drained = 0
@@ -215,8 +212,8 @@ class Timeline:
             "local_rank": local_rank, "node": node, "device": device,
             "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
             "pid": os.getpid(),
-            "samples_per_step": _settings["samples_per_step"],
-            "tokens_per_step": _settings["tokens_per_step"],
+            "samples_per_step": options().samples_per_step,
+            "tokens_per_step": options().tokens_per_step,
         }
         self._lines.append(json.dumps(self._header))
         self._wake = threading.Event()
@@ -259,12 +256,15 @@ class Timeline:
         time so far belongs before the checkpoint (goodput's lost work starts here)."""
         self._boundary(CHECKPOINT, steps)
 
-    def report_metrics(self) -> dict[str, float]:
-        """The steps since the previous call, as ``timeline/...`` metrics (empty when none)."""
-        m = self._m
+    def report_metrics(self, caller: Any = None) -> dict[str, float]:
+        """The steps since ``caller``'s previous call, as ``timeline/...`` metrics (empty when
+        none): each caller has its window, so two never take each other's steps."""
+        totals, last = list(self._m), self._read.get(caller)
+        m = totals if last is None else [t - p for t, p in zip(totals, last)]
         n = m[0]
         if not n:
             return {}
+        self._read[caller] = totals
         step_s = m[1] / n if m[1] else 0.0
         out = {
             "timeline/steps": n,
@@ -274,15 +274,15 @@ class Timeline:
             "timeline/compile_s": m[4] / n,
         }
         if step_s > 0:
-            if _settings["samples_per_step"]:
-                out["timeline/samples_per_s"] = _settings["samples_per_step"] / step_s
-            if _settings["tokens_per_step"]:
-                out["timeline/tokens_per_s"] = _settings["tokens_per_step"] / step_s
+            options = self._options()
+            if options.samples_per_step:
+                out["timeline/samples_per_s"] = options.samples_per_step / step_s
+            if options.tokens_per_step:
+                out["timeline/tokens_per_s"] = options.tokens_per_step / step_s
         memory = self._memory
         if memory is not None:
             out["timeline/device_memory_bytes"] = memory[0]
             out["timeline/device_memory_peak_bytes"] = memory[1]
-        self._m = [0, 0.0, 0.0, 0.0, 0.0]
         return out
 
     # ---- other threads ------------------------------------------------------------------------
@@ -340,15 +340,15 @@ class Timeline:
     def _run(self) -> None:
         next_memory = 0.0
         while not self._stop:
-            self._wake.wait(_settings["interval_s"])
+            self._wake.wait(self._options().interval_s)
             self._wake.clear()
             if self._stop:
                 return
             try:
                 now = time.monotonic()
                 if now >= next_memory:
-                    self._memory = device_memory()
-                    next_memory = now + _settings["interval_s"]
+                    self._memory = device_memory(self._xla_memory_info)
+                    next_memory = now + self._options().interval_s
                 with self._lock:
                     window = self._drain()
                     self._write()
@@ -430,11 +430,12 @@ class Timeline:
         if self._storage is None or not self._dirty:
             return
         now = time.monotonic()
-        if not force and now - self._last_write < _settings["storage_interval_s"]:
+        if not force and now - self._last_write < self._options().storage_interval_s:
             return
         if self._part == 0:  # what one step processes may have been configured since
-            self._header["samples_per_step"] = _settings["samples_per_step"]
-            self._header["tokens_per_step"] = _settings["tokens_per_step"]
+            options = self._options()
+            self._header["samples_per_step"] = options.samples_per_step
+            self._header["tokens_per_step"] = options.tokens_per_step
             self._lines[0] = json.dumps(self._header)
         self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
         try:
@@ -458,32 +459,30 @@ class Timeline:
         return f"{GOODPUT_DIR}/attempt-{self.attempt or 'local'}/rank-{self.rank}.{part:04d}.jsonl"
 
 
-# ---- this worker's timeline -------------------------------------------------------------------
-
-_active: Timeline | None = None
+# ---- this worker's timeline (held by the runtime) ---------------------------------------------
 
 
 def active() -> Timeline | None:
     """This worker's timeline while a training function runs, else None."""
-    return _active
+    return runtime().timeline
 
 
 def add_data_wait(seconds: float) -> None:
     """Time the training thread spent waiting for a batch (the toolkit's loaders call it)."""
-    tl = _active
+    tl = runtime().timeline
     if tl is not None:
         tl.data_s += seconds
 
 
 def add_stall(seconds: float) -> None:
     """Time the training thread spent blocked in checkpoint/report calls."""
-    tl = _active
+    tl = runtime().timeline
     if tl is not None:
         tl.stall_s += seconds
 
 
 def checkpoint_saved() -> None:
-    tl = _active
+    tl = runtime().timeline
     if tl is not None:
         from ray_train_xla.toolkit.steps import steps_done
 
@@ -492,40 +491,40 @@ def checkpoint_saved() -> None:
 
 def restored(tier: str, seconds: float) -> None:
     """This worker restored its state from ``tier`` (memory or storage) in ``seconds``."""
-    t = _active
-    if t is not None:
-        t.restored(tier, seconds)
+    tl = runtime().timeline
+    if tl is not None:
+        tl.restored(tier, seconds)
 
 
 def memory_kept(t: float) -> None:
     """The memory tier completed the snapshot this worker took at ``t``."""
-    tl = _active
+    tl = runtime().timeline
     if tl is not None:
         tl.memory_kept(t)
 
 
 def checkpoint_committed() -> None:
-    tl = _active
+    tl = runtime().timeline
     if tl is not None:
         tl.checkpoint_committed()
 
 
-def report_metrics() -> dict[str, float]:
-    """``timeline/...`` metrics of the steps since the previous call (``metrics()`` adds them)."""
-    tl = _active
-    return tl.report_metrics() if tl is not None else {}
+def report_metrics(caller: Any = None) -> dict[str, float]:
+    """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()``
+    adds them, each call site of it a caller of its own)."""
+    tl = runtime().timeline
+    return tl.report_metrics(caller) if tl is not None else {}
 
 
 def begin() -> Timeline:
-    """Start this worker's timeline (the backend does, when the training function starts)."""
-    global _active
-    if _active is not None:
+    """Start this worker's timeline (the training function's start does)."""
+    rt = runtime()
+    if rt.timeline is not None:
         end()
-    from ray_train_xla.planning.contract import worker_context
     from ray_train_xla.toolkit import ray_metrics, steps
     from ray_train_xla.toolkit.run_storage import RunStorage
 
-    ctx = worker_context()
+    ctx = rt.ctx
     storage = RunStorage.of_worker() if ctx.planned else None
     node = ""
     try:
@@ -540,19 +539,20 @@ def begin() -> Timeline:
         node=node, device=ctx.device or "cpu", group_start=ctx.group_start,
         run_start=ctx.run_start, storage=storage,
         run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
-        export=ray_metrics.exporter() if ctx.planned else None, compile_reader=_compile_reader())
+        export=ray_metrics.exporter() if ctx.planned else None, compile_reader=_compile_reader(),
+        options=lambda: rt.options(TimelineOptions))
     steps.add_step_hook(tl.on_step)
-    _active = tl
+    rt.timeline = tl
     tl.start()
     return tl
 
 
 def end(failed: bool = False, error: str = "", stopped: bool = False) -> None:
-    """End this worker's timeline: write its last events (the backend does, when the training
-    function returns or raises, and at shutdown, ``stopped``, when Ray shuts down a worker
-    group whose function still runs: another worker failed, or an elastic resize)."""
-    global _active
-    tl, _active = _active, None
+    """End this worker's timeline: write its last events (the training function's end does,
+    when it returns or raises, and shutdown, ``stopped``, when Ray shuts down a worker group
+    whose function still runs: another worker failed, or an elastic resize)."""
+    rt = runtime()
+    tl, rt.timeline = rt.timeline, None
     if tl is None:
         return
     from ray_train_xla.toolkit import steps

@@ -46,7 +46,7 @@ class CheckOptions:
     config: str = "xla"
     device: str = "auto"
     workers: int = 2
-    cores_per_worker: int = 1
+    accelerators_per_worker: int = 1
     address: str | None = None
     tpu_topology: str | None = None
     accelerator_type: str | None = None
@@ -110,7 +110,7 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
             from ray.train.torch import TorchTrainer
 
             try:
-                scaling = scaling_config(device, workers, options.cores_per_worker,
+                scaling = scaling_config(device, workers, options.accelerators_per_worker,
                                          options.tpu_topology, options.accelerator_type)
                 trainer = TorchTrainer(
                     steps.check_loop, train_loop_config={**common, "phase": phase, **extra},
@@ -169,13 +169,13 @@ def check_resources(device: str, options: CheckOptions) -> None:
     per_worker = {"CPU": 1.0}
     if device in ("neuron", "tpu"):
         per_worker[NEURON_RESOURCE if device == "neuron" else TPU_RESOURCE] = \
-            float(options.cores_per_worker)
+            float(options.accelerators_per_worker)
     for name, amount in per_worker.items():
         if have.get(name, 0.0) < amount * options.workers:
             raise CheckUsageError(
                 f"{options.workers} workers need {amount * options.workers:g} {name} in all; "
                 f"the cluster has {have.get(name, 0.0):g}: give fewer --workers"
-                + (" or --cores-per-worker" if name != "CPU" else ""))
+                + (" or --accelerators-per-worker" if name != "CPU" else ""))
 
 
 # ---- judging -----------------------------------------------------------------------------------

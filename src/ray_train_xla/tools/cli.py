@@ -215,7 +215,7 @@ def _add_check(sub) -> argparse.ArgumentParser:
                        "device or the CPU")
     check.add_argument("--workers", type=_positive_int, default=2,
                        help="workers of the main run (default 2); the reload runs half of them")
-    check.add_argument("--cores-per-worker", type=_positive_int, default=1, metavar="N",
+    check.add_argument("--accelerators-per-worker", type=_positive_int, default=1, metavar="N",
                        help="NeuronCores or TPU chips each worker asks Ray for (default 1)")
     check.add_argument("--out", default="ray-train-xla-check", metavar="DIR",
                        help="where report.md, report.json, bandwidth.png and (without "
@@ -230,7 +230,8 @@ def _add_check(sub) -> argparse.ArgumentParser:
                        "gloo's collectives (not the device's) and on each answer to the driver "
                        "(default 300)")
     check.add_argument("--json", action="store_true", help="print report.json's content")
-    add_cluster_args(check, device_default="auto")
+    add_cluster_args(check, device_default="auto", device_of="the device of the --config "
+                     "(TorchXLAConfig.device, TorchNeuronConfig.device or TorchTPUConfig.device)")
     return check
 
 
@@ -267,15 +268,15 @@ def _add_plan(sub) -> argparse.ArgumentParser:
         "the number of nodes; default 1)",
     )
     plan.add_argument(
-        "--cores-per-worker", type=_positive_int, default=None,
+        "--accelerators-per-worker", type=_positive_int, default=None,
         help="accelerator ids (NeuronCores, TPU chips) Ray assigns each worker "
         "(default: 1 on neuron/tpu, none on cpu). TPU: --nodes is the hosts, and "
-        "--workers-per-node x --cores-per-worker the chips per host",
+        "--workers-per-node x --accelerators-per-worker the chips per host",
     )
     plan.add_argument(
         "--spmd", action="store_true",
         help="SPMD: one worker per node owning all its devices (TorchXLAConfig.spmd); for TPU "
-        "pass --cores-per-worker <chips per host>",
+        "pass --accelerators-per-worker <chips per host>",
     )
     plan.add_argument(
         "--cpu-devices-per-worker", type=_positive_int, default=None, metavar="N",
@@ -542,7 +543,7 @@ def _describe_topology(args: argparse.Namespace):
                 f"workers: plan describes at most {PLAN_MAX_WORKERS}"
             )
         counts = counts * nodes
-    cores = args.cores_per_worker
+    cores = args.accelerators_per_worker
     if cores is None:
         cores = 0 if args.device == "cpu" else 1
     workers = sum(counts)
@@ -551,7 +552,7 @@ def _describe_topology(args: argparse.Namespace):
                            f"{PLAN_MAX_WORKERS}")
     if workers * cores > PLAN_MAX_ACCELERATORS:
         raise CommandError(
-            f"--cores-per-worker {cores} for {workers} worker{'s' if workers > 1 else ''} is "
+            f"--accelerators-per-worker {cores} for {workers} worker{'s' if workers > 1 else ''} is "
             f"{workers * cores} accelerator ids: plan describes at most {PLAN_MAX_ACCELERATORS}"
         )
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
@@ -638,7 +639,7 @@ def _plan_memory(args: argparse.Namespace, topology) -> int:
 
     per_worker = 1
     if args.spmd:  # one worker owns every device of its host
-        per_worker = args.cores_per_worker or args.cpu_devices_per_worker or 1
+        per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
         if args.device == "tpu":
             per_worker *= devices_per_chip(args.accelerator_type)
     per_node: dict[str, int] = {}
@@ -848,7 +849,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     options = tool.CheckOptions(
         config=args.config, device=args.device, workers=args.workers,
-        cores_per_worker=args.cores_per_worker, address=args.address,
+        accelerators_per_worker=args.accelerators_per_worker, address=args.address,
         tpu_topology=args.tpu_topology, accelerator_type=args.accelerator_type, out=args.out,
         storage_path=args.storage_path, max_bytes=args.max_bytes, timeout_s=args.timeout)
     try:

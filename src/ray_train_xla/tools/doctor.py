@@ -293,18 +293,34 @@ def node_facts(ctx: NodeContext) -> NodeFacts:
 
 
 def check_torch(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
-    if facts.versions["torch"] is None:
+    """torch is installed, in the range of at least one config (``planning/versions.py``)."""
+    from ray_train_xla.planning.versions import TESTED_TORCH, configs_supporting, describe_ranges
+
+    torch_v = facts.versions["torch"]
+    if torch_v is None:
         return [("torch", FAIL, "not installed", "pip install torch==2.9.0 torch-xla==2.9.0")]
-    return []
+    configs = configs_supporting(torch_v)
+    ranges = f"supported: {describe_ranges()}; tested on {', '.join(TESTED_TORCH)}"
+    if not configs:
+        return [("torch", FAIL, f"torch {torch_v}: no config supports it ({ranges})",
+                 "install a torch in the range of the config you use (torch 2.9.0 with "
+                 "torch-xla 2.9.0 for TorchXLAConfig; the native stack's own torch for the others)")]
+    return [("torch", OK, f"torch {torch_v}: {', '.join(configs)} ({ranges})", "")]
 
 
 def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
-    """torch_xla is paired with torch (not needed under a native runtime), and, with
-    ``ctx.load_check``, imports in a subprocess."""
+    """torch_xla is paired with torch (not needed under a native runtime, nor with a torch
+    only the native configs support), and, with ``ctx.load_check``, imports in a subprocess."""
+    from ray_train_xla.planning.versions import configs_supporting, supported_range
+
     torch_v, xla_v = facts.versions["torch"], facts.versions["torch_xla"]
     if xla_v is None and (facts.native_neuronx or facts.torch_tpu):
         which = "native TorchNeuron" if facts.native_neuronx else "native TorchTPU"
         return [("torch/torch_xla", OK, f"torch_xla not installed (not needed with {which})", "")]
+    if xla_v is None and torch_v and "TorchXLAConfig" not in configs_supporting(torch_v):
+        return [("torch/torch_xla", OK, f"torch {torch_v}; torch_xla not installed (TorchXLAConfig "
+                 f"needs torch {supported_range('TorchXLAConfig')[1]} with its torch_xla; the "
+                 "native configs need none)", "")]
     if xla_v is None:
         return [("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
                  f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")]

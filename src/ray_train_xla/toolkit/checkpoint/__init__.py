@@ -122,19 +122,20 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
             def after() -> None:
                 tier.note_storage(gen)
     write = None
+    options = reporting.report_options()
     if layout is not None:
         # device -> host now, or while the next forward and backward run (the next optimizer
         # step waits for it); the files are written later
-        staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on, layout=layout)
+        staged = stage_sharded(state, overlap=options.overlap_snapshots, layout=layout)
         group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
 
-        writer_process = reporting.writer_process_on
+        writer_process = options.writer_process
 
         def write(directory: str, filesystem) -> dict[str, Any]:
             return write_staged(staged, directory, group, filesystem=filesystem,
                                 writer_process=writer_process)
     elif rank() == 0:
-        if not reporting.writer_process_on:
+        if not options.writer_process:
             cpu_state = stage_replicated(state)
 
             def write(directory: str, filesystem) -> dict[str, Any]:

@@ -48,6 +48,11 @@ class ArrowFileSystem:
     def __init__(self, filesystem) -> None:
         self.filesystem = filesystem
 
+    def __reduce__(self):
+        # A writer process gets this as Ray's workers got the filesystem: a handler class of the
+        # driver script (defined in ``__main__``, or in a function) is pickled by value.
+        return _arrow_file_system, (by_value(self.filesystem),)
+
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
         if "w" in mode:
@@ -105,6 +110,26 @@ class ArrowFileSystem:
         writer.fs = self
         writer.path = directory
         return writer
+
+
+def by_value(obj: Any) -> bytes:
+    """``obj`` pickled so that any process with this package can load it: with the standard
+    pickler when it can, else with Ray's cloudpickle, as Ray pickled it to its workers (a class
+    that is not importable, one of the driver script, goes by value)."""
+    import pickle
+
+    try:
+        return pickle.dumps(obj)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        from ray import cloudpickle
+
+        return cloudpickle.dumps(obj)
+
+
+def _arrow_file_system(data: bytes) -> ArrowFileSystem:
+    import pickle
+
+    return ArrowFileSystem(pickle.loads(data))
 
 
 def files_at(filesystem=None):
@@ -171,7 +196,11 @@ def load_small(path: str, name: str, filesystem=None) -> Any:
                                                 weights_only=False)
 
 
-_SPARE: list[Any] = []  # data buffers given back by MemoryFiles.release, for the next ones
+def _spare() -> list[Any]:
+    """Data buffers given back by MemoryFiles.release, for the next ones (held by the runtime)."""
+    from ray_train_xla.toolkit.runtime import runtime
+
+    return runtime().spare_buffers
 
 
 class _Buffer(io.RawIOBase):
@@ -183,9 +212,10 @@ class _Buffer(io.RawIOBase):
         import numpy as np
 
         capacity = max(capacity, 1 << 16)
-        spare = next((b for b in _SPARE if b.nbytes >= capacity), None)
+        spares = _spare()
+        spare = next((b for b in spares if b.nbytes >= capacity), None)
         if spare is not None:
-            _SPARE.remove(spare)
+            spares.remove(spare)
         self.array = spare if spare is not None else np.empty(capacity, dtype=np.uint8)
         self._view = memoryview(self.array)
         self._n = 0
@@ -240,7 +270,7 @@ class MemoryFiles:
     def __init__(self) -> None:
         self.files: dict[str, Any] = {}  # path -> bytes, a memoryview of them, or a SharedFile
         self.expected_bytes = 0
-        self._buffers: list[Any] = []
+        self._arrays: list[Any] = []
         self.writer = None
         self.shared_dir = ""
         self.timeout_s = 0.0
@@ -272,9 +302,10 @@ class MemoryFiles:
                 except OSError:  # not empty: another rank's files, not ours to remove
                     break
         self.files.clear()
-        _SPARE.extend(self._buffers)
-        del _SPARE[:-2]
-        self._buffers = []
+        spares = _spare()
+        spares.extend(self._arrays)
+        del spares[:-2]
+        self._arrays = []
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
@@ -286,7 +317,7 @@ class MemoryFiles:
             # Kept without a copy (DCP may have closed the stream itself: the buffer stays)
             self.files[key] = buf.written()
             if large:
-                self._buffers.append(buf.array)
+                self._arrays.append(buf.array)
         else:
             data = self.files[str(path)]
             if isinstance(data, SharedFile):

@@ -132,7 +132,10 @@ class MemoryStore:
         self._swept = False  # the node's other tiers' directories (at the first take)
 
     def ready(self) -> str:
-        return self.node
+        """This store's actor id (a store found again by name is the same actor)."""
+        import ray
+
+        return ray.get_runtime_context().get_actor_id()
 
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
              shared: dict[str, str], peers: list[str], timeout_s: float,
@@ -263,29 +266,27 @@ class MemoryStore:
 
 # ---- the driver: one store per node -----------------------------------------------------------
 
-_stores: dict[str, Any] = {}  # the controller keeps its handles (the stores live as long as it)
-
-
-def start_stores(tier: str, node_ids: list[str], timeout_s: float) -> None:
+def start_stores(tier: str, node_ids: list[str], timeout_s: float,
+                 held: dict[str, tuple[Any, str]]) -> None:
     """Start (or find) the memory store of ``tier`` on each of ``node_ids``; called by the
-    backend for every worker group, in the process that outlives them (Ray Train's controller)."""
+    backend for every worker group, in the process that outlives them (Ray Train's controller).
+    ``held``: store name -> (its handle, its actor id), kept by the caller: a store lives as
+    long as its first handle (the backend keeps them on the run's config object)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(MemoryStore)
-    handles = []
-    for node in node_ids:
-        name = store_name(tier, node)
-        handle = actor.options(
-            name=name, namespace=NAMESPACE, get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(node)
+    names = [store_name(tier, node) for node in node_ids]
+    handles = [actor.options(
+        name=name, namespace=NAMESPACE, get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(node) for name, node in zip(names, node_ids)]
+    actor_ids = ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+    for name, handle, actor_id in zip(names, handles, actor_ids):
         # The first handle is the owner's: dropping it would end the store (a store found again
         # for a later worker group keeps its first handle; one that died is replaced).
-        if name not in _stores or _stores[name]._actor_id != handle._actor_id:
-            _stores[name] = handle
-        handles.append(handle)
-    ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+        if held.get(name, (None, None))[1] != actor_id:
+            held[name] = (handle, actor_id)
 
 
 # ---- DCP into memory, and back through a pyarrow filesystem ------------------------------------
@@ -426,6 +427,7 @@ class MemoryTier:
 
         self.tier, self.every, self.nodes = ctx.memory_tier, ctx.memory_every, ctx.memory_nodes
         self.rank, self.world, self.timeout_s = ctx.rank, ctx.world_size, ctx.timeout_s
+        self.key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)  # the plan it serves
         self.node = ray.get_runtime_context().get_node_id()
         self._next_gen: int | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_train_xla-memory")
@@ -564,7 +566,7 @@ class MemoryTier:
             if slots is None:
                 self._drop_slots()  # another way now: the store lets go of them too
             try:
-                staged = stage_sharded(state, overlap=reporting.overlap_snapshots_on,
+                staged = stage_sharded(state, overlap=reporting.report_options().overlap_snapshots,
                                        layout=layout,
                                        stager=slots.stager(gen) if slots is not None else None)
             except Exception as exc:  # copied here (no overlap): its error is this call's
@@ -622,7 +624,7 @@ class MemoryTier:
 
         if self._shared is None:
             self._shared = _shared_root()  # once: it stays
-        if not reporting.writer_process_on or not self._shared:
+        if not reporting.report_options().writer_process or not self._shared:
             return None
         if self._writer is None or not self._writer.process.is_alive():
             from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
@@ -795,17 +797,13 @@ def broadcast_from_rank0(value_of):
     return box[0]
 
 
-_tier: MemoryTier | None = None
-_tier_key: tuple | None = None
-
-
 def memory_tier(required: str | None = None) -> MemoryTier | None:
-    """This worker's memory tier, None when the config has no ``memory_every``
-    (``required``: raise instead, naming the helper)."""
-    global _tier, _tier_key
-    from ray_train_xla.planning.contract import worker_context
+    """This worker's memory tier (held by the runtime), None when the config has no
+    ``memory_every`` (``required``: raise instead, naming the helper)."""
+    from ray_train_xla.toolkit.runtime import runtime
 
-    ctx = worker_context()
+    rt = runtime()
+    ctx = rt.ctx
     if not ctx.memory_every or not ctx.memory_tier:
         if required:
             raise ValueError(
@@ -814,11 +812,13 @@ def memory_tier(required: str | None = None) -> MemoryTier | None:
                 "state in host memory")
         return None
     key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)
-    if _tier is None or _tier_key != key:
-        if _tier is not None:
-            _tier.end()
-        _tier, _tier_key = MemoryTier(ctx), key
-    return _tier
+    with rt.lock:
+        tier = rt.memory_tier
+        if tier is None or tier.key != key:  # another plan of this worker: another tier
+            if tier is not None:
+                tier.end()
+            rt.memory_tier = tier = MemoryTier(ctx)
+        return tier
 
 
 def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
@@ -849,5 +849,8 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
 
 def flush_memory() -> None:
     """Wait for the generation in flight (the backend calls it when the training function ends)."""
-    if _tier is not None:
-        _tier.wait()
+    from ray_train_xla.toolkit.runtime import runtime
+
+    tier = runtime().memory_tier
+    if tier is not None:
+        tier.wait()

@@ -30,9 +30,6 @@ from ray_train_xla.errors import ShardedStateError
 FORMAT_VERSION = 2
 WRAPPER_PREFIXES = ("_orig_module.", "_checkpoint_wrapped_module.")
 
-_MODELS: weakref.WeakSet = weakref.WeakSet()
-_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_HOOK: Any = None
 
 
 def module_name(key: str) -> str:
@@ -42,33 +39,55 @@ def module_name(key: str) -> str:
     return key
 
 
+class PreparedModels:
+    """The models ``prepare_sharded_model`` prepared on this worker (weakly; held by the
+    runtime), and torch's optimizer step pre-hook that names their optimizers' state."""
+
+    def __init__(self) -> None:
+        self.models: weakref.WeakSet = weakref.WeakSet()
+        self.seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizers
+        self.hook: Any = None
+
+    def close(self) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook.remove()
+
+
+def _prepared() -> PreparedModels:
+    from ray_train_xla.toolkit.runtime import runtime
+
+    return runtime().part("prepared", PreparedModels)
+
+
 def remember(model) -> None:
     """Note a model ``prepare_sharded_model`` prepared: optimizers over its parameters write
     their parameters' names into their state dicts from their first step on."""
-    global _HOOK
-    _MODELS.add(model)
-    if _HOOK is None:
+    prepared = _prepared()
+    prepared.models.add(model)
+    if prepared.hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _HOOK = register_optimizer_step_pre_hook(_on_step)
+        prepared.hook = register_optimizer_step_pre_hook(_on_step)
 
 
 def prepared_models() -> list:
     """The models ``prepare_sharded_model`` prepared on this worker (still alive)."""
-    return list(_MODELS)
+    return list(_prepared().models)
 
 
 def _names_by_id() -> dict[int, str]:
     out: dict[int, str] = {}
-    for model in list(_MODELS):
+    for model in prepared_models():
         out.update({id(p): module_name(n) for n, p in model.named_parameters()})
     return out
 
 
 def _on_step(optimizer, args, kwargs) -> None:
-    if optimizer in _SEEN:
+    seen = _prepared().seen
+    if optimizer in seen:
         return
-    _SEEN[optimizer] = True
+    seen[optimizer] = True
     names = _names_by_id()
     if all(id(p) in names for g in optimizer.param_groups for p in g["params"]):
         optimizer.register_state_dict_post_hook(_add_names)

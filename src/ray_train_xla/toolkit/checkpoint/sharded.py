@@ -221,17 +221,16 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     files = files_at(filesystem)
     files.mkdir(directory)
     before = files.sizes(directory)
-    writer = files.dcp_writer(directory)
     try:
         if distributed and staged["layout"] == DTENSOR and writer_process and \
                 not isinstance(files, MemoryFiles):
             from ray_train_xla.planning.contract import worker_context
             from ray_train_xla.toolkit.checkpoint.writer import save_in_writer_process
 
-            save_in_writer_process(staged["state"], writer, directory, process_group,
-                                   worker_context().timeout_s, rank)
+            save_in_writer_process(staged["state"], files.dcp_writer(directory), directory,
+                                   process_group, worker_context().timeout_s, rank)
         else:
-            dcp.save(staged["state"], storage_writer=writer,
+            dcp.save(staged["state"], storage_writer=files.dcp_writer(directory),
                      planner=_save_planner(staged["layout"]), process_group=process_group,
                      no_dist=not distributed)
     finally:

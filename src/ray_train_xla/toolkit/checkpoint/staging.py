@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.toolkit.runtime import runtime
+
 
 class StagingPool:
     """Stagers lent to one snapshot each, from the snapshot until its write ends."""
@@ -193,25 +195,15 @@ def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(value)
 
 
-_POOL: StagingPool | None = None
-_SHARED_POOL: StagingPool | None = None
-
-
 def pool() -> StagingPool:
-    """This worker's staging pool (one per process)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = StagingPool()
-    return _POOL
+    """This worker's staging pool (held by the runtime)."""
+    return runtime().part("pool", StagingPool)
 
 
 def shared_pool() -> StagingPool:
     """This worker's staging pool of shared-memory buffers, for snapshots a writer process
-    writes (replicated state, ``writer.py``)."""
-    global _SHARED_POOL
-    if _SHARED_POOL is None:
-        _SHARED_POOL = StagingPool(pin_memory=False, share_memory=True)
-    return _SHARED_POOL
+    writes (replicated state, ``writer.py``; held by the runtime)."""
+    return runtime().part("shared_pool", lambda: StagingPool(pin_memory=False, share_memory=True))
 
 
 class Snapshots:
@@ -274,20 +266,22 @@ class Snapshots:
             else before_step
         self._hook = register_optimizer_step_pre_hook(hook)
 
-
-_SNAPSHOTS: Snapshots | None = None
+    def close(self) -> None:
+        """Stop hooking optimizer steps (the runtime ends: its copies were waited for by the
+        reports' flush, or the training function failed)."""
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        self._executor.shutdown(wait=False)
 
 
 def snapshots() -> Snapshots:
-    """This worker's background snapshots (one per process)."""
-    global _SNAPSHOTS
-    if _SNAPSHOTS is None:
-        _SNAPSHOTS = Snapshots()
-    return _SNAPSHOTS
+    """This worker's background snapshots (held by the runtime)."""
+    return runtime().part("snapshots", Snapshots)
 
 
 def wait_for_snapshots() -> None:
     """Wait until every checkpoint snapshot of this worker is copied (the next optimizer step
     does it itself; call it before changing the state in place any other way)."""
-    if _SNAPSHOTS is not None:
-        _SNAPSHOTS.wait()
+    if runtime().snapshots is not None:
+        runtime().snapshots.wait()

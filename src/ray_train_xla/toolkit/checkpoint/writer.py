@@ -33,11 +33,19 @@ writes in the reporter's thread instead.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ray_train_xla.errors import ReportError
+from ray_train_xla.toolkit.runtime import runtime
+
+# A writer process starts with this many threads in its thread pools (OMP_NUM_THREADS; its
+# parent's environment would give it one per core, which the steps it overlaps pay for:
+# benchmarks/results/stall.md).
+WRITER_THREADS = 1
 
 
 def _as_is_stager():
@@ -65,42 +73,102 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    future = dcp.async_save(state, storage_writer=storage_writer,
-                            planner=dcp.DefaultSavePlanner(), process_group=process_group,
-                            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                            async_stager=_as_is_stager())
+    tracker = _torch_writer()
+    tracker.before_save()  # torch starts its writer process at the first save
     fix = "configure_reports(writer_process=False) writes in the training process instead"
     try:
-        future.result(timeout=timeout_s)
+        with _writer_threads(starting=tracker.process is None):
+            future = dcp.async_save(state, storage_writer=storage_writer,
+                                    planner=dcp.DefaultSavePlanner(), process_group=process_group,
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                    async_stager=_as_is_stager())
+            future.result(timeout=timeout_s)
     except FutureTimeout:
         raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
                           f"{directory} within timeout_s={timeout_s:g}; {fix}") from None
     except Exception as exc:
-        process = _process()
+        process = tracker.find()
         dead = "" if process is None or process.is_alive() else \
             f" (it is dead: pid {process.pid}, exit code {process.exitcode})"
         raise ReportError(f"rank {rank}: the checkpoint writer process failed on {directory}"
                           f"{dead}: {type(exc).__name__}: {exc}; {fix}") from exc
+    tracker.find()
 
 
-def _process():
-    from torch.distributed.checkpoint import _async_process_executor as executor
+@contextlib.contextmanager
+def _writer_threads(starting: bool) -> Iterator[None]:
+    """While torch's writer process may start (``starting``): the environment it starts with
+    says ``WRITER_THREADS`` threads (OMP_NUM_THREADS, MKL_NUM_THREADS; its thread pools are
+    made at its start, from its parent's environment). This process's own pools are made
+    already; its environment is put back after."""
+    if not starting:
+        yield
+        return
+    import os
 
-    holder = getattr(executor, "_CHECKPOINT_PROCESS", None)
-    return None if holder is None else holder._save_process
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict.fromkeys(names, str(WRITER_THREADS)))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _TorchWriterProcess:
+    """torch's writer process of this worker, found through public process information
+    (``multiprocessing``): the child process that torch's first ``async_save`` started, spawned
+    and not one of ours. Found once."""
+
+    def __init__(self) -> None:
+        self.before: set[int] | None = None  # this process's children before the first save
+        self.process: Any = None
+
+    def before_save(self) -> None:
+        if self.process is None and self.before is None:
+            self.before = _children()
+
+    def find(self) -> Any:
+        """The process (a ``multiprocessing.Process``), or None until it is told apart."""
+        import multiprocessing
+
+        if self.process is None and self.before is not None:
+            new = [p for p in multiprocessing.active_children() if p.pid not in self.before and
+                   not p.name.startswith(PROCESS_PREFIX) and type(p).__name__ == "SpawnProcess"]
+            if len(new) == 1:
+                self.process = new[0]
+        return self.process
+
+
+def _torch_writer() -> _TorchWriterProcess:
+    return runtime().part("torch_writer", _TorchWriterProcess)
+
+
+def _children() -> set[int]:
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children()}
 
 
 def writer_process_pid() -> int | None:
     """The pid of this worker's writer process of sharded checkpoints, None before the first
     save through it."""
-    process = _process()
+    process = _torch_writer().find()
     return None if process is None else process.pid
 
 
 def writer_process_pids() -> list[int]:
     """The pids of this worker's writer processes (sharded, replicated) started so far."""
-    pids = [writer_process_pid(), None if _SAVE is None else _SAVE.process.pid]
+    save = runtime().save_process
+    pids = [writer_process_pid(), None if save is None else save.process.pid]
     return [pid for pid in pids if pid is not None]
+
+
+PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package starts
 
 
 class SaveProcess:
@@ -116,8 +184,9 @@ class SaveProcess:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, checksums), daemon=True,
-                                   name="ray_train_xla-checkpoint-writer")
-        self.process.start()
+                                   name=PROCESS_PREFIX + "checkpoint-writer")
+        with _writer_threads(starting=True):
+            self.process.start()
         child.close()
         self._ready = False  # the process says so once it has imported what it needs
 
@@ -142,8 +211,12 @@ class SaveProcess:
         """``write_replicated`` in the writer process; raises ``ReportError`` when it fails,
         dies or takes longer than ``timeout_s`` (then it is ended: the next save starts
         another)."""
-        return self._call(("replicated", state, directory, filename, filesystem), directory,
-                          timeout_s, rank)
+        from ray_train_xla.toolkit.checkpoint.files import files_at
+
+        # The run's filesystem as Ray's workers got it (files.ArrowFileSystem pickles it by
+        # value when its class cannot be imported: a handler of the driver script).
+        return self._call(("replicated", state, directory, filename, files_at(filesystem)),
+                          directory, timeout_s, rank)
 
     def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
         fix = "configure_reports(writer_process=False) writes in the training process instead"
@@ -170,25 +243,20 @@ class SaveProcess:
 
     def end(self) -> None:
         """Stop the process (it was started here) and forget it."""
-        global _SAVE
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
         self.conn.close()
-        if _SAVE is self:
-            _SAVE = None
-
-
-_SAVE: SaveProcess | None = None
+        rt = runtime()
+        with rt.lock:
+            if rt.save_process is self:
+                rt.save_process = None
 
 
 def save_process() -> SaveProcess:
     """This worker's writer of replicated checkpoints, started at the first call (in the
-    background: :meth:`SaveProcess.ready` says when it takes saves)."""
-    global _SAVE
-    if _SAVE is None:
-        _SAVE = SaveProcess()
-    return _SAVE
+    background: :meth:`SaveProcess.ready` says when it takes saves; held by the runtime)."""
+    return runtime().part("save_process", SaveProcess)
 
 
 def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, filename: str,

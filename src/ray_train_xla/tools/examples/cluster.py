@@ -26,15 +26,17 @@ class ExampleUsageError(ValueError):
     """A command line the examples refuse (printed as one line, exit status 2)."""
 
 
-def add_cluster_args(parser: argparse.ArgumentParser, device_default: str = "cpu") -> None:
-    """``--address``, ``--device``, ``--tpu-topology``, ``--accelerator-type``."""
+def add_cluster_args(parser: argparse.ArgumentParser, device_default: str = "cpu",
+                     device_of: str = "TorchXLAConfig.device") -> None:
+    """``--address``, ``--device`` (``device_of``: the config field it sets), ``--tpu-topology``,
+    ``--accelerator-type``."""
     parser.add_argument(
         "--address", default=None, metavar="ADDRESS",
         help="the Ray cluster to join (auto, HOST:6379, ray://HOST:10001); default: an embedded "
         "local Ray started for this run")
     parser.add_argument(
         "--device", default=device_default, choices=DEVICES,
-        help=f"TorchXLAConfig.device (default {device_default}); neuron and tpu ask Ray for each "
+        help=f"{device_of} (default {device_default}); neuron and tpu ask Ray for each "
         "worker's NeuronCores / TPU chips; auto: what the cluster has (neuron_cores, else TPU, "
         "else cpu)")
     parser.add_argument(

@@ -1,0 +1,75 @@
+"""What runs around the training function on every worker: Ray Train's public
+``BackendConfig.train_func_context``, which our configs return (``driver/config.py``) and Ray
+Train enters in the worker's training thread around the function (V2 and V1 alike, after the
+backend's ``on_training_start``).
+
+On entry it makes the function's runtime (``toolkit/runtime.py``: the options and components of
+the toolkit), installs the step count's hook on torch's optimizers (``toolkit/steps.py``), so a
+loop that calls a plain ``optimizer.step()`` has its steps counted (once), starts what watches
+the steps (the profile windows and their watcher of requests, ``toolkit/profiling.py``; the
+comparison of the ranks' compiled graphs, ``toolkit/compile_causes.py``) and the step timeline
+(``toolkit/timeline.py``). When the function returns, the worker waits for the memory tier's
+generation in flight, for the background reporter to hand every report to Ray (raising its
+error if one failed: ``toolkit/reporting.py``), then for the uploads of finished profiles;
+while it waits the worker still counts as running, so Ray's controller keeps taking reports.
+When the function raises, nothing is waited for: the run fails with its error, and the
+timeline records the failure (for goodput). Either way the timeline's last events reach the
+run's storage and the runtime is closed (torch's global hooks it added are removed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def training_function() -> Iterator[None]:
+    """Ray Train's ``train_func_context`` under TorchXLAConfig, TorchNeuronConfig and
+    TorchTPUConfig (see the module docstring)."""
+    from ray_train_xla.toolkit import profiling, reporting, runtime, timeline
+    from ray_train_xla.toolkit.checkpoint.memory import flush_memory
+
+    runtime.begin()
+    _optional("plain optimizer.step() calls will not be counted as steps", _hook_optimizers)
+    _optional("profiles and graph checks are off", _watch_steps)
+    _optional("the step timeline did not start", timeline.begin)
+    try:
+        profiling.training_starts()  # a profile window of the first step starts here
+        yield
+        flush_memory()  # the memory tier's generation in flight, complete or its error
+        reporting.flush_reports()
+        profiling.flush()  # the traces of finished profile windows reach the run's storage
+    except BaseException as exc:
+        timeline.end(failed=True, error=f"{type(exc).__name__}: {exc}")
+        runtime.end()
+        raise
+    timeline.end()
+    runtime.end()
+
+
+def _hook_optimizers() -> None:
+    """See plain ``optimizer.step()`` calls as step ends (the rules: ``toolkit/steps.py``)."""
+    from ray_train_xla.toolkit import steps
+
+    steps.install_optimizer_hook()
+
+
+def _watch_steps() -> None:
+    """The profile windows (and the watcher of requests from outside), and the comparison of
+    the ranks' compiled graphs."""
+    from ray_train_xla.toolkit import compile_causes, profiling
+
+    profiling.install()
+    compile_causes.install()
+
+
+def _optional(what: str, start) -> None:
+    """Start something the run can go on without (observation): a failure is warned."""
+    try:
+        start()
+    except Exception as exc:  # noqa: BLE001 (the run goes on without it)
+        logger.warning("%s: %s: %s", what, type(exc).__name__, exc)

@@ -1,0 +1,198 @@
+"""One runtime per worker: the options of every toolkit component, frozen, and the components.
+
+Ray Train enters our configs' ``train_func_context`` around the training function on every
+worker (``startup/train_function.py``): it makes a fresh :class:`Runtime` for the function and
+ends it when the function ends. Outside a training function (a test, a notebook, a script
+without Ray) the first helper that needs one makes it. The toolkit's public helpers are thin
+calls into it, and its state is nowhere else: ``tests/test_runtime.py`` scans every module for
+module-level state other than this module's handle, the locks and the package's lazy exports.
+
+Options come in one frozen block per component (``ReportOptions``, ``TimelineOptions``,
+``MetricsOptions``, ``GraphCheckOptions``), made from the defaults and the ``configure_*``
+calls. A call that sets a value another call set differently before, or that changes a value
+already in effect (its component started with it), raises ``ValueError`` naming both: it is
+never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ray_train_xla.planning.contract import WorkerContext, worker_context
+
+DEFAULT_MAX_IN_FLIGHT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """``configure_reports``: how many checkpoints may wait for Ray at once, whether DTensor
+    snapshots are copied while the next step runs, whether writer processes write."""
+
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    overlap_snapshots: bool = True
+    writer_process: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineOptions:
+    """``configure_timeline``: what one step processes, how often the background thread runs."""
+
+    samples_per_step: float | None = None
+    tokens_per_step: float | None = None
+    interval_s: float = 5.0
+    storage_interval_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsOptions:
+    """``metrics(warmup_steps=...)``: steps of the warm-up of ``metrics()``'s compile monitor."""
+
+    warmup_steps: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphCheckOptions:
+    """``check_graphs_every``: steps between two comparisons of the ranks' compiled graphs."""
+
+    every: int = 100
+
+
+Options = TypeVar("Options")
+Part = TypeVar("Part")
+
+# Which call sets each block, for the errors.
+_SETTERS = {ReportOptions: "configure_reports", TimelineOptions: "configure_timeline",
+            MetricsOptions: "metrics", GraphCheckOptions: "check_graphs_every"}
+
+
+class Runtime:
+    """This worker's toolkit state for one training function (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._options: dict[type, Any] = {}
+        self._set_by: dict[tuple[type, str], Any] = {}  # (block, field) -> the value a call set
+        self._in_effect: set[type] = set()
+        # The components, made on first use by their modules.
+        self.reporter: Any = None  # reporting.Reporter (a new one after each flush)
+        self.reporters = 0  # reporters started (every rank starts the same number)
+        self.pool: Any = None  # staging.StagingPool
+        self.shared_pool: Any = None  # staging.StagingPool of shared memory (replicated state)
+        self.snapshots: Any = None  # staging.Snapshots
+        self.save_process: Any = None  # writer.SaveProcess
+        self.torch_writer: Any = None  # writer._TorchWriterProcess: torch's, once found
+        self.memory_tier: Any = None  # memory.MemoryTier
+        self.timeline: Any = None  # timeline.Timeline while the training function runs
+        self.profiles: Any = None  # profiling.Profiles
+        self.profile_watcher: Any = None  # profiling.RequestWatcher
+        self.graph_check: Any = None  # compile_causes.GraphCheck (several workers)
+        self.warned_one_worker_check = False  # check_graphs_every with one worker, said once
+        self.debug_log: Any = None  # compile_causes.DebugLog
+        self.compile_monitor: Any = None  # metrics.CompileMonitor of metrics()
+        self.steps: Any = None  # steps.StepCounter
+        self.host_groups: dict[str, Any] = {}  # collectives: gloo groups of the helpers
+        self.host_groups_of: Any = None  # the default group they were made in
+        self.group_ranks: Any = None  # collectives: (group, {global rank: group rank})
+        self.preempt_saved: set[tuple] = set()  # preemption: drains a checkpoint was made for
+        self.reduced: Any = None  # optim: gradients reduced since (weak, by parameter)
+        self.checked: Any = None  # optim: optimizers checked for sharding (weak)
+        self.prepared: Any = None  # checkpoint.names.PreparedModels
+        self.meshes: dict[tuple[int, ...], Any] = {}  # fsdp2: the device mesh of each shape
+        self.spare_buffers: list[Any] = []  # files.MemoryFiles: data buffers to reuse
+
+    def part(self, name: str, make: Callable[[], Part]) -> Part:
+        """The component ``name``, made by ``make`` on its first use."""
+        with self.lock:
+            value = getattr(self, name)
+            if value is None:
+                value = make()
+                setattr(self, name, value)
+            return value
+
+    @property
+    def ctx(self) -> WorkerContext:
+        """The plan of this worker, as its environment says now."""
+        return worker_context()
+
+    # ---- options ------------------------------------------------------------------------------
+
+    def options(self, block: type[Options], capture: bool = False) -> Options:
+        """The options of ``block`` as they are now; ``capture``: a component keeps them from
+        now on (a later change raises)."""
+        with self.lock:
+            if capture:
+                self._in_effect.add(block)
+            return self._options.get(block) or block()
+
+    def configure(self, block: type[Options], **values: Any) -> Options:
+        """Set fields of ``block`` (None: left as they are). Raises ``ValueError`` when a value
+        differs from one set before, or from one in effect already."""
+        with self.lock:
+            current = self._options.get(block) or block()
+            changes = {k: v for k, v in values.items() if v is not None}
+            for name, value in changes.items():
+                before = self._set_by.get((block, name), getattr(current, name))
+                was_set = (block, name) in self._set_by
+                if value != before and (was_set or block in self._in_effect):
+                    why = ("was set before on this worker" if was_set else
+                           "is in effect already (call it before the first use)")
+                    raise ValueError(f"{_SETTERS[block]}: {name}={value!r} conflicts with "
+                                     f"{name}={before!r}, which {why}")
+            for name, value in changes.items():
+                self._set_by[(block, name)] = value
+            self._options[block] = dataclasses.replace(current, **changes)
+            return self._options[block]
+
+
+    def close(self) -> None:
+        """Stop what this runtime started that would outlive it: torch's global optimizer hooks
+        (the step count's, the snapshots', the parameter names'), the watcher of profile
+        requests. Its timeline ends apart (how it ended is the caller's to say)."""
+        watcher, self.profile_watcher = self.profile_watcher, None
+        if watcher is not None:
+            watcher.stop()
+        for part in (self.steps, self.snapshots, self.prepared):
+            if part is not None:
+                part.close()
+
+
+# ---- this worker's runtime --------------------------------------------------------------------
+
+_lock = threading.Lock()
+_current: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """This worker's runtime (made on first use outside a training function)."""
+    global _current
+    current = _current
+    if current is None:
+        with _lock:
+            if _current is None:
+                _current = Runtime()
+            current = _current
+    return current
+
+
+def begin() -> Runtime:
+    """A fresh runtime for the training function that starts now (``train_func_context``); the
+    one before, made outside a training function, is closed."""
+    global _current
+    with _lock:
+        previous, _current = _current, Runtime()
+        current = _current
+    if previous is not None:
+        previous.close()
+    return current
+
+
+def end() -> None:
+    """The training function ended: close its runtime; later helpers make a new one."""
+    global _current
+    with _lock:
+        current, _current = _current, None
+    if current is not None:
+        current.close()
