@@ -137,3 +137,15 @@ def test_readme_first_page_is_short():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         lines = f.read().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines"
+
+
+def test_api_table_lists_every_public_name_once():
+    """docs/api.md's tables name exactly ``ray_train_xla.__all__``, each once."""
+    import ray_train_xla
+
+    with open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8") as f:
+        rows = re.findall(r"^\| `([A-Za-z_][A-Za-z0-9_]*)` \|", f.read(), re.M)
+    assert sorted(rows) == sorted(set(rows)), "a name has two rows"
+    assert set(rows) == set(ray_train_xla.__all__), (
+        f"missing: {sorted(set(ray_train_xla.__all__) - set(rows))}; "
+        f"not public: {sorted(set(rows) - set(ray_train_xla.__all__))}")
