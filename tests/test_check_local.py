@@ -192,7 +192,7 @@ def test_check_refuses_before_ray(capsys):
 @pytest.mark.parametrize("text,size", [("8", 8), ("64K", 65536), ("256MiB", 256 << 20),
                                        ("1G", 1 << 30), ("1gb", 1 << 30)])
 def test_sizes_on_the_command_line(text, size):
-    from ray_train_xla.tools.cli import _size
+    from ray_train_xla.tools.check import _size
 
     assert _size(text) == size
 

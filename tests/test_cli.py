@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from ray_train_xla.tools.cli import build_parser, format_plan_table, main
+from ray_train_xla.tools.cli import build_parser, main
+from ray_train_xla.tools.plan import format_plan_table
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["plan"], ["doctor"], ["consolidate"],

@@ -283,7 +283,7 @@ def test_a_failed_demo_run_is_one_line(capsys):
     from ray.train import ControllerError, WorkerGroupError
 
     from ray_train_xla.errors import WorkerSetupError
-    from ray_train_xla.tools.cli import _run_job
+    from ray_train_xla.tools.demo import _run_job
 
     cause = WorkerSetupError("worker rank 0: init_process_group failed: ModuleNotFoundError: x")
     remote = RayTaskError("init_process_group", "Traceback (most recent call last):\n  File "

@@ -15,11 +15,14 @@ computes from the workers' own facts, the collectives' values, algbw and busbw a
 hardware's published figures, compilations after warm-up, the loaded state's digests against
 the saved one's, and the restart's compilations against the persistent compile cache the
 device has. Every wait is bounded: the process group and its collectives by ``--timeout``
-(``timeout_s`` of the config), each answer of the records actor likewise.
+(``timeout_s`` of the config), each answer of the records actor likewise. At the end, the
+command's parser and function.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import time
@@ -29,6 +32,8 @@ from typing import Any
 from ray_train_xla.errors import run_failure
 from ray_train_xla.tools import check_report as report
 from ray_train_xla.tools import check_steps as steps
+from ray_train_xla.tools.args import CommandError, positive_int, positive_seconds, where
+from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_args, check_cluster
 
 CONFIGS = ("xla", "neuron", "tpu")
 # The devices each config runs on (its CPU twin included).
@@ -470,3 +475,93 @@ def judge_restart(found: list[dict], training: list[dict], errors: dict, device:
             "cold_first_step_s": cold_s, "warm_first_step_s": warm_s,
             "cold_compiles": cold, "warm_compiles": warm,
             "seconds": max(r["seconds"] for r in records)}
+
+
+# ``ray-train-xla check``: its parser and its command.
+def _size(text: str) -> int:
+    """A byte count: digits with an optional K, M or G (powers of 2, with or without iB)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = body[-1:] if body[-1:] in ("K", "M", "G") else ""
+    digits = body[:-1] if unit else body
+    if not digits.isdigit() or int(digits) * units[unit] < 8:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of at least 8 bytes (e.g. 8, "
+                                         "64K, 256MiB, 1G)")
+    return int(digits) * units[unit]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``check``: prove a cluster trains, with a report to send back."""
+    check = sub.add_parser(
+        "check",
+        help="run the cluster check: world, collectives, bandwidth, training, checkpoint, "
+        "restart; writes report.md, report.json and bandwidth.png",
+        description="Start a TorchTrainer with the chosen config (TorchXLAConfig, "
+        "TorchNeuronConfig or TorchTPUConfig) on an embedded local Ray (or the cluster at "
+        "--address), every worker asking Ray for its accelerators, and run in order: world "
+        "(every worker's rank, node, device and environment against the plan computed from "
+        "its own facts), correctness (all_reduce, all_gather, reduce_scatter, broadcast in "
+        "float32 and bfloat16, exact), bandwidth (all_reduce, all_gather, reduce_scatter from "
+        "8 B to --max-bytes, capped at an eighth of device memory; algbw and busbw as "
+        "nccl-tests define them, within a node and across nodes, against the hardware's "
+        "published figure where known), training (a small transformer, replicated under "
+        "TorchXLAConfig, FSDP2 under the native configs: step time, tokens/s, no graph "
+        "compiled after warm-up), checkpoint (saved through Ray, loaded on a fresh worker "
+        "group of the same and of half the size, compared bit for bit) and restart (the "
+        "graphs the restarted group compiles, cold and warm time to first step). Prints a "
+        "table and writes report.md, report.json and bandwidth.png under --out. Exits 0 only "
+        "when every step passes, 1 when one fails.",
+    )
+    check.add_argument("--config", default="xla", choices=["xla", "neuron", "tpu"],
+                       help="xla: TorchXLAConfig; neuron: TorchNeuronConfig (native TorchNeuron); "
+                       "tpu: TorchTPUConfig (native TorchTPU); default xla. Each runs on its "
+                       "device or the CPU")
+    check.add_argument("--workers", type=positive_int, default=2,
+                       help="workers of the main run (default 2); the reload runs half of them")
+    check.add_argument("--accelerators-per-worker", type=positive_int, default=1, metavar="N",
+                       help="NeuronCores or TPU chips each worker asks Ray for (default 1)")
+    check.add_argument("--out", default="ray-train-xla-check", metavar="DIR",
+                       help="where report.md, report.json, bandwidth.png and (without "
+                       "--storage-path) the checkpoints go (default ./ray-train-xla-check)")
+    check.add_argument("--storage-path", default=None, metavar="PATH",
+                       help="the runs' storage (RunConfig.storage_path): on several nodes a path "
+                       "every node reaches (shared filesystem, s3://, gs://); default OUT/storage")
+    check.add_argument("--max-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                       help="largest message of the bandwidth sweep (default 1GiB)")
+    check.add_argument("--timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
+                       help="the config's timeout_s: bound on the process group's start, on "
+                       "gloo's collectives (not the device's) and on each answer to the driver "
+                       "(default 300)")
+    check.add_argument("--json", action="store_true", help="print report.json's content")
+    add_cluster_args(check, device_default="auto", device_of="the device of the --config "
+                     "(TorchXLAConfig.device, TorchNeuronConfig.device or TorchTPUConfig.device)")
+    return check
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    options = CheckOptions(
+        config=args.config, device=args.device, workers=args.workers,
+        accelerators_per_worker=args.accelerators_per_worker, address=args.address,
+        tpu_topology=args.tpu_topology, accelerator_type=args.accelerator_type, out=args.out,
+        storage_path=args.storage_path, max_bytes=args.max_bytes, timeout_s=args.timeout)
+    try:
+        options.validate()
+        check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
+    except (CheckUsageError, ExampleUsageError) as exc:
+        raise CommandError(str(exc)) from exc
+    if not args.json:
+        print(f"ray-train-xla check: {CONFIG_CLASSES[args.config]}, {args.workers} workers, "
+              f"device={args.device}, on {where(args)}...", flush=True)
+    try:
+        result = run_check(options)
+    except (CheckUsageError, ExampleUsageError) as exc:
+        raise CommandError(str(exc)) from exc
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(report.to_table(result))
+        for step in result["steps"]:
+            for failure in step.get("failures", []):
+                print(f"  {step['name']}: {failure}")
+        print(f"\nreport: {', '.join(result['files'].values())}")
+    return 0 if result["ok"] else 1

@@ -4,19 +4,29 @@ and the packaged examples (``ray_train_xla.tools.examples``) for ``demo --train`
 In the seed check every worker all-reduces ``torch.ones(2, 3)`` on its XLA device ``iterations``
 times with ``ray_train_xla.all_reduce`` and checks that the result equals ``ones * world_size``.
 On ``neuron`` / ``tpu`` every worker asks Ray for its NeuronCores / TPU chips
-(``tools/examples/cluster.py``).
+(``tools/examples/cluster.py``). At the end, ``ray-train-xla demo``'s parser and command.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 
-from ray_train_xla.tools.examples.cluster import ray_session, resolve_device, scaling_config
+from ray_train_xla.tools.args import CommandError, positive_int, where
+from ray_train_xla.tools.examples.cluster import (
+    ExampleUsageError,
+    add_cluster_args,
+    check_cluster,
+    ray_session,
+    resolve_device,
+    scaling_config,
+)
 
 EXAMPLES = ("train_mlp", "train_lm")  # the packaged examples, ray_train_xla.tools.examples.*
 
@@ -221,3 +231,184 @@ def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", wor
         history.sort(key=lambda m: m["step"])
     parameters = sum(p.numel() for p in example.make_model(config).parameters())
     return ShardedSummary(devices, steps, seconds, parameters, history)
+
+
+# ``ray-train-xla demo``: its parser and its command.
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``demo``: the seed check, or a training run (--train, --sharded), on Ray."""
+    demo = sub.add_parser(
+        "demo",
+        help="run the seed check (or, with --train, a training run) on an embedded local Ray "
+        "or a cluster",
+        description="Run TorchTrainer with TorchXLAConfig on an embedded local Ray (or the "
+        "cluster at --address), and have every worker all-reduce torch.ones(2, 3) on its XLA "
+        "device N times, checking the result equals ones * world_size. With --train, train "
+        "the packaged MLP example (examples/train_mlp.py) instead and print the loss and XLA "
+        "compile counts as it goes down. With --sharded, train the packaged transformer LM "
+        "example (examples/train_lm.py) sharded (FSDPv2) over --devices devices of each SPMD "
+        "worker (virtual XLA CPU devices of one worker on the CPU), with Ray Data batches and "
+        "sharded checkpoints, and print loss, compile counts and checkpoint sizes (about 40 s "
+        "on the CPU). With --device neuron or tpu every worker asks Ray for its NeuronCores or "
+        "TPU chips. Exits non-zero on failure.",
+    )
+    mode = demo.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--train", action="store_true",
+        help="train the example MLP (ray_train_xla.tools.examples.train_mlp) instead",
+    )
+    mode.add_argument(
+        "--sharded", action="store_true",
+        help="train the example transformer LM sharded (ray_train_xla.tools.examples.train_lm) "
+        "instead",
+    )
+    demo.add_argument(
+        "--workers", type=positive_int, default=None,
+        help="workers (default 2; with --sharded: SPMD workers, one per node, default 1, and 1 "
+        "on the CPU)")
+    demo.add_argument(
+        "--iterations", type=positive_int, default=None,
+        help="all-reduces per worker of the seed check (default 10; not with --train or --sharded)"
+    )
+    demo.add_argument(
+        "--devices", type=positive_int, default=None,
+        help="with --sharded: each SPMD worker's devices, virtual XLA CPU devices on the CPU, "
+        "else NeuronCores / TPU chips asked of Ray (default 4)",
+    )
+    demo.add_argument(
+        "--steps", type=positive_int, default=None,
+        help="training steps with --train or --sharded (default 40)",
+    )
+    demo.add_argument(
+        "--storage-path", default=None, metavar="PATH",
+        help="with --train or --sharded: where checkpoints go (default: a temporary directory, "
+        "deleted after); on a cluster of several nodes a path every node reaches (shared "
+        "filesystem, s3://, gs://)",
+    )
+    add_cluster_args(demo)
+    return demo
+
+
+# demo: which flags each mode takes, and their defaults there (None: refused in that mode).
+DEMO_DEFAULTS = {
+    "seed check": {"workers": 2, "iterations": 10, "steps": None, "devices": None,
+                   "storage_path": None},
+    "--train": {"workers": 2, "iterations": None, "steps": 40, "devices": None,
+                "storage_path": ""},
+    "--sharded": {"workers": 1, "iterations": None, "steps": 40, "devices": 4,
+                  "storage_path": ""},
+}
+
+
+def _demo_flags(args: argparse.Namespace) -> str:
+    """Fill in the demo's defaults for its mode; refuse a flag the mode does not take. Returns
+    the mode."""
+    mode = "--sharded" if args.sharded else "--train" if args.train else "seed check"
+    for name, default in DEMO_DEFAULTS[mode].items():
+        given = getattr(args, name)
+        if default is None and given is not None:
+            flag = "--" + name.replace("_", "-")
+            takes = [m for m, d in DEMO_DEFAULTS.items() if d[name] is not None]
+            raise CommandError(f"{flag} goes with {' or '.join(takes)}, not the {mode}"
+                               if mode == "seed check" else
+                               f"{flag} does not go with {mode} (it goes with "
+                               f"{' or '.join(takes)})")
+        if given is None:
+            setattr(args, name, default or None)
+    from ray_train_xla.tools.examples.train_lm import check_workers
+
+    try:  # refused before Ray starts
+        if mode == "--sharded":
+            check_workers(args.device, args.workers)
+        check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
+    except ExampleUsageError as exc:
+        raise CommandError(str(exc)) from exc
+    return mode
+
+
+def _cluster_kwargs(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "address": args.address, "tpu_topology": args.tpu_topology,
+            "accelerator_type": args.accelerator_type}
+
+
+def _run_job(banner: str, job, **kwargs):
+    """Print what runs, run it; a training failure is printed as one FAILED line (None
+    returned). A configuration refused before the run starts is a usage error."""
+    from ray_train_xla.errors import XLAConfigError, run_failure
+
+    print(banner, flush=True)
+    try:
+        return job(**kwargs)
+    except ExampleUsageError as exc:
+        raise CommandError(str(exc)) from exc
+    except XLAConfigError:
+        raise
+    except Exception as exc:  # any training failure is a failed demo, not a traceback
+        print(f"FAILED: {run_failure(exc)}", file=sys.stderr)
+        return None
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    mode = _demo_flags(args)
+    if mode == "--sharded":
+        return cmd_sharded_demo(args)
+    if mode == "--train":
+        return cmd_train_demo(args)
+
+    summary = _run_job(
+        f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
+        f"{args.iterations} all-reduces each, on {where(args)}...",
+        run_demo, workers=args.workers, iterations=args.iterations, **_cluster_kwargs(args))
+    if summary is None:
+        return 1
+    status = "OK" if summary.ok else "FAILED"
+    print(
+        f"{status}: workers={summary.workers} device={summary.device} "
+        f"(PJRT_DEVICE={summary.pjrt_device}, process group={summary.process_group}) "
+        f"iterations={summary.iterations} all_reduce(ones(2,3)) == ones*{summary.workers} "
+        f"time={summary.seconds:.1f}s"
+    )
+    return 0 if summary.ok else 1
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    summary = _run_job(
+        f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
+        f"{args.steps} steps of the example MLP (train_mlp) on {where(args)}...",
+        run_train_demo, workers=args.workers, steps=args.steps, storage_path=args.storage_path,
+        **_cluster_kwargs(args))
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>10}  {'compiles':>8}  {'after warm-up':>13}  {'compile s':>9}")
+    for m in summary.history:
+        print(f"{m['step']:>6}  {m['loss']:>10.5f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {m['xla/compile_time_s']:>9.2f}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.5f} -> "
+          f"{last.get('loss', float('nan')):.5f} in {summary.steps} steps, "
+          f"{len(summary.history)} checkpoints reported, time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1
+
+
+def cmd_sharded_demo(args: argparse.Namespace) -> int:
+    what = (f"1 SPMD worker, {args.devices} virtual XLA CPU devices" if args.device == "cpu" else
+            f"{args.workers} SPMD worker{'s' if args.workers > 1 else ''}, {args.devices} "
+            f"devices each, device={args.device}")
+    summary = _run_job(
+        f"ray-train-xla demo --sharded: {what}, {args.steps} steps of the example transformer "
+        f"LM (train_lm) on {where(args)}...",
+        run_sharded_demo, devices=args.devices, steps=args.steps, workers=args.workers,
+        storage_path=args.storage_path, **_cluster_kwargs(args))
+    if summary is None:
+        return 1
+    print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
+    for m in summary.history:
+        size = f"{m['checkpoint_bytes'] / 1e6:.2f} MB in {m['checkpoint_files']} files"
+        print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
+              f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
+    status = "OK" if summary.ok else "FAILED"
+    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
+    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
+          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
+          f"devices per worker; time={summary.seconds:.1f}s")
+    return 0 if summary.ok else 1

@@ -8,12 +8,15 @@ alive node (``NodeAffinitySchedulingStrategy``), and every wait is bounded by ``
 
 Every check of a node is one function in ``NODE_CHECKS``; ``check_node`` runs them in that
 order. Adding a check is adding a function (``(NodeContext, NodeFacts) -> rows``) and a row there.
+At the end, the command's parser and function.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ray_train_xla.startup import netinfo
+from ray_train_xla.tools.args import positive_seconds
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
@@ -698,3 +702,48 @@ def format_table(rows: Sequence[Check]) -> str:
 
 def to_json(rows: Sequence[Check]) -> dict:
     return {"ok": not failed(rows), "checks": [asdict(r) for r in rows]}
+
+
+# ``ray-train-xla doctor``: its parser and its command.
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``doctor``: checks of this machine or of every node of a Ray cluster."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
+        description="Check package versions (torch_xla built for the installed torch), "
+        "PJRT_DEVICE and what device='auto' resolves to, Neuron devices against Ray's "
+        "neuron_cores, NEURON_RT_VISIBLE_CORES, EFA, TPU chips against Ray's TPU resource, "
+        "compile cache writability and free ports. Prints one row per check (OK, WARN, FAIL) "
+        "with a one-line fix for every non-OK row; exits 1 when any check FAILs.",
+    )
+    doctor.add_argument(
+        "--cluster", nargs="?", const="auto", default=None, metavar="ADDRESS",
+        help="also connect to a running Ray cluster (default address: auto, i.e. RAY_ADDRESS "
+        "or the local cluster started with `ray start`) and run the checks on every alive node",
+    )
+    doctor.add_argument(
+        "--timeout", type=positive_seconds, default=60.0, metavar="SECONDS",
+        help="bound on connecting, on each node's answer and on the torch_xla import "
+        "(default 60)",
+    )
+    doctor.add_argument(
+        "--no-load-check", dest="load_check", action="store_false",
+        help="skip importing torch_xla in a subprocess (faster; versions are still checked)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON: ok, checks[]")
+    return doctor
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    if args.cluster is None:
+        rows = run_local(load_check=args.load_check, timeout_s=args.timeout)
+    else:
+        if not args.json:
+            print(f"ray-train-xla doctor: connecting to Ray at {args.cluster}...", flush=True)
+        rows = run_cluster(args.cluster, load_check=args.load_check, timeout_s=args.timeout)
+    if args.json:
+        json.dump(to_json(rows), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_table(rows))
+    return 1 if failed(rows) else 0

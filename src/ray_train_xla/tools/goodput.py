@@ -1,7 +1,7 @@
 """Goodput of a run: productive step time over the run's wall-clock time, and where the rest
 went, from the events every worker's step timeline (``toolkit/timeline.py``) wrote into the
-run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput`` prints
-it and draws the run.
+run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput`` (its
+parser and command at the end) prints it and draws the run.
 
 The run's wall clock starts at ``fit()``: when it handed the config to Ray (the config records
 the time when Ray pickles it for its controller; runs whose events lack it start at the first
@@ -34,10 +34,13 @@ mean over its workers: they step together.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from ray_train_xla.tools.args import EXIT_FAILED, CommandError
 
 BUCKETS = ("productive", "start_up", "compilation", "data_wait", "checkpoint_stall", "lost",
            "restart", "other")
@@ -457,3 +460,56 @@ def draw(result: Goodput, path: str) -> None:
     fig.tight_layout(rect=(0, 0.16 + 0.1 / lanes, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ``ray-train-xla goodput``: its parser and its command.
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``goodput``: where a run's time went, from its storage."""
+    goodput = sub.add_parser(
+        "goodput",
+        help="print a run's goodput (productive step time over wall-clock time) and where the "
+        "rest went; --png draws it",
+        description="Read the goodput events every worker's step timeline wrote into the run's "
+        "storage (RUN_PATH/goodput/, written by runs of this package's backend) and print the "
+        "run's wall-clock time by bucket: productive, start-up, compilation, data wait, "
+        "checkpoint stall, lost to failures, restart, other; then one line per worker group "
+        "(restarts and elastic resizes start a new one). The wall clock starts when the first "
+        "worker group started. Exits 2 when RUN_PATH holds no goodput events, 1 when its "
+        "storage cannot be read or FILE cannot be written.",
+    )
+    goodput.add_argument("run_path", metavar="RUN_PATH",
+                         help="the run's directory: RunConfig(storage_path=...)/<name>, a local "
+                         "path or a URI (s3://..., gs://...)")
+    goodput.add_argument("--png", metavar="FILE", default=None,
+                         help="also draw the run: one lane per worker, steps in their buckets, "
+                         "compilations, checkpoints, failures and restarts (needs matplotlib)")
+    goodput.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return goodput
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    try:
+        result = goodput_of(args.run_path)
+    except GoodputError as exc:
+        raise CommandError(f"{args.run_path}: {exc}") from exc
+    except OSError as exc:
+        raise CommandError(f"{args.run_path}: cannot read the run's storage: {exc}",
+                           EXIT_FAILED) from exc
+    if args.png is not None:
+        try:
+            draw(result, args.png)
+        except ImportError as exc:
+            raise CommandError(f"--png needs matplotlib (pip install matplotlib): {exc}",
+                               EXIT_FAILED) from exc
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.png}: {exc}", EXIT_FAILED) from exc
+    if args.json:
+        out = result.to_json()
+        if args.png is not None:
+            out["png"] = args.png
+        print(json.dumps(out))
+    else:
+        print(format_table(result))
+        if args.png is not None:
+            print(f"\nwrote {args.png}")
+    return 0

@@ -1,0 +1,379 @@
+"""``ray-train-xla plan``: every worker's environment for a described topology, or with
+``--model`` the memory of a model sharded over it, without Ray or hardware. The topology and the
+configuration are checked as the backend would check them (``cmd_plan``), then
+``plan_environment`` or ``plan_memory`` prints the plan."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from ray_train_xla.tools.args import CommandError, positive_int
+
+PORT_MAX = 65535
+# `plan` describes at most this many workers (and accelerator ids): enough for any cluster,
+# and bounded so that a typo (--nodes 99999999999) is refused rather than exhausting memory.
+PLAN_MAX_WORKERS = 100_000
+PLAN_MAX_ACCELERATORS = 1_000_000
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= PORT_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1 to {PORT_MAX})")
+    return value
+
+
+def _workers_per_node(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a count or a comma-separated count per node, got {text!r}"
+        ) from None
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"every node needs at least one worker, got {text!r}")
+    return counts
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """``plan``: every worker's environment for a described topology."""
+    plan = sub.add_parser(
+        "plan",
+        help="print the environment each worker would get",
+        description="Plan every worker's environment for a described topology, exactly as the "
+        "backend would, without Ray or hardware. Rendezvous values (MASTER_PORT, run id) are "
+        "examples: the backend takes free ports and a fresh id at every fit(). With --model, "
+        "plan memory instead of the environment: the topology is checked the same way, then "
+        "the model's parameters, gradients and AdamW state sharded over the devices (one per "
+        "worker; with --spmd every device of each worker), the layers FSDP gathers, and what "
+        "each host holds at load and at a checkpoint, in GiB; a layout that does not fit the "
+        "device's memory (--accelerator-type or --device-memory) is refused with exit status 2. "
+        "Activations are not counted.",
+    )
+    plan.add_argument(
+        "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
+    )
+    plan.add_argument(
+        "--runtime", default="pjrt", choices=["pjrt", "xrt", "native"],
+        help="default pjrt; native: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+) "
+        "with --device neuron or cpu, TorchTPUConfig (native TorchTPU, torch-tpu) with --device tpu",
+    )
+    plan.add_argument(
+        "--nodes", type=positive_int, default=None,
+        help="nodes (default: as many as --workers-per-node lists, else 1)",
+    )
+    plan.add_argument(
+        "--workers-per-node", type=_workers_per_node, default=[1], metavar="N[,N...]",
+        help="workers on each node: one count for all nodes, or one per node (the list gives "
+        "the number of nodes; default 1)",
+    )
+    plan.add_argument(
+        "--accelerators-per-worker", type=positive_int, default=None,
+        help="accelerator ids (NeuronCores, TPU chips) Ray assigns each worker "
+        "(default: 1 on neuron/tpu, none on cpu). TPU: --nodes is the hosts, and "
+        "--workers-per-node x --accelerators-per-worker the chips per host",
+    )
+    plan.add_argument(
+        "--spmd", action="store_true",
+        help="SPMD: one worker per node owning all its devices (TorchXLAConfig.spmd); for TPU "
+        "pass --accelerators-per-worker <chips per host>",
+    )
+    plan.add_argument(
+        "--cpu-devices-per-worker", type=positive_int, default=None, metavar="N",
+        help="XLA CPU devices per worker, CPU_NUM_DEVICES (TorchXLAConfig.cpu_devices_per_worker)",
+    )
+    plan.add_argument(
+        "--efa", action="store_true",
+        help="describe nodes with EFA devices (Neuron: plans the FI_* variables)",
+    )
+    plan.add_argument(
+        "--interface", default="", metavar="NAME",
+        help="network interface carrying the node IP, as workers detect it (Neuron: "
+        "CCOM_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)",
+    )
+    plan.add_argument(
+        "--compile-cache", default=None, metavar="URL",
+        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL; with "
+        "--runtime native, TorchNeuronConfig.compile_cache (TORCH_NEURONX_NEFF_CACHE_DIR)",
+    )
+    plan.add_argument(
+        "--parallel-compile", action="store_true",
+        help="TorchXLAConfig.neuron_parallel_compile=True (graph-extraction run)",
+    )
+    plan.add_argument(
+        "--tpu-topology", default=None, metavar="AxB[xC]",
+        help="TPU: the slice's chip topology as the hosts report it (TPU_TOPOLOGY, e.g. 2x4x4 "
+        "for a v4-64, 4x4 for a v5litepod-16); TPU_PROCESS_BOUNDS follows from it. With "
+        "--runtime native, each slice's topology (default: one host's chip grid, else "
+        "2x2x<hosts per slice>); host n of a slice is described at its n-th position",
+    )
+    plan.add_argument(
+        "--accelerator-type", default="", metavar="TYPE",
+        help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
+        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
+        "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
+        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron, with --model: "
+        "trn1 or trn2 (or an instance type, trn2.48xlarge), for the device memory",
+    )
+    plan.add_argument(
+        "--tpu-process-bounds", default=None, metavar="X,Y,Z",
+        help="TorchXLAConfig.tpu_process_bounds (TPU): TPU_PROCESS_BOUNDS (and TPU_HOST_BOUNDS) "
+        "when the slice's topology is unknown; with a known one it must equal the derived grid",
+    )
+    plan.add_argument(
+        "--tpu-slices", type=positive_int, default=1, metavar="N",
+        help="--device tpu --runtime native: split the nodes into N TPU slices (multislice)",
+    )
+    plan.add_argument(
+        "--master-port", type=_port, default=29500, metavar="PORT",
+        help="example MASTER_PORT (default 29500); Neuron also uses the next port, "
+        "for NEURON_RT_ROOT_COMM_ID",
+    )
+    plan.add_argument(
+        "--env", type=_env_pair, action="append", default=[], metavar="KEY=VALUE",
+        help="extra variable for every worker (TorchXLAConfig.env); repeatable",
+    )
+    plan.add_argument(
+        "--model", default=None, metavar="PATH_OR_CONFIG_JSON",
+        help="plan memory for this Hugging Face decoder instead of the environment: a model "
+        "directory holding config.json, or a config.json (model_type llama, mistral, qwen2, "
+        "qwen3, gemma or gemma2)",
+    )
+    plan.add_argument(
+        "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
+        help="with --model: fsdp shards over every device (default); hsdp shards within a node "
+        "and replicates across nodes (get_sharded_mesh('hsdp'))",
+    )
+    plan.add_argument(
+        "--param-dtype", default="bf16", choices=["bf16", "fp32"],
+        help="with --model: the sharded parameters and gradients (default bf16; fp32: master "
+        "weights, computing in bf16 with mixed_precision='bf16')",
+    )
+    plan.add_argument(
+        "--optimizer-dtype", default="fp32", choices=["fp32", "bf16"],
+        help="with --model: AdamW's two states (default fp32, 8 bytes a parameter; "
+        "torch.optim.AdamW over bf16 parameters keeps bf16 state)",
+    )
+    plan.add_argument(
+        "--device-memory", type=_device_memory, default=None, metavar="SIZE",
+        help="with --model: memory per device, e.g. 24GiB, 16GB, 95G or bytes (K, M, G, T are "
+        "powers of 2, with or without iB); default: the published figure of --accelerator-type",
+    )
+    plan.add_argument("--json", action="store_true",
+                      help="print a JSON list, one object a worker (with --model: one JSON "
+                      "object, the memory plan)")
+    return plan
+
+
+def _device_memory(text: str) -> int:
+    from ray_train_xla.planning.memory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Check the described topology and configuration as the backend would, then plan memory
+    (--model) or every worker's environment."""
+    # The planning core only: neither Ray nor torch is imported. Its XLAConfigError (a
+    # configuration the backend would refuse) is reported by main() as a usage error.
+    from ray_train_xla.planning.options import XLAOptions
+    from ray_train_xla.planning.planner import get_runtime
+
+    config = _native_options(args) if args.runtime == "native" else XLAOptions(
+        device=args.device,
+        runtime=args.runtime,
+        env=dict(args.env),
+        compile_cache=args.compile_cache,
+        neuron_parallel_compile=args.parallel_compile,
+        spmd=args.spmd,
+        cpu_devices_per_worker=args.cpu_devices_per_worker,
+        tpu_process_bounds=args.tpu_process_bounds,
+    )
+    topology, facts = _describe_topology(args)
+    runtime = get_runtime(args.device, args.runtime)
+    if args.tpu_slices > 1 and not (args.runtime == "native" and args.device == "tpu"):
+        raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
+                           "--device tpu --runtime native")
+    runtime.check(config, topology)
+    if args.model is not None:
+        return plan_memory(args, topology)
+    return plan_environment(args, config, runtime, topology, facts)
+
+
+def _describe_topology(args: argparse.Namespace):
+    """(Topology, facts) for the cluster the flags describe."""
+    from ray_train_xla.planning.topology import DESCRIBED_RESOURCE, Topology, described_facts
+
+    counts = args.workers_per_node
+    if len(counts) > 1:
+        if args.nodes is not None and args.nodes != len(counts):
+            raise CommandError(
+                f"--workers-per-node {','.join(map(str, counts))} lists {len(counts)} nodes but "
+                f"--nodes is {args.nodes}: give one count per node, or one count for all nodes"
+            )
+    else:
+        nodes = 1 if args.nodes is None else args.nodes
+        if counts[0] * nodes > PLAN_MAX_WORKERS:
+            raise CommandError(
+                f"--nodes {nodes} x --workers-per-node {counts[0]} is {counts[0] * nodes} "
+                f"workers: plan describes at most {PLAN_MAX_WORKERS}"
+            )
+        counts = counts * nodes
+    cores = args.accelerators_per_worker
+    if cores is None:
+        cores = 0 if args.device == "cpu" else 1
+    workers = sum(counts)
+    if workers > PLAN_MAX_WORKERS:
+        raise CommandError(f"--workers-per-node gives {workers} workers: plan describes at most "
+                           f"{PLAN_MAX_WORKERS}")
+    if workers * cores > PLAN_MAX_ACCELERATORS:
+        raise CommandError(
+            f"--accelerators-per-worker {cores} for {workers} worker{'s' if workers > 1 else ''} is "
+            f"{workers * cores} accelerator ids: plan describes at most {PLAN_MAX_ACCELERATORS}"
+        )
+    facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
+    tpu_type, tpu_topology = args.accelerator_type, args.tpu_topology or ""
+    if tpu_type.strip().lower().startswith("trn"):
+        if args.device != "neuron" or args.model is None:
+            raise CommandError(f"--accelerator-type {tpu_type} names a Neuron device for the memory "
+                               "plan: use it with --device neuron --model ...")
+        tpu_type = ""  # the memory plan's; the hosts report no such fact
+    if tpu_type or tpu_topology:
+        if args.device != "tpu":
+            flag = "--accelerator-type" if tpu_type else "--tpu-topology"
+            raise CommandError(f"{flag} describes a TPU slice: use it with --device tpu")
+        # What every TPU host reports (Ray reads it from GKE's variables or the GCE metadata).
+        facts = [dataclasses.replace(f, tpu_accelerator_type=tpu_type, tpu_topology=tpu_topology)
+                 for f in facts]
+    if args.runtime == "native" and args.device == "tpu":
+        from ray_train_xla.planning.runtimes.native_tpu import describe_slices
+
+        # TorchTPUConfig's hosts: slices, each host at its place in its slice's chip grid.
+        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
+    # The workers own accelerator ids only when they were described with some (not on cpu).
+    return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
+
+
+def _native_options(args: argparse.Namespace):
+    """TorchNeuronConfig's (or with --device tpu, TorchTPUConfig's) options from the plan flags
+    (XLA-only flags are refused)."""
+    from ray_train_xla.errors import config_error
+    from ray_train_xla.planning.options import NEURON_OWNER, TPU_OWNER, NeuronOptions, TPUOptions
+
+    owner = TPU_OWNER if args.device == "tpu" else NEURON_OWNER
+    for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
+                        ("cpu_devices_per_worker", args.cpu_devices_per_worker),
+                        ("tpu_process_bounds", args.tpu_process_bounds),
+                        ("efa", args.efa and args.device == "tpu")):
+        if value:
+            raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
+    if args.device == "tpu":
+        return TPUOptions(device="tpu", env=dict(args.env), compile_cache=args.compile_cache)
+    return NeuronOptions(device=args.device, env=dict(args.env), compile_cache=args.compile_cache)
+
+
+def plan_environment(args: argparse.Namespace, config, runtime, topology, facts) -> int:
+    """``plan``: every worker's environment, a table or (--json) one JSON object a worker; the
+    memory plan's flags are refused."""
+    from ray_train_xla.planning.planner import Rendezvous, plan
+
+    for flag, given in (("--sharding", args.sharding != "fsdp"),
+                        ("--param-dtype", args.param_dtype != "bf16"),
+                        ("--optimizer-dtype", args.optimizer_dtype != "fp32"),
+                        ("--device-memory", args.device_memory is not None)):
+        if given:
+            raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_CONFIG_JSON")
+    master = topology.workers[runtime.master_worker(topology)]
+    needed = runtime.ports_needed(config)
+    if args.master_port + needed > PORT_MAX:
+        raise CommandError(
+            f"--master-port {args.master_port} is too high: this plan also takes the "
+            f"{'next port' if needed == 1 else f'next {needed} ports'} (--device {args.device}), "
+            f"so it must be at most {PORT_MAX - needed}"
+        )
+    rdzv = Rendezvous(
+        master_addr=master.node_ip,
+        master_port=args.master_port,
+        extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
+        run_id="example-run-id",
+    )
+    plans = plan(topology, config, rdzv, args.device, facts)
+    if args.json:
+        # One worker per line: readable, greppable, and fast at thousands of workers.
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
+        return 0
+    print(format_plan_table([p.to_json() for p in plans]))
+    return 0
+
+
+def format_plan_table(rows: Sequence[dict]) -> str:
+    """Variables shared by all workers once, then one row per worker with the rest."""
+    keys = sorted({k for r in rows for k in r["env"]})
+    shared = [k for k in keys if len({r["env"].get(k) for r in rows}) == 1
+              and all(k in r["env"] for r in rows)]
+    varying = [k for k in keys if k not in shared]
+    lines = [f"{len(rows)} workers. Shared by every worker:"]
+    lines += [f"  {k}={rows[0]['env'][k]}" for k in shared]
+    header = ["rank", "local", "node", *varying]
+    table = [header] + [
+        [str(r["rank"]), str(r["local_rank"]), str(r["node_rank"]),
+         *(r["env"].get(k, "-") for k in varying)]
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("Per worker:")
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    return "\n".join(lines)
+
+
+def plan_memory(args: argparse.Namespace, topology) -> int:
+    """``plan --model``: the memory table (or JSON) of the described topology; a layout that does
+    not fit the device's memory raises XLAConfigError (exit status 2)."""
+    from ray_train_xla.planning import memory
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+
+    per_worker = 1
+    if args.spmd:  # one worker owns every device of its host
+        per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
+        if args.device == "tpu":
+            per_worker *= devices_per_chip(args.accelerator_type)
+    per_node: dict[str, int] = {}
+    for w in topology.workers:
+        per_node[w.node_id] = per_node.get(w.node_id, 0) + per_worker
+    if args.sharding == "hsdp" and len(set(per_node.values())) > 1:
+        raise CommandError(f"--sharding hsdp shards within a node, so every node needs the same "
+                           f"number of workers, not {','.join(map(str, per_node.values()))}")
+    lnc = dict(args.env).get("NEURON_LOGICAL_NC_CONFIG")
+    found = memory.device_memory(args.accelerator_type, int(lnc) if lnc in ("1", "2") else None)
+    if args.device_memory is not None:
+        found = memory.DeviceMemory(
+            found.name if found else "given", args.device_memory,
+            found.device if found else "device", "--device-memory")
+    plan = memory.plan_memory(
+        memory.model_shape(memory.load_model_config(args.model)),
+        devices=sum(per_node.values()), devices_per_host=max(per_node.values()),
+        sharding=args.sharding, param_dtype=args.param_dtype,
+        optimizer_dtype=args.optimizer_dtype, memory=found)
+    plan.check()
+    if args.json:
+        print(json.dumps(plan.to_json()))
+    else:
+        print(memory.format_memory_table(plan))
+    return 0
