@@ -131,8 +131,9 @@ def compile_causes(reps: int, steps: int) -> dict:
 def hooks(reps: int, n: int = 200_000) -> dict:
     import torch.distributed as dist
 
-    from ray_train_xla.toolkit import compile_causes as cc
-    from ray_train_xla.toolkit import profiling, steps
+    from ray_train_xla.toolkit import steps
+    from ray_train_xla.toolkit.observability import compile_causes as cc
+    from ray_train_xla.toolkit.observability import profiling
 
     out: dict[str, list[float]] = {"none": [], "installed": []}
     for _ in range(reps):
@@ -155,7 +156,7 @@ def graph_check(reps: int, world: int = 2, checks: int = 200) -> dict:
 
     import torch.distributed as dist
 
-    from ray_train_xla.toolkit import compile_causes as cc
+    from ray_train_xla.toolkit.observability import compile_causes as cc
 
     mlp_step_fn(8)[0]()  # a compiled graph to count
     server = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
@@ -187,7 +188,7 @@ def profile_window(reps: int, window: int = 10) -> dict:
     wait()
     rows: dict[str, list[float]] = {"outside_us": [], "inside_us": [], "start_ms": [],
                                     "stop_export_ms": []}
-    from ray_train_xla.toolkit.profiling import XLATracer
+    from ray_train_xla.toolkit.observability.profiling import XLATracer
 
     for _ in range(reps):
         outside = []

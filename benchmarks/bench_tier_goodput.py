@@ -86,7 +86,7 @@ def run(memory: bool, args) -> dict:
         sys.path.insert(0, HERE)
 
     from ray_train_xla import TorchNeuronConfig
-    from ray_train_xla.tools import goodput
+    from ray_train_xla.toolkit.observability import goodput
     from ray_train_xla.tools.cli import main as cli
 
     out = tempfile.mkdtemp(prefix="bench-tier-goodput-")

@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src", "ray_train_xla", "
 def hook_cost_us(calls: int) -> dict:
     """Microseconds the timeline adds per step: the step hook and the loader wrapper, with the
     timeline on, less the same with it off (the median of 7 alternating runs each)."""
-    from ray_train_xla.toolkit import data, steps, timeline
+    from ray_train_xla.toolkit import data, steps
+    from ray_train_xla.toolkit.observability import timeline
 
     batches = list(range(calls))
 
@@ -71,7 +72,7 @@ def mlp_rounds(rounds: int, steps: int) -> dict:
     from train_mlp import default_config
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit import timeline
+    from ray_train_xla.toolkit.observability import timeline
 
     config = default_config()
     g = torch.Generator().manual_seed(0)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import warnings
 
-from ray_train_xla.toolkit import compile_causes, steps
-from ray_train_xla.toolkit.compile_causes import DebugLog, GraphCheck, parse_analysis
+from ray_train_xla.toolkit import steps
+from ray_train_xla.toolkit.observability import compile_causes
+from ray_train_xla.toolkit.observability.compile_causes import DebugLog, GraphCheck, parse_analysis
 from ray_train_xla.toolkit.runtime import runtime
 
 

@@ -171,7 +171,7 @@ def test_trains_fails_once_and_resumes_from_its_checkpoint(run):
     names = set(os.listdir(run.result.checkpoint.path))
     assert {".metadata", "extra.pt", "sharded.json"} <= names
     # The example steps its optimizer with a plain optimizer.step(): goodput counts its steps.
-    from ray_train_xla.tools.goodput import goodput_of
+    from ray_train_xla.toolkit.observability.goodput import goodput_of
 
     result = goodput_of(run.run_path)
     counted = sum(max((w.steps for w in a.workers), default=0) for a in result.attempts)

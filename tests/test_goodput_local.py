@@ -15,12 +15,13 @@ import torch
 
 from ray_train_xla.toolkit import runtime as rt_mod
 from ray_train_xla.toolkit import steps
-from ray_train_xla.toolkit import timeline as tl_mod
+from ray_train_xla.toolkit.observability import goodput
+from ray_train_xla.toolkit.observability import timeline as tl_mod
+from ray_train_xla.toolkit.observability.timeline import Timeline
 from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
-from ray_train_xla.toolkit.timeline import Timeline
-from ray_train_xla.tools import goodput
 from ray_train_xla.tools.cli import main
+from ray_train_xla.tools.goodput import format_table
 
 pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
 
@@ -133,7 +134,7 @@ def test_work_kept_by_the_memory_tier_is_lost_only_when_storage_served_the_resto
     assert result.buckets["lost"] == pytest.approx(lost, abs=1e-9)
     assert sum(result.buckets.values()) == pytest.approx(result.wall)
     assert result.attempts[1].restore == {"tier": tier, "seconds": 0.4}
-    assert f"restored from {tier} in 0.40 s" in goodput.format_table(result)
+    assert f"restored from {tier} in 0.40 s" in format_table(result)
 
 
 def test_the_clock_starts_at_fit_where_the_workers_know_it(tmp_path):

@@ -180,7 +180,7 @@ def audited_run(one_node):
 
 
 def test_goodput_matches_the_wall_clock_audit(audited_run, tmp_path, capsys):
-    from ray_train_xla.tools import goodput
+    from ray_train_xla.toolkit.observability import goodput
     from ray_train_xla.tools.cli import main
 
     records = audited_run["records"]

@@ -237,13 +237,14 @@ def test_memory_tier_serves_worker_and_node_failures_and_storage_serves_when_bot
     assert sum(size for t, size, _ in reads if t > events["t_kill"]) > 0
     assert records["a3-end-rank0"]["step"] == LAST
     # The goodput events say which tier served each group, and `ray-train-xla goodput` too.
-    from ray_train_xla.tools import goodput
+    from ray_train_xla.toolkit.observability import goodput
+    from ray_train_xla.tools.goodput import format_table
 
     result = goodput.goodput_of(tiered_run["run_path"])
     served = [a.restore["tier"] for a in result.attempts if a.restore]
     assert served[-3:] == ["memory", "memory", "storage"], served
     assert all(0 < a.restore["seconds"] < 30 for a in result.attempts if a.restore)
-    assert "restored from memory in" in goodput.format_table(result)
+    assert "restored from memory in" in format_table(result)
     # The run's storage is a pyarrow filesystem that is not the local one (as S3 or GCS): the
     # storage checkpoints were written in place through it by every rank (DCP's .metadata.tmp,
     # renamed there; a copy uploaded by Ray would not have one).

@@ -218,7 +218,7 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
 
     # The plain optimizer.step() calls are the steps goodput counts, timed as the loop timed
     # them: productive time is from the first step's end to the last one's (mean of the ranks).
-    from ray_train_xla.tools.goodput import goodput_of
+    from ray_train_xla.toolkit.observability.goodput import goodput_of
 
     result = goodput_of(os.path.join(root, "run"))
     assert [max(w.steps for w in a.workers) for a in result.attempts] == [STEPS]

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from ray_train_xla.toolkit import profiling, steps
-from ray_train_xla.toolkit.profiling import Profiles, RequestWatcher, Window
+from ray_train_xla.toolkit import steps
+from ray_train_xla.toolkit.observability import profiling
+from ray_train_xla.toolkit.observability.profiling import Profiles, RequestWatcher, Window
 from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.runtime import runtime
 from ray_train_xla.tools.cli import main as cli_main

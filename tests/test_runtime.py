@@ -88,8 +88,8 @@ def test_the_scan_finds_rebound_and_changed_names(tmp_path):
 
 def test_a_conflicting_second_setting_raises_naming_both_values():
     from ray_train_xla.toolkit import runtime as rt_mod
+    from ray_train_xla.toolkit.observability.timeline import configure_timeline
     from ray_train_xla.toolkit.reporting import configure_reports, report_options
-    from ray_train_xla.toolkit.timeline import configure_timeline
 
     rt_mod.begin()
     try:
@@ -154,8 +154,9 @@ def test_metrics_callers_each_have_their_window_and_warmup_is_checked(caplog):
     """Two places that call ``metrics()`` each get the steps since their own previous call; a
     ``warmup_steps`` that differs from the one in effect raises instead of being ignored."""
     from ray_train_xla.toolkit import runtime as rt_mod
-    from ray_train_xla.toolkit import steps, timeline
-    from ray_train_xla.toolkit.metrics import metrics
+    from ray_train_xla.toolkit import steps
+    from ray_train_xla.toolkit.observability import timeline
+    from ray_train_xla.toolkit.observability.metrics import metrics
 
     def every_step():
         return metrics().get("timeline/steps")
@@ -184,8 +185,8 @@ def test_metrics_callers_each_have_their_window_and_warmup_is_checked(caplog):
 def test_check_graphs_every_before_the_check_and_with_one_worker(caplog):
     """The interval set before the check starts is the check's; with one worker there is
     nothing to compare, and it says so once."""
-    from ray_train_xla.toolkit import compile_causes
     from ray_train_xla.toolkit import runtime as rt_mod
+    from ray_train_xla.toolkit.observability import compile_causes
 
     class Store:
         def set(self, key, value):

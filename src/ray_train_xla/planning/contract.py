@@ -57,7 +57,8 @@ DEVMODE_VAR = "RAY_TRAIN_XLA_CPU_DEVMODE"
 # "1" with neuron_parallel_compile=True: the worker compiles the extracted graphs at shutdown.
 PARALLEL_COMPILE_VAR = "RAY_TRAIN_XLA_PARALLEL_COMPILE"
 # When the driver started this worker group (Unix seconds, the backend's on_start): where a
-# run's wall clock starts for goodput (``toolkit/goodput.py``). Absent in plans made offline.
+# run's wall clock starts for goodput (``toolkit/observability/goodput.py``). Absent in plans
+# made offline.
 GROUP_START_VAR = "RAY_TRAIN_XLA_GROUP_START"
 # When fit() handed the config to Ray (Unix seconds, set when the config is pickled for Ray's
 # controller): where the run's goodput clock starts. Absent in plans made offline.

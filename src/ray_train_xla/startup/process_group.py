@@ -72,7 +72,6 @@ def init_process_group() -> None:
         ) from exc
     if ctx.devmode:
         devmode.install(dist.get_rank(), dist.get_world_size())
-    _analyse_compilations()
     if not ctx.native:  # native runtimes point Ray at their own device (native_neuron/_tpu.py)
         from ray_train_xla.startup import ray_helpers
 
@@ -81,18 +80,6 @@ def init_process_group() -> None:
         from ray_train_xla.startup import ray_helpers
 
         ray_helpers.install_native()
-
-
-def _analyse_compilations() -> None:
-    """With torch_xla's analysis of compilations on (``compile_causes=True``), have it analyse
-    this worker's too, before anything compiles (``toolkit/compile_causes.py``)."""
-    from ray_train_xla.toolkit import compile_causes
-
-    try:
-        compile_causes.analyse_this_process()
-    except Exception as exc:  # noqa: BLE001 (diagnostics never stop a run from starting)
-        logger.warning("%s: torch_xla's analysis of compilations is off: %s: %s", who(),
-                       type(exc).__name__, exc)
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.

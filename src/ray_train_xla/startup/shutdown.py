@@ -19,10 +19,10 @@ logger = logging.getLogger(__name__)
 def shutdown_worker() -> None:
     ctx = worker_context()
     if "ray_train_xla.toolkit.runtime" in sys.modules:  # a function still runs: Ray stops it
-        from ray_train_xla.toolkit import runtime, timeline
+        from ray_train_xla.toolkit import events, runtime
 
         try:
-            timeline.end(stopped=True)
+            events.stopped()
         except Exception as exc:  # noqa: BLE001 (shutdown goes on)
             logger.warning("%s: the step timeline did not end: %s", who(), exc)
         runtime.end()  # its watcher of profile requests, torch's global optimizer hooks

@@ -4,11 +4,13 @@ Train enters in the worker's training thread around the function (V2 and V1 alik
 backend's ``on_training_start``).
 
 On entry it makes the function's runtime (``toolkit/runtime.py``: the options and components of
-the toolkit), installs the step count's hook on torch's optimizers (``toolkit/steps.py``), so a
-loop that calls a plain ``optimizer.step()`` has its steps counted (once), starts what watches
-the steps (the profile windows and their watcher of requests, ``toolkit/profiling.py``; the
-comparison of the ranks' compiled graphs, ``toolkit/compile_causes.py``) and the step timeline
-(``toolkit/timeline.py``). When the function returns, the worker waits for the memory tier's
+the toolkit); with ``compile_causes=True`` it has torch_xla analyse this worker's compilations,
+before the function compiles anything (``toolkit/observability/compile_causes.py``); it installs
+the step count's hook on torch's optimizers (``toolkit/steps.py``), so a loop that calls a plain
+``optimizer.step()`` has its steps counted (once), and starts what watches the steps (the
+profile windows and their watcher of requests, ``toolkit/observability/profiling.py``; the
+comparison of the ranks' compiled graphs) and the step timeline
+(``toolkit/observability/timeline.py``). When the function returns, the worker waits for the memory tier's
 generation in flight, for the background reporter to hand every report to Ray (raising its
 error if one failed: ``toolkit/reporting.py``), then for the uploads of finished profiles;
 while it waits the worker still counts as running, so Ray's controller keeps taking reports.
@@ -30,10 +32,12 @@ logger = logging.getLogger(__name__)
 def training_function() -> Iterator[None]:
     """Ray Train's ``train_func_context`` under TorchXLAConfig, TorchNeuronConfig and
     TorchTPUConfig (see the module docstring)."""
-    from ray_train_xla.toolkit import profiling, reporting, runtime, timeline
+    from ray_train_xla.toolkit import reporting, runtime
     from ray_train_xla.toolkit.checkpoint.memory import flush_memory
+    from ray_train_xla.toolkit.observability import compile_causes, profiling, timeline
 
     runtime.begin()
+    _optional("torch_xla's analysis of compilations is off", compile_causes.analyse_this_process)
     _optional("plain optimizer.step() calls will not be counted as steps", _hook_optimizers)
     _optional("profiles and graph checks are off", _watch_steps)
     _optional("the step timeline did not start", timeline.begin)
@@ -61,7 +65,7 @@ def _hook_optimizers() -> None:
 def _watch_steps() -> None:
     """The profile windows (and the watcher of requests from outside), and the comparison of
     the ranks' compiled graphs."""
-    from ray_train_xla.toolkit import compile_causes, profiling
+    from ray_train_xla.toolkit.observability import compile_causes, profiling
 
     profiling.install()
     compile_causes.install()

@@ -8,10 +8,6 @@ backend). Each module is one concern:
 - ``collectives``: all_reduce, broadcast, rendezvous on every device;
 - ``data``: data loaders and Ray Data batches on the device, sharded per worker;
 - ``optim``: the replicated model and optimizer step (gradient reduction);
-- ``metrics``: compile and execution metrics, the recompilation warning;
-- ``compile_causes``: why graphs compiled (torch_xla's analysis, Dynamo's guard failures) and
-  whether the ranks compile the same graphs;
-- ``profiling``: profiles of a window of steps on every rank, into the run's storage;
 - ``spmd``, ``sharding`` and ``fsdp2``: meshes, sharded batches, sharded models (FSDPv2 under
   torch_xla, FSDP2 on the native stacks);
 - ``pretrained``: Hugging Face models loaded into a sharded model and exported, by slices;
@@ -20,23 +16,26 @@ backend). Each module is one concern:
 - ``preemption``: a checkpoint before a drained node goes away;
 - ``steps``: step boundaries (``optimizer_step``, ``step_done``, a plain ``optimizer.step()`` seen
   through torch's optimizer hook; each step once) and the hooks that run at each;
-- ``timeline``: where each step's time goes (data, checkpoints, compilation, memory), off the
-  step path; ``ray_metrics`` exports it to Ray's metrics, ``goodput`` adds up a whole run.
+- ``observability/``: what observes the run (the step timeline, Ray metrics, goodput, compile
+  metrics and causes, profiles: its docstring lists the modules); ``events``: what the training
+  path (loaders, checkpoints, reports) tells it.
 """
 
 from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
 from ray_train_xla.toolkit.checkpoint.memory import keep_in_memory
 from ray_train_xla.toolkit.checkpoint.staging import wait_for_snapshots
 from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
-from ray_train_xla.toolkit.compile_causes import DivergentGraphsWarning, check_graphs_every
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
 from ray_train_xla.toolkit.device import get_device, sync, to_cpu
-from ray_train_xla.toolkit.metrics import (
+from ray_train_xla.toolkit.observability.compile_causes import DivergentGraphsWarning, check_graphs_every
+from ray_train_xla.toolkit.observability.metrics import (
     CompileMonitor,
     RecompilationWarning,
     is_graph_extraction_run,
     metrics,
 )
+from ray_train_xla.toolkit.observability.profiling import profile_steps, profile_windows
+from ray_train_xla.toolkit.observability.timeline import configure_timeline
 from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
 from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
 from ray_train_xla.toolkit.pretrained import (
@@ -45,7 +44,6 @@ from ray_train_xla.toolkit.pretrained import (
     meta_parameters,
     pretrained_path,
 )
-from ray_train_xla.toolkit.profiling import profile_steps, profile_windows
 from ray_train_xla.toolkit.ranks import (
     local_rank,
     node_rank,
@@ -63,7 +61,6 @@ from ray_train_xla.toolkit.sharding import (
 )
 from ray_train_xla.toolkit.spmd import get_mesh, shard_batch, sharding_spec
 from ray_train_xla.toolkit.steps import step_done
-from ray_train_xla.toolkit.timeline import configure_timeline
 
 __all__ = [
     "CompileMonitor",

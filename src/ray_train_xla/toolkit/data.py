@@ -20,8 +20,8 @@ import torch
 
 from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.device import get_device
+from ray_train_xla.toolkit.events import add_data_wait
 from ray_train_xla.toolkit.ranks import rank, world_size
-from ray_train_xla.toolkit.timeline import add_data_wait
 
 RAGGED_MODES = ("drop", "pad")
 
@@ -536,7 +536,7 @@ def iter_xla_batches(
 
 def _timed(batches: Iterable[Any]) -> Iterator[Any]:
     """``batches``, the time the training thread waits for each one added to the step
-    timeline's data wait (``timeline.py``): two clock reads a batch."""
+    timeline's data wait (``events.py``): two clock reads a batch."""
     clock = time.perf_counter
     start = clock()  # from when the loop asks (the iterator is made at the first batch)
     it = iter(batches)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_train_xla.errors import ReportError
-from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit import events
 from ray_train_xla.toolkit.runtime import ReportOptions, runtime
 
 logger = logging.getLogger(__name__)
@@ -460,7 +460,7 @@ def reporter() -> Reporter:
                 timeout_s=ctx.timeout_s, store=store,
                 key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{rt.reporters}",
                 coalesce=ctx.world_size == 1 or store is not None,
-                on_checkpoint=timeline.checkpoint_committed, place=in_place_directory())
+                on_checkpoint=events.checkpoint_committed, place=in_place_directory())
         return rt.reporter
 
 
@@ -500,7 +500,7 @@ def report(metrics: Mapping[str, Any]) -> None:
     try:
         reporter().metrics(metrics)
     finally:
-        timeline.add_stall(time.perf_counter() - start)
+        events.add_stall(time.perf_counter() - start)
 
 
 def flush_reports(timeout_s: float | None = None) -> None:
@@ -515,4 +515,4 @@ def flush_reports(timeout_s: float | None = None) -> None:
         try:
             rep.close(timeout_s)
         finally:
-            timeline.add_stall(time.perf_counter() - start)
+            events.add_stall(time.perf_counter() - start)

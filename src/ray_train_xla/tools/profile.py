@@ -1,5 +1,5 @@
 """``ray-train-xla profile``: ask a running run, through its storage, for a profile of every
-rank (the request and the wait are ``toolkit/profiling.py``'s)."""
+rank (the request and the wait are ``toolkit/observability/profiling.py``'s)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from ray_train_xla.toolkit import profiling
+    from ray_train_xla.toolkit.observability import profiling
     from ray_train_xla.toolkit.run_storage import RunStorage
 
     try:

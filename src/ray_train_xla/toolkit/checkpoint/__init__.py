@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.toolkit import reporting, timeline
+from ray_train_xla.toolkit import events, reporting
 from ray_train_xla.toolkit.checkpoint import memory as _memory
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
@@ -61,7 +61,6 @@ from ray_train_xla.toolkit.checkpoint.sharded import (
 )
 from ray_train_xla.toolkit.collectives import host_group
 from ray_train_xla.toolkit.device import sync
-from ray_train_xla.toolkit.metrics import is_graph_extraction_run
 from ray_train_xla.toolkit.ranks import rank
 from ray_train_xla.toolkit.reporting import reporter
 
@@ -100,15 +99,15 @@ def save_checkpoint(
     try:
         return _save_checkpoint(state, metrics, filename, wait)
     finally:  # the training thread was blocked this long: the step timeline's checkpoint stall
-        timeline.add_stall(time.perf_counter() - start)
-        timeline.checkpoint_saved()
+        events.add_stall(time.perf_counter() - start)
+        events.checkpoint_saved()
 
 
 def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any] | None:
     layout = sharded_layout(state, "save_checkpoint")
     sync()  # on every worker: the snapshot below only transfers materialised tensors
     metrics = dict(metrics or {})
-    if is_graph_extraction_run():
+    if worker_context().graph_extraction:  # neuron_parallel_compile: graphs only
         metrics["graph_extraction_only"] = 1
         if rank() == 0:
             logger.warning("neuron_parallel_compile run: not saving a placeholder checkpoint")
@@ -199,7 +198,7 @@ def load_checkpoint(
         seconds = time.perf_counter() - start
         logger.info("rank %d: restored from storage (%s) in %.2f s", rank(), checkpoint.path,
                     seconds)
-        timeline.restored("storage", seconds)
+        events.restored("storage", seconds)
     return out
 
 
@@ -223,7 +222,7 @@ def _from_memory(model, optimizer, filename: str, layout) -> tuple[tuple[Any] | 
     logger.info("rank %d: restored from memory (generation %d, saved by %d workers; %d bytes "
                 "read from %s) in %.2f s", rank(), choice["gen"], choice["world"],
                 files.fetched_bytes, ", ".join(sorted(files.served)), seconds)
-    timeline.restored("memory", seconds)
+    events.restored("memory", seconds)
     return (out,), None
 
 

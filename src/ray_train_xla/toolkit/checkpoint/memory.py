@@ -723,9 +723,9 @@ class MemoryTier:
 
             dist.barrier(group=group)
         self.kept += 1
-        from ray_train_xla.toolkit import timeline
+        from ray_train_xla.toolkit import events
 
-        timeline.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
+        events.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
 
     def note_storage(self, gen: int) -> None:
         """(rank 0, once Ray took checkpoint ``gen`` into storage) tell this node's and its
@@ -833,7 +833,7 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     (every rank alike): the loop never waits for the tier. An error of the previous generation
     is raised here as ``ReportError``.
     """
-    from ray_train_xla.toolkit import timeline
+    from ray_train_xla.toolkit import events
 
     tier = memory_tier(required="keep_in_memory")
     if isinstance(step, bool) or not isinstance(step, int):
@@ -844,7 +844,7 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     try:
         return tier.keep(state)
     finally:
-        timeline.add_stall(time.perf_counter() - start)
+        events.add_stall(time.perf_counter() - start)
 
 
 def flush_memory() -> None:

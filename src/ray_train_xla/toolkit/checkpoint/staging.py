@@ -238,7 +238,7 @@ class Snapshots:
         if not pending:
             return
         from ray_train_xla.planning.contract import worker_context
-        from ray_train_xla.toolkit import timeline
+        from ray_train_xla.toolkit import events
 
         timeout_s = worker_context().timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
@@ -246,7 +246,7 @@ class Snapshots:
         waited = time.perf_counter() - start
         self.waits += 1
         self.waited_s += waited
-        timeline.add_stall(waited)
+        events.add_stall(waited)
         if left:
             from ray_train_xla.errors import ReportError
 

@@ -1,4 +1,5 @@
-"""Compile and execution metrics from ``torch_xla.debug.metrics``, ready for ``ray.train.report``.
+"""Compile and execution metrics (``counters.py``: torch_xla's, Dynamo's on the native stacks),
+ready for ``ray.train.report``.
 
 A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
 them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
@@ -15,13 +16,13 @@ import warnings
 from typing import Any
 
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.toolkit import timeline
+from ray_train_xla.toolkit.observability import timeline
+from ray_train_xla.toolkit.observability.counters import Counters
 from ray_train_xla.toolkit.runtime import MetricsOptions, runtime
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WARMUP_STEPS = 3
-_NS = 1e-9
 
 
 def is_graph_extraction_run() -> bool:
@@ -32,70 +33,6 @@ def is_graph_extraction_run() -> bool:
 
 class RecompilationWarning(UserWarning):
     """XLA graphs keep compiling after warm-up."""
-
-
-class _Reader:
-    """Reads torch_xla's counters and metrics at a host cost of a few microseconds a call.
-
-    Counts come from counters (``UncachedCompile``, ``ExecuteComputation``, ``CachedCompile``);
-    ``CompileTime`` is read again only when the compile count changed. ``ExecuteTime`` is read
-    only when asked for: torch_xla returns its last 1,024 samples with it (about 0.2 ms once the
-    buffer is full), which would cost a fast step 10% or more if read every step.
-    """
-
-    def __init__(self) -> None:
-        from ray_train_xla.toolkit import device as _device
-
-        self._native = _device.is_native()
-        if self._native:
-            return
-        import torch_xla
-
-        self._counter = torch_xla._XLAC._xla_counter_value
-        self._metric = torch_xla._XLAC._xla_metric_data
-        self._compiles = -1.0
-        self._compile_s = 0.0
-
-    def _count(self, name: str) -> float:
-        return float(self._counter(name) or 0)
-
-    def _seconds(self, name: str) -> float:
-        data = self._metric(name)
-        return float(data[1]) * _NS if data else 0.0
-
-    def read(self, execute_time: bool = False) -> dict[str, float]:
-        if self._native:
-            values = _read_native()
-            if not execute_time:
-                del values["execute_time_s"]
-            return values
-        compiles = self._count("UncachedCompile")
-        if compiles != self._compiles:
-            self._compiles, self._compile_s = compiles, self._seconds("CompileTime")
-        values = {
-            "compiles": compiles,
-            "compile_time_s": self._compile_s,
-            "executions": self._count("ExecuteComputation"),
-            "cache_hits": self._count("CachedCompile"),
-        }
-        if execute_time:
-            values["execute_time_s"] = self._seconds("ExecuteTime")
-        return values
-
-
-def _read_native() -> dict[str, float]:
-    """The native path's compiles are ``torch.compile``'s: graphs Dynamo compiled (each new
-    shape or guard failure is one more) and the time spent compiling; executions are eager and
-    not counted."""
-    from torch._dynamo.utils import compilation_time_metrics, counters
-
-    return {
-        "compiles": float(counters["stats"]["unique_graphs"]),
-        "compile_time_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))),
-        "executions": 0.0,
-        "execute_time_s": 0.0,
-        "cache_hits": 0.0,
-    }
 
 
 class CompileMonitor:
@@ -117,9 +54,10 @@ class CompileMonitor:
         self.warmup_steps = warmup_steps
         self.warn_after = warn_after
         self.prefix = prefix
-        self._reader = _Reader()
-        self._baseline = (dict.fromkeys(self._reader.read(True), 0.0) if since_start
-                          else self._reader.read(True))
+        self._counters = Counters()
+        self._compiles, self._compile_s = -1.0, 0.0  # CompileTime, read when the count moves
+        self._baseline = (dict.fromkeys(self._read(True), 0.0) if since_start
+                          else self._read(True))
         self._at_warmup: float | None = None if warmup_steps else 0.0
         # compilations torch_xla had analysed by the end of warm-up (compile_causes=True)
         self._causes_from: int | None = None if warmup_steps else _analysed()
@@ -135,7 +73,7 @@ class CompileMonitor:
         """
         step = self._steps + 1 if step is None else step
         self._steps = step
-        now = self._reader.read(execute_time)
+        now = self._read(execute_time)
         base = self._baseline
         compiles = now["compiles"] - base["compiles"]
         if self._at_warmup is None and step >= self.warmup_steps:
@@ -159,8 +97,20 @@ class CompileMonitor:
             out[p + "graph_extraction_only"] = 1
         return out
 
+    def _read(self, execute_time: bool) -> dict[str, float]:
+        """The counters now (``counters.py``); ``execute_time_s`` only when asked for."""
+        c = self._counters
+        compiles = c.compiles()
+        if c.native or compiles != self._compiles:
+            self._compiles, self._compile_s = compiles, c.compile_time_s()
+        values = {"compiles": compiles, "compile_time_s": self._compile_s,
+                  "executions": c.count("ExecuteComputation"), "cache_hits": c.count("CachedCompile")}
+        if execute_time:
+            values["execute_time_s"] = c.seconds("ExecuteTime")
+        return values
+
     def _warn(self, step: int, after: float) -> None:
-        from ray_train_xla.toolkit import compile_causes
+        from ray_train_xla.toolkit.observability import compile_causes
 
         self.warned_at_step = step
         ctx = worker_context()
@@ -185,7 +135,7 @@ class CompileMonitor:
 
 def _analysed() -> int | None:
     """How many compilations torch_xla's analysis has written so far (None when it is off)."""
-    from ray_train_xla.toolkit import compile_causes
+    from ray_train_xla.toolkit.observability import compile_causes
 
     if worker_context().native or not compile_causes.debug_log().enabled:
         return None

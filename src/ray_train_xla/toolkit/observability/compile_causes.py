@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import steps as _steps
+from ray_train_xla.toolkit.observability.counters import Counters
 from ray_train_xla.toolkit.runtime import GraphCheckOptions, runtime
 
 logger = logging.getLogger(__name__)
@@ -241,19 +242,13 @@ SHOWN_RANKS = 16
 
 
 def graph_count() -> int:
-    """Graphs this process compiled so far (torch_xla's ``UncachedCompile``; Dynamo's
-    ``unique_graphs`` on the native stacks)."""
-    if worker_context().native:
-        import sys
+    """Graphs this process compiled so far (``counters.py``: torch_xla's ``UncachedCompile``;
+    Dynamo's ``unique_graphs`` on the native stacks)."""
+    import sys
 
-        if "torch._dynamo.utils" not in sys.modules:  # nothing compiled (and its import is slow)
-            return 0
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    import torch_xla
-
-    return int(torch_xla._XLAC._xla_counter_value("UncachedCompile") or 0)
+    if worker_context().native and "torch._dynamo.utils" not in sys.modules:
+        return 0  # nothing compiled (and Dynamo's import is slow)
+    return int(Counters().compiles())
 
 
 def summary() -> str:
@@ -372,7 +367,7 @@ def analyse_every_process() -> bool:
     import torch
     import torch_xla
 
-    if torch_xla._XLAC._xla_counter_value("UncachedCompile"):
+    if Counters().compiles():
         return False
     # A copy to the device (data, no graph): the runtime up, with the planned variables.
     one = torch.zeros(1).to(torch_xla.device())
@@ -391,11 +386,12 @@ def analyse_every_process() -> bool:
 
 def analyse_this_process() -> None:
     """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
-    compilations too (at process-group start, every rank, before anything compiles)."""
+    compilations too (as the training function starts, every rank, before anything compiles:
+    ``startup/train_function.py``)."""
     ctx = worker_context()
     if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
         if not analyse_every_process():
-            logger.warning("rank %d: torch_xla compiled before the process group started, so "
+            logger.warning("rank %d: torch_xla compiled before the training function started, so "
                            "it analyses compilations only where %s is 0 (local rank 0): this "
                            "worker's recompilation warnings will not name their cause",
                            ctx.rank, LOCAL_RANK_VAR)

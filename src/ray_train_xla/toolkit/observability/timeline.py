@@ -24,7 +24,8 @@ resident memory on CPU), sets the Ray metrics (``ray_metrics.py``) and, every
 the run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``).
 
 The backend starts the timeline when the training function starts and ends it when it returns
-or raises (``startup/train_function.py``); :func:`configure_timeline` says what one step
+or raises (``startup/train_function.py``); the loaders, checkpoints and reports tell it what they
+do through ``toolkit/events.py``. :func:`configure_timeline` says what one step
 processes (samples, tokens) and how often the background thread runs. ``metrics()`` adds the
 steps since its previous call as ``timeline/...`` keys (:func:`report_metrics`).
 """
@@ -78,35 +79,6 @@ def step_size() -> tuple[float | None, float | None]:
     """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
     options = runtime().options(TimelineOptions)
     return options.samples_per_step, options.tokens_per_step
-
-
-# ---- compile time, read cheaply ---------------------------------------------------------------
-
-
-def _compile_reader() -> tuple[Callable[[], float], Callable[[], float]] | None:
-    """(count, total seconds) of this process's compilations: torch_xla's counters, or Dynamo's
-    on the native stacks; None when neither is loaded."""
-    from ray_train_xla.toolkit import device as _device
-
-    if _device.is_native():
-        try:
-            from torch._dynamo.utils import compilation_time_metrics, counters
-        except ImportError:
-            return None
-        stats = counters["stats"]
-        return (lambda: float(stats["unique_graphs"]),
-                lambda: float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))))
-    try:
-        import torch_xla
-    except ImportError:
-        return None
-    counter, metric = torch_xla._XLAC._xla_counter_value, torch_xla._XLAC._xla_metric_data
-
-    def total() -> float:
-        data = metric("CompileTime")
-        return float(data[1]) * 1e-9 if data else 0.0
-
-    return (lambda: float(counter("UncachedCompile") or 0)), total
 
 
 # ---- device memory, off the step path ---------------------------------------------------------
@@ -467,48 +439,6 @@ def active() -> Timeline | None:
     return runtime().timeline
 
 
-def add_data_wait(seconds: float) -> None:
-    """Time the training thread spent waiting for a batch (the toolkit's loaders call it)."""
-    tl = runtime().timeline
-    if tl is not None:
-        tl.data_s += seconds
-
-
-def add_stall(seconds: float) -> None:
-    """Time the training thread spent blocked in checkpoint/report calls."""
-    tl = runtime().timeline
-    if tl is not None:
-        tl.stall_s += seconds
-
-
-def checkpoint_saved() -> None:
-    tl = runtime().timeline
-    if tl is not None:
-        from ray_train_xla.toolkit.steps import steps_done
-
-        tl.checkpoint_saved(steps_done())
-
-
-def restored(tier: str, seconds: float) -> None:
-    """This worker restored its state from ``tier`` (memory or storage) in ``seconds``."""
-    tl = runtime().timeline
-    if tl is not None:
-        tl.restored(tier, seconds)
-
-
-def memory_kept(t: float) -> None:
-    """The memory tier completed the snapshot this worker took at ``t``."""
-    tl = runtime().timeline
-    if tl is not None:
-        tl.memory_kept(t)
-
-
-def checkpoint_committed() -> None:
-    tl = runtime().timeline
-    if tl is not None:
-        tl.checkpoint_committed()
-
-
 def report_metrics(caller: Any = None) -> dict[str, float]:
     """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()``
     adds them, each call site of it a caller of its own)."""
@@ -521,7 +451,9 @@ def begin() -> Timeline:
     rt = runtime()
     if rt.timeline is not None:
         end()
-    from ray_train_xla.toolkit import ray_metrics, steps
+    from ray_train_xla.toolkit import steps
+    from ray_train_xla.toolkit.observability import ray_metrics
+    from ray_train_xla.toolkit.observability.counters import Counters
     from ray_train_xla.toolkit.run_storage import RunStorage
 
     ctx = rt.ctx
@@ -534,12 +466,17 @@ def begin() -> Timeline:
             node = ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 (outside Ray)
         pass
+    try:
+        counters = Counters()
+        compile_reader = counters.compiles, counters.compile_time_s
+    except ImportError:  # neither torch_xla nor Dynamo here: no compile time
+        compile_reader = None
     tl = Timeline(
         attempt=ctx.run_id, rank=ctx.rank, world=ctx.world_size, local_rank=ctx.local_rank,
         node=node, device=ctx.device or "cpu", group_start=ctx.group_start,
         run_start=ctx.run_start, storage=storage,
         run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
-        export=ray_metrics.exporter() if ctx.planned else None, compile_reader=_compile_reader(),
+        export=ray_metrics.exporter() if ctx.planned else None, compile_reader=compile_reader,
         options=lambda: rt.options(TimelineOptions))
     steps.add_step_hook(tl.on_step)
     rt.timeline = tl

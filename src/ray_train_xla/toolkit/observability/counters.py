@@ -1,0 +1,42 @@
+"""This process's compile and execution counters, the one reader of them (``timeline.py``,
+``metrics.py``, ``compile_causes.py``): torch_xla's (``UncachedCompile``, ``CompileTime``,
+``ExecuteComputation``, ``CachedCompile``, ``ExecuteTime``), or on the native stacks
+``torch.compile``'s: graphs Dynamo compiled (each new shape or guard failure is one more) and
+the time spent compiling; executions there are eager and not counted (0)."""
+
+from __future__ import annotations
+
+_NS = 1e-9
+
+
+class Counters:
+    """``compiles()``, ``compile_time_s()``, and ``count(name)``, ``seconds(name)`` of any other
+    torch_xla counter or metric, at a few microseconds a call. A metric costs more than a
+    counter: read ``CompileTime`` again only when the compile count moved, and ``ExecuteTime``
+    only when asked for (torch_xla returns its last 1,024 samples with it, about 0.2 ms once
+    its buffer is full). Raises ``ImportError`` without the stack's module (torch_xla, Dynamo)."""
+
+    def __init__(self) -> None:
+        from ray_train_xla.toolkit import device as _device
+
+        self.native = _device.is_native()
+        if self.native:
+            from torch._dynamo.utils import compilation_time_metrics, counters
+
+            self.compiles = lambda: float(counters["stats"]["unique_graphs"])
+            self.compile_time_s = lambda: float(
+                sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+            self.count = self.seconds = lambda name: 0.0
+            return
+        import torch_xla
+
+        counter, metric = torch_xla._XLAC._xla_counter_value, torch_xla._XLAC._xla_metric_data
+
+        def seconds(name: str) -> float:
+            data = metric(name)
+            return float(data[1]) * _NS if data else 0.0
+
+        self.count = lambda name: float(counter(name) or 0)
+        self.seconds = seconds
+        self.compiles = lambda: float(counter("UncachedCompile") or 0)
+        self.compile_time_s = lambda: seconds("CompileTime")

@@ -1,0 +1,333 @@
+"""Goodput of a run: productive step time over the run's wall-clock time, and where the rest
+went, from the events every worker's step timeline (``timeline.py``) wrote into the run's
+storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput``
+(``tools/goodput.py``) prints it and draws the run.
+
+The run's wall clock starts at ``fit()``: when it handed the config to Ray (the config records
+the time when Ray pickles it for its controller; runs whose events lack it start at the first
+worker group's start, when Ray Train's controller called the backend's ``on_start``), and ends
+when the last training function of the last worker group ended. Every second of it falls in one
+bucket:
+
+- ``productive``: step time less the three below, from the end of the first step of a worker
+  group on;
+- ``start_up``: from ``fit()`` (Ray starting its controller and the workers, the backend's set-up)
+  to the end of the first group's first step (mostly tracing and first transfers), less its
+  compilation and data wait;
+- ``compilation``: torch_xla's compile time (native stacks: Dynamo's), wherever it happened;
+- ``data_wait``: time the training thread waited for a batch of the toolkit's loaders;
+- ``checkpoint_stall``: time it was blocked in ``save_checkpoint``, ``report``, ``flush_reports``;
+- ``lost``: work lost to failures: a failed worker group's time after its last checkpoint that
+  Ray took (the one the next group resumes from), until the failure; all of its time after the
+  first step when it had none;
+- ``restart``: from a failure to the end of the next group's first step, less that step's
+  compilation and data wait (restarts and elastic resizes alike);
+- ``other``: the rest: between a worker's last step and its end (evaluation, final writes),
+  between checkpoints and the next step, and a worker that ended before its group's last one.
+
+A worker group failed when a training function raised (its end is the earliest failure), or
+when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
+the first worker was told), or its workers stopped writing (killed: its end is then their last
+write, known to within ``storage_interval_s``). Each group's buckets are the
+mean over its workers: they step together.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+BUCKETS = ("productive", "start_up", "compilation", "data_wait", "checkpoint_stall", "lost",
+           "restart", "other")
+
+
+class GoodputError(Exception):
+    """The run's goodput events cannot be read (none there, or unreadable)."""
+
+
+@dataclass
+class Worker:
+    """One worker of one worker group, as its events say."""
+
+    attempt: str
+    rank: int
+    header: dict[str, Any]
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[float] = field(default_factory=list)  # save_checkpoint returned
+    commits: list[float] = field(default_factory=list)  # Ray took the oldest in flight
+    compiles: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds)
+    restores: list[dict[str, Any]] = field(default_factory=list)  # tier (memory, storage), seconds
+    memory_kept: list[float] = field(default_factory=list)  # snapshots the memory tier completed
+    end: dict[str, Any] | None = None
+    last_seen: float = 0.0
+
+    @property
+    def group_start(self) -> float:
+        return float(self.header.get("group_start") or self.header.get("begin") or 0.0)
+
+    @property
+    def run_start(self) -> float:
+        """When fit() handed the config to Ray (0.0 in events written before it was kept)."""
+        return float(self.header.get("run_start") or 0.0)
+
+    @property
+    def first_step_end(self) -> float | None:
+        for span in self.spans:
+            if span.get("first"):
+                return float(span["t1"])
+        return None
+
+    @property
+    def steps(self) -> int:
+        return sum(int(s.get("steps", 0)) for s in self.spans)
+
+
+@dataclass
+class Attempt:
+    """One worker group: its start, end, outcome, workers and buckets (mean over workers)."""
+
+    id: str
+    start: float
+    end: float
+    outcome: str  # "finished", "failed", "stopped" (shut down while running, or killed), "running"
+    workers: list[Worker]
+    buckets: dict[str, float] = field(default_factory=dict)
+    lost_from: float | None = None  # mean over workers: where lost work starts
+
+    @property
+    def restore(self) -> dict[str, Any] | None:
+        """Where this group's state came from (memory or storage) and the slowest worker's
+        time, when it restored one (the memory tier's workers say so)."""
+        found = [r for w in self.workers for r in w.restores]
+        if not found:
+            return None
+        tiers = sorted({str(r["tier"]) for r in found})
+        return {"tier": "+".join(tiers), "seconds": max(float(r["seconds"] or 0) for r in found)}
+
+
+@dataclass
+class Goodput:
+    run: str
+    start: float
+    end: float
+    attempts: list[Attempt]
+    buckets: dict[str, float]
+
+    @property
+    def wall(self) -> float:
+        return self.end - self.start
+
+    @property
+    def goodput(self) -> float:
+        return self.buckets["productive"] / self.wall if self.wall > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run, "start": self.start, "end": self.end, "wall_s": self.wall,
+            "goodput": self.goodput, "buckets_s": dict(self.buckets),
+            "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
+                          "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
+                                                                  default=0),
+                          "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
+                          "restore": a.restore}
+                         for a in self.attempts],
+        }
+
+
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
+    """A worker from its files' lines (parts concatenated in order)."""
+    worker = Worker(attempt=attempt, rank=rank, header={})
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a part being written
+        kind = event.get("kind")
+        t = event.get("t", event.get("t1"))
+        if isinstance(t, (int, float)):
+            worker.last_seen = max(worker.last_seen, float(t))
+        if kind == "worker":
+            worker.header = event
+            worker.last_seen = max(worker.last_seen, float(event.get("begin", 0.0)))
+        elif kind == "span":
+            worker.spans.append(event)
+        elif kind == "checkpoint":
+            worker.checkpoints.append(float(event["t"]))
+        elif kind == "commit":
+            worker.commits.append(float(event["t"]))
+        elif kind == "compile":
+            worker.compiles.append((float(event["t"]), float(event["compile_s"])))
+        elif kind == "restore":
+            worker.restores.append({"tier": event.get("tier"), "seconds": event.get("seconds")})
+        elif kind == "memory_kept":
+            worker.memory_kept.append(float(event["t"]))
+        elif kind == "end":
+            worker.end = event
+    worker.spans.sort(key=lambda s: s["t0"])
+    return worker
+
+
+def read_run(storage: Any) -> list[Worker]:
+    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``)."""
+    files = [f for f in storage.list("goodput", recursive=True) if f.endswith(".jsonl")]
+    grouped: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
+    for path in files:
+        parts = path.split("/")
+        if len(parts) != 3 or not parts[1].startswith("attempt-") or not parts[2].startswith("rank-"):
+            continue
+        name = parts[2][len("rank-"):-len(".jsonl")]
+        rank_text, _, part_text = name.partition(".")
+        try:
+            grouped[(parts[1][len("attempt-"):], int(rank_text))].append((int(part_text or 0), path))
+        except ValueError:
+            continue
+    workers = []
+    for (attempt, rank), parts in sorted(grouped.items()):
+        lines: list[str] = []
+        for _, path in sorted(parts):
+            data = storage.read_bytes(path)
+            if data is not None:
+                lines.extend(data.decode(errors="replace").splitlines())
+        workers.append(parse_worker(attempt, rank, lines))
+    return workers
+
+
+# ---- the arithmetic ---------------------------------------------------------------------------
+
+
+def _attempts(workers: list[Worker]) -> list[Attempt]:
+    by_attempt: dict[str, list[Worker]] = defaultdict(list)
+    for w in workers:
+        by_attempt[w.attempt].append(w)
+    attempts = []
+    for attempt_id, group in by_attempt.items():
+        start = min(w.group_start for w in group)
+        failures = [float(w.end["t"]) for w in group if w.end and w.end.get("failed")]
+        ended = [w for w in group if w.end is not None and not w.end.get("stopped")]
+        if failures:
+            outcome, end = "failed", min(failures)
+        elif len(ended) == len(group):
+            outcome, end = "finished", max(float(w.end["t"]) for w in group)
+        else:  # stopped by Ray while running (a resize), killed, or still running
+            outcome = "stopped"
+            end = min(w.last_seen for w in group if w not in ended)
+        attempts.append(Attempt(attempt_id, start, max(end, start), outcome,
+                                sorted(group, key=lambda w: w.rank)))
+    attempts.sort(key=lambda a: a.start)
+    if attempts:
+        # The run's clock starts at fit() (when it handed the config to Ray), where the workers
+        # know it: Ray's controller and the first workers starting are the first group's start-up.
+        first = attempts[0]
+        known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
+        if known:
+            first.start = min(known)
+    if attempts and attempts[-1].outcome == "stopped" and all(w.end is None for w in attempts[-1].workers):
+        last = attempts[-1]
+        last.outcome = "running"  # nothing after it: still going (or the run was killed)
+        last.end = max(w.last_seen for w in last.workers)
+    return attempts
+
+
+def lost_work_from(worker: Worker, end: float, memory: bool = False) -> float:
+    """Where a failed group's worker starts losing work: the last checkpoint Ray took before
+    ``end`` (the i-th commit is the i-th checkpoint: the reporter takes them in order), or, when
+    the next group restored from the memory tier (``memory``), the last snapshot the tier
+    completed if later; else the end of its first step; ``end`` (nothing lost) when it never
+    finished a step."""
+    committed = [t for t in worker.checkpoints[:len(worker.commits)] if t <= end]
+    if memory:
+        committed = sorted(committed + [t for t in worker.memory_kept if t <= end])
+    if committed:
+        return committed[-1]
+    first = worker.first_step_end
+    return first if first is not None and first <= end else end
+
+
+def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
+                   restarted: bool, memory: bool = False) -> dict[str, float]:
+    """One worker's seconds of ``[start, end]`` (its group's) by bucket; ``failed``: the group
+    failed (lost work); ``restarted``: a later group than the first (start-up is restart);
+    ``memory``: the next group restored from the memory tier (``lost_work_from``).
+
+    ``[start, head]`` (to the end of the first step) is start-up (or restart) less what was
+    measured in it; ``[head, lost_from]`` is the worker's spans, each its measured buckets and
+    the rest productive (other in a span without a step end), and what no span covers is other;
+    ``[lost_from, end]`` is lost (a failed group only)."""
+    out = dict.fromkeys(BUCKETS, 0.0)
+    lost_from = lost_work_from(worker, end, memory) if failed else end
+    first = worker.first_step_end
+    head = max(start, min(first if first is not None else end, lost_from))
+    startup_key = "restart" if restarted else "start_up"
+    out[startup_key] = head - start
+    covered = 0.0
+    for span in worker.spans:
+        t0, t1 = float(span["t0"]), float(span["t1"])
+        length = t1 - t0
+        if length <= 0:
+            continue
+        data, compile_s, stall = (float(span.get("data_s", 0.0)), float(span.get("compile_s", 0.0)),
+                                  float(span.get("stall_s", 0.0)))
+        measured = data + compile_s + stall
+        if t1 <= head:  # in the head: only what was measured leaves start-up
+            moved = min(measured, out[startup_key])
+            scale = moved / measured if measured else 0.0
+        else:
+            lo, hi = max(t0, head), min(t1, lost_from)
+            if hi <= lo:
+                continue
+            part = (hi - lo) / length  # a span cut by the head or by lost work: its share
+            covered += hi - lo
+            scale = min(part, (hi - lo) / measured) if measured else 0.0
+            moved = measured * scale
+            out["productive" if span.get("steps") else "other"] += (hi - lo) - moved
+        out[startup_key] -= moved if t1 <= head else 0.0
+        out["data_wait"] += data * scale
+        out["compilation"] += compile_s * scale
+        out["checkpoint_stall"] += stall * scale
+    out["other"] += max(0.0, (lost_from - head) - covered)  # not written: a worker that ended early
+    if failed:
+        out["lost"] = end - lost_from
+    return out
+
+
+def compute(workers: list[Worker], run: str = "") -> Goodput:
+    """The run's goodput from its workers' events."""
+    if not workers:
+        raise GoodputError("no goodput events: the run has no goodput/ directory (was it run "
+                           "with this package's backend and a RunConfig storage_path?)")
+    attempts = _attempts(workers)
+    totals = dict.fromkeys(BUCKETS, 0.0)
+    previous_end = None
+    for i, attempt in enumerate(attempts):
+        if previous_end is not None and attempt.start > previous_end:
+            totals["restart"] += attempt.start - previous_end  # the failure to the next start
+        failed = attempt.outcome in ("failed", "stopped")
+        following = attempts[i + 1].restore if i + 1 < len(attempts) else None
+        memory = bool(following and following["tier"] == "memory")
+        per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, i > 0, memory)
+                      for w in attempt.workers]
+        attempt.buckets = {b: sum(p[b] for p in per_worker) / len(per_worker) for b in BUCKETS}
+        if failed:
+            attempt.lost_from = sum(lost_work_from(w, attempt.end, memory)
+                                    for w in attempt.workers) / len(attempt.workers)
+        for b in BUCKETS:
+            totals[b] += attempt.buckets[b]
+        previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
+    return Goodput(run=run, start=attempts[0].start, end=max(a.end for a in attempts),
+                   attempts=attempts, buckets=totals)
+
+
+def goodput_of(run_path: str) -> Goodput:
+    """The goodput of the run at ``run_path`` (a local path or a URI of its storage)."""
+    from ray_train_xla.toolkit.run_storage import RunStorage
+
+    storage = RunStorage.at(run_path)
+    return compute(read_run(storage), run=run_path)
