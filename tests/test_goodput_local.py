@@ -124,6 +124,35 @@ def test_buckets_of_a_run_with_a_failure_and_a_restart(tmp_path):
     assert result.goodput == pytest.approx(EXPECTED["productive"] / 14.0)
 
 
+def test_mfu_over_productive_time_and_effective_mfu_of_a_run_with_a_failure(tmp_path):
+    """Each worker did 4 productive steps (2 per group: group A's after its checkpoint were
+    lost, each group's first is start-up or restart) in 3.4 productive seconds (1.6 + 1.8)."""
+    flops, peak = 3e12, 2.0
+    rt_mod.begin()
+    try:
+        tl_mod.configure_timeline(flops_per_step=flops, peak_tflops=peak)
+        write_run(tmp_path)
+    finally:
+        rt_mod.end()
+    result = goodput.goodput_of(str(tmp_path))
+    assert result.mfu == pytest.approx(4 * flops / (3.4 * peak * 1e12))
+    assert result.effective_mfu == pytest.approx(result.mfu * result.goodput)
+    assert result.effective_mfu == pytest.approx(4 * flops / (3.4 * peak * 1e12) * 3.4 / 14.0)
+    a, b = result.attempts
+    assert a.mfu == pytest.approx(2 * flops / (1.6 * peak * 1e12))
+    assert b.mfu == pytest.approx(2 * flops / (1.8 * peak * 1e12))
+    assert b.effective_mfu == pytest.approx(b.mfu * 1.8 / 5.0)
+    table = format_table(result)
+    assert f"MFU {result.mfu:.1%} over productive time, effective MFU {result.effective_mfu:.1%}" \
+        in table, table
+    data = result.to_json()
+    assert data["mfu"] == result.mfu and data["attempts"][0]["mfu"] == a.mfu
+    # Without model FLOPs: no MFU, and the table says nothing of it.
+    write_run(tmp_path / "plain")
+    plain = goodput.goodput_of(str(tmp_path / "plain"))
+    assert plain.mfu is None and plain.effective_mfu is None and "MFU" not in format_table(plain)
+
+
 @pytest.mark.parametrize("tier", ["memory", "storage"])
 def test_work_kept_by_the_memory_tier_is_lost_only_when_storage_served_the_restore(tmp_path, tier):
     """Group A's memory tier kept the step of 107.3: restored from memory, only 107.3 -> 107.6

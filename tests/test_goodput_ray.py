@@ -30,6 +30,9 @@ FAIL_AT = 6  # the first attempt fails after this step (3 steps after its checkp
 ROW_SLEEP_S = 0.005  # per row: 0.04 s per batch of 8
 BATCH = 8
 RUN_NAME = "audit"
+# A step of Linear(4, 1) on a batch of 8: the forward's matmul and the weight's gradient, each
+# 2 x 8 x 4 x 1 FLOPs (the input needs no gradient); the peak MFU is taken against.
+STEP_FLOPS, PEAK_TFLOPS = 128, 1e-6
 
 
 def _compile_total() -> float:
@@ -56,7 +59,8 @@ def _prometheus(port: int, ranks: int, run: str, timeout_s: float = 30.0) -> lis
             text = ""
         lines = [ln for ln in text.splitlines()
                  if ln.startswith("ray_train_xla_") and f'run="{run}"' in ln]
-        names = ("ray_train_xla_steps", "ray_train_xla_step_time_seconds", "ray_train_xla_time_seconds")
+        names = ("ray_train_xla_steps", "ray_train_xla_step_time_seconds", "ray_train_xla_time_seconds",
+                 "ray_train_xla_tflops_per_second", "ray_train_xla_mfu")
         if all(any(ln.startswith(name) and f'rank="{r}"' in ln for ln in lines)
                for r in range(ranks) for name in names):
             return lines
@@ -90,6 +94,13 @@ def audit_loop(config: dict) -> None:
     first = 0 if state is None else int(state["step"])
     rank = rtx.rank()
     rec = {"rank": rank, "attempt": attempt, "t_fn": t_fn, "steps": []}
+    xb0, yb0 = torch.ones(BATCH, 4), torch.ones(BATCH, 1)  # the same step, on the CPU
+    rec["counted_flops"] = rtx.count_flops(
+        lambda: torch.nn.functional.mse_loss(torch.nn.Linear(4, 1)(xb0), yb0).backward())
+    rtx.configure_timeline(flops_per_step=STEP_FLOPS, peak_tflops=PEAK_TFLOPS)
+
+    def timeline_window() -> dict:  # one call site: one window of metrics()
+        return {k: v for k, v in rtx.metrics().items() if k.startswith("timeline/")}
     batches = iter(loader)
     compiled = compiled_at_start
     for step in range(first, STEPS):
@@ -103,6 +114,8 @@ def audit_loop(config: dict) -> None:
         now = _compile_total()
         rec["steps"].append([t_end, data_s, now - compiled])  # compile since the last step end
         compiled = now
+        if step == first:  # the window of TFLOP/s: the steps after this one
+            timeline_window()
         if attempt == 0 and step + 1 == CHECKPOINT_AT:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
             s0 = time.perf_counter()
@@ -114,6 +127,7 @@ def audit_loop(config: dict) -> None:
             rec["t_fail"] = time.time()
             write_record(config, f"a0-rank{rank}", rec)
             raise RuntimeError("injected failure")
+    rec["timeline"] = timeline_window()
     if config.get("metrics_port"):  # every rank's timeline runs until rank 0 has read them
         if rank == 0:
             rec["prometheus"] = _prometheus(config["metrics_port"], rtx.world_size(), RUN_NAME)
@@ -218,6 +232,18 @@ def test_goodput_matches_the_wall_clock_audit(audited_run, tmp_path, capsys):
     print(json.dumps({"measured": measured, "expected": expected, "wall": wall}))
 
 
+def test_tflops_and_mfu_are_the_known_flops_over_the_steps_the_worker_timed(audited_run):
+    for rank in (0, 1):
+        rec = audited_run["records"][("a1", rank)]
+        assert rec["counted_flops"] == STEP_FLOPS  # torch's FlopCounterMode agrees
+        ends = [t_end for t_end, _, _ in rec["steps"]]
+        window = rec["timeline"]  # the steps after the attempt's first, as metrics() saw them
+        assert window["timeline/steps"] == len(ends) - 1
+        expected = STEP_FLOPS * (len(ends) - 1) / (ends[-1] - ends[0]) / 1e12
+        assert window["timeline/tflops_per_s"] == pytest.approx(expected, rel=0.01), (rank, window)
+        assert window["timeline/mfu"] == pytest.approx(expected / PEAK_TFLOPS, rel=0.01)
+
+
 def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
     from ray._private.utils import get_dashboard_dependency_error
 
@@ -228,6 +254,7 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
         mine = [ln for ln in lines if f'rank="{rank}"' in ln]
         names = {ln.split("{")[0] for ln in mine}
         assert "ray_train_xla_step_time_seconds" in names, lines
+        assert {"ray_train_xla_tflops_per_second", "ray_train_xla_mfu"} <= names, lines
         assert any(n.startswith("ray_train_xla_steps") for n in names), lines
         assert any(n.startswith("ray_train_xla_time_seconds") and 'bucket="data_wait"' in ln
                    for ln in mine for n in [ln.split("{")[0]]), lines

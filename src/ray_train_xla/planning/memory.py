@@ -253,13 +253,21 @@ def device_memory(accelerator: str, logical_cores: int | None = None) -> DeviceM
     (``trn2.48xlarge``, ``trn2``, ``trn1``; ``logical_cores`` is Trainium2's LNC, 2 unless
     ``NEURON_LOGICAL_NC_CONFIG`` says 1) or a TPU accelerator type (``v5p-128``, ``v6e``,
     ``v5litepod-16``, ``tpu7x-32``). None when unknown."""
+    return DEVICE_MEMORY.get(device_key(accelerator, logical_cores))
+
+
+def device_key(accelerator: str, logical_cores: int | None = None) -> str:
+    """The key of an accelerator's device in this module's and ``peaks.py``'s tables: ``trn1``,
+    ``trn2`` / ``trn3`` (``-lnc1`` with ``logical_cores=1``), a TPU generation (``v5e``, ``v7x``);
+    "" when unknown."""
     name = (accelerator or "").strip().lower()
-    if name.startswith("trn2"):
-        return DEVICE_MEMORY["trn2-lnc1" if logical_cores == 1 else "trn2"]
+    for trn in ("trn3", "trn2"):
+        if name.startswith(trn):
+            return f"{trn}-lnc1" if logical_cores == 1 else trn
     if name.startswith("trn1"):
-        return DEVICE_MEMORY["trn1"]
+        return "trn1"
     generation = tpu_generation(name)
-    return DEVICE_MEMORY.get(_TPU_ALIASES.get(generation, generation))
+    return _TPU_ALIASES.get(generation, generation)
 
 
 def parse_size(text: str) -> int:

@@ -28,6 +28,7 @@ from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
 from ray_train_xla.toolkit.device import get_device, sync, to_cpu
 from ray_train_xla.toolkit.observability.compile_causes import DivergentGraphsWarning, check_graphs_every
+from ray_train_xla.toolkit.observability.flops import count_flops, model_flops_per_token
 from ray_train_xla.toolkit.observability.metrics import (
     CompileMonitor,
     RecompilationWarning,
@@ -75,6 +76,7 @@ __all__ = [
     "clip_grad_norm_",
     "configure_reports",
     "configure_timeline",
+    "count_flops",
     "export_pretrained",
     "flush_reports",
     "get_device",
@@ -88,6 +90,7 @@ __all__ = [
     "local_rank",
     "meta_parameters",
     "metrics",
+    "model_flops_per_token",
     "node_rank",
     "optimizer_step",
     "pad_batch",

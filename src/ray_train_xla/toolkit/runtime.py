@@ -38,10 +38,13 @@ class ReportOptions:
 
 @dataclasses.dataclass(frozen=True)
 class TimelineOptions:
-    """``configure_timeline``: what one step processes, how often the background thread runs."""
+    """``configure_timeline``: what one step processes (samples, tokens, model FLOPs), the
+    device's peak TFLOP/s, how often the background thread runs."""
 
     samples_per_step: float | None = None
     tokens_per_step: float | None = None
+    flops_per_step: float | None = None
+    peak_tflops: float | None = None
     interval_s: float = 5.0
     storage_interval_s: float = 30.0
 

@@ -45,6 +45,9 @@ def format_table(result: Goodput) -> str:
     lines.append(f"{'total':<18}{sum(result.buckets.values()):>10.2f}")
     lines.append("")
     lines.append(f"goodput {result.goodput:.1%}")
+    if result.mfu is not None:
+        lines.append(f"MFU {result.mfu:.1%} over productive time, effective MFU "
+                     f"{result.effective_mfu:.1%} (MFU x goodput)")
     lines.append("")
     lines.append(f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome")
     for a in result.attempts:
@@ -52,8 +55,10 @@ def format_table(result: Goodput) -> str:
         restore = a.restore
         restored = f", restored from {restore['tier']} in {restore['seconds']:.2f} s" \
             if restore else ""
+        mfu = (f"; MFU {a.mfu:.1%}, effective {a.effective_mfu:.1%}" if a.mfu is not None
+               else "")
         lines.append(f"{a.id[:12]:<14}{a.start - result.start:>8.1f}{a.end - result.start:>9.1f}"
-                     f"{len(a.workers):>9}{steps:>8}  {a.outcome}{restored}")
+                     f"{len(a.workers):>9}{steps:>8}  {a.outcome}{restored}{mfu}")
     return "\n".join(lines)
 
 

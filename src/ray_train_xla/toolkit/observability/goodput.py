@@ -25,6 +25,10 @@ bucket:
 - ``other``: the rest: between a worker's last step and its end (evaluation, final writes),
   between checkpoints and the next step, and a worker that ended before its group's last one.
 
+With model FLOPs in the workers' events (``configure_timeline(flops_per_step=...)``): MFU over
+productive time (``mfu``: the FLOPs of the steps in productive time over those seconds at each
+worker's peak) and effective MFU = MFU x goodput, for the run and each worker group.
+
 A worker group failed when a training function raised (its end is the earliest failure), or
 when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
 the first worker was told), or its workers stopped writing (killed: its end is then their last
@@ -62,6 +66,7 @@ class Worker:
     memory_kept: list[float] = field(default_factory=list)  # snapshots the memory tier completed
     end: dict[str, Any] | None = None
     last_seen: float = 0.0
+    productive_steps: float = 0.0  # steps in its productive time (``worker_buckets``)
 
     @property
     def group_start(self) -> float:
@@ -95,6 +100,17 @@ class Attempt:
     workers: list[Worker]
     buckets: dict[str, float] = field(default_factory=dict)
     lost_from: float | None = None  # mean over workers: where lost work starts
+    mfu: float | None = None  # over its productive time (``mfu``), None without model FLOPs
+
+    @property
+    def goodput(self) -> float:
+        """Its productive time over its own wall clock."""
+        wall = self.end - self.start
+        return self.buckets.get("productive", 0.0) / wall if wall > 0 else 0.0
+
+    @property
+    def effective_mfu(self) -> float | None:
+        return None if self.mfu is None else self.mfu * self.goodput
 
     @property
     def restore(self) -> dict[str, Any] | None:
@@ -114,6 +130,13 @@ class Goodput:
     end: float
     attempts: list[Attempt]
     buckets: dict[str, float]
+    mfu: float | None = None  # over the run's productive time, None without model FLOPs
+
+    @property
+    def effective_mfu(self) -> float | None:
+        """MFU x goodput: the share of the devices' peak the run turned into training over its
+        whole wall clock."""
+        return None if self.mfu is None else self.mfu * self.goodput
 
     @property
     def wall(self) -> float:
@@ -127,11 +150,12 @@ class Goodput:
         return {
             "run": self.run, "start": self.start, "end": self.end, "wall_s": self.wall,
             "goodput": self.goodput, "buckets_s": dict(self.buckets),
+            "mfu": self.mfu, "effective_mfu": self.effective_mfu,
             "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
                           "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
                                                                   default=0),
                           "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
-                          "restore": a.restore}
+                          "restore": a.restore, "mfu": a.mfu, "effective_mfu": a.effective_mfu}
                          for a in self.attempts],
         }
 
@@ -267,7 +291,7 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
     head = max(start, min(first if first is not None else end, lost_from))
     startup_key = "restart" if restarted else "start_up"
     out[startup_key] = head - start
-    covered = 0.0
+    covered = steps = 0.0
     for span in worker.spans:
         t0, t1 = float(span["t0"]), float(span["t1"])
         length = t1 - t0
@@ -288,10 +312,12 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
             scale = min(part, (hi - lo) / measured) if measured else 0.0
             moved = measured * scale
             out["productive" if span.get("steps") else "other"] += (hi - lo) - moved
+            steps += int(span.get("steps", 0)) * part
         out[startup_key] -= moved if t1 <= head else 0.0
         out["data_wait"] += data * scale
         out["compilation"] += compile_s * scale
         out["checkpoint_stall"] += stall * scale
+    worker.productive_steps = steps
     out["other"] += max(0.0, (lost_from - head) - covered)  # not written: a worker that ended early
     if failed:
         out["lost"] = end - lost_from
@@ -305,6 +331,7 @@ def compute(workers: list[Worker], run: str = "") -> Goodput:
                            "with this package's backend and a RunConfig storage_path?)")
     attempts = _attempts(workers)
     totals = dict.fromkeys(BUCKETS, 0.0)
+    per_worker_of: list[dict[str, float]] = []
     previous_end = None
     for i, attempt in enumerate(attempts):
         if previous_end is not None and attempt.start > previous_end:
@@ -315,14 +342,30 @@ def compute(workers: list[Worker], run: str = "") -> Goodput:
         per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, i > 0, memory)
                       for w in attempt.workers]
         attempt.buckets = {b: sum(p[b] for p in per_worker) / len(per_worker) for b in BUCKETS}
+        per_worker_of += per_worker
         if failed:
             attempt.lost_from = sum(lost_work_from(w, attempt.end, memory)
                                     for w in attempt.workers) / len(attempt.workers)
+        attempt.mfu = mfu(attempt.workers, per_worker)
         for b in BUCKETS:
             totals[b] += attempt.buckets[b]
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
     return Goodput(run=run, start=attempts[0].start, end=max(a.end for a in attempts),
-                   attempts=attempts, buckets=totals)
+                   attempts=attempts, buckets=totals,
+                   mfu=mfu([w for a in attempts for w in a.workers], per_worker_of))
+
+
+def mfu(workers: list[Worker], buckets: list[dict[str, float]]) -> float | None:
+    """Model FLOPs utilisation over productive time: the model FLOPs of the steps in the
+    workers' productive time (``flops_per_step`` of their timelines, ``configure_timeline``)
+    over those seconds at each worker's peak (``peak_tflops``). None when no worker gave both."""
+    done = capacity = 0.0
+    for worker, own in zip(workers, buckets):
+        flops, peak = worker.header.get("flops_per_step"), worker.header.get("peak_tflops")
+        if flops and peak and own["productive"] > 0:
+            done += worker.productive_steps * float(flops)
+            capacity += own["productive"] * float(peak) * 1e12
+    return done / capacity if capacity else None
 
 
 def goodput_of(run_path: str) -> Goodput:

@@ -8,6 +8,8 @@ IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
 - ``ray_train_xla_step_time_seconds``: mean step time over the last interval with steps;
 - ``ray_train_xla_samples_per_second`` / ``ray_train_xla_tokens_per_second`` (when
   ``configure_timeline`` says what a step processes);
+- ``ray_train_xla_tflops_per_second`` / ``ray_train_xla_mfu``: model TFLOP/s of this device
+  and their share of its peak (when ``configure_timeline`` gives ``flops_per_step``);
 - ``ray_train_xla_device_memory_bytes`` / ``ray_train_xla_device_memory_peak_bytes``;
 - ``ray_train_xla_steps_total``: steps finished;
 - ``ray_train_xla_time_seconds_total{bucket=...}``: seconds of step time by bucket: ``step``
@@ -41,6 +43,10 @@ class _Metrics:
                              "interval", tag_keys=TAG_KEYS)
         self.tokens = Gauge("train_xla_tokens_per_second", "Tokens per second over the last "
                             "interval", tag_keys=TAG_KEYS)
+        self.tflops = Gauge("train_xla_tflops_per_second", "Model TFLOP/s of this device over "
+                            "the last interval", tag_keys=TAG_KEYS)
+        self.mfu = Gauge("train_xla_mfu", "Model FLOPs utilisation: model TFLOP/s over the "
+                         "device's peak", tag_keys=TAG_KEYS)
         self.memory = Gauge("train_xla_device_memory_bytes", "Device memory in use (process RSS on "
                             "CPU)", tag_keys=TAG_KEYS)
         self.peak = Gauge("train_xla_device_memory_peak_bytes", "Peak device memory in use",
@@ -86,6 +92,11 @@ def exporter() -> Callable[[Any, dict], None] | None:
                 m.samples.set(samples / step_s, tags=tags)
             if step_s > 0 and tokens:
                 m.tokens.set(tokens / step_s, tags=tags)
+            flops, peak = window.get("flops_per_step"), window.get("peak_tflops")
+            if step_s > 0 and flops:
+                m.tflops.set(flops / step_s / 1e12, tags=tags)
+                if peak:
+                    m.mfu.set(flops / step_s / 1e12 / peak, tags=tags)
         for bucket, key in zip(BUCKETS, ("step_s", "data_s", "stall_s", "compile_s")):
             if window[key] > 0:
                 m.seconds.inc(window[key], tags={**tags, "bucket": bucket})

@@ -55,24 +55,46 @@ STEP, CHECKPOINT, END = 0, 1, 2
 
 def configure_timeline(samples_per_step: float | None = None, tokens_per_step: float | None = None,
                        interval_s: float | None = None,
-                       storage_interval_s: float | None = None) -> None:
+                       storage_interval_s: float | None = None,
+                       flops_per_step: float | None = None,
+                       peak_tflops: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
-    the timeline then gives samples/s and tokens/s) and how often the background thread runs
-    (``interval_s``: Ray metrics and memory, 5 s by default; ``storage_interval_s``: goodput
-    events written to the run's storage, 30 s by default, and always at checkpoints and at the
-    end). Call it on every worker; values left None are as they are, and a value that differs
-    from one set before raises ``ValueError``."""
-    for name, value in (("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step),
-                        ("interval_s", interval_s), ("storage_interval_s", storage_interval_s)):
+    the timeline then gives samples/s and tokens/s; ``flops_per_step``, the model FLOPs of this
+    worker's step, forward and backward, from ``model_flops_per_token`` or ``count_flops``: it
+    then gives TFLOP/s and MFU against ``peak_tflops``, the device's peak, by default the
+    published figure of the worker's device or, on CPU, a matmul probe's) and how often the
+    background thread runs (``interval_s``: Ray metrics and memory, 5 s by default;
+    ``storage_interval_s``: goodput events written to the run's storage, 30 s by default, and
+    always at checkpoints and at the end). Call it on every worker; values left None are as
+    they are, and a value that differs from one set before raises ``ValueError``."""
+    values = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step,
+              "interval_s": interval_s, "storage_interval_s": storage_interval_s,
+              "flops_per_step": flops_per_step, "peak_tflops": peak_tflops}
+    for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not value > 0):
             raise ValueError(f"configure_timeline: {name}={value!r} must be a number > 0")
     rt = runtime()
-    rt.configure(TimelineOptions, **{k: None if v is None else float(v) for k, v in (
-        ("samples_per_step", samples_per_step), ("tokens_per_step", tokens_per_step),
-        ("interval_s", interval_s), ("storage_interval_s", storage_interval_s))})
+    rt.configure(TimelineOptions, **{k: None if v is None else float(v) for k, v in values.items()})
     if rt.timeline is not None:
         rt.timeline.wake()
+
+
+def device_peak_tflops(device: str) -> float | None:
+    """The peak TFLOP/s MFU is taken against on this worker's ``device`` when
+    ``configure_timeline`` gives none: on TPU the published figure of the host's accelerator
+    type (``TPU_ACCELERATOR_TYPE``, as Ray reads it on GKE), on CPU a matmul probe of this
+    process (``flops.cpu_peak_tflops``); None where neither is known (Trainium: give
+    ``peak_tflops``, from ``planning/peaks.py``)."""
+    if device == "cpu":
+        from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
+
+        return cpu_peak_tflops()
+    if device == "tpu":
+        from ray_train_xla.planning.peaks import peak_tflops
+
+        return peak_tflops(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+    return None
 
 
 def step_size() -> tuple[float | None, float | None]:
@@ -179,6 +201,7 @@ class Timeline:
         self._last_write = 0.0
         self._memory: tuple[float, float] | None = None
         self._write_error_logged = False
+        self._peak: list[float | None] = []  # the device's peak TFLOP/s, once looked up
         self._header = {
             "kind": "worker", "attempt": attempt, "rank": rank, "world": world,
             "local_rank": local_rank, "node": node, "device": device,
@@ -228,6 +251,26 @@ class Timeline:
         time so far belongs before the checkpoint (goodput's lost work starts here)."""
         self._boundary(CHECKPOINT, steps)
 
+    def peak_tflops(self) -> float | None:
+        """The peak TFLOP/s MFU is taken against: ``configure_timeline``'s, else the device's
+        (``device_peak_tflops``, looked up or measured once); None when unknown (warned once)."""
+        given = self._options().peak_tflops
+        if given:
+            return given
+        if not self._peak:
+            try:
+                peak = device_peak_tflops(self.device)
+            except Exception as exc:  # noqa: BLE001 (no MFU, the run goes on)
+                peak = None
+                logger.warning("rank %d: timeline: the peak of %s: %s: %s", self.rank,
+                               self.device, type(exc).__name__, exc)
+            if peak is None:
+                logger.warning("rank %d: timeline: no published peak for device %r here, so no "
+                               "MFU: give configure_timeline(peak_tflops=...)", self.rank,
+                               self.device)
+            self._peak.append(peak)
+        return self._peak[0]
+
     def report_metrics(self, caller: Any = None) -> dict[str, float]:
         """The steps since ``caller``'s previous call, as ``timeline/...`` metrics (empty when
         none): each caller has its window, so two never take each other's steps."""
@@ -251,6 +294,12 @@ class Timeline:
                 out["timeline/samples_per_s"] = options.samples_per_step / step_s
             if options.tokens_per_step:
                 out["timeline/tokens_per_s"] = options.tokens_per_step / step_s
+            if options.flops_per_step:
+                tflops = options.flops_per_step / step_s / 1e12
+                out["timeline/tflops_per_s"] = tflops
+                peak = self.peak_tflops()
+                if peak:
+                    out["timeline/mfu"] = tflops / peak
         memory = self._memory
         if memory is not None:
             out["timeline/device_memory_bytes"] = memory[0]
@@ -326,6 +375,9 @@ class Timeline:
                     self._write()
                 if self._export is not None:
                     window["samples_per_step"], window["tokens_per_step"] = step_size()
+                    window["flops_per_step"] = self._options().flops_per_step
+                    window["peak_tflops"] = (self.peak_tflops() if window["flops_per_step"]
+                                             else None)
                     self._export(self, window)
             except Exception as exc:  # noqa: BLE001 (never take the run down for its timeline)
                 logger.warning("rank %d: timeline: %s: %s", self.rank, type(exc).__name__, exc)
@@ -408,6 +460,8 @@ class Timeline:
             options = self._options()
             self._header["samples_per_step"] = options.samples_per_step
             self._header["tokens_per_step"] = options.tokens_per_step
+            self._header["flops_per_step"] = options.flops_per_step
+            self._header["peak_tflops"] = self.peak_tflops() if options.flops_per_step else None
             self._lines[0] = json.dumps(self._header)
         self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
         try:

@@ -1,0 +1,73 @@
+"""Model FLOPs: what a step computes, for model FLOPs utilisation (MFU).
+
+Two ways to the figure, as torchtitan and MaxText count it:
+
+- :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs
+  per token for each weight that takes part in a matmul (every ``nn.Linear``, the output
+  projection included, tied or not; not the input embedding, a lookup), forward and backward,
+  plus attention's ``12 x layers x heads x head_dim x sequence length``. Causal attention is
+  counted whole, as torchtitan counts it and as the math and eager kernels compute it (the
+  scores of the masked half are computed, then masked); MaxText halves it
+  (``causal_half=True``).
+- :func:`count_flops`: torch's own ``FlopCounterMode`` over one call of any function (a
+  training step on one batch), for any model.
+
+``configure_timeline(flops_per_step=...)`` takes the result; the timeline then gives TFLOP/s
+and MFU per step (``timeline.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -> float:
+    """Training FLOPs (forward and backward) per token of a Hugging Face decoder ``model`` (a
+    ``PreTrainedModel`` or its ``PretrainedConfig``) on sequences of ``seq_len`` tokens."""
+    import torch
+
+    config = getattr(model, "config", model)
+    if isinstance(model, torch.nn.Module):
+        module = model
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(config)
+    if seq_len < 1:
+        raise ValueError(f"model_flops_per_token: seq_len={seq_len!r} must be >= 1")
+    matmul = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = 12 * layers * heads * head_dim * seq_len
+    return 6.0 * matmul + (attention / 2 if causal_half else attention)
+
+
+def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """The FLOPs torch's ``FlopCounterMode`` counts in one call of ``fn(*args, **kwargs)`` (the
+    matmuls, convolutions and attention kernels of its forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, **kwargs)
+    return float(counter.get_total_flops())
+
+
+def cpu_peak_tflops(size: int = 512, seconds: float = 0.2) -> float:
+    """This process's matmul TFLOP/s on the CPU, measured: float32 products of ``size`` square
+    matrices for about ``seconds`` (the best of its rounds): the peak MFU is taken against on
+    CPU workers, where no published figure applies."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # the first call's allocations and dispatch
+    flops, best, deadline = 2.0 * size ** 3, 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * flops / (time.perf_counter() - start))
+    return best / 1e12

@@ -1,0 +1,163 @@
+"""Model FLOPs and MFU (``toolkit/observability/flops.py``, ``planning/peaks.py``, the
+timeline's TFLOP/s and MFU): the decoder formula against torch's own ``FlopCounterMode`` on a
+Llama and a Qwen2, a stack of matmuls of known FLOPs, the peak table, and the timeline's
+figures from a step time it measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ray_train_xla as rtx
+from ray_train_xla.planning.peaks import PEAKS, device_peak, peak_tflops
+from ray_train_xla.toolkit import runtime as rt_mod
+from ray_train_xla.toolkit.observability import timeline as tl_mod
+from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
+from ray_train_xla.toolkit.observability.timeline import Timeline
+from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
+
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+
+SEQ, BATCH = 64, 2
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
+                       tie_word_embeddings=False, attn_implementation="eager")
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=SEQ,
+                       tie_word_embeddings=True, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2-tied"])
+def test_the_formula_is_flop_counter_modes_count_of_a_forward_and_backward(make):
+    from transformers import AutoModelForCausalLM
+
+    config = make()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+
+    def step():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    counted = rtx.count_flops(step)
+    per_token = rtx.model_flops_per_token(config, seq_len=SEQ)
+    # The config and the model give the same figure.
+    assert rtx.model_flops_per_token(model, seq_len=SEQ) == per_token
+    assert per_token * BATCH * SEQ == pytest.approx(counted, rel=0.01), (per_token * BATCH * SEQ,
+                                                                       counted)
+    # The attention term is what changes with the length; halved, MaxText's count.
+    layers, heads, head_dim = 3, 8, 16
+    attention = 12 * layers * heads * head_dim * SEQ
+    assert per_token - rtx.model_flops_per_token(config, SEQ, causal_half=True) == attention / 2
+    # The input embedding is a lookup: not counted; the output projection is, tied or not.
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert per_token == 6 * linear + attention
+    assert model.lm_head.weight.numel() == config.vocab_size * config.hidden_size
+    with pytest.raises(ValueError, match="seq_len"):
+        rtx.model_flops_per_token(config, seq_len=0)
+
+
+def test_with_sdpa_on_cpu_the_counter_may_miss_attention_and_only_attention():
+    """torch's CPU flash-attention kernel of ``scaled_dot_product_attention`` has no entry in
+    ``FlopCounterMode``'s table on torch 2.9 (its count is then the matmul weights' alone): the
+    difference is the attention term, exactly, and nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    config = _llama()
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    counted = rtx.count_flops(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward())
+    per_token = rtx.model_flops_per_token(config, seq_len=SEQ)
+    attention = 12 * 3 * 8 * 16 * SEQ
+    assert counted in (per_token * BATCH * SEQ, (per_token - attention) * BATCH * SEQ), counted
+
+
+def test_a_stack_of_matmuls_counts_its_known_flops():
+    a, w = torch.randn(32, 48), [torch.randn(48, 48) for _ in range(5)]
+
+    def stack():
+        x = a
+        for m in w:
+            x = x @ m
+        return x
+
+    assert rtx.count_flops(stack) == 5 * 2 * 32 * 48 * 48
+
+
+def test_the_peak_table_is_keyed_by_device_and_generation():
+    assert peak_tflops("trn1") == 95.0
+    assert peak_tflops("trn2.48xlarge") == 158.0  # a logical NeuronCore at LNC=2
+    assert peak_tflops("trn2", logical_cores=1) == 79.0
+    assert peak_tflops("trn3") == 158.0 and peak_tflops("trn3", "fp8") is None
+    assert peak_tflops("v4-16") == 275.0 and peak_tflops("TPU-V5E") == 197.0
+    assert peak_tflops("v5litepod-16") == 197.0 and peak_tflops("v5p-128") == 459.0
+    assert peak_tflops("v6e-16") == 918.0
+    assert peak_tflops("tpu7x-32") == 1153.5 and peak_tflops("v7x", "fp8") == 2307.0
+    assert peak_tflops("h100") is None and device_peak("") is None
+    assert all(p.source.startswith("https://") for p in PEAKS.values())
+    with pytest.raises(ValueError, match="bf16"):
+        peak_tflops("v4", "fp16")
+
+
+def test_the_cpu_probe_measures_a_positive_rate():
+    assert 0 < cpu_peak_tflops(size=128, seconds=0.05) < 100
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_timeline_gives_tflops_and_mfu_of_the_steps_it_timed():
+    rt_mod.begin()
+    clock = Clock(10.0)
+    tl = Timeline(attempt="A", rank=0, world=1, device="neuron", clock=clock,
+                  options=lambda: runtime().options(TimelineOptions))
+    flops = 4e12
+    try:
+        for t in (10.5, 11.0, 11.5, 12.0):  # 0.5 s steps
+            clock.t = t
+            tl.on_step(0)
+        assert "timeline/tflops_per_s" not in tl.report_metrics()  # nothing said: no figure
+        tl_mod.configure_timeline(flops_per_step=flops)
+        for t in (12.4, 12.8):  # 0.4 s steps
+            clock.t = t
+            tl.on_step(0)
+        out = tl.report_metrics()
+        assert out["timeline/tflops_per_s"] == pytest.approx(flops / 0.4 / 1e12, rel=0.01)
+        assert "timeline/mfu" not in out  # no peak known for this device here: none invented
+        tl_mod.configure_timeline(peak_tflops=20.0)
+        clock.t = 13.2
+        tl.on_step(0)
+        out = tl.report_metrics()
+        assert out["timeline/mfu"] == pytest.approx(flops / 0.4 / 1e12 / 20.0, rel=0.01)
+        with pytest.raises(ValueError, match="peak_tflops"):
+            tl_mod.configure_timeline(peak_tflops=30.0)
+        with pytest.raises(ValueError, match="flops_per_step"):
+            tl_mod.configure_timeline(flops_per_step=-1)
+    finally:
+        rt_mod.end()
+
+
+def test_on_cpu_the_peak_is_a_probe_measured_once():
+    rt_mod.begin()
+    try:
+        tl = Timeline(device="cpu", options=lambda: runtime().options(TimelineOptions))
+        first = tl.peak_tflops()
+        assert first > 0 and tl.peak_tflops() == first
+    finally:
+        rt_mod.end()
