@@ -21,6 +21,19 @@ pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.1
 SEQ, BATCH = 64, 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def xla_device_first():
+    """torch's autograd engine sizes its per-device queues at a process's first backward, from
+    the devices known then: with torch_xla's device started first, later tests that run XLA
+    backward passes in this process still find a queue for it."""
+    from conftest import HAS_TORCH_XLA
+
+    if HAS_TORCH_XLA:
+        import torch_xla
+
+        torch_xla.device()
+
+
 def _llama():
     from transformers import LlamaConfig
 
