@@ -96,6 +96,25 @@ def test_with_sdpa_on_cpu_the_counter_may_miss_attention_and_only_attention():
     assert counted in (per_token * BATCH * SEQ, (per_token - attention) * BATCH * SEQ), counted
 
 
+def test_gpt2s_conv1d_counts_and_a_model_it_cannot_count_is_refused_naming_count_flops():
+    """GPT-2's matmuls are transformers' Conv1D: counted, equal to FlopCounterMode's count. A
+    model with weights of another kind (a convolution) or a config without layers and heads is
+    refused, never counted short."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
+                        attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 256, (BATCH, SEQ))
+    counted = rtx.count_flops(lambda: model(input_ids=ids, labels=ids).loss.backward())
+    assert rtx.model_flops_per_token(model, SEQ) * BATCH * SEQ == pytest.approx(counted, rel=0.01)
+    model.transformer.add_module("stem", torch.nn.Conv2d(3, 8, 3))
+    with pytest.raises(ValueError, match="stem \\(Conv2d\\).*count_flops"):
+        rtx.model_flops_per_token(model, SEQ)
+    with pytest.raises(ValueError, match="config without num_hidden_layers.*count_flops"):
+        rtx.model_flops_per_token(torch.nn.Linear(4, 4), SEQ)
+
+
 def test_a_stack_of_matmuls_counts_its_known_flops():
     a, w = torch.randn(32, 48), [torch.randn(48, 48) for _ in range(5)]
 

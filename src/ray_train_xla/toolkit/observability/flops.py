@@ -3,12 +3,13 @@
 Two ways to the figure, as torchtitan and MaxText count it:
 
 - :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs
-  per token for each weight that takes part in a matmul (every ``nn.Linear``, the output
-  projection included, tied or not; not the input embedding, a lookup), forward and backward,
-  plus attention's ``12 x layers x heads x head_dim x sequence length``. Causal attention is
-  counted whole, as torchtitan counts it and as the math and eager kernels compute it (the
+  per token for each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's
+  ``Conv1D``, the output projection included, tied or not; not the input embedding, a lookup),
+  forward and backward, plus attention's ``12 x layers x heads x head_dim x sequence length``.
+  Causal attention is counted whole, as torchtitan counts it and as the math and eager kernels compute it (the
   scores of the masked half are computed, then masked); MaxText halves it
-  (``causal_half=True``).
+  (``causal_half=True``). A model with weights of another kind, or a config without layers
+  and heads, is refused with a ``ValueError`` that names :func:`count_flops`.
 - :func:`count_flops`: torch's own ``FlopCounterMode`` over one call of any function (a
   training step on one batch), for any model.
 
@@ -38,7 +39,22 @@ def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -
             module = AutoModelForCausalLM.from_config(config)
     if seq_len < 1:
         raise ValueError(f"model_flops_per_token: seq_len={seq_len!r} must be >= 1")
-    matmul = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    matmul, other = 0, []
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D":  # GPT-2's is a matmul
+            matmul += m.weight.numel()
+        elif isinstance(weight, torch.Tensor) and weight.dim() > 1 \
+                and not isinstance(m, torch.nn.Embedding):
+            other.append(f"{name} ({type(m).__name__})")
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+               if not isinstance(getattr(config, k, None), int)]
+    if other or missing:
+        what = (f"weights of a kind it does not count: {', '.join(other[:3])}" if other
+                else f"a config without {', '.join(missing)}")
+        raise ValueError(f"model_flops_per_token: {type(module).__name__} has {what}; it counts "
+                         "Hugging Face decoders of linear layers: measure this model's step "
+                         "with count_flops(step) instead")
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
