@@ -5,6 +5,10 @@ figures from a step time it measured."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +19,8 @@ from ray_train_xla.toolkit.observability import timeline as tl_mod
 from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
 from ray_train_xla.toolkit.observability.timeline import Timeline
 from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
+
+from conftest import HAS_TORCH_XLA
 
 pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
 
@@ -193,3 +199,22 @@ def test_on_cpu_the_peak_is_a_probe_measured_once():
         assert first > 0 and tl.peak_tflops() == first
     finally:
         rt_mod.end()
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason="torch_xla is not installed")
+def test_count_flops_first_in_a_torch_xla_process_leaves_its_backward_working():
+    """A fresh process with torch_xla loaded, as on a TorchXLAConfig worker: count_flops runs a
+    CPU backward before anything used XLA's device, then an XLA backward must still run."""
+    code = (
+        "import torch, torch_xla\n"
+        "import ray_train_xla as rtx\n"
+        "n = rtx.count_flops(lambda: torch.nn.Linear(4, 1)(torch.ones(2, 4)).sum().backward())\n"
+        "dev = torch_xla.device()\n"
+        "m = torch.nn.Linear(4, 1).to(dev)\n"
+        "m(torch.ones(2, 4, device=dev)).sum().backward()\n"
+        "print(n, float(m.weight.grad.sum().cpu()))\n")
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["32.0", "8.0"], out.stdout

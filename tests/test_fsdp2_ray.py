@@ -294,6 +294,9 @@ def runs(one_node, tmp_path_factory):
         torch_config=TorchNeuronConfig(device="cpu", timeout_s=120), scaling_config=native_scaling(4),
         run_config=RunConfig(storage_path=str(tmp / "results"), storage_filesystem=storage))
     ckpt4 = result.checkpoint.path
+    from ray_train_xla.toolkit.observability.goodput import goodput_of, own_times
+
+    out["four_own"] = own_times(goodput_of(os.path.dirname(ckpt4)).attempts[-1].workers)
     out["four_files"] = sorted(os.listdir(ckpt4))
     out["four_run"] = sorted(os.listdir(os.path.dirname(ckpt4)))
     from counting_fs import checkpoint_writes
@@ -344,6 +347,11 @@ def test_fsdp2_trains_like_the_unsharded_run(runs):
         assert rec["bf16_dtypes"] == ["torch.float32"]  # parameters stay fp32
         # Computed in bf16: off the fp32 run, but by far less than training moved it.
         assert 0 < rec["bf16_off"] < 0.25 * rec["fp32_moved"], (rec["bf16_off"], rec["fp32_moved"])
+    # Every rank's own time a step (stragglers) ends at the forward's first all-gather, where
+    # the model's pre-forward hook stamps it: a small part of the step, not its backward too.
+    own = runs["four_own"]
+    assert sorted(own) == [0, 1, 2, 3], own
+    assert all(own_s < 0.5 * step_s for own_s, step_s, _ in own.values()), own
 
 
 @pytest.mark.native

@@ -153,6 +153,82 @@ def test_mfu_over_productive_time_and_effective_mfu_of_a_run_with_a_failure(tmp_
     assert plain.mfu is None and plain.effective_mfu is None and "MFU" not in format_table(plain)
 
 
+def write_straggled_run(run_dir, late=(0.0, 0.0, 0.05), steps=6, arrive=True,
+                        noise=False) -> float:
+    """One group of 3 workers whose steps end together every 0.2 s (synchronous collectives):
+    rank r arrives at the step's gradient synchronisation ``late[r]`` after the others (0.1 s
+    into the step), and a checkpoint stall of 0.07 s in step 3 on rank 1 that is not its own
+    time. ``noise``: rank 0 is 0.15 s late once (a hiccup: its mean would name it), and rank
+    2 0.09 s late in a step that compiled. Returns the run's wall clock."""
+    storage = RunStorage.at(str(run_dir))
+    rt_mod.begin()
+    try:
+        tl_mod.configure_timeline(flops_per_step=4e11, peak_tflops=10.0)
+        for rank in range(3):
+            tl, clock, compiles = _worker(storage, "A", rank, 100.0, 100.0)
+            tl.world = 3
+            for i in range(steps):
+                start = 100.0 + 0.2 * i
+                if i == 3 and rank == 1:
+                    tl.stall_s += 0.07
+                extra = 0.07 if i == 3 and rank == 1 else 0.0
+                if noise and (rank, i) == (0, 4):
+                    extra = 0.15
+                if noise and (rank, i) == (2, 2):
+                    extra = 0.09
+                    compiles.compile(0.09)
+                clock.t = start + 0.1 + late[rank] + extra
+                if arrive:
+                    tl.arrived()
+                    tl.arrived()  # a second collective in the step: the first arrival counts
+                clock.t = start + 0.2
+                tl.on_step(i + 1)
+            tl.end()
+    finally:
+        rt_mod.end()
+    return 0.2 * steps
+
+
+def test_a_rank_that_arrives_late_is_named_with_its_excess_and_none_otherwise(tmp_path, capsys):
+    wall = write_straggled_run(tmp_path / "slow")
+    result = goodput.goodput_of(str(tmp_path / "slow"))
+    assert result.attempts[0].measured == 3
+    [straggler] = result.stragglers
+    assert straggler.rank == 2 and straggler.steps == 5  # the first step is start-up
+    assert straggler.excess_per_step_s == pytest.approx(0.05)
+    assert straggler.others_s == pytest.approx(0.1) and straggler.step_s == pytest.approx(0.2)
+    assert straggler.excess_s == pytest.approx(0.25)
+    assert straggler.share == pytest.approx(0.25 / wall)
+    table = format_table(result)
+    assert "stragglers: own time a step" in table and "+0.050" in table, table
+    data = result.to_json()
+    assert [s["rank"] for s in data["stragglers"]] == [2]
+    assert data["attempts"][0]["stragglers"][0]["excess_s"] == pytest.approx(0.25)
+    # What rank 0's timeline names for the Ray metric, from the same files.
+    storage = RunStorage.at(str(tmp_path / "slow"))
+    live = goodput.live_stragglers(storage, "goodput/attempt-A", since=0.0)
+    assert [(s.rank, round(s.excess_per_step_s, 9)) for s in live] == [(2, 0.05)]
+    assert goodput.live_stragglers(storage, "goodput/attempt-A", since=200.0) == []
+    # A higher threshold names none; so does a run whose ranks arrive within it.
+    assert main(["goodput", str(tmp_path / "slow"), "--straggler-threshold", "0.3"]) == 0
+    assert "stragglers: none (in 1 worker group(s)" in capsys.readouterr().out
+    write_straggled_run(tmp_path / "even", late=(0.0, 0.01, 0.0), noise=True)
+    even = goodput.goodput_of(str(tmp_path / "even"))
+    assert even.stragglers == [] and even.attempts[0].measured == 3
+    # (the step rank 2 compiled is left out of its own time; rank 0's hiccup is one step)
+    assert goodput.own_times(even.attempts[0].workers)[2][2] == 4
+    # Ranks that never reach a synchronisation the timeline sees: not measured, and said.
+    write_straggled_run(tmp_path / "unseen", arrive=False)
+    unseen = goodput.goodput_of(str(tmp_path / "unseen"))
+    assert unseen.attempts[0].measured == 0
+    assert "stragglers: not measured" in format_table(unseen)
+    # The PNG names the straggler's lane and draws MFU over time (model FLOPs given).
+    png = tmp_path / "slow.png"
+    assert main(["goodput", str(tmp_path / "slow"), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["goodput", str(tmp_path / "slow"), "--straggler-threshold", "0"]) == 2
+
+
 @pytest.mark.parametrize("tier", ["memory", "storage"])
 def test_work_kept_by_the_memory_tier_is_lost_only_when_storage_served_the_restore(tmp_path, tier):
     """Group A's memory tier kept the step of 107.3: restored from memory, only 107.3 -> 107.6

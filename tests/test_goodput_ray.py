@@ -1,7 +1,8 @@
 """Goodput against a wall-clock audit, and the timeline's Ray metrics in Prometheus, from one
 Ray Train run on 2 CPU workers: a data loader that sleeps a known time per batch, a checkpoint
 saved with ``wait=True`` (the training thread stalls until Ray took it), a failure injected
-after it and a restart from it (``FailureConfig(max_failures=1)``).
+after it and a restart from it (``FailureConfig(max_failures=1)``); in the restarted group
+rank 1 sleeps before each step's gradient all-reduce (a straggler), in the first none does.
 
 Every worker times its own steps, loader waits, compilations, checkpoint stall and failure;
 each bucket of ``ray-train-xla goodput`` must match what they timed within 1% of the run's
@@ -33,6 +34,7 @@ RUN_NAME = "audit"
 # A step of Linear(4, 1) on a batch of 8: the forward's matmul and the weight's gradient, each
 # 2 x 8 x 4 x 1 FLOPs (the input needs no gradient); the peak MFU is taken against.
 STEP_FLOPS, PEAK_TFLOPS = 128, 1e-6
+SLOW_S = 0.1  # rank 1's sleep before each step's all-reduce in the restarted group
 
 
 def _compile_total() -> float:
@@ -61,8 +63,10 @@ def _prometheus(port: int, ranks: int, run: str, timeout_s: float = 30.0) -> lis
                  if ln.startswith("ray_train_xla_") and f'run="{run}"' in ln]
         names = ("ray_train_xla_steps", "ray_train_xla_step_time_seconds", "ray_train_xla_time_seconds",
                  "ray_train_xla_tflops_per_second", "ray_train_xla_mfu")
-        if all(any(ln.startswith(name) and f'rank="{r}"' in ln for ln in lines)
-               for r in range(ranks) for name in names):
+        named = any(ln.startswith("ray_train_xla_straggler_excess_seconds") and 'rank="1"' in ln
+                    and float(ln.split()[-1]) > 0 for ln in lines)
+        if named and all(any(ln.startswith(name) and f'rank="{r}"' in ln for ln in lines)
+                         for r in range(ranks) for name in names):
             return lines
         time.sleep(0.5)
     return lines
@@ -109,6 +113,8 @@ def audit_loop(config: dict) -> None:
         data_s = time.perf_counter() - t0
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xb), yb).backward()
+        if attempt == 1 and rank == 1:
+            time.sleep(SLOW_S)  # rank 0 waits for it in optimizer_step's all-reduce
         rtx.optimizer_step(opt)
         t_end = time.time()
         now = _compile_total()
@@ -244,6 +250,25 @@ def test_tflops_and_mfu_are_the_known_flops_over_the_steps_the_worker_timed(audi
         assert window["timeline/mfu"] == pytest.approx(expected / PEAK_TFLOPS, rel=0.01)
 
 
+def test_the_slow_rank_is_named_with_its_excess_and_none_where_no_rank_is_slow(audited_run,
+                                                                              capsys):
+    from ray_train_xla.toolkit.observability import goodput
+    from ray_train_xla.tools.cli import main
+
+    result = goodput.goodput_of(audited_run["run_path"])
+    first, restarted = result.attempts
+    assert first.measured == 2 and first.stragglers == [], first.stragglers
+    [slow] = restarted.stragglers
+    assert slow.rank == 1 and slow.steps >= 3
+    assert slow.excess_per_step_s == pytest.approx(SLOW_S, rel=0.1), slow
+    assert slow.excess_s == pytest.approx(slow.excess_per_step_s * slow.steps)
+    assert slow.share == pytest.approx(slow.excess_s / result.wall)
+    assert main(["goodput", audited_run["run_path"]]) == 0
+    out = capsys.readouterr().out
+    assert f"{slow.excess_per_step_s:+13.3f}" in out and "MFU" in out and "effective MFU" in out
+    print(out)
+
+
 def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
     from ray._private.utils import get_dashboard_dependency_error
 
@@ -258,4 +283,9 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
         assert any(n.startswith("ray_train_xla_steps") for n in names), lines
         assert any(n.startswith("ray_train_xla_time_seconds") and 'bucket="data_wait"' in ln
                    for ln in mine for n in [ln.split("{")[0]]), lines
-        assert all('device="cpu"' in ln and 'node="' in ln for ln in mine)
+        assert all('device="cpu"' in ln and 'node="' in ln for ln in mine
+                   if not ln.startswith("ray_train_xla_straggler"))
+    # Rank 0 named rank 1 a straggler, with about its sleep a step.
+    [named] = [ln for ln in lines if ln.startswith("ray_train_xla_straggler_excess_seconds")
+               and 'rank="1"' in ln]
+    assert float(named.split()[-1]) == pytest.approx(SLOW_S, rel=0.1), named

@@ -24,6 +24,14 @@ def add_stall(seconds: float) -> None:
         tl.stall_s += seconds
 
 
+def arrived() -> None:
+    """This rank reached the step's gradient synchronisation (its first collective): the
+    timeline counts its own time of the step up to here (stragglers)."""
+    tl = runtime().timeline
+    if tl is not None:
+        tl.arrived()
+
+
 def checkpoint_saved() -> None:
     """``save_checkpoint`` returned: this step's state is on its way to storage."""
     tl = runtime().timeline

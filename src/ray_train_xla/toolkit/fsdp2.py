@@ -212,5 +212,14 @@ def prepare_fsdp2(
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # The forward's first all-gather is the step's first collective: the timeline counts this
+    # rank's own time of the step up to it (stragglers). Before FSDP2's own pre-forward hook.
+    model.register_forward_pre_hook(_arrived, prepend=True)
     remember(model)
     return model
+
+
+def _arrived(module: torch.nn.Module, args: Any) -> None:
+    from ray_train_xla.toolkit import events
+
+    events.arrived()

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from ray_train_xla.toolkit import device as _device
+from ray_train_xla.toolkit import events
 from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, unflatten_into
 from ray_train_xla.toolkit.collectives import broadcast
 from ray_train_xla.toolkit.device import get_device
@@ -164,6 +165,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         return torch.tensor(0.0)
     sharded = _fsdp2_params(params) or find_sharded(params) is not None
     average = not sharded and world_size() > 1 and not spmd_global()
+    if sharded:
+        events.arrived()  # the norm over every shard is a collective
     if average:
         with torch.no_grad():
             _reduce(_Params(params), world_size(), bucket_mb)
@@ -180,6 +183,7 @@ def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
     if not (uses_host_collectives() or _device.is_native()):
         import torch_xla.core.xla_model as xm
 
+        events.arrived()
         xm.reduce_gradients(optimizer)
         return
     import torch.distributed as dist
@@ -189,6 +193,7 @@ def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
     # One execution computes the backward pass and every flattened bucket; the copies to the
     # host below are then plain transfers, one per bucket.
     _sync()
+    events.arrived()  # this rank's own part of the step is done: the first collective
     for bucket, flat in zip(groups, flats):
         host = flat.to(_device.comm_device(flat))
         dist.all_reduce(host, op=dist.ReduceOp.SUM)

@@ -39,7 +39,7 @@ class ReportOptions:
 @dataclasses.dataclass(frozen=True)
 class TimelineOptions:
     """``configure_timeline``: what one step processes (samples, tokens, model FLOPs), the
-    device's peak TFLOP/s, how often the background thread runs."""
+    device's peak TFLOP/s, how often the background thread runs, the straggler threshold."""
 
     samples_per_step: float | None = None
     tokens_per_step: float | None = None
@@ -47,6 +47,7 @@ class TimelineOptions:
     peak_tflops: float | None = None
     interval_s: float = 5.0
     storage_interval_s: float = 30.0
+    straggler_threshold: float = 0.1
 
 
 @dataclasses.dataclass(frozen=True)

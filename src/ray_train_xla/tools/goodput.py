@@ -25,6 +25,16 @@ LABELS = {
 }
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 10:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share of the step time, e.g. 0.1")
+    return value
+
+
 # ---- the table and the picture ----------------------------------------------------------------
 
 
@@ -59,7 +69,31 @@ def format_table(result: Goodput) -> str:
                else "")
         lines.append(f"{a.id[:12]:<14}{a.start - result.start:>8.1f}{a.end - result.start:>9.1f}"
                      f"{len(a.workers):>9}{steps:>8}  {a.outcome}{restored}{mfu}")
+    lines.append("")
+    lines.extend(format_stragglers(result))
     return "\n".join(lines)
+
+
+def format_stragglers(result: Goodput) -> list[str]:
+    """The stragglers' lines: each rank named, its own time a step, the others' median, the
+    excess a step and in all, and the share of the run it cost."""
+    threshold = f"{result.threshold:.0%}"
+    measured = sum(1 for a in result.attempts if a.measured >= 2)
+    if not measured:
+        return ["stragglers: not measured (it takes 2 or more workers that reach optimizer_step, "
+                "reduce_gradients, clip_grad_norm_ or the forward of a prepare_sharded_model model)"]
+    if not result.stragglers:
+        return [f"stragglers: none (in {measured} worker group(s), every rank's own time a step "
+                f"is within {threshold} of the step time of the other ranks' median)"]
+    lines = [f"stragglers: own time a step (before the gradient synchronisation) over the other "
+             f"ranks' median by more than {threshold} of the step time",
+             f"{'worker group':<14}{'rank':>5}{'own s':>9}{'others s':>10}{'step s':>9}"
+             f"{'excess/step':>13}{'steps':>7}{'excess s':>10}{'of run':>8}"]
+    for st in result.stragglers:
+        lines.append(f"{st.attempt[:12]:<14}{st.rank:>5}{st.own_s:>9.3f}{st.others_s:>10.3f}"
+                     f"{st.step_s:>9.3f}{st.excess_per_step_s:>+13.3f}{st.steps:>7}"
+                     f"{st.excess_s:>10.2f}{st.share:>8.1%}")
+    return lines
 
 
 COLORS = {"productive": "#3a9d3a", "start_up": "#9e9e9e", "compilation": "#d62728",
@@ -69,7 +103,8 @@ COLORS = {"productive": "#3a9d3a", "start_up": "#9e9e9e", "compilation": "#d6272
 
 def draw(result: Goodput, path: str) -> None:
     """A PNG of the run: one lane per worker rank, time since the run's start on x; steps in
-    their buckets, compilations, checkpoints Ray took, failures and restarts marked."""
+    their buckets, compilations, checkpoints Ray took, failures and restarts marked, stragglers
+    named on their lane; with model FLOPs, a panel below of each rank's MFU over time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +115,12 @@ def draw(result: Goodput, path: str) -> None:
 
     t0 = result.start
     lanes = max(w.rank for a in result.attempts for w in a.workers) + 1
-    fig, ax = plt.subplots(figsize=(12, 2.2 + 0.6 * lanes))
+    if result.mfu is not None:
+        fig, (ax, mfu_ax) = plt.subplots(2, 1, sharex=True, figsize=(12, 4.2 + 0.6 * lanes),
+                                         gridspec_kw={"height_ratios": [2.2 + 0.6 * lanes, 2]})
+        draw_mfu(result, mfu_ax)
+    else:
+        fig, ax = plt.subplots(figsize=(12, 2.2 + 0.6 * lanes))
     height = 0.6
     previous_end = None
     for i, attempt in enumerate(result.attempts):
@@ -136,9 +176,12 @@ def draw(result: Goodput, path: str) -> None:
             if failed:
                 ax.plot(attempt.end - t0, y, marker="X", color="#b00000", ms=11, ls="")
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
-    ax.set_yticks(range(lanes), [f"rank {r}" for r in range(lanes)])
+    slow = {s.rank: s.excess_per_step_s for s in result.stragglers}  # the slowest group's first
+    ax.set_yticks(range(lanes), [f"rank {r}" + (f"\nstraggler +{slow[r]:.3g} s/step" if r in slow
+                                                else "") for r in range(lanes)])
     ax.set_ylim(lanes - 0.5, -0.7)
-    ax.set_xlabel("seconds since the first worker group started")
+    (mfu_ax if result.mfu is not None else ax).set_xlabel(
+        "seconds since the first worker group started")
     ax.set_title(f"goodput {result.goodput:.1%} over {result.wall:.1f} s")
     handles = [Patch(color=COLORS[b], label=LABELS[b]) for b in BUCKETS if b != "other"]
     handles += [plt.Line2D([], [], color="black", lw=1.5, label="checkpoint taken"),
@@ -148,6 +191,28 @@ def draw(result: Goodput, path: str) -> None:
     fig.tight_layout(rect=(0, 0.16 + 0.1 / lanes, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def draw_mfu(result: Goodput, ax) -> None:
+    """Each rank's MFU over time (a segment per span of steps, from its model FLOPs a step and
+    its peak) and the run's MFU over productive time as a dashed line."""
+    t0 = result.start
+    for attempt in result.attempts:
+        for w in attempt.workers:
+            flops, peak = w.header.get("flops_per_step"), w.header.get("peak_tflops")
+            if not (flops and peak):
+                continue
+            for span in w.spans:
+                s0, s1 = float(span["t0"]), min(float(span["t1"]), attempt.end)
+                if span.get("first") or not span.get("steps") or s1 <= s0:
+                    continue
+                value = float(flops) * int(span["steps"]) / ((s1 - s0) * float(peak) * 1e12)
+                ax.hlines(100 * value, s0 - t0, s1 - t0, color=f"C{w.rank % 10}", lw=2)
+    ax.axhline(100 * result.mfu, color="black", ls="--", lw=1,
+               label=f"run: MFU {result.mfu:.1%}, effective {result.effective_mfu:.1%}")
+    ax.set_ylabel("MFU %")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=8, frameon=False)
 
 
 # ``ray-train-xla goodput``: its parser and its command.
@@ -160,18 +225,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Read the goodput events every worker's step timeline wrote into the run's "
         "storage (RUN_PATH/goodput/, written by runs of this package's backend) and print the "
         "run's wall-clock time by bucket: productive, start-up, compilation, data wait, "
-        "checkpoint stall, lost to failures, restart, other; then one line per worker group "
-        "(restarts and elastic resizes start a new one). The wall clock starts when the first "
-        "worker group started. Exits 2 when RUN_PATH holds no goodput events, 1 when its "
-        "storage cannot be read or FILE cannot be written.",
+        "checkpoint stall, lost to failures, restart, other; with model FLOPs "
+        "(configure_timeline(flops_per_step=...)) the MFU over productive time and effective "
+        "MFU (MFU x goodput); then one line per worker group (restarts and elastic resizes "
+        "start a new one), and the stragglers: ranks whose own time a step held the others "
+        "back. The wall clock starts at fit(). Exits 2 when RUN_PATH holds no goodput events, "
+        "1 when its storage cannot be read or FILE cannot be written.",
     )
     goodput.add_argument("run_path", metavar="RUN_PATH",
                          help="the run's directory: RunConfig(storage_path=...)/<name>, a local "
                          "path or a URI (s3://..., gs://...)")
     goodput.add_argument("--png", metavar="FILE", default=None,
                          help="also draw the run: one lane per worker, steps in their buckets, "
-                         "compilations, checkpoints, failures and restarts (needs matplotlib)")
+                         "compilations, checkpoints, failures, restarts and stragglers, and "
+                         "each rank's MFU over time (needs matplotlib)")
     goodput.add_argument("--json", action="store_true", help="print the figures as JSON")
+    goodput.add_argument("--straggler-threshold", type=_share, default=0.1, metavar="SHARE",
+                         help="name a rank a straggler when its own time a step (before the "
+                         "step's gradient synchronisation) exceeds the other ranks' median by "
+                         "more than this share of the step time (default 0.1)")
     return goodput
 
 
@@ -179,7 +251,7 @@ def cmd_goodput(args: argparse.Namespace) -> int:
     from ray_train_xla.toolkit.observability.goodput import GoodputError, goodput_of
 
     try:
-        result = goodput_of(args.run_path)
+        result = goodput_of(args.run_path, straggler_threshold=args.straggler_threshold)
     except GoodputError as exc:
         raise CommandError(f"{args.run_path}: {exc}") from exc
     except OSError as exc:

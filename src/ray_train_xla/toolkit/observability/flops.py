@@ -19,6 +19,7 @@ and MFU per step (``timeline.py``).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,8 +65,18 @@ def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -
 
 def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
     """The FLOPs torch's ``FlopCounterMode`` counts in one call of ``fn(*args, **kwargs)`` (the
-    matmuls, convolutions and attention kernels of its forward and backward)."""
+    matmuls, convolutions and attention kernels of its forward and backward).
+
+    Where torch_xla is loaded (a ``TorchXLAConfig`` worker), its device is started first:
+    torch's autograd engine sizes its device queues at the process's first backward pass, and
+    a CPU backward before XLA's device existed would leave every later XLA backward without
+    one (an internal assert of the engine)."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    if "torch_xla" in sys.modules:
+        from ray_train_xla.toolkit.device import get_device
+
+        get_device()
 
     with FlopCounterMode(display=False) as counter:
         fn(*args, **kwargs)

@@ -29,6 +29,14 @@ With model FLOPs in the workers' events (``configure_timeline(flops_per_step=...
 productive time (``mfu``: the FLOPs of the steps in productive time over those seconds at each
 worker's peak) and effective MFU = MFU x goodput, for the run and each worker group.
 
+Stragglers (``stragglers``): with synchronous collectives every rank's step ends together, so
+step times cannot tell which rank held the others back. The events carry each rank's own time
+a step: from the previous step end to its arrival at the step's gradient synchronisation, less
+its checkpoint stall, steps that compiled left out (``timeline.py``). A rank is named when its
+median own time a step exceeds the median of the other ranks' by more than ``threshold`` (10%)
+of the group's step time (medians: a single hiccup names no rank); that excess times its steps
+is what it cost every rank, given as seconds and as a share of the run.
+
 A worker group failed when a training function raised (its end is the earliest failure), or
 when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
 the first worker was told), or its workers stopped writing (killed: its end is then their last
@@ -39,6 +47,7 @@ mean over its workers: they step together.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +99,35 @@ class Worker:
 
 
 @dataclass
+class Straggler:
+    """A rank of a worker group whose own time a step (before the step's gradient
+    synchronisation) exceeds the other ranks' median by more than the threshold."""
+
+    attempt: str
+    rank: int
+    own_s: float  # its own time a step (median)
+    others_s: float  # the median of the other ranks' own time a step
+    step_s: float  # the group's step time (median over ranks)
+    steps: int  # its steps measured
+    share: float = 0.0  # of the run's wall clock, ``excess_s`` (set by ``compute``)
+
+    @property
+    def excess_per_step_s(self) -> float:
+        return self.own_s - self.others_s
+
+    @property
+    def excess_s(self) -> float:
+        """The seconds every rank of the group waited for this one."""
+        return self.excess_per_step_s * self.steps
+
+    def to_json(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "rank": self.rank, "own_s": self.own_s,
+                "others_s": self.others_s, "step_s": self.step_s, "steps": self.steps,
+                "excess_per_step_s": self.excess_per_step_s, "excess_s": self.excess_s,
+                "share": self.share}
+
+
+@dataclass
 class Attempt:
     """One worker group: its start, end, outcome, workers and buckets (mean over workers)."""
 
@@ -101,6 +139,8 @@ class Attempt:
     buckets: dict[str, float] = field(default_factory=dict)
     lost_from: float | None = None  # mean over workers: where lost work starts
     mfu: float | None = None  # over its productive time (``mfu``), None without model FLOPs
+    stragglers: list[Straggler] = field(default_factory=list)
+    measured: int = 0  # ranks whose own time was measured (stragglers need 2)
 
     @property
     def goodput(self) -> float:
@@ -131,6 +171,11 @@ class Goodput:
     attempts: list[Attempt]
     buckets: dict[str, float]
     mfu: float | None = None  # over the run's productive time, None without model FLOPs
+    threshold: float = 0.1  # of the step time, over which a rank is a straggler
+
+    @property
+    def stragglers(self) -> list[Straggler]:
+        return [s for a in self.attempts for s in a.stragglers]
 
     @property
     def effective_mfu(self) -> float | None:
@@ -151,11 +196,15 @@ class Goodput:
             "run": self.run, "start": self.start, "end": self.end, "wall_s": self.wall,
             "goodput": self.goodput, "buckets_s": dict(self.buckets),
             "mfu": self.mfu, "effective_mfu": self.effective_mfu,
+            "straggler_threshold": self.threshold,
+            "stragglers": [s.to_json() for s in self.stragglers],
             "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
                           "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
                                                                   default=0),
                           "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
-                          "restore": a.restore, "mfu": a.mfu, "effective_mfu": a.effective_mfu}
+                          "restore": a.restore, "mfu": a.mfu, "effective_mfu": a.effective_mfu,
+                          "ranks_measured": a.measured,
+                          "stragglers": [s.to_json() for s in a.stragglers]}
                          for a in self.attempts],
         }
 
@@ -199,9 +248,9 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
     return worker
 
 
-def read_run(storage: Any) -> list[Worker]:
-    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``)."""
-    files = [f for f in storage.list("goodput", recursive=True) if f.endswith(".jsonl")]
+def _files(storage: Any, under: str) -> dict[tuple[str, int], list[tuple[int, str]]]:
+    """The event files under ``under`` by (attempt, rank): their parts, in order."""
+    files = [f for f in storage.list(under, recursive=True) if f.endswith(".jsonl")]
     grouped: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
     for path in files:
         parts = path.split("/")
@@ -213,10 +262,15 @@ def read_run(storage: Any) -> list[Worker]:
             grouped[(parts[1][len("attempt-"):], int(rank_text))].append((int(part_text or 0), path))
         except ValueError:
             continue
+    return {key: sorted(parts) for key, parts in grouped.items()}
+
+
+def read_run(storage: Any) -> list[Worker]:
+    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``)."""
     workers = []
-    for (attempt, rank), parts in sorted(grouped.items()):
+    for (attempt, rank), parts in sorted(_files(storage, "goodput").items()):
         lines: list[str] = []
-        for _, path in sorted(parts):
+        for _, path in parts:
             data = storage.read_bytes(path)
             if data is not None:
                 lines.extend(data.decode(errors="replace").splitlines())
@@ -324,8 +378,9 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
     return out
 
 
-def compute(workers: list[Worker], run: str = "") -> Goodput:
-    """The run's goodput from its workers' events."""
+def compute(workers: list[Worker], run: str = "", straggler_threshold: float = 0.1) -> Goodput:
+    """The run's goodput from its workers' events; ``straggler_threshold``: the share of the
+    step time by which a rank's own time must exceed the others' to be named."""
     if not workers:
         raise GoodputError("no goodput events: the run has no goodput/ directory (was it run "
                            "with this package's backend and a RunConfig storage_path?)")
@@ -347,12 +402,17 @@ def compute(workers: list[Worker], run: str = "") -> Goodput:
             attempt.lost_from = sum(lost_work_from(w, attempt.end, memory)
                                     for w in attempt.workers) / len(attempt.workers)
         attempt.mfu = mfu(attempt.workers, per_worker)
+        attempt.stragglers, attempt.measured = stragglers(attempt.workers, straggler_threshold)
         for b in BUCKETS:
             totals[b] += attempt.buckets[b]
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
-    return Goodput(run=run, start=attempts[0].start, end=max(a.end for a in attempts),
-                   attempts=attempts, buckets=totals,
-                   mfu=mfu([w for a in attempts for w in a.workers], per_worker_of))
+    result = Goodput(run=run, start=attempts[0].start, end=max(a.end for a in attempts),
+                     attempts=attempts, buckets=totals,
+                     mfu=mfu([w for a in attempts for w in a.workers], per_worker_of),
+                     threshold=straggler_threshold)
+    for s in result.stragglers:
+        s.share = s.excess_s / result.wall if result.wall > 0 else 0.0
+    return result
 
 
 def mfu(workers: list[Worker], buckets: list[dict[str, float]]) -> float | None:
@@ -368,9 +428,73 @@ def mfu(workers: list[Worker], buckets: list[dict[str, float]]) -> float | None:
     return done / capacity if capacity else None
 
 
-def goodput_of(run_path: str) -> Goodput:
+def goodput_of(run_path: str, straggler_threshold: float = 0.1) -> Goodput:
     """The goodput of the run at ``run_path`` (a local path or a URI of its storage)."""
     from ray_train_xla.toolkit.run_storage import RunStorage
 
     storage = RunStorage.at(run_path)
-    return compute(read_run(storage), run=run_path)
+    return compute(read_run(storage), run=run_path, straggler_threshold=straggler_threshold)
+
+
+# ---- stragglers -------------------------------------------------------------------------------
+
+
+def own_times(workers: list[Worker], since: float = 0.0) -> dict[int, tuple[float, float, int]]:
+    """Each measured rank's (median own time a step, step time, steps measured), over its spans
+    after its first step that end at ``since`` or later; the median is the median of its spans'
+    medians, each weighted by its steps."""
+    out = {}
+    for w in workers:
+        medians: list[tuple[float, int]] = []
+        length = 0.0
+        steps = 0
+        for span in w.spans:
+            if span.get("first") or not span.get("own_steps") or float(span["t1"]) < since:
+                continue
+            medians.append((float(span["own_median_s"]), int(span["own_steps"])))
+            length += float(span["t1"]) - float(span["t0"])
+            steps += int(span.get("steps", 0))
+        if medians and steps:
+            n = sum(c for _, c in medians)
+            out[w.rank] = (_weighted_median(medians, n), length / steps, n)
+    return out
+
+
+def _weighted_median(values: list[tuple[float, int]], total: int) -> float:
+    seen = 0
+    for value, count in sorted(values):
+        seen += count
+        if 2 * seen >= total:
+            return value
+    return max(values)[0]
+
+
+def stragglers(workers: list[Worker], threshold: float = 0.1,
+               since: float = 0.0) -> tuple[list[Straggler], int]:
+    """The stragglers of one worker group (the module docstring says how), slowest first, and
+    the number of ranks measured (none can be named below 2)."""
+    measured = own_times(workers, since)
+    if len(measured) < 2:
+        return [], len(measured)
+    attempt = workers[0].attempt
+    step_s = statistics.median(v[1] for v in measured.values())
+    found = []
+    for rank, (own, _, n) in measured.items():
+        others = statistics.median(v[0] for r, v in measured.items() if r != rank)
+        if own - others > threshold * step_s:
+            found.append(Straggler(attempt, rank, own, others, step_s, n))
+    found.sort(key=lambda s: -s.excess_s)
+    return found, len(measured)
+
+
+def live_stragglers(storage: Any, under: str, since: float,
+                    threshold: float = 0.1) -> list[Straggler]:
+    """The stragglers of a running worker group from the newest event file of each of its ranks
+    under ``under`` (``goodput/attempt-<id>`` in ``storage``; rank 0's timeline, for the Ray
+    metric), over the spans that end at ``since`` or later."""
+    workers = []
+    for (attempt, rank), parts in sorted(_files(storage, under).items()):
+        data = storage.read_bytes(parts[-1][1])
+        if data is not None:
+            workers.append(parse_worker(attempt, rank, data.decode(errors="replace").splitlines()))
+    return stragglers(workers, threshold, since)[0] if workers else []

@@ -15,7 +15,11 @@ IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
 - ``ray_train_xla_time_seconds_total{bucket=...}``: seconds of step time by bucket: ``step``
   (all of it), ``data_wait``, ``checkpoint_stall``, ``compilation``;
 - ``ray_train_xla_goodput_ratio``: this worker's productive step time over the time since its
-  worker group started (the run's goodput across restarts is ``ray-train-xla goodput``).
+  worker group started (the run's goodput across restarts is ``ray-train-xla goodput``);
+- ``ray_train_xla_straggler_excess_seconds{run, rank}``: set by rank 0 for each rank it names a
+  straggler (``goodput.stragglers``, from every rank's events in the run's storage, every
+  ``storage_interval_s``, over the last 5 minutes): how much longer a step that rank's own
+  time is than the other ranks' median; 0 once it is no longer named.
 
 Needs Ray's metrics agent (``pip install 'ray[default]'``) to leave the node.
 """
@@ -56,6 +60,12 @@ class _Metrics:
         self.steps = Counter("train_xla_steps", "Training steps finished", tag_keys=TAG_KEYS)
         self.seconds = Counter("train_xla_time_seconds", "Seconds of step time, by bucket",
                                tag_keys=(*TAG_KEYS, "bucket"))
+        self.straggler = Gauge("train_xla_straggler_excess_seconds", "Seconds a step by which "
+                               "this rank's own time (before the step's gradient synchronisation) "
+                               "exceeds the other ranks' median, for the ranks named stragglers",
+                               tag_keys=("run", "rank"))
+        self.named: set[int] = set()  # ranks named stragglers so far (rank 0)
+        self.stragglers: dict[int, float] = {}  # as last read
         self.productive = 0.0
         self.step_s: float | None = None  # the last interval's mean step time
 
@@ -107,6 +117,11 @@ def exporter() -> Callable[[Any, dict], None] | None:
         elapsed = time.time() - tl.group_start
         if elapsed > 0:
             m.goodput.set(min(1.0, m.productive / elapsed), tags=tags)
+        if window.get("stragglers") is not None:  # rank 0, every storage_interval_s
+            m.stragglers = window["stragglers"]
+            m.named |= set(m.stragglers)
+        for rank in m.named:  # set again every interval (a gauge not refreshed is dropped)
+            m.straggler.set(m.stragglers.get(rank, 0.0), tags={"run": tags["run"], "rank": str(rank)})
         memory = tl.memory
         if memory is not None:
             m.memory.set(memory[0], tags=tags)

@@ -13,7 +13,14 @@ once, by the rules of ``steps.py``) it appends one record to a bounded buffer: t
 - blocked in ``save_checkpoint``, ``report`` and ``flush_reports`` (the checkpoint/report stall:
   the snapshot, a wait for an in-flight slot, ``wait=True``);
 - compiling: the growth of torch_xla's ``CompileTime`` (native stacks: Dynamo's compile time),
-  read again only when the compile counter moved (a counter read, about 0.6 us).
+  read again only when the compile counter moved (a counter read, about 0.6 us);
+- its own time: from the previous step end to its arrival at the step's gradient
+  synchronisation (``optimizer_step``, ``reduce_gradients``, ``clip_grad_norm_`` before their
+  first collective, the forward of a model ``prepare_sharded_model`` returned), less its
+  checkpoint stall; a span keeps the sum, count and median of its steps' own times, steps
+  that compiled left out. Synchronous collectives end every rank's step together, so step
+  times cannot tell a slow rank; own times can: the rank that arrives last holds the others
+  back (``goodput.stragglers``).
 
 Step time is host time between step ends. XLA runs asynchronously, but its queue is short:
 in steady state the host waits for the device every step, so the host's step time is the
@@ -36,6 +43,7 @@ import collections
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +56,7 @@ logger = logging.getLogger(__name__)
 BUFFER_RECORDS = 65536  # steps (and marks) held between two background runs; older ones drop
 PART_LINES = 2000  # lines per goodput file part (a part is rewritten whole: bounded)
 MAX_COMPILE_EVENTS = 500  # compilation events kept per worker and attempt (storms are summed)
+STRAGGLER_WINDOW_S = 300.0  # rank 0's Ray metric names the stragglers of the last 5 minutes
 GOODPUT_DIR = "goodput"
 
 # Record kinds in the buffer.
@@ -57,7 +66,8 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
                        interval_s: float | None = None,
                        storage_interval_s: float | None = None,
                        flops_per_step: float | None = None,
-                       peak_tflops: float | None = None) -> None:
+                       peak_tflops: float | None = None,
+                       straggler_threshold: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
     the timeline then gives samples/s and tokens/s; ``flops_per_step``, the model FLOPs of this
     worker's step, forward and backward, from ``model_flops_per_token`` or ``count_flops``: it
@@ -65,11 +75,14 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
     published figure of the worker's device or, on CPU, a matmul probe's) and how often the
     background thread runs (``interval_s``: Ray metrics and memory, 5 s by default;
     ``storage_interval_s``: goodput events written to the run's storage, 30 s by default, and
-    always at checkpoints and at the end). Call it on every worker; values left None are as
-    they are, and a value that differs from one set before raises ``ValueError``."""
+    always at checkpoints and at the end; ``straggler_threshold``: rank 0 names, as a Ray
+    metric, the ranks whose own time exceeds the others' median by more than this share of the
+    step time, 0.1 by default). Call it on every worker; values left None are as they are, and
+    a value that differs from one set before raises ``ValueError``."""
     values = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step,
               "interval_s": interval_s, "storage_interval_s": storage_interval_s,
-              "flops_per_step": flops_per_step, "peak_tflops": peak_tflops}
+              "flops_per_step": flops_per_step, "peak_tflops": peak_tflops,
+              "straggler_threshold": straggler_threshold}
     for name, value in values.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not value > 0):
@@ -177,6 +190,8 @@ class Timeline:
         self.data_s = 0.0
         self.stall_s = 0.0
         self._last = self._prev_step_end = self.begin
+        self._own: float | None = None  # this step's own time, once it arrived (``arrived``)
+        self._step_stall = 0.0  # stall in this step's checkpoint records so far
         reader = compile_reader
         self._count, self._compile_total = reader if reader is not None else (None, None)
         self._compiles = self._count() if self._count else 0.0
@@ -227,8 +242,12 @@ class Timeline:
                 self._compiles = c
                 total = self._compile_total()
                 compile_s, self._compile_s = total - self._compile_s, total
-        data, stall = self.data_s, self.stall_s
-        self._buf.append((kind, steps, self._last, now, data, stall, compile_s))
+        data, stall, own = self.data_s, self.stall_s, None
+        if kind == STEP:
+            own, self._own, self._step_stall = self._own, None, 0.0
+        else:
+            self._step_stall += stall
+        self._buf.append((kind, steps, self._last, now, data, stall, compile_s, own))
         self._appended += 1
         self.data_s = 0.0
         self.stall_s = 0.0
@@ -241,6 +260,14 @@ class Timeline:
             m[0] += 1
             m[1] += now - self._prev_step_end
             self._prev_step_end = now
+
+    def arrived(self) -> None:
+        """This rank reached the step's gradient synchronisation: its own time of the step is
+        the time since the previous step end, less its checkpoint stall (the first arrival of a
+        step counts)."""
+        if self._own is None:
+            self._own = (self._clock() - self._prev_step_end - self._step_stall
+                         - self.stall_s)
 
     def on_step(self, steps: int) -> None:
         """The step hook (``steps.add_step_hook``): one step ended."""
@@ -359,7 +386,7 @@ class Timeline:
             self._write(force=True)
 
     def _run(self) -> None:
-        next_memory = 0.0
+        next_memory = next_stragglers = 0.0
         while not self._stop:
             self._wake.wait(self._options().interval_s)
             self._wake.clear()
@@ -378,9 +405,24 @@ class Timeline:
                     window["flops_per_step"] = self._options().flops_per_step
                     window["peak_tflops"] = (self.peak_tflops() if window["flops_per_step"]
                                              else None)
+                    if (self.rank == 0 and self.world > 1 and self._storage is not None
+                            and now >= next_stragglers):
+                        next_stragglers = now + self._options().storage_interval_s
+                        window["stragglers"] = self.stragglers()
                     self._export(self, window)
             except Exception as exc:  # noqa: BLE001 (never take the run down for its timeline)
                 logger.warning("rank %d: timeline: %s: %s", self.rank, type(exc).__name__, exc)
+
+    def stragglers(self) -> dict[int, float]:
+        """(Rank 0) the ranks of this worker group named stragglers over the last
+        ``STRAGGLER_WINDOW_S``, from every rank's newest events in the run's storage: their
+        excess own time a step, in seconds (``goodput.stragglers``)."""
+        from ray_train_xla.toolkit.observability.goodput import live_stragglers
+
+        found = live_stragglers(self._storage, self.path(0).rsplit("/", 1)[0],
+                                self._clock() - STRAGGLER_WINDOW_S,
+                                self._options().straggler_threshold)
+        return {s.rank: s.excess_per_step_s for s in found}
 
     def _drain(self) -> dict[str, float]:
         """(Holding the lock) turn the buffered records into spans and events; returns the
@@ -408,7 +450,7 @@ class Timeline:
         return window
 
     def _record(self, rec: tuple, window: dict[str, float]) -> None:
-        kind, steps, t0, t1, data, stall, compile_s = rec
+        kind, steps, t0, t1, data, stall, compile_s, own = rec
         if kind == END:
             self._close_span()  # the tail after the last step is a span of its own
         span = self._span
@@ -423,6 +465,8 @@ class Timeline:
             span["steps"] += 1
             span["last_step"] = steps
             window["steps"] += 1
+            if own is not None and not compile_s:  # a step that compiled: the compiler's time
+                span.setdefault("own", []).append(own)
         if kind != END:
             window["step_s"] += t1 - t0
             window["data_s"] += data
@@ -445,6 +489,10 @@ class Timeline:
 
     def _close_span(self) -> None:
         if self._span is not None:
+            own = self._span.pop("own", None)
+            if own:  # the steps' own times: their sum, count and median
+                self._span.update(own_s=sum(own), own_steps=len(own),
+                                  own_median_s=statistics.median(own))
             self._lines.append(json.dumps(self._span))
             self._span = None
             self._dirty = True
