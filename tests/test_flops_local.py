@@ -185,6 +185,44 @@ def test_the_timeline_gives_tflops_and_mfu_of_the_steps_it_timed():
         rt_mod.end()
 
 
+def test_the_configs_peak_is_the_timelines_and_configure_timeline_may_not_change_it(monkeypatch):
+    """``peak_tflops`` on the config reaches the worker through its planned environment and
+    starts the timeline's options: MFU is taken against it, and a configure_timeline that gives
+    another peak raises, naming both values."""
+    from ray_train_xla import TorchNeuronConfig
+    from ray_train_xla.planning import Rendezvous, contract, plan
+    from ray_train_xla.planning.topology import Topology
+
+    env = plan(Topology.uniform([1]), TorchNeuronConfig(device="cpu", peak_tflops=79.0),
+               Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r"), "cpu")[0].env
+    monkeypatch.setenv(contract.PEAK_TFLOPS_VAR, env[contract.PEAK_TFLOPS_VAR])
+    contract.reload()
+    rt_mod.begin()
+    try:
+        clock = Clock(10.0)
+        tl = Timeline(device="cpu", clock=clock, options=lambda: runtime().options(TimelineOptions))
+        assert tl.peak_tflops() == 79.0
+        tl_mod.configure_timeline(flops_per_step=7.9e12, peak_tflops=79.0)  # the same: fine
+        for t in (11.0, 12.0):
+            clock.t = t
+            tl.on_step(0)
+        assert tl.report_metrics()["timeline/mfu"] == pytest.approx(0.1)  # 7.9 TFLOP/s of 79
+        with pytest.raises(ValueError) as info:
+            tl_mod.configure_timeline(peak_tflops=95.0)
+        assert str(info.value) == ("configure_timeline: peak_tflops=95.0 conflicts with "
+                                   "peak_tflops=79.0, which the config's peak_tflops field sets")
+    finally:
+        rt_mod.end()
+        monkeypatch.delenv(contract.PEAK_TFLOPS_VAR)
+        contract.reload()
+    rt_mod.begin()
+    try:  # without it on the config, configure_timeline gives it
+        tl_mod.configure_timeline(peak_tflops=95.0)
+        assert runtime().options(TimelineOptions).peak_tflops == 95.0
+    finally:
+        rt_mod.end()
+
+
 def test_on_cpu_the_peak_is_a_probe_measured_once():
     rt_mod.begin()
     try:
