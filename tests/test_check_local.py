@@ -121,6 +121,86 @@ def test_judge_training_names_the_step_that_compiled():
                                 "(every step after warm-up must reuse its graphs)"]
 
 
+def _compute_record(rank, tflops, peak, source="the published bf16 peak of a TPU v6e chip"):
+    return {"phase": "main", "step": "compute", "rank": rank, "ray_rank": rank, "seconds": 0.6,
+            "ok": True, "dtype": "bfloat16", "size": 8192, "tflops": tflops,
+            "peak_tflops": peak, "peak_source": source}
+
+
+def test_judge_compute_sets_each_devices_matmuls_beside_its_peak():
+    step = check.judge_compute([_compute_record(0, 800.0, 918.0), _compute_record(1, 760.0, 918.0),
+                                _compute_record(2, 780.0, 918.0)], 3, [])
+    assert step["ok"] is True  # reported, not judged
+    assert step["summary"] == ("bfloat16 matmuls of 8192x8192: 780 TFLOP/s per device (median "
+                               "of 3; 760 to 800), 85% of the peak 918 TFLOP/s (the published "
+                               "bf16 peak of a TPU v6e chip)")
+    assert check.judge_compute([_compute_record(0, 0.09326, 0.08972)], 1, [])["summary"] == (
+        "bfloat16 matmuls of 8192x8192: 0.0933 TFLOP/s per device (median of 1), 104% of the "
+        "peak 0.0897 TFLOP/s (the published bf16 peak of a TPU v6e chip)")
+    assert [round(r["share"], 3) for r in step["rows"]] == [0.871, 0.828, 0.85]
+    unknown = check.judge_compute([_compute_record(0, 80.0, None, "no published peak for an "
+                                                   "instance type not named here")], 1, [])
+    assert unknown["summary"] == ("bfloat16 matmuls of 8192x8192: 80 TFLOP/s per device (median "
+                                  "of 1); no peak known (no published peak for an instance type "
+                                  "not named here): give --peak-tflops")
+
+
+def test_judge_training_gives_the_steps_tflops_and_mfu():
+    records = [_training_record(r, [2, 1, 0, 0]) | {
+        "flops_per_step": 1.2e8, "tflops_per_s": t, "peak_tflops": p, "mfu": t / p,
+        "peak_source": "measured: a float32 matmul probe of this worker"}
+        for r, t, p in ((0, 0.002, 0.04), (1, 0.004, 0.06))]
+    step = check.judge_training(records, 2, [])
+    assert step["summary"].endswith(
+        "; 1.2e+08 model FLOPs a step, 0.003 TFLOP/s per device, MFU 5.83% of the peak 0.05 "
+        "TFLOP/s (measured: a float32 matmul probe of this worker)")  # medians of the workers'
+    assert step["mfu"] == pytest.approx(0.175 / 3)
+    assert step["mfu_by_rank"] == pytest.approx({0: 0.05, 1: 0.004 / 0.06})
+    records[0]["mfu"] = records[1]["mfu"] = None
+    records[0]["peak_source"] = "no published peak for device 'neuron'"
+    assert "no MFU: no peak known (no published peak for device 'neuron'): give --peak-tflops" \
+        in check.judge_training(records, 2, [])["summary"]
+
+
+def test_the_compute_step_and_the_models_flops_on_this_process(monkeypatch):
+    """The worker side of the compute step without Ray: a float32 probe on the CPU against the
+    config's peak, and the training step's FLOPs (FlopCounterMode on the meta device) equal to
+    the model's formula: 6 per linear weight and token, plus attention's 12 x layers x dim x
+    seq x tokens."""
+    from ray_train_xla.planning import contract
+    from ray_train_xla.tools.examples.train_lm import SEQ
+
+    monkeypatch.setitem(check_steps.MATMUL_SIZE, "cpu", 128)
+    monkeypatch.setattr(check_steps, "MATMUL_SECONDS", 0.05)
+    monkeypatch.setenv(contract.PEAK_TFLOPS_VAR, "2.5")
+    monkeypatch.setenv(contract.DEVICE_VAR, "cpu")
+    monkeypatch.setenv(contract.RUNTIME_VAR, "native")
+    contract.reload()
+    try:
+        state = {}
+        found = check_steps.compute({"device": "cpu"}, state)
+    finally:
+        for var in (contract.PEAK_TFLOPS_VAR, contract.DEVICE_VAR, contract.RUNTIME_VAR):
+            monkeypatch.delenv(var)
+        contract.reload()
+    assert found["dtype"] == "float32" and found["size"] == 128 and found["tflops"] > 0
+    assert (found["peak_tflops"], found["peak_source"]) == (
+        2.5, "given: --peak-tflops, the config's peak_tflops")
+    assert state["peak"] == (2.5, "given: --peak-tflops, the config's peak_tflops")
+    c = check_steps.model_config()
+    linear = c["layers"] * (3 * c["dim"] ** 2 + c["dim"] ** 2 + 2 * c["dim"] * c["ff"]) \
+        + c["dim"] * c["vocab"]
+    tokens = c["batch_size"] * SEQ
+    assert check_steps.step_flops() == 6 * linear * tokens + 12 * c["layers"] * c["dim"] * SEQ \
+        * tokens
+
+
+def test_the_peak_reaches_the_checks_config():
+    config = check.torch_config(check.CheckOptions(config="neuron", peak_tflops=79.0), "cpu")
+    assert config.peak_tflops == 79.0
+    assert check.torch_config(check.CheckOptions(), "cpu").peak_tflops is None
+
+
 def test_judge_checkpoint_and_restart():
     saved = {"model.w": "a", "model.b": "b"}
     training = [_training_record(0, [2, 1, 0], digest=saved)]
@@ -163,6 +243,10 @@ def test_report_files(tmp_path):
               "steps": [{"name": "world", "ok": True, "summary": "fine", "failures": []},
                         {"name": "bandwidth", "ok": True, "summary": "s", "failures": [],
                          "rows": rows, "comparisons": ["within a node: none"]},
+                        {"name": "compute", "ok": True, "summary": "c", "failures": [],
+                         "dtype": "float32", "rows": [
+                             {"rank": 0, "tflops": 0.051, "peak_tflops": 0.06, "share": 0.85},
+                             {"rank": 1, "tflops": 0.05, "peak_tflops": None, "share": None}]},
                         {"name": "training", "ok": False, "summary": "t",
                          "failures": ["rank 0: step 5 compiled"]},
                         {"name": "restart", "ok": None, "summary": "not run"}],
@@ -171,10 +255,12 @@ def test_report_files(tmp_path):
                                    "log_tail": "last line"}]}
     files = check_report.write_report(result, str(tmp_path))
     assert set(files) == {"json", "md", "png"} and os.path.getsize(files["png"]) > 1000
-    assert json.load(open(files["json"]))["steps"][2]["failures"] == ["rank 0: step 5 compiled"]
+    assert json.load(open(files["json"]))["steps"][3]["failures"] == ["rank 0: step 5 compiled"]
     md = open(files["md"]).read()
     for text in ("### training: FAIL", "- rank 0: step 5 compiled", "| within a node | all_reduce | 8 |",
-                 "RANK=0", "## Log of rank 1 (training)", "last line", "### restart: NOT RUN"):
+                 "RANK=0", "## Log of rank 1 (training)", "last line", "### restart: NOT RUN",
+                 "| rank | float32 matmul TFLOP/s | peak TFLOP/s | share |",
+                 "| 0 | 0.051 | 0.06 | 85.0% |", "| 1 | 0.05 | - | - |"):
         assert text in md
     table = check_report.to_table(result)
     assert table.splitlines()[-1] == "FAIL: training, restart"
@@ -211,11 +297,12 @@ def test_the_command_exits_1_and_names_each_failure(monkeypatch, capsys, tmp_pat
 
     monkeypatch.setattr(check, "run_check", fake_run)
     code = main(["check", "--config", "tpu", "--device", "cpu", "--workers", "3",
-                 "--max-bytes", "1M", "--timeout", "30", "--out", str(tmp_path)])
+                 "--max-bytes", "1M", "--timeout", "30", "--out", str(tmp_path),
+                 "--peak-tflops", "918"])
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL: training" in out
     assert "  training: rank 0: step 5 compiled 1 graph(s) after the 2 warm-up steps" in out
     options = seen["options"]
     assert (options.config, options.device, options.workers, options.max_bytes,
-            options.timeout_s) == ("tpu", "cpu", 3, 1 << 20, 30.0)
+            options.timeout_s, options.peak_tflops) == ("tpu", "cpu", 3, 1 << 20, 30.0, 918.0)

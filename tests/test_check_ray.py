@@ -13,14 +13,15 @@ from ray_train_xla.tools.cli import main
 
 pytestmark = pytest.mark.ray
 
-STEPS = ["world", "correctness", "bandwidth", "training", "checkpoint", "restart"]
+STEPS = ["world", "correctness", "bandwidth", "compute", "training", "checkpoint", "restart"]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("config", ["xla", "neuron", "tpu"])
 def test_check_passes_with_a_complete_report(ray_local, config, tmp_path, capsys):
+    peak = ["--peak-tflops", "0.5"] if config == "neuron" else []  # else the CPU's probe
     code = main(["check", "--config", config, "--device", "cpu", "--workers", "2",
-                 "--max-bytes", "4K", "--timeout", "120", "--out", str(tmp_path)])
+                 "--max-bytes", "4K", "--timeout", "120", "--out", str(tmp_path), *peak])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PASS: every step passed" in out
@@ -40,9 +41,18 @@ def test_check_passes_with_a_complete_report(ray_local, config, tmp_path, capsys
                                                            "reduce_scatter"}
     assert all(r["busbw"] > 0 for r in by["bandwidth"]["rows"])
     assert "no published figure for this hardware (cpu)" in by["bandwidth"]["summary"]
-    # training: the config's layout, tokens/s; checkpoint: same and half size, bit for bit.
+    # compute: float32 matmuls on each CPU worker against the peak its MFU is taken against.
+    assert by["compute"]["summary"].startswith("float32 matmuls of 512x512: ")
+    assert len(by["compute"]["rows"]) == 2 and all(r["tflops"] > 0 for r in by["compute"]["rows"])
+    source = ("given: --peak-tflops, the config's peak_tflops" if peak else
+              "measured: a float32 matmul probe of this worker")
+    assert by["compute"]["peak_source"] == source and source in by["compute"]["summary"]
+    assert (result["planned_env"][0].get("RAY_TRAIN_XLA_PEAK_TFLOPS") == "0.5") == bool(peak)
+    # training: the config's layout, tokens/s, TFLOP/s and MFU; checkpoint: same and half size.
     assert ("replicated" if config == "xla" else "FSDP2") in by["training"]["summary"]
     assert by["training"]["tokens_per_s"] > 0
+    assert 0 < by["training"]["mfu"] and f"MFU {100 * by['training']['mfu']:.2f}% of the " \
+        "peak" in by["training"]["summary"]
     assert "at 2 worker(s): equal bit for bit; at 1 worker(s): equal bit for bit" in \
         by["checkpoint"]["summary"]
     assert by["restart"]["cold_first_step_s"] > 0 and by["restart"]["warm_first_step_s"] > 0
@@ -93,7 +103,7 @@ def test_a_step_that_raises_names_the_worker_and_stops_what_follows(ray_local, t
     result = run_check(CheckOptions(config="neuron", device="cpu", workers=2, max_bytes=64,
                                     timeout_s=60, out=str(tmp_path)), hooks=RaisesIn("bandwidth"))
     by = {s["name"]: s for s in result["steps"]}
-    assert [by[s]["ok"] for s in STEPS] == [True, True, False, None, None, None]
+    assert [by[s]["ok"] for s in STEPS] == [True, True, False, None, None, None, None]
     assert by["bandwidth"]["failures"][0] == \
         "rank 1: RuntimeError: injected: the bandwidth step broke on rank 1"
     assert by["training"]["summary"] == "not run: step 'bandwidth' failed before it"

@@ -90,6 +90,29 @@ def test_plan_table_lists_shared_variables_once_and_the_rest_per_worker(capsys):
     assert not set(shared) & set(workers[0])
 
 
+def test_plan_says_the_peak_mfu_is_taken_against(capsys):
+    """--peak-tflops is the config's field (planned for every worker); without it the last line
+    gives the published peak of --accelerator-type, at the LNC that --env gives on Neuron."""
+    assert main(["plan", "--device", "neuron", "--runtime", "native", "--workers-per-node", "2",
+                 "--peak-tflops", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "  RAY_TRAIN_XLA_PEAK_TFLOPS=80.0\n" in out
+    assert out.splitlines()[-1] == "MFU peak: 80 TFLOP/s per device (--peak-tflops)"
+    assert main(["plan", "--device", "neuron", "--accelerator-type", "trn2.48xlarge",
+                 "--env", "NEURON_LOGICAL_NC_CONFIG=1"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("MFU peak: 79 TFLOP/s per device, the published bf16 peak of a "
+                           "Trainium2 physical NeuronCore-v3 (LNC=1) (https://")
+    assert main(["plan", "--device", "tpu", "--nodes", "4", "--workers-per-node", "4",
+                 "--accelerator-type", "v6e-16"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("MFU peak: 918 TFLOP/s per device")
+    assert main(["plan", "--device", "cpu", "--workers-per-node", "2"]) == 0  # measured on workers
+    out = capsys.readouterr().out
+    assert "MFU peak" not in out and "RAY_TRAIN_XLA_PEAK_TFLOPS" not in out
+    assert main(["plan", "--peak-tflops", "inf"]) == 2
+    assert "'inf' is not a positive number" in capsys.readouterr().err
+
+
 def test_plan_table_format():
     # Shared variables once, sorted; the others as aligned columns, "-" where a worker has none.
     rows = [{"rank": 0, "local_rank": 0, "node_rank": 0, "env": {"B": "x", "A": "1", "C": "y"}},

@@ -27,6 +27,13 @@ BAD = [
     ({"efa": 0}, "TorchXLAConfig.efa=0 is not valid"),
     ({"spmd": 1}, "TorchXLAConfig.spmd=1 is not valid"),
     ({"compile_cache": ""}, "TorchXLAConfig.compile_cache=''"),
+    ({"peak_tflops": 0}, "TorchXLAConfig.peak_tflops=0 is not valid: expected None (the "
+                         "device's published peak, or on CPU a matmul probe) or a number > 0"),
+    ({"peak_tflops": -95.0}, "TorchXLAConfig.peak_tflops=-95.0 is not valid"),
+    ({"peak_tflops": True}, "TorchXLAConfig.peak_tflops=True is not valid"),
+    ({"peak_tflops": "95"}, "TorchXLAConfig.peak_tflops='95' is not valid"),
+    ({"peak_tflops": float("inf")}, "TorchXLAConfig.peak_tflops=inf is not valid"),
+    ({"peak_tflops": float("nan")}, "TorchXLAConfig.peak_tflops=nan is not valid"),
     ({"backend": "neuron"}, "TorchXLAConfig.backend='neuron' is not valid: expected no value"),
     ({"init_method": "tcp"}, "TorchXLAConfig.init_method='tcp' is not valid"),
 ]
@@ -75,6 +82,27 @@ def test_timeout_is_kept_as_given_in_the_plan():
     for given, planned in ((2.5, "2.5"), (90, "90"), (1, "1")):
         env = plan(Topology.uniform([1]), TorchXLAConfig(device="cpu", timeout_s=given), rdzv, "cpu")[0].env
         assert env[TIMEOUT_VAR] == planned
+
+
+def test_peak_tflops_is_checked_on_every_config_and_planned_for_every_worker():
+    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig
+    from ray_train_xla.planning import Rendezvous, plan
+    from ray_train_xla.planning.contract import PEAK_TFLOPS_VAR, WorkerContext
+    from ray_train_xla.planning.topology import Topology
+
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r")
+    for cls in (TorchXLAConfig, TorchNeuronConfig, TorchTPUConfig):
+        with pytest.raises(XLAConfigError, match=f"{cls.__name__}.peak_tflops=0 is not valid"):
+            cls(device="cpu", peak_tflops=0)
+        assert PEAK_TFLOPS_VAR not in plan(Topology.uniform([2]), cls(device="cpu"), rdzv,
+                                           "cpu")[1].env
+        envs = [p.env for p in plan(Topology.uniform([2]), cls(device="cpu", peak_tflops=79),
+                                    rdzv, "cpu")]
+        assert [e[PEAK_TFLOPS_VAR] for e in envs] == ["79.0", "79.0"]
+        assert WorkerContext.from_env(envs[1]).peak_tflops == 79.0
+    assert WorkerContext.from_env({}).peak_tflops == 0.0
+    with pytest.raises(XLAConfigError, match="RAY_TRAIN_XLA_PEAK_TFLOPS"):
+        TorchXLAConfig(env={PEAK_TFLOPS_VAR: "79"})  # only the field sets it
 
 
 class _RecordingWorkerGroup:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ray_train_xla as rtx
-from ray_train_xla.planning.peaks import PEAKS, device_peak, peak_tflops
+from ray_train_xla.planning.peaks import LNC_VAR, PEAKS, device_peak, neuron_peak, peak_tflops
 from ray_train_xla.toolkit import runtime as rt_mod
 from ray_train_xla.toolkit.observability import timeline as tl_mod
 from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
@@ -148,6 +148,45 @@ def test_the_peak_table_is_keyed_by_device_and_generation():
         peak_tflops("v4", "fp16")
 
 
+def test_the_trainium_peak_follows_the_instance_type_and_the_logical_core_config():
+    """What a Neuron worker knows without a network: the instance type its firmware names, and
+    NEURON_LOGICAL_NC_CONFIG (Trainium2 and 3 group 2 physical cores unless it says 1)."""
+    assert neuron_peak("trn2.48xlarge\n", {}).bf16 == 158.0
+    assert neuron_peak("trn2.48xlarge", {LNC_VAR: "2"}).bf16 == 158.0
+    assert neuron_peak("trn2u.48xlarge", {LNC_VAR: "1"}).bf16 == 79.0
+    assert neuron_peak("trn3.48xlarge", {LNC_VAR: " 1 "}).bf16 == 79.0
+    assert neuron_peak("trn1.32xlarge", {LNC_VAR: "1"}).bf16 == 95.0  # Trn1: no LNC
+    assert neuron_peak("trn1n.32xlarge", {}).bf16 == 95.0
+    for other in ("", "inf2.48xlarge", "m5.large", "Standard PC (Q35 + ICH9, 2009)"):
+        assert neuron_peak(other, {}) is None
+
+
+def test_a_neuron_worker_finds_its_peak_or_says_why_not(monkeypatch, tmp_path, caplog):
+    product = tmp_path / "product_name"
+    product.write_text("trn2.48xlarge\n")
+    assert tl_mod.instance_type(str(product)) == "trn2.48xlarge"
+    assert tl_mod.instance_type(str(tmp_path / "missing")) == ""
+    monkeypatch.setattr(tl_mod, "instance_type", lambda: "trn2.48xlarge")
+    monkeypatch.delenv(LNC_VAR, raising=False)
+    assert tl_mod.device_peak_tflops("neuron") == 158.0
+    monkeypatch.setenv(LNC_VAR, "1")
+    peak, source = tl_mod.device_peak("neuron")
+    assert peak == 79.0 and source == ("the published bf16 peak of a Trainium2 physical "
+                                       "NeuronCore-v3 (LNC=1), from instance type "
+                                       "'trn2.48xlarge', NEURON_LOGICAL_NC_CONFIG=1")
+    monkeypatch.setattr(tl_mod, "instance_type", lambda: "")
+    tl = Timeline(device="neuron", rank=3)
+    with caplog.at_level("WARNING", logger=tl_mod.__name__):
+        assert tl.peak_tflops() is None and tl.peak_tflops() is None
+    (warning,) = [r.getMessage() for r in caplog.records]  # once
+    assert warning.startswith("rank 3: timeline: no published peak for an instance type not "
+                              "named here (/sys/devices/virtual/dmi/id/product_name unreadable)")
+    assert "give the config's peak_tflops or configure_timeline(peak_tflops=...)" in warning
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v6e-16")
+    assert tl_mod.device_peak("tpu") == (918.0, "the published bf16 peak of a TPU v6e chip, "
+                                                "from TPU_ACCELERATOR_TYPE='v6e-16'")
+
+
 def test_the_cpu_probe_measures_a_positive_rate():
     assert 0 < cpu_peak_tflops(size=128, seconds=0.05) < 100
 
@@ -160,7 +199,8 @@ class Clock:
         return self.t
 
 
-def test_the_timeline_gives_tflops_and_mfu_of_the_steps_it_timed():
+def test_the_timeline_gives_tflops_and_mfu_of_the_steps_it_timed(monkeypatch):
+    monkeypatch.setattr(tl_mod, "instance_type", lambda: "")  # a Neuron worker off EC2
     rt_mod.begin()
     clock = Clock(10.0)
     tl = Timeline(attempt="A", rank=0, world=1, device="neuron", clock=clock,
@@ -187,6 +227,44 @@ def test_the_timeline_gives_tflops_and_mfu_of_the_steps_it_timed():
             tl_mod.configure_timeline(peak_tflops=30.0)
         with pytest.raises(ValueError, match="flops_per_step"):
             tl_mod.configure_timeline(flops_per_step=-1)
+    finally:
+        rt_mod.end()
+
+
+def test_the_configs_peak_is_the_timelines_and_configure_timeline_may_not_change_it(monkeypatch):
+    """``peak_tflops`` on the config reaches the worker through its planned environment and
+    starts the timeline's options: MFU is taken against it, and a configure_timeline that gives
+    another peak raises, naming both values."""
+    from ray_train_xla import TorchNeuronConfig
+    from ray_train_xla.planning import Rendezvous, contract, plan
+    from ray_train_xla.planning.topology import Topology
+
+    env = plan(Topology.uniform([1]), TorchNeuronConfig(device="cpu", peak_tflops=79.0),
+               Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r"), "cpu")[0].env
+    monkeypatch.setenv(contract.PEAK_TFLOPS_VAR, env[contract.PEAK_TFLOPS_VAR])
+    contract.reload()
+    rt_mod.begin()
+    try:
+        clock = Clock(10.0)
+        tl = Timeline(device="cpu", clock=clock, options=lambda: runtime().options(TimelineOptions))
+        assert tl.peak() == (79.0, "given: the config's or configure_timeline's peak_tflops")
+        tl_mod.configure_timeline(flops_per_step=7.9e12, peak_tflops=79.0)  # the same: fine
+        for t in (11.0, 12.0):
+            clock.t = t
+            tl.on_step(0)
+        assert tl.report_metrics()["timeline/mfu"] == pytest.approx(0.1)  # 7.9 TFLOP/s of 79
+        with pytest.raises(ValueError) as info:
+            tl_mod.configure_timeline(peak_tflops=95.0)
+        assert str(info.value) == ("configure_timeline: peak_tflops=95.0 conflicts with "
+                                   "peak_tflops=79.0, which the config's peak_tflops field sets")
+    finally:
+        rt_mod.end()
+        monkeypatch.delenv(contract.PEAK_TFLOPS_VAR)
+        contract.reload()
+    rt_mod.begin()
+    try:  # without it on the config, configure_timeline gives it
+        tl_mod.configure_timeline(peak_tflops=95.0)
+        assert runtime().options(TimelineOptions).peak_tflops == 95.0
     finally:
         rt_mod.end()
 

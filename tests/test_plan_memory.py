@@ -220,7 +220,7 @@ def test_cli_refuses_what_does_not_fit_with_exit_status_2(tmp_path, capsys):
     assert "has 100.00 GiB" in capsys.readouterr().err
     # Memory flags without --model, a Neuron type without it, a bad path: usage errors.
     for args, says in ((["--sharding", "hsdp"], "--sharding plans memory"),
-                       (["--device", "neuron", "--accelerator-type", "trn2"], "use it with"),
+                       (["--accelerator-type", "trn2"], "use it with --device neuron"),
                        (["--model", str(tmp_path / "nope")], "does not exist"),
                        (["--model", model, "--device-memory", "lots"], "is not a size"),
                        (["--model", model, "--workers-per-node", "2,1", "--sharding", "hsdp"],

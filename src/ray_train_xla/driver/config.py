@@ -105,6 +105,11 @@ class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
             worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
             restores from there when every shard survived (docs/sharded-models.md, "The memory
             tier"); None (default): no memory tier.
+        peak_tflops: the peak dense TFLOP/s of one device that MFU is taken against
+            (``rtx.configure_timeline(flops_per_step=...)``, ``ray-train-xla check``); a
+            ``configure_timeline(peak_tflops=...)`` that differs raises. None (default): the
+            device's published figure (the TPU's accelerator type, the Trainium instance type
+            and its logical NeuronCore configuration), on CPU a matmul probe.
 
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here: the
     process group follows from the device and ``spmd``; setting them is an error.
@@ -177,6 +182,11 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
             worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
             restores from there when every shard survived (docs/sharded-models.md, "The memory
             tier"); None (default): no memory tier.
+        peak_tflops: the peak dense TFLOP/s of one device that MFU is taken against
+            (``rtx.configure_timeline(flops_per_step=...)``, ``ray-train-xla check``); a
+            ``configure_timeline(peak_tflops=...)`` that differs raises. None (default): the
+            device's published figure (the TPU's accelerator type, the Trainium instance type
+            and its logical NeuronCore configuration), on CPU a matmul probe.
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
@@ -246,6 +256,11 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
             worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
             restores from there when every shard survived (docs/sharded-models.md, "The memory
             tier"); None (default): no memory tier.
+        peak_tflops: the peak dense TFLOP/s of one device that MFU is taken against
+            (``rtx.configure_timeline(flops_per_step=...)``, ``ray-train-xla check``); a
+            ``configure_timeline(peak_tflops=...)`` that differs raises. None (default): the
+            device's published figure (the TPU's accelerator type, the Trainium instance type
+            and its logical NeuronCore configuration), on CPU a matmul probe.
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker
     per chip of the slice (or slices). Ranks follow TorchTPU's order of the slice's hosts, not

@@ -39,8 +39,9 @@ def _is_number(value: Any) -> bool:
 
 
 def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]) -> None:
-    """The checks every config shares (``TorchXLAConfig`` and ``TorchNeuronConfig``):
-    ``timeout_s``, ``env`` and ``efa``; ``err`` builds the error naming the config."""
+    """The checks every config shares (``TorchXLAConfig``, ``TorchNeuronConfig``,
+    ``TorchTPUConfig``): ``timeout_s``, ``env``, ``efa``, ``profile_steps``, ``memory_every``
+    and ``peak_tflops``; ``err`` builds the error naming the config."""
     if not _is_number(options.timeout_s) or not options.timeout_s >= MIN_TIMEOUT_S:
         raise err("timeout_s", options.timeout_s, f"a number of seconds >= {MIN_TIMEOUT_S}")
     if not isinstance(options.env, Mapping):
@@ -65,6 +66,11 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         raise err("memory_every", every,
                   "None (no memory tier) or an int >= 1: rtx.keep_in_memory(state, step) keeps "
                   "the state of every step that is a multiple of it")
+    peak = options.peak_tflops
+    if peak is not None and not (_is_number(peak) and 0 < peak < float("inf")):
+        raise err("peak_tflops", peak,
+                  "None (the device's published peak, or on CPU a matmul probe) or a number > 0: "
+                  "the peak dense TFLOP/s of one device, which MFU is taken against")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +90,7 @@ class XLAOptions:
     compile_causes: bool = False
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +171,7 @@ class NeuronOptions:
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    peak_tflops: float | None = None
 
     # What the shared planner asks every config; fixed for native TorchNeuron.
     runtime: ClassVar[str] = NATIVE
@@ -218,6 +226,7 @@ class TPUOptions:
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    peak_tflops: float | None = None
 
     runtime: ClassVar[str] = NATIVE
     native_device: ClassVar[str] = "tpu"

@@ -10,6 +10,7 @@ device). Dense figures, in TFLOP/s; fp8 where the vendor publishes one. torchtit
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ray_train_xla.planning.memory import device_key
@@ -64,3 +65,19 @@ def peak_tflops(accelerator: str, dtype: str = "bf16", logical_cores: int | None
         raise ValueError(f"peak_tflops: dtype={dtype!r}: give 'bf16' or 'fp8'")
     peak = device_peak(accelerator, logical_cores)
     return None if peak is None else getattr(peak, dtype)
+
+
+# The Neuron runtime's logical NeuronCore configuration: how many physical NeuronCores make one
+# device (1 or 2; Trainium2 and Trainium3 run 2 unless it says 1).
+LNC_VAR = "NEURON_LOGICAL_NC_CONFIG"
+
+
+def neuron_peak(product_name: str, environ: Mapping[str, str]) -> Peak | None:
+    """The peak of one NeuronCore of this Trainium instance: ``product_name`` is its type as
+    the instance's firmware names it (``/sys/devices/virtual/dmi/id/product_name`` holds the
+    EC2 instance type on Nitro instances, ``trn2.48xlarge``), ``environ`` the worker's
+    environment (``NEURON_LOGICAL_NC_CONFIG=1``: a physical core). None for any other machine."""
+    name = product_name.strip().lower()
+    if not name.startswith("trn"):
+        return None
+    return device_peak(name, 1 if environ.get(LNC_VAR, "").strip() == "1" else None)

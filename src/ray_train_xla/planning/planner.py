@@ -27,6 +27,7 @@ from ray_train_xla.planning.contract import (
     INIT_METHOD_VAR,
     MEMORY_EVERY_VAR,
     NATIVE,
+    PEAK_TFLOPS_VAR,
     PG_BACKEND_VAR,
     PROFILE_STEPS_VAR,
     RUN_START_VAR,
@@ -162,6 +163,8 @@ def plan(
         ours[PROFILE_STEPS_VAR] = ",".join(str(v) for v in config.profile_steps)
     if getattr(config, "memory_every", None):
         ours[MEMORY_EVERY_VAR] = str(config.memory_every)
+    if getattr(config, "peak_tflops", None):
+        ours[PEAK_TFLOPS_VAR] = repr(float(config.peak_tflops))
     user = {k: str(v) for k, v in config.env.items()}
     plans = []
     for place in topology.workers:

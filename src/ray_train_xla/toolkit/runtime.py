@@ -8,10 +8,11 @@ calls into it, and its state is nowhere else: ``tests/test_runtime.py`` scans ev
 module-level state other than this module's handle, the locks and the package's lazy exports.
 
 Options come in one frozen block per component (``ReportOptions``, ``TimelineOptions``,
-``MetricsOptions``, ``GraphCheckOptions``), made from the defaults and the ``configure_*``
-calls. A call that sets a value another call set differently before, or that changes a value
-already in effect (its component started with it), raises ``ValueError`` naming both: it is
-never ignored.
+``MetricsOptions``, ``GraphCheckOptions``), made from the defaults, the config's fields that
+concern a block (``peak_tflops``: the timeline's, read from the planned environment) and the
+``configure_*`` calls. A call that sets a value another call or the config set differently
+before, or that changes a value already in effect (its component started with it), raises
+``ValueError`` naming both: it is never ignored.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Runtime:
         self.lock = threading.RLock()
         self._options: dict[type, Any] = {}
         self._set_by: dict[tuple[type, str], Any] = {}  # (block, field) -> the value a call set
+        self._config_set: set[tuple[type, str]] = set()  # of those, the ones the config set
         self._in_effect: set[type] = set()
         # The components, made on first use by their modules.
         self.reporter: Any = None  # reporting.Reporter (a new one after each flush)
@@ -129,19 +131,33 @@ class Runtime:
         with self.lock:
             if capture:
                 self._in_effect.add(block)
-            return self._options.get(block) or block()
+            return self._current(block)
+
+    def _current(self, block: type[Options]) -> Options:
+        """(Holding the lock) ``block`` as set so far; at its first use, its defaults with the
+        config's values, which count as set (a ``configure_*`` call may not change them)."""
+        current = self._options.get(block)
+        if current is None:
+            planned = {"peak_tflops": self.ctx.peak_tflops} \
+                if block is TimelineOptions and self.ctx.peak_tflops else {}
+            current = self._options[block] = block(**planned)
+            for name, value in planned.items():
+                self._set_by[(block, name)] = value
+                self._config_set.add((block, name))
+        return current
 
     def configure(self, block: type[Options], **values: Any) -> Options:
         """Set fields of ``block`` (None: left as they are). Raises ``ValueError`` when a value
-        differs from one set before, or from one in effect already."""
+        differs from one set before (by a call or the config), or from one in effect already."""
         with self.lock:
-            current = self._options.get(block) or block()
+            current = self._current(block)
             changes = {k: v for k, v in values.items() if v is not None}
             for name, value in changes.items():
                 before = self._set_by.get((block, name), getattr(current, name))
                 was_set = (block, name) in self._set_by
                 if value != before and (was_set or block in self._in_effect):
-                    why = ("was set before on this worker" if was_set else
+                    why = (f"the config's {name} field sets" if (block, name) in self._config_set
+                           else "was set before on this worker" if was_set else
                            "is in effect already (call it before the first use)")
                     raise ValueError(f"{_SETTERS[block]}: {name}={value!r} conflicts with "
                                      f"{name}={before!r}, which {why}")

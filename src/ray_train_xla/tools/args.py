@@ -41,5 +41,16 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``--peak-tflops``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def where(args: argparse.Namespace) -> str:
     return f"the Ray cluster at {args.address}" if args.address else "an embedded local Ray"

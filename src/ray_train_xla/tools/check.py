@@ -3,8 +3,8 @@
 Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` on the chosen config (the
 steps are described there):
 
-1. ``main`` (``--workers`` workers): world, correctness, bandwidth, training, and a checkpoint
-   saved through Ray into the run's storage;
+1. ``main`` (``--workers`` workers): world, correctness, bandwidth, compute, training, and a
+   checkpoint saved through Ray into the run's storage;
 2. ``restart`` (the same size): that checkpoint loaded on a fresh worker group (the same-size
    round trip), then training on from it (what the restarted group compiles, its time to first
    step);
@@ -12,7 +12,8 @@ steps are described there):
 
 The driver then judges each step (:func:`judge`): the world against the plan that ``plan``
 computes from the workers' own facts, the collectives' values, algbw and busbw against the
-hardware's published figures, compilations after warm-up, the loaded state's digests against
+hardware's published figures, matmul TFLOP/s and the training step's MFU against the device's
+peak (reported, not judged), compilations after warm-up, the loaded state's digests against
 the saved one's, and the restart's compilations against the persistent compile cache the
 device has. Every wait is bounded: the process group and its collectives by ``--timeout``
 (``timeout_s`` of the config), each answer of the records actor likewise. At the end, the
@@ -32,7 +33,13 @@ from typing import Any
 from ray_train_xla.errors import run_failure
 from ray_train_xla.tools import check_report as report
 from ray_train_xla.tools import check_steps as steps
-from ray_train_xla.tools.args import CommandError, positive_int, positive_seconds, where
+from ray_train_xla.tools.args import (
+    CommandError,
+    positive_float,
+    positive_int,
+    positive_seconds,
+    where,
+)
 from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_args, check_cluster
 
 CONFIGS = ("xla", "neuron", "tpu")
@@ -61,6 +68,7 @@ class CheckOptions:
     timeout_s: float = 300.0
     train_steps: int = 8
     restart_steps: int = 3
+    peak_tflops: float | None = None  # the config's peak_tflops (None: the device's own)
 
     def validate(self) -> None:
         if self.config not in CONFIGS:
@@ -84,7 +92,7 @@ def torch_config(options: CheckOptions, device: str):
                               f"device, {device} (it runs on "
                               f"{' or '.join(CONFIG_DEVICES[options.config])})")
     cls = {"xla": TorchXLAConfig, "neuron": TorchNeuronConfig, "tpu": TorchTPUConfig}[options.config]
-    return cls(device=device, timeout_s=options.timeout_s)
+    return cls(device=device, timeout_s=options.timeout_s, peak_tflops=options.peak_tflops)
 
 
 def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
@@ -208,7 +216,7 @@ def judge(options: CheckOptions, config, device: str, found: list[dict],
     world_step, planned_env = judge_world(config, world, workers)
     out_steps.append(world_step)
     for name, judge_step in (("correctness", judge_correctness), ("bandwidth", judge_bandwidth),
-                             ("training", judge_training)):
+                             ("compute", judge_compute), ("training", judge_training)):
         records = _by(found, "main", name)
         out_steps.append(judge_step(records, workers, world) if records else
                          _missing(name, "main", errors, found))
@@ -365,6 +373,40 @@ def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dic
             "comparisons": comparisons, "seconds": max(r["seconds"] for r in records)}
 
 
+def _peak_text(peak: float | None, source: str) -> str:
+    return (f"the peak {peak:.3g} TFLOP/s ({source})" if peak else
+            f"no peak known ({source}): give --peak-tflops")
+
+
+def judge_compute(records: list[dict], workers: int, world: list[dict]) -> dict:
+    """Each worker's matmul TFLOP/s beside the peak its MFU is taken against (reported, not
+    judged: a share far from 100% says the peak or the device is not what was thought)."""
+    failures = _failed_records(records)
+    ok = [r for r in records if not r.get("error")]
+    if not ok:
+        return {"name": "compute", "ok": False, "summary": "no worker measured",
+                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+    rows = [{"rank": r["rank"], "tflops": r["tflops"], "peak_tflops": r["peak_tflops"],
+             "share": r["tflops"] / r["peak_tflops"] if r["peak_tflops"] else None}
+            for r in ok]
+    r0, rates = ok[0], [r["tflops"] for r in ok]
+    summary = (f"{r0['dtype']} matmuls of {r0['size']}x{r0['size']}: "
+               f"{statistics.median(rates):.3g} TFLOP/s per device (median of {len(ok)}"
+               + (f"; {min(rates):.3g} to {max(rates):.3g})" if len(ok) > 1 else ")"))
+    shares = [row["share"] for row in rows if row["share"] is not None]
+    peaks = [r["peak_tflops"] for r in ok if r["peak_tflops"]]
+    if shares:
+        summary += (f", {100 * statistics.median(shares):.0f}% of "
+                    + _peak_text(statistics.median(peaks), r0["peak_source"]))
+    else:
+        summary += "; " + _peak_text(None, r0["peak_source"])
+    return {"name": "compute", "ok": not failures and len(records) == workers,
+            "summary": summary, "failures": failures, "rows": rows,
+            "tflops": statistics.median(rates), "dtype": r0["dtype"], "size": r0["size"],
+            "peak_tflops": statistics.median(peaks) if peaks else None,
+            "peak_source": r0["peak_source"], "seconds": max(r["seconds"] for r in records)}
+
+
 def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict:
     failures = _failed_records(records)
     for r in records:
@@ -382,13 +424,28 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
     for r in ok:
         if not all(x == x and abs(x) != float("inf") for x in r["losses"]):
             failures.append(f"rank {r['rank']}: a loss is not finite: {r['losses']}")
+    tflops = [r["tflops_per_s"] for r in ok if r.get("tflops_per_s")]
+    mfus = [r["mfu"] for r in ok if r.get("mfu") is not None]
+    mfu = statistics.median(mfus) if mfus else None
+    peaks = [r["peak_tflops"] for r in ok if r.get("peak_tflops")]
+    compute = ""
+    if tflops:
+        compute = (f"; {r0['flops_per_step']:.3g} model FLOPs a step, "
+                   f"{statistics.median(tflops):.3g} TFLOP/s per device, "
+                   + (f"MFU {100 * mfu:.2f}% of "
+                      + _peak_text(statistics.median(peaks), r0["peak_source"])
+                      if mfu is not None and peaks else
+                      "no MFU: " + _peak_text(None, r0["peak_source"])))
     return {"name": "training", "ok": not failures and len(records) == workers,
             "summary": (f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
                         f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
-                        f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}"),
+                        f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}"
+                        + compute),
             "failures": failures, "seconds": max(r["seconds"] for r in records),
             "first_step_s": r0["first_step_s"], "tokens_per_s": r0["tokens_per_s"],
-            "median_step_s": step_s}
+            "median_step_s": step_s, "flops_per_step": r0.get("flops_per_step"),
+            "tflops_per_s": statistics.median(tflops) if tflops else None, "mfu": mfu,
+            "mfu_by_rank": {r["rank"]: r.get("mfu") for r in ok}}
 
 
 def _compare_digests(saved: dict, loaded: dict) -> list[str]:
@@ -494,8 +551,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """``check``: prove a cluster trains, with a report to send back."""
     check = sub.add_parser(
         "check",
-        help="run the cluster check: world, collectives, bandwidth, training, checkpoint, "
-        "restart; writes report.md, report.json and bandwidth.png",
+        help="run the cluster check: world, collectives, bandwidth, compute, training, "
+        "checkpoint, restart; writes report.md, report.json and bandwidth.png",
         description="Start a TorchTrainer with the chosen config (TorchXLAConfig, "
         "TorchNeuronConfig or TorchTPUConfig) on an embedded local Ray (or the cluster at "
         "--address), every worker asking Ray for its accelerators, and run in order: world "
@@ -504,10 +561,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "float32 and bfloat16, exact), bandwidth (all_reduce, all_gather, reduce_scatter from "
         "8 B to --max-bytes, capped at an eighth of device memory; algbw and busbw as "
         "nccl-tests define them, within a node and across nodes, against the hardware's "
-        "published figure where known), training (a small transformer, replicated under "
-        "TorchXLAConfig, FSDP2 under the native configs: step time, tokens/s, no graph "
-        "compiled after warm-up), checkpoint (saved through Ray, loaded on a fresh worker "
-        "group of the same and of half the size, compared bit for bit) and restart (the "
+        "published figure where known), compute (matmuls on each device, bfloat16 on "
+        "accelerators and float32 on the CPU, in TFLOP/s against the device's peak: "
+        "--peak-tflops, else the published figure, else on the CPU a probe), training (a small "
+        "transformer, replicated under TorchXLAConfig, FSDP2 under the native configs: step "
+        "time, tokens/s, TFLOP/s and MFU, no graph compiled after warm-up), checkpoint (saved "
+        "through Ray, loaded on a fresh worker group of the same and of half the size, "
+        "compared bit for bit) and restart (the "
         "graphs the restarted group compiles, cold and warm time to first step). Prints a "
         "table and writes report.md, report.json and bandwidth.png under --out. Exits 0 only "
         "when every step passes, 1 when one fails.",
@@ -532,6 +592,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        help="the config's timeout_s: bound on the process group's start, on "
                        "gloo's collectives (not the device's) and on each answer to the driver "
                        "(default 300)")
+    check.add_argument("--peak-tflops", type=positive_float, default=None, metavar="TFLOPS",
+                       help="the peak TFLOP/s of one device that matmuls and MFU are set "
+                       "against, given to the workers as the config's peak_tflops (default: "
+                       "the published bf16 figure of the TPU or Trainium the workers find, on "
+                       "the CPU a float32 matmul probe)")
     check.add_argument("--json", action="store_true", help="print report.json's content")
     add_cluster_args(check, device_default="auto", device_of="the device of the --config "
                      "(TorchXLAConfig.device, TorchNeuronConfig.device or TorchTPUConfig.device)")
@@ -543,7 +608,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         config=args.config, device=args.device, workers=args.workers,
         accelerators_per_worker=args.accelerators_per_worker, address=args.address,
         tpu_topology=args.tpu_topology, accelerator_type=args.accelerator_type, out=args.out,
-        storage_path=args.storage_path, max_bytes=args.max_bytes, timeout_s=args.timeout)
+        storage_path=args.storage_path, max_bytes=args.max_bytes, timeout_s=args.timeout,
+        peak_tflops=args.peak_tflops)
     try:
         options.validate()
         check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)

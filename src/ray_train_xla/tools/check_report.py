@@ -7,6 +7,7 @@
   compares with the hardware's link bandwidth whatever the number of ranks.
 - :data:`PUBLISHED`: the hardware's published interconnect figures, with their sources.
 - :func:`compare_world`: every worker's environment against the plan.
+- matmul TFLOP/s and MFU are set beside the peak the workers report (``check_steps.compute``).
 - :func:`to_markdown`, :func:`to_table`, :func:`draw_bandwidth`: the report.
 """
 
@@ -189,6 +190,12 @@ def to_markdown(result: Mapping[str, Any]) -> str:
             lines += ["", "| rank | local | node | device | hostname |", "|---|---|---|---|---|"]
             lines += [f"| {w['rank']} | {w['local_rank']} | {w['node_rank']} | {w['device']} | "
                       f"{w['hostname']} |" for w in step["workers"]]
+        if step["name"] == "compute" and step.get("rows"):
+            lines += ["", f"| rank | {step['dtype']} matmul TFLOP/s | peak TFLOP/s | share |",
+                      "|---:|---:|---:|---:|"]
+            lines += [f"| {r['rank']} | {r['tflops']:.4g} | "
+                      + (f"{r['peak_tflops']:.4g} | {100 * r['share']:.1f}% |" if r["share"]
+                         is not None else "- | - |") for r in step["rows"]]
         if step["name"] == "bandwidth" and step.get("rows"):
             for c in step.get("comparisons", []):
                 lines.append(f"- {c}")

@@ -3,7 +3,8 @@ function per step, each sending what it found to the driver's ``Records`` actor.
 
 Phases (one ``TorchTrainer`` fit each, ``tools/check.py``):
 
-- ``main``: world, correctness, bandwidth, training (the cold start), and a checkpoint saved
+- ``main``: world, correctness, bandwidth, compute (a matmul probe against the device's
+  peak), training (the cold start, its model FLOPs utilisation), and a checkpoint saved
   through Ray at the end of training (its state's digests recorded at the save);
 - ``restart``: a fresh worker group of the same size loads that checkpoint (the checkpoint
   step's same-size round trip) and trains again from it (the restart step: graphs compiled, time
@@ -32,7 +33,7 @@ from typing import Any
 from ray_train_xla.tools.demo import Records as DemoRecords
 
 # Steps in report order, and the phase each one runs in.
-STEPS = ("world", "correctness", "bandwidth", "training", "checkpoint", "restart")
+STEPS = ("world", "correctness", "bandwidth", "compute", "training", "checkpoint", "restart")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = ("float32", "bfloat16")
@@ -43,6 +44,10 @@ CHECK_ELEMENTS = 1001
 # bfloat16 holds every integer up to 256 exactly: its sums are checked exactly up to this world.
 BF16_EXACT_WORLD = 256
 LOG_TAIL_LINES = 40
+# The matmul probe: bfloat16 products of this size on accelerators (the dtype of their published
+# peaks; 4 a round, 4.4 TFLOP), float32 on the CPU (the dtype of its measured peak).
+MATMUL_SIZE = {"accelerator": 8192, "cpu": 512}
+MATMUL_SECONDS = 0.5
 
 
 class StepFailed(Exception):
@@ -100,7 +105,7 @@ def check_loop(config: dict) -> None:
     import ray.train
 
     phase = config["phase"]
-    steps = {"main": (world, correctness, bandwidth, training),
+    steps = {"main": (world, correctness, bandwidth, compute, training),
              "restart": (checkpoint_round_trip, restart),
              "reload": (checkpoint_round_trip,)}[phase]
     state: dict[str, Any] = {"loop_start": time.time()}
@@ -162,11 +167,9 @@ def world(config: dict, state: dict) -> dict:
 
 def instance_type() -> str:
     """The machine's type as its firmware names it (``trn1.32xlarge`` on EC2), or ""."""
-    try:
-        with open("/sys/devices/virtual/dmi/id/product_name") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    from ray_train_xla.toolkit.observability.timeline import instance_type as firmware_name
+
+    return firmware_name()
 
 
 def versions() -> dict:
@@ -420,6 +423,39 @@ def bandwidth(config: dict, state: dict) -> dict:
     return {"ok": True, "rows": rows, "cap_bytes": cap, "device_memory_bytes": memory}
 
 
+# ---- compute ---------------------------------------------------------------------------------
+
+
+def worker_peak() -> tuple[float | None, str]:
+    """(peak TFLOP/s, where it comes from) of this worker's device, as its timeline takes MFU
+    against it: the config's ``peak_tflops`` (``--peak-tflops``), else the device's own."""
+    from ray_train_xla.planning.contract import worker_context
+    from ray_train_xla.toolkit.observability import timeline
+
+    ctx = worker_context()
+    if ctx.peak_tflops:
+        return ctx.peak_tflops, "given: --peak-tflops, the config's peak_tflops"
+    tl = timeline.active()
+    return tl.peak() if tl is not None else timeline.device_peak(ctx.device or "cpu")
+
+
+def compute(config: dict, state: dict) -> dict:
+    """Matmuls on this worker's device (bfloat16 on accelerators, float32 on the CPU), timed,
+    and the peak this worker's MFU is taken against: the driver sets one beside the other."""
+    import torch
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.observability.flops import matmul_tflops
+
+    kind = "cpu" if config["device"] == "cpu" else "accelerator"
+    dtype = torch.float32 if kind == "cpu" else torch.bfloat16
+    size = MATMUL_SIZE[kind]
+    tflops = matmul_tflops(size, MATMUL_SECONDS, dtype, rtx.get_device())
+    peak, source = state["peak"] = worker_peak()  # the training step's MFU takes it
+    return {"ok": True, "dtype": str(dtype).removeprefix("torch."), "size": size,
+            "tflops": tflops, "peak_tflops": peak, "peak_source": source}
+
+
 # ---- training, checkpoint, restart -----------------------------------------------------------
 
 
@@ -555,9 +591,28 @@ def digests(model, optimizer, layout: str) -> dict[str, str] | None:
     return out
 
 
+def step_flops() -> float:
+    """The model FLOPs of one training step of this worker (forward and backward of its batch),
+    counted by torch's ``FlopCounterMode`` on a copy of the model on the meta device (nothing
+    runs, nothing reaches the device)."""
+    import torch
+
+    import ray_train_xla as rtx
+    from ray_train_xla.tools.examples.train_lm import SEQ, lm_loss, make_model
+
+    with torch.device("meta"):
+        model = make_model(model_config())
+    tokens = torch.zeros(model_config()["batch_size"], SEQ + 1, dtype=torch.long, device="meta")
+    return rtx.count_flops(lambda: lm_loss(model, tokens).backward())
+
+
 def training(config: dict, state: dict) -> dict:
     """A few steps of the small transformer from a cold start: step times, graphs compiled after
-    warm-up (a failure), tokens/s; then a checkpoint saved through Ray (``save_checkpoint``)."""
+    warm-up (a failure), tokens/s, TFLOP/s and MFU (this worker's model FLOPs over its median
+    step after warm-up, against the peak of the compute step); then a checkpoint saved through
+    Ray (``save_checkpoint``)."""
+    import statistics
+
     import ray_train_xla as rtx
     from ray_train_xla.tools.examples.train_lm import SEQ
 
@@ -568,6 +623,9 @@ def training(config: dict, state: dict) -> dict:
     late = [(i + 1, c) for i, c in enumerate(run["compiled"]) if i >= WARMUP_STEPS and c]
     measured = run["step_seconds"][WARMUP_STEPS:]
     tokens = model_config()["batch_size"] * SEQ * rtx.world_size() * len(measured)
+    flops = step_flops()
+    tflops = flops / statistics.median(measured) / 1e12 if measured else None
+    peak, source = state.get("peak") or worker_peak()
     digest = digests(model, optimizer, layout)
     rtx.save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "step": steps}, {"step": steps, "check": "training"}, wait=True)
@@ -576,6 +634,8 @@ def training(config: dict, state: dict) -> dict:
         "compiled_per_step": run["compiled"], "recompiled_at": late,
         "step_seconds": run["step_seconds"], "losses": run["losses"],
         "tokens_per_s": tokens / sum(measured) if measured and sum(measured) else None,
+        "flops_per_step": flops, "tflops_per_s": tflops, "peak_tflops": peak,
+        "peak_source": source, "mfu": tflops / peak if tflops and peak else None,
         **time_to_first_step(state, started, run["first_step_at"]),
         "cold_compiles": sum(run["compiled"]), "digest": digest,
     }

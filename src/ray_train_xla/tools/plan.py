@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ray_train_xla.tools.args import CommandError, positive_int
+from ray_train_xla.tools.args import CommandError, positive_float, positive_int
 
 PORT_MAX = 65535
 # `plan` describes at most this many workers (and accelerator ids): enough for any cluster,
@@ -126,8 +126,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
         "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
         "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
-        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron, with --model: "
-        "trn1 or trn2 (or an instance type, trn2.48xlarge), for the device memory",
+        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron: a Trainium "
+        "generation or instance type (trn2, trn2.48xlarge), for the MFU peak (trn1, trn2, "
+        "trn3) and with --model the device memory (trn1, trn2)",
     )
     plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
@@ -137,6 +138,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     plan.add_argument(
         "--tpu-slices", type=positive_int, default=1, metavar="N",
         help="--device tpu --runtime native: split the nodes into N TPU slices (multislice)",
+    )
+    plan.add_argument(
+        "--peak-tflops", type=positive_float, default=None, metavar="TFLOPS",
+        help="the config's peak_tflops: the peak TFLOP/s of one device that MFU is taken "
+        "against (RAY_TRAIN_XLA_PEAK_TFLOPS); without it the table's last line says the "
+        "published peak of --accelerator-type, where given",
     )
     plan.add_argument(
         "--master-port", type=_port, default=29500, metavar="PORT",
@@ -205,6 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spmd=args.spmd,
         cpu_devices_per_worker=args.cpu_devices_per_worker,
         tpu_process_bounds=args.tpu_process_bounds,
+        peak_tflops=args.peak_tflops,
     )
     topology, facts = _describe_topology(args)
     runtime = get_runtime(args.device, args.runtime)
@@ -251,10 +259,10 @@ def _describe_topology(args: argparse.Namespace):
     facts = described_facts(counts, cores, has_efa=args.efa, network_interface=args.interface)
     tpu_type, tpu_topology = args.accelerator_type, args.tpu_topology or ""
     if tpu_type.strip().lower().startswith("trn"):
-        if args.device != "neuron" or args.model is None:
-            raise CommandError(f"--accelerator-type {tpu_type} names a Neuron device for the memory "
-                               "plan: use it with --device neuron --model ...")
-        tpu_type = ""  # the memory plan's; the hosts report no such fact
+        if args.device != "neuron":
+            raise CommandError(f"--accelerator-type {tpu_type} names a Neuron device (its memory "
+                               "and peak): use it with --device neuron")
+        tpu_type = ""  # the memory plan's and the peak's; the hosts report no such fact
     if tpu_type or tpu_topology:
         if args.device != "tpu":
             flag = "--accelerator-type" if tpu_type else "--tpu-topology"
@@ -284,9 +292,9 @@ def _native_options(args: argparse.Namespace):
                         ("efa", args.efa and args.device == "tpu")):
         if value:
             raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
-    if args.device == "tpu":
-        return TPUOptions(device="tpu", env=dict(args.env), compile_cache=args.compile_cache)
-    return NeuronOptions(device=args.device, env=dict(args.env), compile_cache=args.compile_cache)
+    cls = TPUOptions if args.device == "tpu" else NeuronOptions
+    return cls(device=args.device, env=dict(args.env), compile_cache=args.compile_cache,
+               peak_tflops=args.peak_tflops)
 
 
 def plan_environment(args: argparse.Namespace, config, runtime, topology, facts) -> int:
@@ -320,7 +328,28 @@ def plan_environment(args: argparse.Namespace, config, runtime, topology, facts)
         sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
         return 0
     print(format_plan_table([p.to_json() for p in plans]))
+    peak = planned_peak(args)
+    if peak:
+        print(peak)
     return 0
+
+
+def planned_peak(args: argparse.Namespace) -> str:
+    """The line that says the peak MFU is taken against, where the command line tells it: the
+    config's (--peak-tflops), else the published figure of --accelerator-type (Neuron at
+    --env NEURON_LOGICAL_NC_CONFIG); "" where the workers find it themselves."""
+    from ray_train_xla.planning.peaks import LNC_VAR, device_peak
+
+    if args.peak_tflops:
+        return f"MFU peak: {args.peak_tflops:g} TFLOP/s per device (--peak-tflops)"
+    if args.device not in ("neuron", "tpu") or not args.accelerator_type:
+        return ""
+    lnc = dict(args.env).get(LNC_VAR, "").strip()
+    found = device_peak(args.accelerator_type, 1 if lnc == "1" else None)
+    if found is None:
+        return f"MFU peak: none published for {args.accelerator_type}: give --peak-tflops"
+    return (f"MFU peak: {found.bf16:g} TFLOP/s per device, the published bf16 peak of a "
+            f"{found.device} ({found.source})")
 
 
 def format_plan_table(rows: Sequence[dict]) -> str:

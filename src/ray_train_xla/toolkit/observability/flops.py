@@ -83,18 +83,40 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
     return float(counter.get_total_flops())
 
 
-def cpu_peak_tflops(size: int = 512, seconds: float = 0.2) -> float:
-    """This process's matmul TFLOP/s on the CPU, measured: float32 products of ``size`` square
-    matrices for about ``seconds`` (the best of its rounds): the peak MFU is taken against on
-    CPU workers, where no published figure applies."""
+def matmul_tflops(size: int = 512, seconds: float = 0.2, dtype: Any = None, device: Any = None,
+                  chain: int = 4) -> float:
+    """This process's matmul TFLOP/s, measured: rounds of ``chain`` products of ``size`` square
+    matrices in ``dtype`` (float32 by default) on ``device`` (the CPU by default; on an XLA
+    device each round is one graph, run and waited for; on a native one, waited for), for
+    about ``seconds`` after one untimed round (an XLA device compiles it); the best round."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)  # the first call's allocations and dispatch
-    flops, best, deadline = 2.0 * size ** 3, 0.0, time.perf_counter() + seconds
+    from ray_train_xla.toolkit import device as device_layer
+
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    dtype = torch.float32 if dtype is None else dtype
+    a = torch.randn(size, size, dtype=dtype).to(dev)
+    b = (torch.randn(size, size) / size ** 0.5).to(dtype).to(dev)  # products stay near 1
+
+    def one_round() -> None:
+        c = a
+        for _ in range(chain):
+            c = torch.mm(c, b)
+        if dev.type != "cpu":
+            device_layer.sync()
+            device_layer.wait()
+
+    one_round()
+    flops, best, deadline = 2.0 * size ** 3 * chain, 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        best = max(best, 4 * flops / (time.perf_counter() - start))
+        one_round()
+        best = max(best, flops / (time.perf_counter() - start))
     return best / 1e12
+
+
+def cpu_peak_tflops(size: int = 512, seconds: float = 0.2) -> float:
+    """This process's matmul TFLOP/s on the CPU, measured (``matmul_tflops``: float32 products
+    of ``size`` square matrices for about ``seconds``, the best of its rounds): the peak MFU is
+    taken against on CPU workers, where no published figure applies."""
+    return matmul_tflops(size, seconds)

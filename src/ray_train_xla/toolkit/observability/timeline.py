@@ -72,13 +72,14 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
     the timeline then gives samples/s and tokens/s; ``flops_per_step``, the model FLOPs of this
     worker's step, forward and backward, from ``model_flops_per_token`` or ``count_flops``: it
     then gives TFLOP/s and MFU against ``peak_tflops``, the device's peak, by default the
-    published figure of the worker's device or, on CPU, a matmul probe's) and how often the
-    background thread runs (``interval_s``: Ray metrics and memory, 5 s by default;
-    ``storage_interval_s``: goodput events written to the run's storage, 30 s by default, and
-    always at checkpoints and at the end; ``straggler_threshold``: rank 0 names, as a Ray
-    metric, the ranks whose own time exceeds the others' median by more than this share of the
-    step time, 0.1 by default). Call it on every worker; values left None are as they are, and
-    a value that differs from one set before raises ``ValueError``."""
+    config's ``peak_tflops``, else the published figure of the worker's device or, on CPU, a
+    matmul probe's) and how often the background thread runs (``interval_s``: Ray metrics and
+    memory, 5 s by default; ``storage_interval_s``: goodput events written to the run's storage,
+    30 s by default, and always at checkpoints and at the end; ``straggler_threshold``: rank 0
+    names, as a Ray metric, the ranks whose own time exceeds the others' median by more than
+    this share of the step time, 0.1 by default). Call it on every worker; values left None are
+    as they are, and a value that differs from one set before (or from the config's
+    ``peak_tflops``) raises ``ValueError``."""
     values = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step,
               "interval_s": interval_s, "storage_interval_s": storage_interval_s,
               "flops_per_step": flops_per_step, "peak_tflops": peak_tflops,
@@ -93,21 +94,55 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
         rt.timeline.wake()
 
 
-def device_peak_tflops(device: str) -> float | None:
-    """The peak TFLOP/s MFU is taken against on this worker's ``device`` when
-    ``configure_timeline`` gives none: on TPU the published figure of the host's accelerator
-    type (``TPU_ACCELERATOR_TYPE``, as Ray reads it on GKE), on CPU a matmul probe of this
-    process (``flops.cpu_peak_tflops``); None where neither is known (Trainium: give
-    ``peak_tflops``, from ``planning/peaks.py``)."""
+# Where a Linux machine's firmware names it: on EC2 Nitro instances, the instance type.
+PRODUCT_NAME = "/sys/devices/virtual/dmi/id/product_name"
+
+
+def instance_type(path: str = PRODUCT_NAME) -> str:
+    """The machine's type as its firmware names it (``trn1.32xlarge`` on EC2), or ""."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def device_peak(device: str) -> tuple[float | None, str]:
+    """(peak TFLOP/s, where it comes from) of one device of this worker when neither
+    ``configure_timeline`` nor the config gives one: on TPU the published figure of the host's
+    accelerator type (``TPU_ACCELERATOR_TYPE``, as Ray reads it on GKE), on Trainium that of the
+    instance type (``instance_type()``) at the logical NeuronCore configuration
+    (``NEURON_LOGICAL_NC_CONFIG``), on CPU a matmul probe of this process
+    (``flops.cpu_peak_tflops``); (None, why) where none is known."""
+    from ray_train_xla.planning import peaks
+
     if device == "cpu":
         from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
 
-        return cpu_peak_tflops()
+        return cpu_peak_tflops(), "measured: a float32 matmul probe of this worker"
     if device == "tpu":
-        from ray_train_xla.planning.peaks import peak_tflops
+        accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")
+        found = peaks.device_peak(accelerator)
+        what = f"TPU_ACCELERATOR_TYPE={accelerator!r}"
+    elif device == "neuron":
+        instance = instance_type()
+        found = peaks.neuron_peak(instance, os.environ)
+        lnc = os.environ.get(peaks.LNC_VAR)
+        what = (f"instance type {instance!r}" if instance else
+                f"an instance type not named here ({PRODUCT_NAME} unreadable)")
+        what += f", {peaks.LNC_VAR}={lnc}" if lnc else ""
+    else:
+        return None, f"no published peak for device {device!r}"
+    if found is None:
+        return None, f"no published peak for {what}"
+    return found.bf16, f"the published bf16 peak of a {found.device}, from {what}"
 
-        return peak_tflops(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
-    return None
+
+def device_peak_tflops(device: str) -> float | None:
+    """The peak TFLOP/s MFU is taken against on this worker's ``device`` when neither
+    ``configure_timeline`` nor the config's ``peak_tflops`` gives one (``device_peak``); None
+    where it is not known."""
+    return device_peak(device)[0]
 
 
 def step_size() -> tuple[float | None, float | None]:
@@ -216,7 +251,7 @@ class Timeline:
         self._last_write = 0.0
         self._memory: tuple[float, float] | None = None
         self._write_error_logged = False
-        self._peak: list[float | None] = []  # the device's peak TFLOP/s, once looked up
+        self._peak: list[tuple] = []  # the device's (peak TFLOP/s, source), once looked up
         self._header = {
             "kind": "worker", "attempt": attempt, "rank": rank, "world": world,
             "local_rank": local_rank, "node": node, "device": device,
@@ -278,25 +313,28 @@ class Timeline:
         time so far belongs before the checkpoint (goodput's lost work starts here)."""
         self._boundary(CHECKPOINT, steps)
 
-    def peak_tflops(self) -> float | None:
-        """The peak TFLOP/s MFU is taken against: ``configure_timeline``'s, else the device's
-        (``device_peak_tflops``, looked up or measured once); None when unknown (warned once)."""
+    def peak(self) -> tuple[float | None, str]:
+        """(peak TFLOP/s, where it comes from) that MFU is taken against: ``configure_timeline``'s
+        or the config's ``peak_tflops``, else the device's (``device_peak``, looked up or
+        measured once); None when unknown (warned once)."""
         given = self._options().peak_tflops
         if given:
-            return given
+            return given, "given: the config's or configure_timeline's peak_tflops"
         if not self._peak:
             try:
-                peak = device_peak_tflops(self.device)
+                found = device_peak(self.device)
             except Exception as exc:  # noqa: BLE001 (no MFU, the run goes on)
-                peak = None
-                logger.warning("rank %d: timeline: the peak of %s: %s: %s", self.rank,
-                               self.device, type(exc).__name__, exc)
-            if peak is None:
-                logger.warning("rank %d: timeline: no published peak for device %r here, so no "
-                               "MFU: give configure_timeline(peak_tflops=...)", self.rank,
-                               self.device)
-            self._peak.append(peak)
+                found = None, f"the peak of {self.device}: {type(exc).__name__}: {exc}"
+            if found[0] is None:
+                logger.warning("rank %d: timeline: %s here, so no MFU: give the config's "
+                               "peak_tflops or configure_timeline(peak_tflops=...)", self.rank,
+                               found[1])
+            self._peak.append(found)
         return self._peak[0]
+
+    def peak_tflops(self) -> float | None:
+        """The peak TFLOP/s MFU is taken against (``peak``); None when unknown."""
+        return self.peak()[0]
 
     def report_metrics(self, caller: Any = None) -> dict[str, float]:
         """The steps since ``caller``'s previous call, as ``timeline/...`` metrics (empty when
