@@ -28,7 +28,6 @@ import torch
 
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import events, reporting
-from ray_train_xla.toolkit.checkpoint import memory as _memory
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
     GROUPS_FILE,
@@ -37,6 +36,7 @@ from ray_train_xla.toolkit.checkpoint.format import (
     is_sharded_checkpoint,
     read_full_state,
 )
+from ray_train_xla.toolkit.checkpoint.memory import tier as _memory
 from ray_train_xla.toolkit.checkpoint.names import (
     index_optimizer_state,
     module_name,
@@ -115,7 +115,7 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
 
     tier = _memory.memory_tier()
     after = None
-    if tier is not None:  # storage and memory number their saves together (memory.py)
+    if tier is not None:  # storage and memory number their saves together (memory/tier.py)
         gen = tier.next_generation()
         if rank() == 0:
             def after() -> None:
