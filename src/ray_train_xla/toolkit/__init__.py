@@ -21,8 +21,8 @@ backend). Each module is one concern:
   path (loaders, checkpoints, reports) tells it.
 """
 
-from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
 from ray_train_xla.toolkit.checkpoint.memory.tier import keep_in_memory
+from ray_train_xla.toolkit.checkpoint.seam import load_checkpoint, save_checkpoint
 from ray_train_xla.toolkit.checkpoint.staging import wait_for_snapshots
 from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
 from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
