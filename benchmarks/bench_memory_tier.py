@@ -159,7 +159,8 @@ def measure(args) -> dict:
 
     import ray_train_xla as rtx
     from ray_train_xla.planning import contract
-    from ray_train_xla.toolkit.checkpoint import _load_from, memory
+    from ray_train_xla.toolkit.checkpoint import memory
+    from ray_train_xla.toolkit.checkpoint.seam import _load_from
     from ray_train_xla.toolkit.checkpoint.sharded import stage_sharded, write_staged
 
     torch.set_num_threads(1)

@@ -55,6 +55,28 @@ def test_planning_core_and_plan_command_need_neither_ray_nor_torch():
     assert "loaded []" in out.stdout
 
 
+def _module_importing(path: str, name: str) -> str:
+    """The module that the file ``path`` imports ``name`` from (``from M import name``)."""
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+            return node.module
+    raise AssertionError(f"{path} does not import {name}")
+
+
+def test_the_driver_and_the_memory_store_load_no_torch():
+    # The backend starts the memory tier's stores: the module it takes them from, the stores'
+    # own, loads no torch (nor do the packages above it), as the rest of the driver does not.
+    store = _module_importing(os.path.join(PACKAGE_DIR, "driver", "backend.py"), "start_stores")
+    code = ("import importlib, sys\n"
+            "import ray_train_xla.driver.backend\n"
+            f"store = importlib.import_module({store!r})\n"
+            "assert store.MemoryStore and store.start_stores\n"
+            "print('loaded', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torch_xla')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "loaded []" in out.stdout, f"{store} loads torch: {out.stdout[:300]}"
+
+
 def test_blocking_works():
     # The guard itself: importing ray in the blocked interpreter fails.
     out = subprocess.run([sys.executable, "-c", BLOCKED + "import ray"], capture_output=True,

@@ -94,7 +94,7 @@ def _start_writer(writer_process: bool) -> int | None:
 def _check_formatted(tier, pid: int | None, before: int, data_bytes: int) -> None:
     """A generation formatted by the writer process wrote its data file there (the bytes went
     through that process's writes) into shared memory, which is empty again."""
-    from ray_train_xla.toolkit.checkpoint.memory import _shared_root
+    from ray_train_xla.toolkit.checkpoint.memory.tier import _shared_root
 
     if pid is None:
         assert tier.by_writer == 0
@@ -143,12 +143,12 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
 def shared_memory(request, monkeypatch):
     """With the node's shared memory (DTensor generations written in place into slots), or
     without (formatted by ``dcp.save`` in the training process)."""
-    from ray_train_xla.toolkit.checkpoint import memory
+    from ray_train_xla.toolkit.checkpoint.memory import tier
 
     if not request.param:
-        monkeypatch.setattr(memory, "_shared_root", lambda: "")
+        monkeypatch.setattr(tier, "_shared_root", lambda: "")
     yield request.param
-    memory.memory_tier().end()
+    tier.memory_tier().end()
 
 
 def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, shared_memory):
@@ -156,13 +156,8 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
     from torch.distributed.fsdp import fully_shard
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.memory import (
-        NAMESPACE,
-        _shared_root,
-        flush_memory,
-        memory_tier,
-        store_name,
-    )
+    from ray_train_xla.toolkit.checkpoint.memory import NAMESPACE, flush_memory, memory_tier, store_name
+    from ray_train_xla.toolkit.checkpoint.memory.tier import _shared_root
 
     def step_and_keep(step: int) -> None:
         model(torch.randn(3, 8)).sum().backward()
@@ -225,10 +220,10 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
         if shared_memory:
             # A slot taken for a newer generation while a restore reads it (its writer alive):
             # the bytes read do not serve, though the store held the generation when asked.
-            from ray_train_xla.toolkit.checkpoint import memory
+            from ray_train_xla.toolkit.checkpoint.memory import restore
 
             slot = next(s for s in tier._slots.slots if s._stamp[0] == 3)
-            read = memory._StoreFiles._read
+            read = restore.StoreFiles._read
 
             def read_then_written_over(self, handle, rank, name):
                 slot.stamp(3)  # (as if the data file were read last)
@@ -238,7 +233,7 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
                 return data
 
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(memory._StoreFiles, "_read", read_then_written_over)
+                patch.setattr(restore.StoreFiles, "_read", read_then_written_over)
                 # (DCP raises its CheckpointException, a BaseException)
                 with pytest.raises(BaseException, match="written over while it was read"):
                     rtx.load_checkpoint(fresh, fresh_opt)
@@ -285,7 +280,7 @@ def test_a_full_shared_memory_is_an_error_and_later_generations_are_kept_in_proc
 
     import ray_train_xla as rtx
     from ray_train_xla.toolkit import reporting
-    from ray_train_xla.toolkit.checkpoint.memory import _shared_root, flush_memory, memory_tier
+    from ray_train_xla.toolkit.checkpoint.memory.tier import _shared_root, flush_memory, memory_tier
 
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -16,7 +16,8 @@ The package, by role (imports go down this list, never up):
 - ``tools/``: the ``ray-train-xla`` command (plan, doctor, demo, consolidate).
 
 Names are imported on first use, so ``import ray_train_xla.planning`` loads neither Ray nor
-torch, and the driver does not import the toolkit.
+torch, and of the toolkit the driver imports only the memory tier's store
+(``toolkit/checkpoint/memory/store.py``), which loads no torch.
 """
 
 from __future__ import annotations

@@ -131,11 +131,12 @@ def plan_workers(
 
 def plan_memory_tier(config, facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> None:
     """Start (or find) a memory store on every node of this group and tell the workers where
-    they are (``toolkit/checkpoint/memory.py``). The tier is one per ``fit()``: its id lives on
-    the config object, which Ray Train's controller keeps across worker groups, and the stores
-    it starts live as long as the controller (they end with the run)."""
+    they are (``toolkit/checkpoint/memory/``; the store's module loads no torch). The tier is
+    one per ``fit()``: its id lives on the config object, which Ray Train's controller keeps
+    across worker groups, and the stores it starts live as long as the controller (they end
+    with the run)."""
     from ray_train_xla.planning.contract import MEMORY_NODES_VAR, MEMORY_TIER_VAR
-    from ray_train_xla.toolkit.checkpoint.memory import start_stores
+    from ray_train_xla.toolkit.checkpoint.memory.store import start_stores
 
     tier = getattr(config, "_memory_tier_id", None)
     if tier is None:

@@ -33,7 +33,7 @@ def training_function() -> Iterator[None]:
     """Ray Train's ``train_func_context`` under TorchXLAConfig, TorchNeuronConfig and
     TorchTPUConfig (see the module docstring)."""
     from ray_train_xla.toolkit import reporting, runtime
-    from ray_train_xla.toolkit.checkpoint.memory import flush_memory
+    from ray_train_xla.toolkit.checkpoint.memory.tier import flush_memory
     from ray_train_xla.toolkit.observability import compile_causes, profiling, timeline
 
     runtime.begin()

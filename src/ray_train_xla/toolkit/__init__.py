@@ -1,5 +1,7 @@
-"""The toolkit: helpers used inside the training function (imported on workers, never by the
-backend). Each module is one concern:
+"""The toolkit: helpers used inside the training function (imported on workers; the backend
+imports only the memory tier's store, ``checkpoint/memory/store.py``, which loads no torch). Its
+names are imported on first use, so importing a module of it loads only what that module needs.
+Each module is one concern:
 
 - ``runtime``: one object per worker and training function, holding every other module's
   options and components (no module holds state of its own);
@@ -13,6 +15,7 @@ backend). Each module is one concern:
 - ``pretrained``: Hugging Face models loaded into a sharded model and exported, by slices;
 - ``reporting``: reports and checkpoints handed to a background thread, off the step path;
 - ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
+  ``checkpoint/memory/``: the memory tier;
 - ``preemption``: a checkpoint before a drained node goes away;
 - ``steps``: step boundaries (``optimizer_step``, ``step_done``, a plain ``optimizer.step()`` seen
   through torch's optimizer hook; each step once) and the hooks that run at each;
@@ -21,98 +24,47 @@ backend). Each module is one concern:
   path (loaders, checkpoints, reports) tells it.
 """
 
-from ray_train_xla.toolkit.checkpoint import load_checkpoint, save_checkpoint
-from ray_train_xla.toolkit.checkpoint.memory import keep_in_memory
-from ray_train_xla.toolkit.checkpoint.staging import wait_for_snapshots
-from ray_train_xla.toolkit.collectives import all_reduce, broadcast, rendezvous
-from ray_train_xla.toolkit.data import XLADataLoader, iter_xla_batches, pad_batch, prepare_data_loader
-from ray_train_xla.toolkit.device import get_device, sync, to_cpu
-from ray_train_xla.toolkit.observability.compile_causes import DivergentGraphsWarning, check_graphs_every
-from ray_train_xla.toolkit.observability.flops import count_flops, model_flops_per_token
-from ray_train_xla.toolkit.observability.metrics import (
-    CompileMonitor,
-    RecompilationWarning,
-    is_graph_extraction_run,
-    metrics,
-)
-from ray_train_xla.toolkit.observability.profiling import profile_steps, profile_windows
-from ray_train_xla.toolkit.observability.timeline import configure_timeline
-from ray_train_xla.toolkit.optim import clip_grad_norm_, optimizer_step, prepare_model, reduce_gradients
-from ray_train_xla.toolkit.preemption import checkpoint_if_preempted
-from ray_train_xla.toolkit.pretrained import (
-    export_pretrained,
-    load_pretrained,
-    meta_parameters,
-    pretrained_path,
-)
-from ray_train_xla.toolkit.ranks import (
-    local_rank,
-    node_rank,
-    rank,
-    spmd_global,
-    uses_host_collectives,
-    world_size,
-)
-from ray_train_xla.toolkit.reporting import configure_reports, flush_reports, report
-from ray_train_xla.toolkit.sharding import (
-    ShardedStateError,
-    get_sharded_mesh,
-    is_sharded,
-    prepare_sharded_model,
-)
-from ray_train_xla.toolkit.spmd import get_mesh, shard_batch, sharding_spec
-from ray_train_xla.toolkit.steps import step_done
+from __future__ import annotations
 
-__all__ = [
-    "CompileMonitor",
-    "DivergentGraphsWarning",
-    "RecompilationWarning",
-    "ShardedStateError",
-    "XLADataLoader",
-    "all_reduce",
-    "broadcast",
-    "check_graphs_every",
-    "checkpoint_if_preempted",
-    "clip_grad_norm_",
-    "configure_reports",
-    "configure_timeline",
-    "count_flops",
-    "export_pretrained",
-    "flush_reports",
-    "get_device",
-    "get_mesh",
-    "get_sharded_mesh",
-    "is_sharded",
-    "is_graph_extraction_run",
-    "iter_xla_batches",
-    "load_checkpoint",
-    "load_pretrained",
-    "local_rank",
-    "meta_parameters",
-    "metrics",
-    "model_flops_per_token",
-    "node_rank",
-    "optimizer_step",
-    "pad_batch",
-    "prepare_data_loader",
-    "prepare_model",
-    "prepare_sharded_model",
-    "pretrained_path",
-    "profile_steps",
-    "profile_windows",
-    "rank",
-    "reduce_gradients",
-    "report",
-    "rendezvous",
-    "shard_batch",
-    "sharding_spec",
-    "save_checkpoint",
-    "keep_in_memory",
-    "spmd_global",
-    "step_done",
-    "sync",
-    "to_cpu",
-    "uses_host_collectives",
-    "wait_for_snapshots",
-    "world_size",
-]
+import importlib
+from typing import Any
+
+# Public name -> the module of the toolkit that defines it (``ray_train_xla.toolkit.<module>``).
+_EXPORTS = {
+    "keep_in_memory": "checkpoint.memory.tier",
+    **dict.fromkeys(("load_checkpoint", "save_checkpoint"), "checkpoint.seam"),
+    "wait_for_snapshots": "checkpoint.staging",
+    **dict.fromkeys(("all_reduce", "broadcast", "rendezvous"), "collectives"),
+    **dict.fromkeys(("XLADataLoader", "iter_xla_batches", "pad_batch", "prepare_data_loader"), "data"),
+    **dict.fromkeys(("get_device", "sync", "to_cpu"), "device"),
+    **dict.fromkeys(("DivergentGraphsWarning", "check_graphs_every"), "observability.compile_causes"),
+    **dict.fromkeys(("count_flops", "model_flops_per_token"), "observability.flops"),
+    **dict.fromkeys(("CompileMonitor", "RecompilationWarning", "is_graph_extraction_run", "metrics"),
+                    "observability.metrics"),
+    **dict.fromkeys(("profile_steps", "profile_windows"), "observability.profiling"),
+    "configure_timeline": "observability.timeline",
+    **dict.fromkeys(("clip_grad_norm_", "optimizer_step", "prepare_model", "reduce_gradients"), "optim"),
+    "checkpoint_if_preempted": "preemption",
+    **dict.fromkeys(("export_pretrained", "load_pretrained", "meta_parameters", "pretrained_path"),
+                    "pretrained"),
+    **dict.fromkeys(("local_rank", "node_rank", "rank", "spmd_global", "uses_host_collectives",
+                     "world_size"), "ranks"),
+    **dict.fromkeys(("configure_reports", "flush_reports", "report"), "reporting"),
+    **dict.fromkeys(("ShardedStateError", "get_sharded_mesh", "is_sharded", "prepare_sharded_model"),
+                    "sharding"),
+    **dict.fromkeys(("get_mesh", "shard_batch", "sharding_spec"), "spmd"),
+    "step_done": "steps",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

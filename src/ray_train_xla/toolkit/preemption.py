@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ray_train_xla.toolkit.checkpoint import save_checkpoint
+from ray_train_xla.toolkit.checkpoint.seam import save_checkpoint
 from ray_train_xla.toolkit.runtime import runtime
 
 

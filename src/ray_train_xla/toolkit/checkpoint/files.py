@@ -1,6 +1,6 @@
 """A checkpoint's files where they lie: on the local file system or on any pyarrow filesystem
 (the one Ray Train's ``Checkpoint.filesystem`` holds: S3, GCS, a mounted one; the memory tier's
-stores, ``memory.py``). torch's ``FileSystemReader`` reads a DCP checkpoint through them, byte
+stores, ``memory/restore.py``). torch's ``FileSystemReader`` reads a DCP checkpoint through them, byte
 ranges included; the small files (``extra.pt``, ``sharded.json``) are read whole."""
 
 from __future__ import annotations

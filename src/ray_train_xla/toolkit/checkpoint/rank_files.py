@@ -28,7 +28,7 @@ A reader merges the ranks' metadata into the checkpoint's ``.metadata`` (:func:`
 and reads it with torch's ``FileSystemReader`` like any DCP checkpoint, resharding included.
 
 DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
-``dcp.save`` (``memory.py``).
+``dcp.save`` (``memory/tier.py``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ the file with ``torch.save``, locally or through the run's storage filesystem.
 Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state is
 written in the reporter's thread. **The memory tier** has a :class:`SaveProcess` of its own per
 worker for replicated state, which formats each generation's ``checkpoint.pt`` into the node's
-shared memory (``memory.py``; DTensor state is written in place there, ``rank_files.py``).
+shared memory (``memory/tier.py``; DTensor state is written in place there, ``rank_files.py``).
 
 A writer process that dies is reported (its pipe closes) and a write that does not end within
 ``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the
