@@ -169,7 +169,8 @@ def measure(args) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{root}/pg", rank=0, world_size=1)
     node = ray.get_runtime_context().get_node_id()
     tier_id = uuid.uuid4().hex[:12]
-    memory.start_stores(tier_id, [node], 120)
+    stores: dict = {}  # the stores live as long as these first handles (the backend's too)
+    memory.start_stores(tier_id, [node], 120, stores)
     # FSDP2 on the CPU twin of a native config (TorchNeuronConfig, TorchTPUConfig)
     os.environ.update({contract.MEMORY_EVERY_VAR: "1", contract.MEMORY_TIER_VAR: tier_id,
                        contract.MEMORY_NODES_VAR: node, contract.TIMEOUT_VAR: "300",

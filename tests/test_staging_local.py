@@ -142,6 +142,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     from ray_train_xla.toolkit.checkpoint import rank_files
     from ray_train_xla.toolkit.checkpoint.files import LocalFiles, MemoryFiles
+    from ray_train_xla.toolkit.checkpoint.memory import store
     from ray_train_xla.toolkit.checkpoint.sharded import write_small_files
 
     before = [p.full_tensor().clone() for p in model.parameters()]
@@ -183,7 +184,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     by_rank["exact"] = extra["step"] == 14 and all(
         torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), before))
     with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
-        by_rank["stamp"] = rank_files.slot_stamp(f.read(8))
+        by_rank["stamp"] = store.slot_stamp(f.read(8))
     process["by_rank"] = by_rank
     pid = writer_process_pid()
     process["pid"] = pid if pid != os.getpid() else None
@@ -390,6 +391,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
 
     from ray_train_xla.toolkit.checkpoint import rank_files
     from ray_train_xla.toolkit.checkpoint.files import MemoryFiles
+    from ray_train_xla.toolkit.checkpoint.memory import store
     from ray_train_xla.toolkit.checkpoint.staging import split_dtensors
 
     def stamps():
@@ -399,7 +401,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
                 out.append(None)
                 continue
             with open(slot.path, "rb") as f:
-                out.append(rank_files.slot_stamp(f.read(8)))
+                out.append(store.slot_stamp(f.read(8)))
         return out
 
     def generation(n: int, scale: float):

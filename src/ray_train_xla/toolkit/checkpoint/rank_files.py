@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.toolkit.checkpoint.memory.store import SLOT_PREFIX
+
 ALIGN = 64  # each record's offset in a slot
 HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
-SLOT_PREFIX = "slot-"  # slot-<pid>-<rank>-<series>-<turn>.distcp
 # This process's layouts, numbered from a random start: a slot's name is unique on its node even
 # when a later worker gets the pid of one that died.
 _SERIES = itertools.count(secrets.randbits(40))
@@ -64,22 +65,6 @@ def rank_metadata_file(rank: int) -> str:
 
 def is_rank_metadata(name: str) -> bool:
     return name.startswith("__") and name.endswith(".metadata") and name[2:-9].isdigit()
-
-
-def slot_owner(path: str) -> tuple[int, int, int] | None:
-    """(pid, rank, series) of a slot file's name, None for another file."""
-    name = os.path.basename(path)
-    if not name.startswith(SLOT_PREFIX):
-        return None
-    parts = name[len(SLOT_PREFIX):].split(".")[0].split("-")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        return None
-    return int(parts[0]), int(parts[1]), int(parts[2])
-
-
-def slot_stamp(data) -> int:
-    """The generation a slot holds (its first 8 bytes), -1 while it is being written."""
-    return int.from_bytes(bytes(data[:8]), "little", signed=True)
 
 
 def record_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, bytes, int]:

@@ -2,8 +2,9 @@
 files of the newest generations, and their start by the backend (``start_stores``).
 
 The driver imports this module: it imports no torch, and neither do the packages above it (they
-import their names on first use). torch is loaded only in a store's own process, by the slot
-helpers of ``rank_files.py`` that its calls import.
+import their names on first use); its methods use none either. The slot files'
+names and stamps (``slot_owner``, ``slot_stamp``) are defined here, where the stores read them;
+``rank_files.py`` writes them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,24 @@ from typing import Any
 
 NAMESPACE = "ray_train_xla"
 STORE_PREFIX = "ray_train_xla-memory"
+SLOT_PREFIX = "slot-"  # a writer process's slot file: slot-<pid>-<rank>-<series>-<turn>.distcp
 
+
+
+def slot_owner(path: str) -> tuple[int, int, int] | None:
+    """(pid, rank, series) of a slot file's name, None for another file."""
+    name = os.path.basename(path)
+    if not name.startswith(SLOT_PREFIX):
+        return None
+    parts = name[len(SLOT_PREFIX):].split(".")[0].split("-")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def slot_stamp(data) -> int:
+    """The generation a slot holds (its first 8 bytes), -1 while it is being written."""
+    return int.from_bytes(bytes(data[:8]), "little", signed=True)
 
 def store_name(tier: str, node_id: str) -> str:
     return f"{STORE_PREFIX}-{tier}-{node_id}"
@@ -50,8 +68,6 @@ def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
     of workers that are gone; with ``every_tier``, the same slot files in every tier's
     directory of the node (an earlier run's too), and directories left empty."""
     import shutil
-
-    from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
 
     for entry in os.listdir(tier_dir):
         older = entry.split("-")[0]
@@ -114,8 +130,6 @@ class MemoryStore:
         import numpy as np
         import ray
 
-        from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner, slot_stamp
-
         files = {name: bytes(data) for name, data in files.items()}
         for name, path in shared.items():
             files[name] = _hold(path)
@@ -171,8 +185,6 @@ class MemoryStore:
     def _forget_slots(self) -> None:
         """Drop the mappings of slots no generation held here names, once their worker is gone
         or uses other slots or none (a live worker's slots are mapped once)."""
-        from ray_train_xla.toolkit.checkpoint.rank_files import slot_owner
-
         named = {id(e["ranks"][r][n]) for e in self._gens.values()
                  for r, names in e["slots"].items() for n in names}
         for path, held in list(self._slots.items()):
@@ -184,8 +196,6 @@ class MemoryStore:
     def _valid(self, gen: int, rank: int) -> bool:
         """Whether rank ``rank``'s files of ``gen`` are still that generation (a slot may have
         been taken for a newer one since)."""
-        from ray_train_xla.toolkit.checkpoint.rank_files import slot_stamp
-
         entry = self._gens[gen]
         return all(slot_stamp(entry["ranks"][rank][n]) == gen
                    for n in entry["slots"].get(rank, ()))
