@@ -22,21 +22,11 @@ use: the driver imports the memory tier's store (``memory/store.py``), which loa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ray_train_xla.toolkit.lazy import lazy_names
 
 # Name -> the module of this folder that defines it.
 _EXPORTS = {"load_checkpoint": "seam", "save_checkpoint": "seam"}
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
