@@ -168,7 +168,7 @@ def test_a_neuron_worker_finds_its_peak_or_says_why_not(monkeypatch, tmp_path, c
     assert tl_mod.instance_type(str(tmp_path / "missing")) == ""
     monkeypatch.setattr(tl_mod, "instance_type", lambda: "trn2.48xlarge")
     monkeypatch.delenv(LNC_VAR, raising=False)
-    assert tl_mod.device_peak_tflops("neuron") == 158.0
+    assert tl_mod.device_peak("neuron")[0] == 158.0
     monkeypatch.setenv(LNC_VAR, "1")
     peak, source = tl_mod.device_peak("neuron")
     assert peak == 79.0 and source == ("the published bf16 peak of a Trainium2 physical "

@@ -69,6 +69,9 @@ Options = TypeVar("Options")
 Part = TypeVar("Part")
 
 # Which call sets each block, for the errors.
+# The fields of a block that a config field of the same name sets (the worker reads it from its
+# planned environment, ``WorkerContext``).
+_FROM_CONFIG = {TimelineOptions: ("peak_tflops",)}
 _SETTERS = {ReportOptions: "configure_reports", TimelineOptions: "configure_timeline",
             MetricsOptions: "metrics", GraphCheckOptions: "check_graphs_every"}
 
@@ -138,8 +141,8 @@ class Runtime:
         config's values, which count as set (a ``configure_*`` call may not change them)."""
         current = self._options.get(block)
         if current is None:
-            planned = {"peak_tflops": self.ctx.peak_tflops} \
-                if block is TimelineOptions and self.ctx.peak_tflops else {}
+            planned = {name: getattr(self.ctx, name) for name in _FROM_CONFIG.get(block, ())
+                       if getattr(self.ctx, name)}
             current = self._options[block] = block(**planned)
             for name, value in planned.items():
                 self._set_by[(block, name)] = value

@@ -145,6 +145,7 @@ def world(config: dict, state: dict) -> dict:
 
     import ray_train_xla as rtx
     from ray_train_xla.startup.facts import gather_facts, gather_native_tpu_facts
+    from ray_train_xla.toolkit.observability import timeline
 
     gather = gather_native_tpu_facts if config["native_tpu"] else gather_facts
     facts = gather(config["timeout_s"], config["device"])
@@ -160,16 +161,9 @@ def world(config: dict, state: dict) -> dict:
         "world_size": rtx.world_size(),
         "ray_local_rank": ray.train.get_context().get_local_rank(),
         "pid": os.getpid(),
-        "instance_type": instance_type(),
+        "instance_type": timeline.instance_type(),
         "versions": versions(),
     }
-
-
-def instance_type() -> str:
-    """The machine's type as its firmware names it (``trn1.32xlarge`` on EC2), or ""."""
-    from ray_train_xla.toolkit.observability.timeline import instance_type as firmware_name
-
-    return firmware_name()
 
 
 def versions() -> dict:

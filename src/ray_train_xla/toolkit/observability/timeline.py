@@ -138,13 +138,6 @@ def device_peak(device: str) -> tuple[float | None, str]:
     return found.bf16, f"the published bf16 peak of a {found.device}, from {what}"
 
 
-def device_peak_tflops(device: str) -> float | None:
-    """The peak TFLOP/s MFU is taken against on this worker's ``device`` when neither
-    ``configure_timeline`` nor the config's ``peak_tflops`` gives one (``device_peak``); None
-    where it is not known."""
-    return device_peak(device)[0]
-
-
 def step_size() -> tuple[float | None, float | None]:
     """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
     options = runtime().options(TimelineOptions)
