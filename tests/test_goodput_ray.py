@@ -100,7 +100,7 @@ def audit_loop(config: dict) -> None:
     attempt = 0 if state is None else 1
     first = 0 if state is None else int(state["step"])
     rank = rtx.rank()
-    rec = {"rank": rank, "attempt": attempt, "t_fn": t_fn, "steps": []}
+    rec = {"rank": rank, "attempt": attempt, "t_fn": t_fn, "steps": [], "own": []}
     xb0, yb0 = torch.ones(BATCH, 4), torch.ones(BATCH, 1)  # the same step, on the CPU
     rec["counted_flops"] = rtx.count_flops(
         lambda: torch.nn.functional.mse_loss(torch.nn.Linear(4, 1)(xb0), yb0).backward())
@@ -119,6 +119,8 @@ def audit_loop(config: dict) -> None:
         time.sleep(WORK_S)
         if attempt == 1 and rank == 1:
             time.sleep(SLOW_S)  # rank 0 waits for it in optimizer_step's all-reduce
+        if rec["steps"]:  # its own time as the loop times it: from its last step end to here
+            rec["own"].append(time.time() - rec["steps"][-1][0])
         rtx.optimizer_step(opt)
         t_end = time.time()
         now = _compile_total()
@@ -254,6 +256,15 @@ def test_tflops_and_mfu_are_the_known_flops_over_the_steps_the_worker_timed(audi
         assert window["timeline/mfu"] == pytest.approx(expected / PEAK_TFLOPS, rel=0.01)
 
 
+def _timed_excess(records: dict) -> float:
+    """Rank 1's own time a step over rank 0's in the restarted group, medians, as the loops
+    timed them."""
+    import statistics
+
+    return (statistics.median(records[("a1", 1)]["own"])
+            - statistics.median(records[("a1", 0)]["own"]))
+
+
 def test_the_slow_rank_is_named_with_its_excess_and_none_where_no_rank_is_slow(audited_run,
                                                                               capsys):
     from ray_train_xla.toolkit.observability import goodput
@@ -264,7 +275,11 @@ def test_the_slow_rank_is_named_with_its_excess_and_none_where_no_rank_is_slow(a
     assert first.measured == 2 and first.stragglers == [], first.stragglers
     [slow] = restarted.stragglers
     assert slow.rank == 1 and slow.steps >= 3
-    assert slow.excess_per_step_s == pytest.approx(SLOW_S, rel=0.1), slow
+    # Its excess is the sleep (on a loaded machine every wait stretches, so: at least the sleep,
+    # and what the loops timed themselves, within 10% of the sleep).
+    timed = _timed_excess(audited_run["records"])
+    assert slow.excess_per_step_s >= 0.9 * SLOW_S, slow
+    assert slow.excess_per_step_s == pytest.approx(timed, abs=0.1 * SLOW_S), (slow, timed)
     assert slow.excess_s == pytest.approx(slow.excess_per_step_s * slow.steps)
     assert slow.share == pytest.approx(slow.excess_s / result.wall)
     assert main(["goodput", audited_run["run_path"]]) == 0
@@ -292,4 +307,6 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
     # Rank 0 named rank 1 a straggler, with about its sleep a step.
     [named] = [ln for ln in lines if ln.startswith("ray_train_xla_straggler_excess_seconds")
                and 'rank="1"' in ln]
-    assert float(named.split()[-1]) == pytest.approx(SLOW_S, rel=0.1), named
+    value = float(named.split()[-1])
+    assert value >= 0.9 * SLOW_S, named
+    assert value == pytest.approx(_timed_excess(audited_run["records"]), abs=0.1 * SLOW_S), named
