@@ -273,11 +273,13 @@ def main() -> None:
     import torch.distributed as dist
 
     from ray_train_xla.startup.process_group import init_process_group
+    from ray_train_xla.startup.worker_patches import install_worker_patches
 
     # Bounded: a rank stuck in a collective its peers left prints every stack and exits.
     faulthandler.dump_traceback_later(float(os.environ.get("RTX_TEST_WORKER_LIMIT_S", "240")),
                                       exit=True)
     init_process_group()
+    install_worker_patches()
     rank, n = dist.get_rank(), dist.get_world_size()
     for name in (sys.argv[1:] or CHECKS):
         record = {"rank": rank, "check": name}

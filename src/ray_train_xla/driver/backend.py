@@ -34,6 +34,7 @@ from ray_train_xla.startup.environment import apply_env
 from ray_train_xla.startup.facts import gather_facts, gather_native_tpu_facts, reserve_ports
 from ray_train_xla.startup.process_group import init_native_process_group, init_process_group
 from ray_train_xla.startup.shutdown import shutdown_worker
+from ray_train_xla.startup.worker_patches import install_worker_patches
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class XLABackend(Backend):
 
     def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
         worker_group.execute(init_process_group)
+        worker_group.execute(install_worker_patches)
 
     def on_shutdown(self, worker_group, backend_config: XLAOptions) -> None:
         try:
@@ -88,6 +90,7 @@ class NativeNeuronBackend(XLABackend):
 
     def on_training_start(self, worker_group, backend_config) -> None:
         worker_group.execute(init_native_process_group)
+        worker_group.execute(install_worker_patches)
 
 
 class NativeTPUBackend(XLABackend):
@@ -101,6 +104,7 @@ class NativeTPUBackend(XLABackend):
 
     def on_training_start(self, worker_group, backend_config) -> None:
         worker_group.execute(init_native_process_group)
+        worker_group.execute(install_worker_patches)
 
 
 def plan_workers(

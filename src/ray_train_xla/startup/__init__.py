@@ -4,10 +4,10 @@
 2. ``environment``: apply the planned environment, then the runtime's own steps
    (``runtime_steps``: XRT server records, Neuron's parallel compile, native TorchNeuron checks);
 3. ``process_group``: torch_xla's initialisation, the bounded rendezvous (``rendezvous``), the
-   process group, and the patches that make the worker behave like hardware (``devmode``, the
-   CPU development mode) and make Ray's own torch helpers use the worker's device
-   (``ray_helpers``);
-4. ``shutdown``: destroy the process group (bounded), undo the patches, the runtime's clean-up.
+   process group;
+4. ``worker_patches``: the patches that make the worker behave like hardware (``devmode``, the CPU
+   development mode) and make Ray's own torch helpers use the worker's device (``ray_helpers``);
+5. ``shutdown``: destroy the process group (bounded), undo the patches, the runtime's clean-up.
 
 Before all of these, ``import_env`` runs where a ``TorchNeuronConfig`` is unpickled on a worker:
 it puts what torch-neuronx reads at ``import torch`` in the environment first. ``watchdog``

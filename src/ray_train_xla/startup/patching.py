@@ -32,3 +32,4 @@ class Patches:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
+

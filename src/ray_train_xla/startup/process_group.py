@@ -1,5 +1,5 @@
 """Start-up step 3, on every worker: initialise torch.distributed as planned, bounded by
-``timeout_s``, then install the worker-side patches (CPU development mode, Ray's helpers).
+``timeout_s`` (the patches that follow it are ``worker_patches``).
 
 Three steps, each reported as what it is when it fails: torch_xla's initialisation
 (``import torch_xla``, which reads the planned environment, and SPMD), the rendezvous on a store
@@ -70,16 +70,6 @@ def init_process_group() -> None:
             f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
             f"first, its error is the cause.{listeners}"
         ) from exc
-    if ctx.devmode:
-        devmode.install(dist.get_rank(), dist.get_world_size())
-    if not ctx.native:  # native runtimes point Ray at their own device (native_neuron/_tpu.py)
-        from ray_train_xla.startup import ray_helpers
-
-        ray_helpers.install(spmd=ctx.spmd)
-    elif ctx.device == "neuron":  # Ray's device manager is pointed at it in native_neuron.py
-        from ray_train_xla.startup import ray_helpers
-
-        ray_helpers.install_native()
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.

@@ -6,6 +6,8 @@ the time spent compiling; executions there are eager and not counted (0)."""
 
 from __future__ import annotations
 
+import sys
+
 _NS = 1e-9
 
 
@@ -14,18 +16,22 @@ class Counters:
     torch_xla counter or metric, at a few microseconds a call. A metric costs more than a
     counter: read ``CompileTime`` again only when the compile count moved, and ``ExecuteTime``
     only when asked for (torch_xla returns its last 1,024 samples with it, about 0.2 ms once
-    its buffer is full). Raises ``ImportError`` without the stack's module (torch_xla, Dynamo)."""
+    its buffer is full). Raises ``ImportError`` without torch_xla on the XLA stack."""
 
     def __init__(self) -> None:
         from ray_train_xla.toolkit import device as _device
 
         self.native = _device.is_native()
         if self.native:
-            from torch._dynamo.utils import compilation_time_metrics, counters
+            # Dynamo is imported by the first torch.compile: until then nothing was compiled, and
+            # importing it here would cost every worker about a CPU second at its start.
+            def dynamo():
+                return sys.modules.get("torch._dynamo.utils")
 
-            self.compiles = lambda: float(counters["stats"]["unique_graphs"])
-            self.compile_time_s = lambda: float(
-                sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+            self.compiles = lambda: float(
+                d.counters["stats"]["unique_graphs"]) if (d := dynamo()) else 0.0
+            self.compile_time_s = lambda: float(sum(d.compilation_time_metrics.get(
+                "_compile.compile_inner", ()))) if (d := dynamo()) else 0.0
             self.count = self.seconds = lambda name: 0.0
             return
         import torch_xla

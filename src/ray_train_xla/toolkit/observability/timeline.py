@@ -602,7 +602,7 @@ def begin() -> Timeline:
     try:
         counters = Counters()
         compile_reader = counters.compiles, counters.compile_time_s
-    except ImportError:  # neither torch_xla nor Dynamo here: no compile time
+    except ImportError:  # no torch_xla here: no compile time
         compile_reader = None
     tl = Timeline(
         attempt=ctx.run_id, rank=ctx.rank, world=ctx.world_size, local_rank=ctx.local_rank,
