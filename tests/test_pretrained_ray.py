@@ -9,9 +9,10 @@ shared one-node cluster), 4 CPU workers a fit:
 Each worker first tries a checkpoint that does not fit (a renamed key, a wrong shape): refused
 before anything is allocated. Then it builds the model on the meta device, loads it sharded in
 bf16 (``rtx.load_pretrained``), measures its own peak memory growth during the load, computes
-the logits of a fixed batch (in fp32, from the bf16 weights), takes two SGD steps (a plain
-``optimizer.step()``) and exports the trained model from all four workers in the stored dtype
-(``rtx.export_pretrained``), measuring again. The driver compares the logits with
+the logits of a fixed batch (in fp32, from the bf16 weights), takes two SGD steps on its top
+block, norm and head with the rest frozen (a plain ``optimizer.step()``) and exports the
+trained model from all four workers in the stored dtype (``rtx.export_pretrained``), measuring
+again. The driver compares the logits with
 ``from_pretrained``'s in one process, and the export's, loaded with ``from_pretrained``, with
 the trained model's; ``goodput`` counts the plain steps and their time as the loop timed it.
 """
@@ -117,7 +118,12 @@ def load_train_export(config):
     probe = torch.tensor(config["probe"])
     with torch.no_grad():
         logits = model(input_ids=probe, use_cache=False).logits
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # The top is fine-tuned: the last block, the final norm and the head (tied to the embeddings
+    # in Qwen2). The frozen blocks take no gradient, so backward gathers only what it trains.
+    model.requires_grad_(False)
+    for part in (model.model.layers[-1], model.model.norm, model.lm_head):
+        part.requires_grad_(True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     rows = probe[rtx.rank() % len(probe):][:1]
     record["step_ends"] = []
     for _ in range(STEPS):  # a plain optimizer.step(), as the documented FSDP2 loop
@@ -241,6 +247,13 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
     exported = AutoModelForCausalLM.from_pretrained(export).eval()
     assert exported.dtype == torch.bfloat16
     assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
+    # The frozen blocks are exported as loaded, the trained one as trained.
+    top = len(exported.model.layers) - 1
+    weights = {n: p for n, p in exported.named_parameters()}
+    loaded = {n: p for n, p in reference.named_parameters()}
+    for name in ("model.layers.0.mlp.down_proj.weight", f"model.layers.{top}.mlp.down_proj.weight"):
+        same = torch.equal(weights[name].float(), loaded[name])
+        assert same is name.startswith("model.layers.0."), name
     with torch.no_grad():
         got = exported.float()(input_ids=PROBE, use_cache=False).logits
     torch.testing.assert_close(got, logits["trained"], atol=2e-4, rtol=1e-4)
