@@ -55,8 +55,8 @@ class StagingPool:
 
     def __init__(self, pin_memory: bool | None = None, share_memory: bool = False) -> None:
         self.share_memory = share_memory  # buffers a writer process maps (writer.py)
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.pin_memory = pin and not share_memory  # (shared memory is not pinned)
+        # pinned where CUDA is available and not refused; shared memory is not pinned
+        self.pin_memory = pin_memory is not False and torch.cuda.is_available() and not share_memory
         self._lock = threading.Lock()
         self._free: list[dict[int, torch.UntypedStorage]] = []
         self._sets = 0
