@@ -458,3 +458,47 @@ def copy_out(files, directory: str) -> None:
         with open(os.path.join(directory, name), "wb") as f:
             f.write(bytes(data))
 
+
+
+def test_views_of_one_storage_share_one_buffer_and_each_staged_tensor_equals_its_source():
+    """Tied weights (one parameter under two names), a transposed view, a slice, a strided view
+    and a non-contiguous tensor of a storage of its own, an empty one: each staged tensor equals
+    its source with its strides; the views of one storage view one buffer (allocated once, as
+    the storage is copied once) and nothing of the source; a later save of the same structure
+    allocates nothing; a storage of another size gets a new buffer, counted; shared memory
+    where asked."""
+    from ray_train_xla.toolkit.checkpoint.staging import StagingPool
+
+    base = torch.arange(24.0)
+    own = torch.arange(12.0).reshape(3, 4)
+    tensors = [base.view(4, 6), base.view(4, 6).detach(), base.view(4, 6).t(), base[6:12],
+               base[::5], own[:, 1:3], torch.empty(0, 3)]
+    state = {"embed": base.view(4, 6), "head": base.view(4, 6).detach(), "tail": base[18:],
+             "pair": Pair(own[:, 1:3], [base[::5], "x"]), "step": 3}
+    for share in (False, True):
+        pool = StagingPool(share_memory=share)
+        for _ in range(3):
+            staged, give_back = pool.stage_tensors(tensors)
+            assert [s.stride() for s in staged] == [t.stride() for t in tensors]
+            assert all(torch.equal(s, t) for s, t in zip(staged, tensors))
+            pointers = {s.untyped_storage().data_ptr() for s in staged[:5]}
+            assert len(pointers) == 1 and base.untyped_storage().data_ptr() not in pointers
+            assert all(s.is_shared() for s in staged) is share
+            assert pool.allocated_bytes == (24 + 12) * 4, pool.allocated_bytes
+            give_back()
+            with torch.no_grad():
+                base.add_(1.0)  # each save holds its own values
+                own.mul_(2.0)
+        for _ in range(2):  # another structure: base's buffer first again, own's moved
+            copies, give_back = pool.stage(state)
+            assert copies["embed"].untyped_storage().data_ptr() == \
+                copies["head"].untyped_storage().data_ptr() == \
+                copies["tail"].untyped_storage().data_ptr()
+            assert all(torch.equal(copies[k], state[k]) for k in ("embed", "head", "tail"))
+            assert type(copies["pair"]) is Pair and torch.equal(copies["pair"].a, own[:, 1:3])
+            assert torch.equal(copies["pair"].b[0], base[::5]) and copies["pair"].b[1] == "x"
+            assert copies["step"] == 3 and pool.allocated_bytes <= (24 + 12 + 12) * 4
+            give_back()
+        allocated = pool.allocated_bytes
+        pool.stage_tensors([torch.ones(5)])  # another size at the first position: a new buffer
+        assert pool.allocated_bytes == allocated + 20

@@ -8,7 +8,7 @@ names in the torch-tpu environment of ``test_native_tpu_contract.py``).
 The source is read, not imported (``ast``): a private name is an import from a private module or
 of a private name, an attribute chain with a private part that starts at an imported module of
 one of those libraries, a private attribute of another object that is not one of our own
-(``stager._stage_untyped_storage``), or a dotted module path in a string."""
+(``value._local_tensor``), or a dotted module path in a string."""
 
 from __future__ import annotations
 
@@ -220,12 +220,6 @@ def _resolve(name: str):
     raise ImportError(name)
 
 
-def _stager():
-    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-
-    return StateDictStager(pin_memory=False, share_memory=False)
-
-
 def _dtensor_class():
     from torch.distributed.tensor import DTensor
 
@@ -277,8 +271,6 @@ def _module():
 
 # The private attributes of objects (not of a module): where each lives.
 ON_OBJECTS = {
-    "._stage_untyped_storage": _stager,
-    "._cached_storage_mapping": _stager,
     "._local_tensor": _dtensor_class,
     "._module_classes": _wrap_policy,
     "._destroy": _functional_library,
@@ -307,12 +299,9 @@ CALLS = {
     "torch.distributed.checkpoint._consolidate_hf_safetensors."
     "consolidate_safetensors_files_on_every_rank": (3, ["process_group"]),
     "torch.distributed.checkpoint._hf_utils._gen_file_name": (2, []),
-    "torch.distributed.checkpoint._state_dict_stager.StateDictStager":
-        (0, ["pin_memory", "share_memory"]),
     "torch.distributed.distributed_c10d._get_default_store": (0, []),
     "torch._disable_dynamo": (1, []),
     "torch.distributed._composable.checkpoint": (1, []),
-    "._stage_untyped_storage": (1, ["non_blocking"]),
     "torch_xla.experimental.distributed_checkpoint._helpers._sharded_cpu_state_dict": (1, []),
     "torch_xla.experimental.distributed_checkpoint._helpers.flatten_state_dict": (1, []),
     "torch_xla.experimental.spmd_fully_sharded_data_parallel._prepare_spmd_partition_spec":
@@ -364,14 +353,3 @@ def test_the_record_framing_the_memory_tier_writes_into_is_torch_saves():
     at = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record_offset("data/0")
     assert data[at:at + value.nbytes] == value.numpy().tobytes()
 
-
-def test_the_stager_stages_a_storage_once_and_remembers_it():
-    """What the staging pool relies on of ``StateDictStager``: ``_stage_untyped_storage`` copies
-    a storage into a host buffer and ``_cached_storage_mapping`` remembers it (staging.py)."""
-    import torch
-
-    stager = _stager()
-    value = torch.arange(8.0)
-    out = stager._stage_untyped_storage(value.untyped_storage())
-    assert value.untyped_storage() in stager._cached_storage_mapping
-    assert out.nbytes() == value.nbytes and out.data_ptr() != value.untyped_storage().data_ptr()

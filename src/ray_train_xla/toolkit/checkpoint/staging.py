@@ -1,22 +1,24 @@
 """Host buffers for checkpoint snapshots, allocated once and reused from save to save.
 
-A sharded snapshot (FSDP2's DTensors) goes through torch's own ``StateDictStager``
-(``torch.distributed.checkpoint._state_dict_stager``, what DCP's ``DefaultStager`` uses): it
-keeps one host copy per source storage and, at the next save, copies into it again instead of
-allocating. That copy must not be overwritten while the background reporter still writes it
+A snapshot copies each storage its tensors view, whole, with ``copy_`` into a host buffer of a
+set the pool lends it (:class:`StagingPool`), and each staged tensor is the same view of that
+buffer (offset, strides): views of one storage, tied weights among them, share one buffer as
+they share the storage. A buffer belongs to the position in the snapshot of its storage's first
+tensor: the next save of the same structure fills it again; a storage of another size there
+gets a new one. A set must not be overwritten while the background reporter still writes it
 (up to ``max_in_flight`` checkpoints, plus the one waiting for a slot), so the pool lends each
-snapshot a stager of its own and takes it back when that checkpoint's files are written: in
-steady state the pool holds ``max_in_flight + 1`` sets of buffers, allocated by the first saves,
-and later saves allocate nothing that grows with the state. Buffers are pinned where CUDA is
-available (torch pins host memory for CUDA only).
+snapshot a set of its own and takes it back when that checkpoint's files are written: in steady
+state the pool holds ``max_in_flight + 1`` sets of buffers, allocated by the first saves, and
+later saves allocate nothing that grows with the state. Buffers are pinned where CUDA is
+available (torch pins host memory for CUDA only; the copies into them are waited for once).
 
 DTensor state is staged by its local shards, as plain tensors (:func:`split_dtensors`,
-:meth:`StagingPool.stage_tensors`: the stager's storage copies without its deep copy of the
-structure, whose new DTensors each cost a DTensor dispatch), and made DTensors again when the
-snapshot is written (:func:`join_dtensors`), off the training thread: the blocking call costs
-little more than the copy.
+:meth:`StagingPool.stage_tensors`: no copy of the structure, whose new DTensors would each cost
+a DTensor dispatch), and made DTensors again when the snapshot is written
+(:func:`join_dtensors`), off the training thread: the blocking call costs little more than the
+copy.
 
-``allocated_bytes`` counts the host storages the pool allocated, for tests and benchmarks.
+``allocated_bytes`` counts the host buffers the pool allocated, for tests and benchmarks.
 Replicated state that a writer process writes is staged the same way into shared-memory
 buffers (:func:`shared_pool`), which the writer process maps instead of receiving a copy.
 
@@ -48,66 +50,66 @@ from ray_train_xla.toolkit.runtime import runtime
 
 
 class StagingPool:
-    """Stagers lent to one snapshot each, from the snapshot until its write ends."""
+    """Sets of host buffers, each lent to one snapshot from the snapshot until its write ends:
+    a set maps a position in the snapshot to the buffer of the storage first seen there."""
 
     def __init__(self, pin_memory: bool | None = None, share_memory: bool = False) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.share_memory = share_memory  # buffers a writer process maps (writer.py)
+        # pinned where CUDA is available and not refused; shared memory is not pinned
+        self.pin_memory = pin_memory is not False and torch.cuda.is_available() and not share_memory
         self._lock = threading.Lock()
-        self._free: list[Any] = []
-        self._stagers = 0
+        self._free: list[dict[int, torch.UntypedStorage]] = []
+        self._sets = 0
         self.allocated_bytes = 0
         self.snapshots = 0
-
-    def _new_stager(self):
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-
-        stager = StateDictStager(pin_memory=self.pin_memory, share_memory=self.share_memory)
-        stage_storage = stager._stage_untyped_storage
-        pool = self
-
-        def counted(storage, non_blocking=False):
-            cached = storage in stager._cached_storage_mapping
-            out = stage_storage(storage, non_blocking=non_blocking)
-            if not cached:
-                with pool._lock:
-                    pool.allocated_bytes += out.nbytes()
-            return out
-
-        stager._stage_untyped_storage = counted
-        self._stagers += 1
-        return stager
 
     @property
     def stagers(self) -> int:
         """How many sets of buffers the pool holds (each lent or free)."""
-        return self._stagers
+        return self._sets
 
     def stage(self, state: Any) -> tuple[Any, Callable[[], None]]:
         """(a host copy of ``state``, DTensors kept DTensors on the CPU; the function that gives
-        its buffers back once the copy is written). Call the second exactly once."""
-        stager = self._lend()
-        return stager.stage(state), self._giving_back(stager)
+        its buffers back once the copy is written). Call the second exactly once. The tensors of
+        its dicts, lists and tuples are staged by :meth:`stage_tensors`, the rest deep-copied."""
+        from ray_train_xla.toolkit.checkpoint.replicated import _tensors
+
+        tensors = {id(t): t for t in _tensors(state)}
+        tree, shards, specs = split_dtensors(list(tensors.values()))
+        staged, give_back = self.stage_tensors(shards)
+        copies = dict(zip(tensors, join_dtensors(tree, staged, specs)))
+        return copy.deepcopy(state, copies), give_back
 
     def stage_tensors(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
                                                                   Callable[[], None]]:
-        """As :meth:`stage` for a list of plain tensors: the same stager and buffers (torch's
-        ``StateDictStager``, storage by storage), without its deep copy of a structure."""
-        stager = self._lend()
-        out = []
-        with torch.no_grad():
-            for t in tensors:
-                storage = stager._stage_untyped_storage(t.untyped_storage())
-                out.append(torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(),
-                                                              t.size(), t.stride()))
-        return out, self._giving_back(stager)
+        """As :meth:`stage` for a list of plain tensors: each storage copied once, each tensor
+        the same view of its copy."""
+        lent, kept, copies, out = self._lend(), {}, {}, []
+        for i, t in enumerate(tensors):
+            source = t.untyped_storage()
+            key = (t.device, source.data_ptr(), source.nbytes())  # views of one storage: one copy
+            if key not in copies:
+                buffer = lent.get(i)
+                if buffer is None or buffer.nbytes() != source.nbytes():
+                    host = torch.empty(source.nbytes(), dtype=torch.uint8, pin_memory=self.pin_memory)
+                    buffer = (host.share_memory_() if self.share_memory else host).untyped_storage()
+                    with self._lock:
+                        self.allocated_bytes += buffer.nbytes()
+                copies[key] = kept[i] = buffer.copy_(source, non_blocking=self.pin_memory)
+            out.append(torch.empty(0, dtype=t.dtype).set_(copies[key], t.storage_offset(),
+                                                          t.size(), t.stride()))
+        for device in {t.device for t in tensors if t.is_cuda and self.pin_memory}:
+            torch.cuda.current_stream(device).synchronize()  # the queued copies are done
+        return out, self._giving_back(kept)
 
-    def _lend(self):
+    def _lend(self) -> dict[int, torch.UntypedStorage]:
         with self._lock:
-            stager = self._free.pop() if self._free else None
-        return self._new_stager() if stager is None else stager
+            if self._free:
+                return self._free.pop()
+            self._sets += 1
+        return {}
 
-    def _giving_back(self, stager) -> Callable[[], None]:
+    def _giving_back(self, buffers: dict[int, torch.UntypedStorage]) -> Callable[[], None]:
         with self._lock:
             self.snapshots += 1
         returned = threading.Event()
@@ -116,7 +118,7 @@ class StagingPool:
             if not returned.is_set():
                 returned.set()
                 with self._lock:
-                    self._free.append(stager)
+                    self._free.append(buffers)
 
         return give_back
 
@@ -126,9 +128,6 @@ class _Shard:
     """Where a DTensor was in a state dict whose local shards are staged apart."""
 
     index: int
-
-    def __deepcopy__(self, memo) -> _Shard:  # immutable: the stager keeps it as it is
-        return self
 
 
 def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
