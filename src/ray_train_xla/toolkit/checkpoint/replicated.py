@@ -10,7 +10,7 @@ package to load.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,23 +32,12 @@ def stage_replicated_shared(state: Mapping[str, Any]) -> tuple[dict[str, Any], C
     are copied into shared buffers reused from save to save (``staging.shared_pool``); torch_xla
     tensors are copied off the device as by :func:`stage_replicated` and move into shared
     memory when handed to the writer process."""
-    from ray_train_xla.toolkit.checkpoint.staging import shared_pool
+    from ray_train_xla.toolkit.checkpoint.staging import shared_pool, tensors_in
 
     state = dict(state)
-    if any(t.device.type == "xla" for t in _tensors(state)):
+    if any(t.device.type == "xla" for t in tensors_in(state)):
         return to_cpu(state), lambda: None
     return shared_pool().stage(state)
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -47,6 +47,18 @@ from typing import Any
 import torch
 
 from ray_train_xla.toolkit.runtime import runtime
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of ``value``'s dicts, lists and tuples, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
 
 
 class StagingPool:
@@ -72,9 +84,7 @@ class StagingPool:
         """(a host copy of ``state``, DTensors kept DTensors on the CPU; the function that gives
         its buffers back once the copy is written). Call the second exactly once. The tensors of
         its dicts, lists and tuples are staged by :meth:`stage_tensors`, the rest deep-copied."""
-        from ray_train_xla.toolkit.checkpoint.replicated import _tensors
-
-        tensors = {id(t): t for t in _tensors(state)}
+        tensors = {id(t): t for t in tensors_in(state)}
         tree, shards, specs = split_dtensors(list(tensors.values()))
         staged, give_back = self.stage_tensors(shards)
         copies = dict(zip(tensors, join_dtensors(tree, staged, specs)))
