@@ -25,13 +25,21 @@ class Counters:
         if self.native:
             # Dynamo is imported by the first torch.compile: until then nothing was compiled, and
             # importing it here would cost every worker about a CPU second at its start.
-            def dynamo():
-                return sys.modules.get("torch._dynamo.utils")
+            def compiles() -> float:
+                if "torch._dynamo.utils" not in sys.modules:
+                    return 0.0
+                from torch._dynamo.utils import counters
 
-            self.compiles = lambda: float(
-                d.counters["stats"]["unique_graphs"]) if (d := dynamo()) else 0.0
-            self.compile_time_s = lambda: float(sum(d.compilation_time_metrics.get(
-                "_compile.compile_inner", ()))) if (d := dynamo()) else 0.0
+                return float(counters["stats"]["unique_graphs"])
+
+            def compile_time_s() -> float:
+                if "torch._dynamo.utils" not in sys.modules:
+                    return 0.0
+                from torch._dynamo.utils import compilation_time_metrics
+
+                return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+            self.compiles, self.compile_time_s = compiles, compile_time_s
             self.count = self.seconds = lambda name: 0.0
             return
         import torch_xla
