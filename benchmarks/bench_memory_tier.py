@@ -161,7 +161,9 @@ def measure(args) -> dict:
     from ray_train_xla.planning import contract
     from ray_train_xla.toolkit.checkpoint import memory
     from ray_train_xla.toolkit.checkpoint.seam import _load_from
-    from ray_train_xla.toolkit.checkpoint.sharded import stage_sharded, write_staged
+    from ray_train_xla.toolkit.checkpoint.sharded import describe
+    from ray_train_xla.toolkit.checkpoint.staging import stage
+    from ray_train_xla.toolkit.checkpoint.writer import write_staged
 
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -267,7 +269,7 @@ def measure(args) -> dict:
         rtx.keep_in_memory(state, 1)
         memory.flush_memory()
         directory = os.path.join(root, "checkpoint")
-        written = write_staged(stage_sharded(state), directory)
+        written = write_staged(stage(describe(state)), directory)
         state_bytes = written["bytes"]
         slow = slow_filesystem(STORAGE_BPS)
         fresh, fresh_opt = build(width, layers, 1)

@@ -112,7 +112,7 @@ def errors(*calls) -> list[str]:
 def scenario_train(out_dir: str, save: str = "") -> dict:
     """FSDPv2 on all devices vs one device; the replicated helpers refuse it; optionally save."""
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.sharded import save_sharded
+    from ray_train_xla.toolkit.checkpoint.writer import save_sharded
 
     devices = start_spmd()
     mesh, model, opt, to_device, sync = sharded_setup()
@@ -207,8 +207,9 @@ def scenario_mismatch(out_dir: str) -> dict:
     import torch_xla
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.replicated import stage_replicated, write_replicated
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded, save_sharded
+    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
+    from ray_train_xla.toolkit.checkpoint.writer import save_sharded, write_replicated
+    from ray_train_xla.toolkit.device import to_cpu
 
     start_spmd()
     mesh = rtx.get_sharded_mesh()
@@ -247,8 +248,7 @@ def scenario_mismatch(out_dir: str) -> dict:
     plain = make_model(64).to(device)
     rdir = os.path.join(out_dir, "replicated64")
     os.makedirs(rdir)
-    write_replicated(stage_replicated({"model": plain.state_dict(), "step": 1}), rdir,
-                     "checkpoint.pt")
+    write_replicated(to_cpu({"model": plain.state_dict(), "step": 1}), rdir, "checkpoint.pt")
     checkpoint = ray.train.Checkpoint.from_directory(rdir)
     for name, kwargs in targets.items():
         target = make_model(kwargs.get("hidden", 64), kwargs.get("depth", 1)).to(

@@ -34,8 +34,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     import ray_train_xla as rtx
 
     faulthandler.enable()
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded, stage_sharded, write_staged
-    from ray_train_xla.toolkit.checkpoint.staging import pool
+    from ray_train_xla.toolkit.checkpoint.sharded import describe, load_sharded
+    from ray_train_xla.toolkit.checkpoint.staging import pool, stage
+    from ray_train_xla.toolkit.checkpoint.writer import write_staged
 
     dist.init_process_group("gloo")
 
@@ -56,8 +57,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     counts, snaps, held = [], [], None
     for i in range(4):
         snaps.append([p.full_tensor().clone() for p in model.parameters()])
-        staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "step": i})
+        staged = stage(describe({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "step": i}))
         if i == 1:
             held = staged  # still being written while the next save stages
         else:
@@ -78,25 +79,33 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 
     from ray_train_xla.toolkit.checkpoint.staging import snapshots
 
-    stage = pool().stage_tensors
+    stage_tensors = pool().stage_tensors
 
     def slow_stage(tensors):
         time.sleep(0.5)
-        return stage(tensors)
+        return stage_tensors(tensors)
 
     pool().stage_tensors = slow_stage
     before = [p.full_tensor().clone() for p in model.parameters()]
     t0 = time.perf_counter()
-    staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "step": 9}, overlap=True)
+    staged = stage(describe({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "step": 9}), overlap=True)
     returned_s = time.perf_counter() - t0
     step()  # waits for the copy
     stepped_s = time.perf_counter() - t0
     write_staged(staged, os.path.join(root, "c9"))
     dist.barrier()  # rank 0 writes the metadata files last: every rank's write is done
-    pool().stage_tensors = stage
+    pool().stage_tensors = stage_tensors
     load_sharded(os.path.join(root, "c9"), fresh, fresh_opt)
+    from ray_train_xla.errors import ShardedStateError
+
+    try:  # a DTensor outside the model's and the optimizer's state: refused when described
+        describe({"model": model.state_dict(), "best": next(model.parameters())})
+        stray = None
+    except ShardedStateError as exc:
+        stray = str(exc)
     overlapped = {"returned_s": returned_s, "stepped_s": stepped_s, "waits": snapshots().waits,
+                  "stray": stray,
                   "exact": all(torch.equal(a.full_tensor(), b)
                                for a, b in zip(fresh.parameters(), before)),
                   "moved": not all(torch.equal(a.full_tensor(), b)
@@ -122,8 +131,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     for i, on, by_writer in ((10, None, True), (11, remote, True), (16, scripted, True),
                              (13, remote, False)):
         before = [p.full_tensor().clone() for p in model.parameters()]
-        staged = stage_sharded({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "step": i})
+        staged = stage(describe({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                 "step": i}))
         t0 = time.perf_counter()
         written = write_staged(staged, os.path.join(root, f"c{i}"), group, filesystem=on,
                                writer_process=by_writer)
@@ -143,18 +152,18 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     from ray_train_xla.toolkit.checkpoint import rank_files
     from ray_train_xla.toolkit.checkpoint.files import LocalFiles, MemoryFiles
     from ray_train_xla.toolkit.checkpoint.memory import store
-    from ray_train_xla.toolkit.checkpoint.sharded import write_small_files
+    from ray_train_xla.toolkit.checkpoint.writer import write_small_files
 
     before = [p.full_tensor().clone() for p in model.parameters()]
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 14}
     os.makedirs(os.path.join(root, f"slots{rank}"))
     slots = rank_files.RankSlots(os.path.join(root, f"slots{rank}"), rank)
-    staged = stage_sharded(state, stager=slots.stager(14))
+    staged = stage(describe(state), stager=slots.stager(14))
     in_memory = MemoryFiles()
     slots.write(staged, in_memory, 14, 30)
     c14 = os.path.join(root, "c14")
     copy_out(in_memory, c14)
-    write_staged(stage_sharded(state), os.path.join(root, "c15"))
+    write_staged(stage(describe(state)), os.path.join(root, "c15"))
     dist.barrier()
     by_rank = {}
     if rank == 0:
@@ -196,7 +205,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     time.sleep(0.5)
     t0 = time.perf_counter()
     try:
-        write_staged(stage_sharded({"model": model.state_dict(), "step": 12}),
+        write_staged(stage(describe({"model": model.state_dict(), "step": 12})),
                      os.path.join(root, "c12"), group, writer_process=True)
         process["dead"] = "no error"
     except ReportError as exc:
@@ -248,6 +257,8 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         o = r["overlapped"]
         assert o["returned_s"] < 0.25 and o["stepped_s"] >= 0.5 and o["waits"] == 1, o
         assert o["exact"] is True and o["moved"] is True, o
+        assert o["stray"].startswith("save_checkpoint: state entry best is a DTensor"), o
+        assert "must be under 'model' or 'optimizer'" in o["stray"], o
         # Written by a writer process: the same checkpoints; killed, it is reported at once.
         w = r["process"]
         assert w["exact"] == [True, True, True, True] and w["pid"], w
@@ -288,7 +299,13 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     )
 
     from ray_train_xla.errors import ReportError
-    from ray_train_xla.toolkit.checkpoint.replicated import load_replicated, stage_replicated_shared
+    from ray_train_xla.toolkit.checkpoint.replicated import load_replicated
+    from ray_train_xla.toolkit.checkpoint.sharded import describe
+    from ray_train_xla.toolkit.checkpoint.staging import stage
+
+    def stage_shared(state):
+        staged = stage(describe(state), shared=True)
+        return staged["state"], staged["release"]
     from ray_train_xla.toolkit.checkpoint.staging import shared_pool
     from ray_train_xla.toolkit.checkpoint.writer import (
         save_process,
@@ -303,7 +320,7 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     allocated = []
 
     def save(i, filesystem=None, timeout_s=30.0, directory=None):
-        state, release = stage_replicated_shared({"model": model.state_dict(), "step": i})
+        state, release = stage_shared({"model": model.state_dict(), "step": i})
         allocated.append(shared_pool().allocated_bytes)
         try:
             return save_process().save(state, directory or str(tmp_path / f"r{i}"),
@@ -314,7 +331,7 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     try:
         # Just started (importing torch): a save is written in this thread, without waiting.
         start = time.perf_counter()
-        state, release = stage_replicated_shared({"model": model.state_dict(), "step": -1})
+        state, release = stage_shared({"model": model.state_dict(), "step": -1})
         written = save_replicated(save_process(), state, str(tmp_path / "r-1"), "checkpoint.pt",
                                   None, 30, 0)
         release()
@@ -327,7 +344,7 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
         base = torch.arange(12.0)
         odd = {"pair": Pair(torch.ones(2), [torch.zeros(3), "x"]), "view": base[3:7],
                "base": base, "none": None, "step": 7}
-        state, release = stage_replicated_shared(odd)
+        state, release = stage_shared(odd)
         save_process().save(state, str(tmp_path / "odd"), "checkpoint.pt", None, 30, 0)
         release()
         with torch.serialization.safe_globals([Pair]):  # torch's loader refuses other classes

@@ -11,9 +11,12 @@ One seam, two implementations, picked from the state given:
 Loading crosses the seam both ways: a sharded checkpoint of either layout restores onto any
 mesh, device count, worker count and layout, or into a replicated model (every rank reads the
 full tensors); a replicated checkpoint loads into a sharded model (every rank takes its shards
-of the full tensors). ``seam.py`` picks the path from the state given (``sharded_layout``),
-takes the snapshot, and hands the write and the report to the worker's background reporter
-(``toolkit/reporting.py``). State neither can restore (torch_xla FSDP v1 flat shards) is
+of the full tensors). A save is four steps, each a module, called in order by ``seam.py``:
+describe the state once (``sharded.describe``: its layout, names and the rest), copy it to host
+memory (``staging.stage``), choose its writer (``writer.writer_for``: DCP, torch's writer
+process, a save process), and hand both to the worker's background reporter, which writes and
+reports it (``toolkit/reporting.py``). The memory tier keeps a generation through the same
+first two steps. State neither can restore (torch_xla FSDP v1 flat shards) is
 refused. The on-disk format, shared with ``ray-train-xla consolidate``, is in ``format.py``.
 
 The memory tier, a room of its own, is in ``memory/``. This package imports its names on first

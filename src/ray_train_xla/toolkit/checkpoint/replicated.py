@@ -2,54 +2,21 @@
 
 Saving follows the rules that avoid the known torch_xla hangs: every worker syncs the graph (so
 nothing collective is left pending, done by the caller), then only rank 0 copies the state to
-the CPU and writes it with ``torch.save``; no torch_xla collective and no ``xm.save``
-rendezvous runs in a branch that only rank 0 takes. The file needs neither torch_xla nor this
-package to load.
+the CPU (``staging.stage``) and writes it with ``torch.save`` (``writer.write_replicated``); no
+torch_xla collective and no ``xm.save`` rendezvous runs in a branch that only rank 0 takes. The
+file needs neither torch_xla nor this package to load. Here: its loading and checks.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ray_train_xla.toolkit.checkpoint.format import check_fits, flat_specs
-from ray_train_xla.toolkit.device import to_cpu
 
 FSDP_V2_PREFIX = "_orig_module."
-
-
-def stage_replicated(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A CPU copy of ``state`` (rank 0 only): what :func:`write_replicated` writes."""
-    return to_cpu(dict(state))
-
-
-def stage_replicated_shared(state: Mapping[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
-    """(a CPU copy of ``state`` in shared memory for the writer process; the function that
-    gives its buffers back once written). Tensors with storage (the CPU, the native devices)
-    are copied into shared buffers reused from save to save (``staging.shared_pool``); torch_xla
-    tensors are copied off the device as by :func:`stage_replicated` and move into shared
-    memory when handed to the writer process."""
-    from ray_train_xla.toolkit.checkpoint.staging import shared_pool, tensors_in
-
-    state = dict(state)
-    if any(t.device.type == "xla" for t in tensors_in(state)):
-        return to_cpu(state), lambda: None
-    return shared_pool().stage(state)
-
-
-def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
-                     filesystem=None) -> dict[str, Any]:
-    """Write the staged state to ``directory/filename`` (on ``filesystem``, a pyarrow filesystem,
-    when given: the run's storage); returns ``{"files", "bytes"}``."""
-    from ray_train_xla.toolkit.checkpoint.files import files_at, save_file
-
-    files = files_at(filesystem)
-    files.mkdir(directory)
-    save_file(files, directory, filename, cpu_state)
-    return {"files": [filename], "bytes": files.sizes(directory)[filename]}
 
 
 def load_replicated(path: str, filename: str, where: str, filesystem=None) -> dict[str, Any]:

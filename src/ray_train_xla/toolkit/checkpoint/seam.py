@@ -29,21 +29,16 @@ from ray_train_xla.toolkit.checkpoint.names import (
     optimizer_param_names,
     positional_names,
 )
-from ray_train_xla.toolkit.checkpoint.replicated import (
-    check_replicated,
-    load_replicated,
-    stage_replicated,
-    stage_replicated_shared,
-    write_replicated,
-)
+from ray_train_xla.toolkit.checkpoint.replicated import check_replicated, load_replicated
 from ray_train_xla.toolkit.checkpoint.sharded import (
     DTENSOR,
+    describe,
     format_version,
     load_sharded,
     sharded_layout,
-    stage_sharded,
-    write_staged,
 )
+from ray_train_xla.toolkit.checkpoint.staging import stage
+from ray_train_xla.toolkit.checkpoint.writer import writer_for
 from ray_train_xla.toolkit.collectives import host_group
 from ray_train_xla.toolkit.device import sync
 from ray_train_xla.toolkit.ranks import rank
@@ -89,7 +84,10 @@ def save_checkpoint(
 
 
 def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any] | None:
-    layout = sharded_layout(state, "save_checkpoint")
+    """A save in its four steps: describe the state (``sharded.describe``), copy it to host
+    memory (``staging.stage``), choose its writer (``writer.writer_for``), and hand both to
+    this worker's background reporter, which writes and reports it (``reporting.py``)."""
+    desc = describe(state, "save_checkpoint")
     sync()  # on every worker: the snapshot below only transfers materialised tensors
     metrics = dict(metrics or {})
     if worker_context().graph_extraction:  # neuron_parallel_compile: graphs only
@@ -106,36 +104,14 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
             def after() -> None:
                 tier.note_storage(gen)
     write = None
-    options = reporting.report_options()
-    if layout is not None:
+    if desc["layout"] is not None or rank() == 0:  # replicated state: rank 0 writes it
+        options = reporting.report_options()
         # device -> host now, or while the next forward and backward run (the next optimizer
         # step waits for it); the files are written later
-        staged = stage_sharded(state, overlap=options.overlap_snapshots, layout=layout)
-        group = host_group("checkpoint")  # collective, on the training thread: every rank, in order
-
-        writer_process = options.writer_process
-
-        def write(directory: str, filesystem) -> dict[str, Any]:
-            return write_staged(staged, directory, group, filesystem=filesystem,
-                                writer_process=writer_process)
-    elif rank() == 0:
-        if not options.writer_process:
-            cpu_state = stage_replicated(state)
-
-            def write(directory: str, filesystem) -> dict[str, Any]:
-                return write_replicated(cpu_state, directory, filename, filesystem)
-        else:  # written by the writer process, from shared host buffers (writer.py)
-            from ray_train_xla.toolkit.checkpoint.writer import save_process, save_replicated
-
-            shared_state, release = stage_replicated_shared(state)
-            writer = save_process()  # started at the first save, in the background
-
-            def write(directory: str, filesystem) -> dict[str, Any]:
-                try:
-                    return save_replicated(writer, shared_state, directory, filename, filesystem,
-                                           worker_context().timeout_s, 0)
-                finally:
-                    release()
+        staged = stage(desc, overlap=options.overlap_snapshots, shared=options.writer_process)
+        # collective, on the training thread: every rank, in order
+        group = host_group("checkpoint") if desc["layout"] is not None else None
+        write = writer_for(staged, filename, group, options.writer_process)
     return reporter().checkpoint(metrics, write, wait=wait, after=after)
 
 

@@ -1,4 +1,6 @@
 """Sharded checkpoints: every rank writes only its own shards with ``torch.distributed.checkpoint``.
+Here: what a state is (:func:`describe`, a save's first step, for every layout) and the loading
+of both layouts; the writing is ``writer.py``'s.
 
 Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -46,7 +47,6 @@ from ray_train_xla.toolkit.checkpoint.names import (
     named_optimizer_state,
     optimizer_param_names,
 )
-from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.sharding import ShardedStateError, walk_sharded
 
 SPMD, DTENSOR = "spmd", "dtensor"
@@ -70,9 +70,10 @@ def unsupported_sharding(state: Any) -> tuple[str, str] | None:
     return None
 
 
-def sharded_layout(state: Any, helper: str) -> str | None:
+def sharded_layout(state: Any, helper: str, found: list | None = None) -> str | None:
     """spmd or dtensor for sharded ``state``, None for replicated state. Raises
-    ShardedStateError for state that mixes the two or holds FSDP v1 shards."""
+    ShardedStateError for state that mixes the two or holds FSDP v1 shards. ``found``: the
+    sharded things seen (``walk_sharded``'s), appended to it."""
     layouts: dict[str, str] = {}
     for path, desc in walk_sharded(state, ""):
         kind = layout_of(desc)
@@ -83,6 +84,8 @@ def sharded_layout(state: Any, helper: str) -> str | None:
                 "this state with its own library's per-rank checkpoint, or shard the model with "
                 "rtx.prepare_sharded_model(model).")
         layouts.setdefault(kind, path)
+        if found is not None:
+            found.append((path, desc))
     if len(layouts) > 1:
         raise ShardedStateError(
             f"{helper}: the state mixes torch_xla SPMD tensors ({layouts[SPMD]}) and DTensors "
@@ -90,18 +93,8 @@ def sharded_layout(state: Any, helper: str) -> str | None:
     return next(iter(layouts), None)
 
 
-def _split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    dist_state = {k: v for k, v in state.items() if k in SHARDED_KEYS}
-    extra = {k: v for k, v in state.items() if k not in SHARDED_KEYS}
-    found = next(walk_sharded(extra, ""), None)
-    if found is not None:
-        raise ShardedStateError(
-            f"save_checkpoint: state entry {found[0]} is {found[1]}; sharded tensors must be under "
-            f"{' or '.join(repr(k) for k in SHARDED_KEYS)} (the model's and optimizer's state dicts)")
-    return dist_state, extra
-
-
-def _dist() -> tuple[bool, int, int]:
+def process_info() -> tuple[bool, int, int]:
+    """(whether a process group is initialised, this rank, the world size)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -123,154 +116,26 @@ def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
     return out, groups
 
 
-def stage_sharded(state: Mapping[str, Any], overlap: bool = False,
-                  layout: str | None = None, stager=None) -> dict[str, Any]:
-    """Copy this rank's shards (and the rest of ``state``) to host memory: the only part of a
-    sharded save that must happen before training goes on. Returns what :func:`write_staged`
-    writes. ``overlap``: DTensors are copied in the background while the loop goes on, and the
-    next optimizer step waits for the copy (``staging.Snapshots``). ``layout``: the state's
-    (``sharded_layout``), when the caller has it already. ``stager``: what copies DTensor
-    state's local shards (default: the staging pool's ``stage_tensors``)."""
-    layout = layout or sharded_layout(state, "save_checkpoint")
-    dist_state, extra = _split(state)
-    named, groups = _named(dist_state)
-    if layout == SPMD:
-        import torch_xla
-        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
-
-        torch_xla.sync()
-        # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-        staged, release = _sharded_cpu_state_dict(named), None
-    else:
-        # DTensors stay DTensors (same mesh and placements, local shard on the CPU), copied into
-        # host buffers reused from save to save (staging.py), given back once written.
-        # The local shards are staged as plain tensors and made DTensors again when written.
-        from ray_train_xla.toolkit.checkpoint.staging import pool, snapshots, split_dtensors
-
-        tree, shards, specs = split_dtensors(named)
-        stager = stager or pool().stage_tensors
-        if overlap:  # a future of (staged, release): write_staged waits for it
-            staged, release = snapshots().submit(stager, shards), None
-        else:
-            staged, release = stager(shards)
-        return {"layout": layout, "state": staged, "tree": tree, "specs": specs,
-                "groups": groups, "extra": to_cpu(extra), "release": release}
-    return {"layout": layout, "state": staged, "groups": groups, "extra": to_cpu(extra),
-            "release": release}
-
-
-def _save_planner(layout: str):
-    if layout != SPMD:
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
-        return DefaultSavePlanner()
-    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
-    class BalancedSPMDSavePlanner(SPMDSavePlanner):
-        """SPMDSavePlanner whose duplicate shards go to the rank with the least to write
-        (torch_xla's own keeps every duplicate on the lowest rank)."""
-
-        def create_global_plan(self, all_plans):
-            import dataclasses
-            from collections import ChainMap
-
-            from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
-            all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
-            global_plan, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
-            mappings = dict(ChainMap(*[p.planner_data for p in global_plan]))
-            return global_plan, dataclasses.replace(metadata, planner_data=mappings)
-
-    return BalancedSPMDSavePlanner()
-
-
-def _device_count(layout: str, world: int) -> int:
-    if layout == SPMD:
-        import torch_xla.runtime as xr
-
-        return xr.global_runtime_device_count()
-    return world
-
-
-def write_staged(staged: dict[str, Any], directory: str, process_group=None,
-                 filesystem=None, writer_process: bool = False) -> dict[str, Any]:
-    """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
-    every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
-    (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
-    ``writer_process``: DTensor shards in a process group are written by this worker's writer
-    process (``writer.py``). Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
-    The snapshot's host buffers go back to the staging pool once the shards are written (or the
-    write failed)."""
-    import torch.distributed.checkpoint as dcp
-
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
-
-    distributed, rank, world = _dist()
-    if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
-        staged["state"], staged["release"] = staged["state"].result()
-    if staged.get("specs") is not None:  # DTensors again, over their staged local shards
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
-
-        if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
-            filesystem.expected_bytes = sum(t.numel() * t.element_size()
-                                            for t in staged["state"]) + (1 << 20)
-
-        staged["state"] = join_dtensors(staged.pop("tree"), staged["state"], staged.pop("specs"))
-    files = files_at(filesystem)
-    files.mkdir(directory)
-    before = files.sizes(directory)
-    try:
-        if distributed and staged["layout"] == DTENSOR and writer_process and \
-                not isinstance(files, MemoryFiles):
-            from ray_train_xla.planning.contract import worker_context
-            from ray_train_xla.toolkit.checkpoint.writer import save_in_writer_process
-
-            save_in_writer_process(staged["state"], files.dcp_writer(directory), directory,
-                                   process_group, worker_context().timeout_s, rank)
-        else:
-            dcp.save(staged["state"], storage_writer=files.dcp_writer(directory),
-                     planner=_save_planner(staged["layout"]), process_group=process_group,
-                     no_dist=not distributed)
-    finally:
-        if staged.get("release") is not None:
-            staged["release"]()
-    if rank == 0:
-        write_small_files(files, directory, staged, sorted(staged["state"]), world)
-    after = files.sizes(directory)
-    new = sorted(set(after) - set(before))
-    return {"files": new, "bytes": sum(after[f] for f in new)}
-
-
-def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[str],
-                      world: int) -> None:
-    """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
-    param groups, and the marker that says how the shards were written."""
-    from ray_train_xla.toolkit.checkpoint.files import save_file
-
-    marker = json.dumps({
-        "format": "torch.distributed.checkpoint",
-        "format_version": FORMAT_VERSION,
-        "names": "module",
-        "layout": staged["layout"],
-        "workers": world,
-        "devices": _device_count(staged["layout"], world),
-        "keys": keys,
-    })
-    save_file(files, directory, EXTRA_FILE, staged["extra"])
-    if staged["groups"] is not None:
-        save_file(files, directory, GROUPS_FILE, staged["groups"])
-    save_file(files, directory, SHARDED_MARKER, marker.encode())
-
-
-def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
-    """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
-    (and, on rank 0, the rest of ``state`` and the metadata). Call it on every rank.
-
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
-    """
-    return write_staged(stage_sharded(state), directory)
+def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[str, Any]:
+    """A save's first step: what ``state`` is, found once. ``layout``: spmd, dtensor, or None
+    for replicated state, which is kept whole (``state``). Sharded state is split into
+    ``named`` (``state["model"]`` and ``state["optimizer"]``'s state under the module's names),
+    ``groups`` (the optimizer's parameter groups, which rank 0 writes as one small file) and
+    ``extra`` (the rest of ``state``). Raises ShardedStateError as :func:`sharded_layout`
+    does, and for sharded tensors outside the model's and the optimizer's state."""
+    found: list[tuple[str, str]] = []
+    layout = sharded_layout(state, helper, found)
+    if layout is None:
+        return {"layout": None, "state": dict(state)}
+    for path, what in found:
+        if not any(path == k or path.startswith(f"{k}.") for k in SHARDED_KEYS):
+            raise ShardedStateError(
+                f"{helper}: state entry {path} is {what}; sharded tensors must be under "
+                f"{' or '.join(repr(k) for k in SHARDED_KEYS)} (the model's and optimizer's "
+                "state dicts)")
+    named, groups = _named({k: v for k, v in state.items() if k in SHARDED_KEYS})
+    return {"layout": layout, "named": named, "groups": groups,
+            "extra": {k: v for k, v in state.items() if k not in SHARDED_KEYS}}
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -394,9 +259,9 @@ def load_sharded(
     if layout == SPMD:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
-        dcp.load(loaded, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not _dist()[0])
+        dcp.load(loaded, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not process_info()[0])
     else:
-        dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not _dist()[0])
+        dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not process_info()[0])
     _apply(model, optimizer, target, _read_groups(directory, version, filesystem), names, layout,
            f"load_checkpoint: the sharded checkpoint {directory}")
     return read_extra(directory, filesystem)

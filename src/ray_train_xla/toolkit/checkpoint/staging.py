@@ -215,6 +215,52 @@ def shared_pool() -> StagingPool:
     return runtime().part("shared_pool", lambda: StagingPool(pin_memory=False, share_memory=True))
 
 
+# ---- the save's second step: the state described (``sharded.describe``) copied to host memory
+
+def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
+          stager=None) -> dict[str, Any]:
+    """Copy a described state (``sharded.describe``) to host memory: the only part of a save
+    that must happen before training goes on. Returns what the writers write (``writer.py``):
+    ``layout``, ``state`` (the copy), ``release`` (gives its buffers back once written, or
+    None) and, for sharded state, ``groups`` and ``extra``. ``overlap``: DTensors are copied in
+    the background while the loop goes on, the next optimizer step waiting for the copy
+    (:class:`Snapshots`). ``shared``: replicated state in shared memory, for a writer process.
+    ``stager``: what copies DTensor state's local shards (default: the pool's
+    ``stage_tensors``)."""
+    from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR
+    from ray_train_xla.toolkit.device import to_cpu
+
+    layout = desc["layout"]
+    if layout is None:
+        state = desc["state"]
+        if shared and not any(t.device.type == "xla" for t in tensors_in(state)):
+            # Tensors with storage (the CPU, the native devices) into shared buffers reused from
+            # save to save; torch_xla's move into shared memory when handed to the process.
+            state, release = shared_pool().stage(state)
+            return {"layout": None, "state": state, "release": release}
+        return {"layout": None, "state": to_cpu(state), "release": None}
+    extra = to_cpu(desc["extra"])
+    if layout != DTENSOR:
+        import torch_xla
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+        torch_xla.sync()
+        # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
+        return {"layout": layout, "state": _sharded_cpu_state_dict(desc["named"]),
+                "groups": desc["groups"], "extra": extra, "release": None}
+    # DTensors stay DTensors (same mesh and placements, local shard on the CPU): their local
+    # shards are staged as plain tensors into buffers reused from save to save, and made
+    # DTensors again when written.
+    tree, shards, specs = split_dtensors(desc["named"])
+    stager = stager or pool().stage_tensors
+    if overlap:  # a future of (staged, release): the writer waits for it
+        staged, release = snapshots().submit(stager, shards), None
+    else:
+        staged, release = stager(shards)
+    return {"layout": layout, "state": staged, "tree": tree, "specs": specs,
+            "groups": desc["groups"], "extra": extra, "release": release}
+
+
 class Snapshots:
     """Snapshots copied in a background thread, waited for by the next optimizer step."""
 

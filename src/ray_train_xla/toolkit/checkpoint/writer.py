@@ -1,4 +1,10 @@
-"""Checkpoints written by a writer process, apart from the training process.
+"""The writers: a save's third step (``writer_for``), run by the background reporter.
+
+Sharded state: every rank writes its shards with ``torch.distributed.checkpoint``
+(:func:`write_staged`), in the reporter's thread or, for DTensors in a process group, through
+torch's writer process; rank 0 adds the checkpoint's small files (:func:`write_small_files`).
+Replicated state: rank 0 writes ``checkpoint.pt`` with ``torch.save``
+(:func:`write_replicated`), in the reporter's thread or through its save process.
 
 **Sharded checkpoints: torch's own writer process.**
 
@@ -34,18 +40,181 @@ writes in the reporter's thread instead.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ray_train_xla.errors import ReportError
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit.checkpoint.format import EXTRA_FILE, GROUPS_FILE, SHARDED_MARKER
+from ray_train_xla.toolkit.checkpoint.names import FORMAT_VERSION
+from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, SPMD, describe, process_info
 from ray_train_xla.toolkit.runtime import runtime
 
 # A writer process starts with this many threads in its thread pools (OMP_NUM_THREADS; its
 # parent's environment would give it one per core, which the steps it overlaps pay for:
 # benchmarks/results/stall.md).
 WRITER_THREADS = 1
+
+
+# ---- the save's third step: the writers of a staged save (``staging.stage``)
+
+def writer_for(staged: dict[str, Any], filename: str, group=None,
+               writer_process: bool = False) -> Callable[[str, Any], dict[str, Any]]:
+    """The one writer of a staged save: ``write(directory, filesystem)`` writes it and returns
+    what this rank wrote (``{"files", "bytes"}``); the background reporter calls it.
+    ``filesystem``: None for the local file system, a pyarrow filesystem (the run's storage) or
+    a ``files.MemoryFiles`` (host memory). Sharded state: every rank writes its shards with DCP,
+    collectively over ``group`` (default: the default group), DTensors through this worker's
+    writer process where ``writer_process``. Replicated state (rank 0): ``filename``, through
+    the save process where ``writer_process``."""
+    if staged["layout"] is not None:
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_staged(staged, directory, group, filesystem=filesystem,
+                                writer_process=writer_process)
+    elif not writer_process:
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_replicated(staged["state"], directory, filename, filesystem)
+    else:
+        process = save_process()  # started at the first save, in the background
+
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            try:
+                return save_replicated(process, staged["state"], directory, filename, filesystem,
+                                       worker_context().timeout_s, 0)
+            finally:
+                if staged["release"] is not None:
+                    staged["release"]()
+    return write
+
+
+def _save_planner(layout: str):
+    if layout != SPMD:
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        return DefaultSavePlanner()
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class BalancedSPMDSavePlanner(SPMDSavePlanner):
+        """SPMDSavePlanner whose duplicate shards go to the rank with the least to write
+        (torch_xla's own keeps every duplicate on the lowest rank)."""
+
+        def create_global_plan(self, all_plans):
+            import dataclasses
+            from collections import ChainMap
+
+            from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+            all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
+            global_plan, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
+            mappings = dict(ChainMap(*[p.planner_data for p in global_plan]))
+            return global_plan, dataclasses.replace(metadata, planner_data=mappings)
+
+    return BalancedSPMDSavePlanner()
+
+
+def _device_count(layout: str, world: int) -> int:
+    if layout == SPMD:
+        import torch_xla.runtime as xr
+
+        return xr.global_runtime_device_count()
+    return world
+
+
+def write_staged(staged: dict[str, Any], directory: str, process_group=None,
+                 filesystem=None, writer_process: bool = False) -> dict[str, Any]:
+    """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
+    every rank calls it, in the same order; ``process_group`` defaults to the default group).
+    ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
+    (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
+    ``writer_process``: DTensor shards in a process group are written by this worker's writer
+    process (``writer.py``). Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
+    The snapshot's host buffers go back to the staging pool once the shards are written (or the
+    write failed)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
+
+    distributed, rank, world = process_info()
+    if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
+        staged["state"], staged["release"] = staged["state"].result()
+    if staged.get("specs") is not None:  # DTensors again, over their staged local shards
+        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
+
+        if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
+            filesystem.expected_bytes = sum(t.numel() * t.element_size()
+                                            for t in staged["state"]) + (1 << 20)
+
+        staged["state"] = join_dtensors(staged.pop("tree"), staged["state"], staged.pop("specs"))
+    files = files_at(filesystem)
+    files.mkdir(directory)
+    before = files.sizes(directory)
+    try:
+        if distributed and staged["layout"] == DTENSOR and writer_process and \
+                not isinstance(files, MemoryFiles):
+            save_in_writer_process(staged["state"], files.dcp_writer(directory), directory,
+                                   process_group, worker_context().timeout_s, rank)
+        else:
+            dcp.save(staged["state"], storage_writer=files.dcp_writer(directory),
+                     planner=_save_planner(staged["layout"]), process_group=process_group,
+                     no_dist=not distributed)
+    finally:
+        if staged.get("release") is not None:
+            staged["release"]()
+    if rank == 0:
+        write_small_files(files, directory, staged, sorted(staged["state"]), world)
+    after = files.sizes(directory)
+    new = sorted(set(after) - set(before))
+    return {"files": new, "bytes": sum(after[f] for f in new)}
+
+
+def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[str],
+                      world: int) -> None:
+    """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
+    param groups, and the marker that says how the shards were written."""
+    from ray_train_xla.toolkit.checkpoint.files import save_file
+
+    marker = json.dumps({
+        "format": "torch.distributed.checkpoint",
+        "format_version": FORMAT_VERSION,
+        "names": "module",
+        "layout": staged["layout"],
+        "workers": world,
+        "devices": _device_count(staged["layout"], world),
+        "keys": keys,
+    })
+    save_file(files, directory, EXTRA_FILE, staged["extra"])
+    if staged["groups"] is not None:
+        save_file(files, directory, GROUPS_FILE, staged["groups"])
+    save_file(files, directory, SHARDED_MARKER, marker.encode())
+
+
+def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
+    """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
+    (and, on rank 0, the rest of ``state`` and the metadata), in this thread: the three steps
+    at once. Call it on every rank.
+
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
+    """
+    from ray_train_xla.toolkit.checkpoint.staging import stage
+
+    return write_staged(stage(describe(state)), directory)
+
+
+def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
+                     filesystem=None) -> dict[str, Any]:
+    """Write the staged state to ``directory/filename`` (on ``filesystem``, a pyarrow filesystem,
+    when given: the run's storage); returns ``{"files", "bytes"}``."""
+    from ray_train_xla.toolkit.checkpoint.files import files_at, save_file
+
+    files = files_at(filesystem)
+    files.mkdir(directory)
+    save_file(files, directory, filename, cpu_state)
+    return {"files": [filename], "bytes": files.sizes(directory)[filename]}
 
 
 def _as_is_stager():
@@ -263,16 +432,12 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
                     filesystem, timeout_s: float, rank: int) -> dict[str, Any]:
     """Write a replicated snapshot by ``writer`` once it takes saves; before that (it is still
     starting) in this thread, so that no save waits for the process to start."""
-    from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
-
     if not writer.ready():
         return write_replicated(state, directory, filename, filesystem)
     return writer.save(state, directory, filename, filesystem, timeout_s, rank)
 
 
 def _handle(request: tuple):
-    from ray_train_xla.toolkit.checkpoint.replicated import write_replicated
-
     _, state, directory, filename, filesystem = request
     return write_replicated(state, directory, filename, filesystem)
 
@@ -281,7 +446,7 @@ def _serve(conn, checksums: bool = True) -> None:
     """The writer process: each request (a replicated file) until the pipe closes."""
     import torch.utils.serialization
 
-    import ray_train_xla.toolkit.checkpoint.replicated  # noqa: F401 (imported before "ready")
+    import ray_train_xla.toolkit.checkpoint.files  # noqa: F401 (imported before "ready")
 
     torch.utils.serialization.config.save.compute_crc32 = checksums
 

@@ -144,21 +144,14 @@ class MemoryTier:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
         is still being kept somewhere: the loop never waits for the memory tier."""
         from ray_train_xla.toolkit import reporting
-        from ray_train_xla.toolkit.checkpoint.replicated import (
-            stage_replicated,
-            stage_replicated_shared,
-        )
-        from ray_train_xla.toolkit.checkpoint.sharded import (
-            DTENSOR,
-            sharded_layout,
-            stage_sharded,
-            write_small_files,
-            write_staged,
-        )
+        from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
+        from ray_train_xla.toolkit.checkpoint.staging import stage
+        from ray_train_xla.toolkit.checkpoint.writer import write_small_files, write_staged
         from ray_train_xla.toolkit.collectives import host_group
         from ray_train_xla.toolkit.device import sync
 
-        layout = sharded_layout(state, "keep_in_memory")
+        desc = describe(state, "keep_in_memory")
+        layout = desc["layout"]
         if self._shared is None:
             self._shared = _shared_root()  # once: it stays
         # DTensor state is written in place, rank by rank, when every rank has shared memory;
@@ -182,9 +175,8 @@ class MemoryTier:
             if slots is None:
                 self._drop_slots()  # another way now: the store lets go of them too
             try:
-                staged = stage_sharded(state, overlap=reporting.report_options().overlap_snapshots,
-                                       layout=layout,
-                                       stager=slots.stager(gen) if slots is not None else None)
+                staged = stage(desc, overlap=reporting.report_options().overlap_snapshots,
+                               stager=slots.stager(gen) if slots is not None else None)
             except Exception as exc:  # copied here (no overlap): its error is this call's
                 self._fail(exc, gen)
 
@@ -197,18 +189,15 @@ class MemoryTier:
                 else:
                     write_staged(staged, ROOT, group, filesystem=files)
         else:
-            cpu_state, release = None, None
-            if self.rank == 0:
-                cpu_state, release = stage_replicated_shared(state) if writer is not None \
-                    else (stage_replicated(state), None)
+            staged = stage(desc, shared=writer is not None) if self.rank == 0 else None
 
             def write() -> None:
-                if cpu_state is not None:
+                if staged is not None:
                     try:
-                        files.save("checkpoint.pt", cpu_state)
+                        files.save("checkpoint.pt", staged["state"])
                     finally:
-                        if release is not None:
-                            release()
+                        if staged["release"] is not None:
+                            staged["release"]()
 
         self._pending = self._pool.submit(self._put, gen, write, files, group, time.time())
         return True
