@@ -36,12 +36,13 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check src tests examples benchmarks
 
-# The suite under Ray Train V2 (the default): within 20 minutes on 2 cores. The tests on Ray and
+# The suite under Ray Train V2 (the default): within 12 minutes on 2 cores. The tests on Ray and
 # the others run side by side (tests/run_suite.py). The long end-to-end scenarios (marker e2e),
 # then the Ray tests marked train_v1 again under Train V1, are `make test-e2e` (about 30 minutes
-# more); CI runs both.
+# more); the native configs' long scenarios (marker native_only) are `make test-native`'s; CI
+# runs all three.
 test: setup lint
-	$(PY) tests/run_suite.py -q -m "not e2e" tests
+	$(PY) tests/run_suite.py -q -m "not e2e and not native_only" tests
 
 test-e2e: setup
 	$(PYTEST) -q -m e2e tests

@@ -108,8 +108,12 @@ def pretrained_dir(path, tie: bool) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["xla", pytest.param("neuron", marks=pytest.mark.native),
-                                        pytest.param("tpu", marks=pytest.mark.native)])
+# The native configs' runs are `make test-native`'s, on the torch those stacks ship.
+NATIVE_ONLY = (pytest.mark.native, pytest.mark.native_only)
+
+
+@pytest.fixture(scope="module", params=["xla", pytest.param("neuron", marks=NATIVE_ONLY),
+                                        pytest.param("tpu", marks=NATIVE_ONLY)])
 def run(request, cluster, tmp_path_factory):
     """One fit of the example on this config: 8 steps, a crash after step 4, a resume. The xla
     and tpu runs start from a pretrained directory (``--model``: loaded by slices; tied
