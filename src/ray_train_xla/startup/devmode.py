@@ -64,11 +64,6 @@ class _State:
 _state: _State | None = None
 
 
-def is_active() -> bool:
-    """True on a worker where the CPU development mode is installed."""
-    return _state is not None
-
-
 # ---------------------------------------------------------------------------------------------
 # Host helpers
 # ---------------------------------------------------------------------------------------------
@@ -78,11 +73,6 @@ def _require() -> _State:
     if _state is None:
         raise RuntimeError("ray_train_xla CPU development mode is not installed on this worker")
     return _state
-
-
-def _host_group() -> Any:
-    """The gloo group that carries torch_xla's collectives (created at install, all ranks)."""
-    return _require().host_group
 
 
 def _members(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], Any]:

@@ -62,14 +62,6 @@ def layout_of(desc: str) -> str | None:
     return None
 
 
-def unsupported_sharding(state: Any) -> tuple[str, str] | None:
-    """The first sharded thing neither layout restores (torch_xla FSDP v1 shards)."""
-    for path, desc in walk_sharded(state, ""):
-        if layout_of(desc) is None:
-            return path, desc
-    return None
-
-
 def sharded_layout(state: Any, helper: str, found: list | None = None) -> str | None:
     """spmd or dtensor for sharded ``state``, None for replicated state. Raises
     ShardedStateError for state that mixes the two or holds FSDP v1 shards. ``found``: the
