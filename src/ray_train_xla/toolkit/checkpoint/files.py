@@ -1,7 +1,8 @@
 """A checkpoint's files where they lie: on the local file system or on any pyarrow filesystem
 (the one Ray Train's ``Checkpoint.filesystem`` holds: S3, GCS, a mounted one; the memory tier's
 stores, ``memory/restore.py``). torch's ``FileSystemReader`` reads a DCP checkpoint through them, byte
-ranges included; the small files (``extra.pt``, ``sharded.json``) are read whole."""
+ranges included (the memory tier's ``rank_files.SlotReader`` one it wrote rank by rank); the
+small files (``extra.pt``, ``sharded.json``) are read whole."""
 
 from __future__ import annotations
 
@@ -155,11 +156,16 @@ def save_file(files, directory: str, name: str, obj: Any) -> None:
 
 def reader_for(path: str, filesystem=None):
     """torch's ``FileSystemReader`` for the checkpoint ``path`` (on ``filesystem``, a pyarrow
-    filesystem, when given), reading its ``.metadata`` once."""
+    filesystem, when given), reading its ``.metadata`` once; the memory tier's ``SlotReader``
+    for one written rank by rank (``rank_files.py``: its chunks are ``SlotChunk``)."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from ray_train_xla.toolkit.checkpoint.rank_files import SlotChunk, SlotReader
 
     reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
     metadata = reader.read_metadata()
+    if isinstance(next(iter(metadata.storage_data.values()), None), SlotChunk):
+        reader = SlotReader(path, filesystem, metadata)
     reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
     return reader, metadata
 

@@ -1,7 +1,7 @@
 """A generation read back from the memory stores: a read-only pyarrow filesystem over them
-(``StoreFiles``), through which torch's ``FileSystemReader`` restores it as from storage; the
-ranks' own metadata files of a generation written rank by rank are merged into DCP's
-``.metadata`` there."""
+(``StoreFiles``), through which ``dcp.load`` restores it as from storage (torch's
+``FileSystemReader``; ``rank_files.SlotReader`` for a generation written rank by rank, whose
+ranks' own metadata files are merged into DCP's ``.metadata`` here)."""
 
 from __future__ import annotations
 
