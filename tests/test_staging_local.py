@@ -200,6 +200,20 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     extra = load_sharded(c14, fresh, fresh_opt)
     by_rank["exact"] = extra["step"] == 14 and all(
         torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), before))
+    # Resharded: the first weight (63 rows saved in two uneven row shards) into a target
+    # sharded by columns, each rank's part a piece of both ranks' chunks.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ray_train_xla.toolkit.checkpoint.files import reader_for
+
+    fqn = next(k for k, e in own.state_dict_metadata.items()
+               if k.startswith("model.") and tuple(getattr(e, "size", ())) == (63, 64))
+    target = {"model": {fqn[len("model."):]: distribute_tensor(
+        torch.zeros(63, 64), next(model.parameters()).device_mesh, [Shard(1)])}}
+    dcp.load(target, storage_reader=reader_for(c14)[0])
+    by_rank["resharded"] = torch.equal(target["model"][fqn[len("model."):]].full_tensor(),
+                                       before[0])
     if rank == 0:
         from ray_train_xla.toolkit.checkpoint.format import read_full_state
 
@@ -277,8 +291,9 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         assert w["exact"] == [True, True, True, True] and w["pid"], w
         assert w["threads"] == ["1", "unset"], w
         assert w["by_rank"] == ({"chunks": True, "same_as_torch": True, "exact": True,
-                                 "whole": True, "stamp": 14} if rank == 0
-                                else {"chunks": True, "exact": True, "stamp": 14}), w
+                                 "resharded": True, "whole": True, "stamp": 14} if rank == 0
+                                else {"chunks": True, "exact": True, "resharded": True,
+                                      "stamp": 14}), w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
         assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w
     # c11 and c13 were written through the storage's filesystem, in place: every rank's shards
@@ -451,7 +466,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
                           "opt.step": state["opt"]["step"].numpy().tobytes()}
         with open(out / ".metadata", "wb") as f:
             pickle.dump(rank_files.merge_metadata([own]), f)
-        target = {"w": torch.zeros(2, 3), "empty": torch.ones(0, 3),
+        target = {"w": torch.zeros(3, 2).t(), "empty": torch.ones(0, 3),  # (not contiguous)
                   "opt": {"n": None, "step": torch.tensor(0.0),
                           "pair": Pair(torch.zeros(2), None)}}
         reader, _ = reader_for(str(out))

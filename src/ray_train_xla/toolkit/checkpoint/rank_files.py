@@ -149,8 +149,8 @@ class SlotReader(_Storage, StorageReader):
     """DCP's ``StorageReader`` of a checkpoint written by :class:`SlotWriter` in directory
     ``path`` (on ``filesystem``, a pyarrow filesystem such as the stores', ``StoreFiles``;
     default the local file system), whose ``.metadata`` (``metadata``) the ranks' merged
-    (``files.reader_for`` makes it): each file a chunk lies in is read whole, once per read;
-    each tensor chunk is copied from its bytes."""
+    (``files.reader_for`` makes it): each file a chunk lies in is opened once per read, each
+    chunk read where it lies."""
 
     def __init__(self, path: str, filesystem, metadata) -> None:
         self.path, self.filesystem, self.metadata = path, filesystem, metadata
@@ -162,36 +162,45 @@ class SlotReader(_Storage, StorageReader):
         self.metadata = metadata
 
     def read_data(self, plan, planner):
-        import warnings
+        from contextlib import ExitStack
 
         from torch.distributed.checkpoint.metadata import MetadataIndex
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        from ray_train_xla.toolkit.checkpoint.files import read_file
+        from ray_train_xla.toolkit.checkpoint.files import files_at
 
-        entries = self.metadata.state_dict_metadata
+        entries, files = self.metadata.state_dict_metadata, files_at(self.filesystem)
         sizes = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, entry in entries.items()
                  for c in getattr(entry, "chunks", ())}
-        files: dict[str, Any] = {}
-        for item in plan.items:
-            where = self.metadata.storage_data[item.storage_index]
-            if where.name not in files:
-                files[where.name] = memoryview(read_file(self.path, where.name, self.filesystem))
-            data = files[where.name][where.offset:where.offset + where.length]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(data))
-                continue
-            dtype = entries[item.storage_index.fqn].properties.dtype
-            with warnings.catch_warnings():  # read only: the bytes are copied from, never to
-                warnings.simplefilter("ignore")
-                tensor = torch.frombuffer(data, dtype=dtype) if len(data) else \
-                    torch.empty(0, dtype=dtype)
-            tensor = tensor.view(sizes[item.storage_index])
-            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                tensor = tensor.narrow(dim, start, length)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
+        with ExitStack() as streams:
+            opened: dict[str, Any] = {}
+            for item in plan.items:
+                where = self.metadata.storage_data[item.storage_index]
+                if where.name not in opened:
+                    opened[where.name] = streams.enter_context(files.create_stream(
+                        files.concat_path(self.path, where.name), "rb"))
+                f = opened[where.name]
+                f.seek(where.offset)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(f.read(where.length)))
+                    continue
+                # A whole chunk into a CPU tensor is read straight into it; else through a
+                # tensor of its own, from which the part the target needs is copied.
+                target, size = planner.resolve_tensor(item).detach(), sizes[item.storage_index]
+                whole = target.device.type == "cpu" and target.is_contiguous() and \
+                    target.shape == size
+                chunk = target if whole else torch.empty(
+                    size, dtype=entries[item.storage_index.fqn].properties.dtype)
+                if where.length and f.readinto(
+                        chunk.reshape(-1).view(torch.uint8).numpy()) != where.length:
+                    raise OSError(f"{where.name}: {where.length} bytes from {where.offset} "
+                                  "not there")
+                if not whole:
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets,
+                                                              item.lengths)):
+                        chunk = chunk.narrow(dim, start, length)
+                    target.copy_(chunk)
+                planner.commit_tensor(item, target)
         return _done(None)
 
 
