@@ -25,9 +25,9 @@ public extension points (a ``StorageWriter`` and a ``StorageReader`` of its own)
 - **Stamp.** A slot's first 8 bytes say which generation it holds (-1 while the snapshot
   copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
 
-A reader merges the ranks' metadata into the checkpoint's ``.metadata`` (:func:`merge_metadata`)
-and reads it with :class:`SlotReader` (``files.reader_for`` picks it for a checkpoint whose
-chunks are ``SlotChunk``): ``dcp.load`` like any DCP checkpoint, resharding included.
+:class:`SlotReader` merges the ranks' metadata into the checkpoint's (:func:`merge_metadata`)
+and reads their files (``files.reader_for`` picks it for a checkpoint with ranks' own metadata):
+``dcp.load`` like any DCP checkpoint, resharding included.
 
 DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
 ``dcp.save`` (``memory/tier.py``).
@@ -148,15 +148,20 @@ class SlotWriter(_Storage, StorageWriter):
 class SlotReader(_Storage, StorageReader):
     """DCP's ``StorageReader`` of a checkpoint written by :class:`SlotWriter` in directory
     ``path`` (on ``filesystem``, a pyarrow filesystem such as the stores', ``StoreFiles``;
-    default the local file system), whose ``.metadata`` (``metadata``) the ranks' merged
-    (``files.reader_for`` makes it): each file a chunk lies in is opened once per read, each
-    chunk read where it lies."""
+    default the local file system): its metadata is the ranks' own merged; each file a chunk
+    lies in is opened once per read, each chunk read where it lies."""
 
-    def __init__(self, path: str, filesystem, metadata) -> None:
-        self.path, self.filesystem, self.metadata = path, filesystem, metadata
+    def __init__(self, path: str, filesystem=None) -> None:
+        self.path, self.filesystem, self.metadata = path, filesystem, None
 
     def read_metadata(self, *args, **kwargs):
-        return self.metadata
+        import pickle
+
+        from ray_train_xla.toolkit.checkpoint.files import files_at, read_file
+
+        names = [n for n in files_at(self.filesystem).sizes(self.path) if is_rank_metadata(n)]
+        return merge_metadata([pickle.loads(read_file(self.path, name, self.filesystem))
+                               for name in sorted(names, key=lambda n: int(n[2:-9]))])
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.metadata = metadata

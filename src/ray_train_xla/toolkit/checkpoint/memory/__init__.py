@@ -43,7 +43,7 @@ from ray_train_xla.toolkit.lazy import lazy_names
 _EXPORTS = {
     **dict.fromkeys(("NAMESPACE", "STORE_PREFIX", "MemoryStore", "start_stores", "store_name"),
                     "store"),
-    **dict.fromkeys(("METADATA", "StoreFiles"), "restore"),
+    **dict.fromkeys(("StoreFiles",), "restore"),
     **dict.fromkeys(("SHARED_ROOT", "MemoryTier", "broadcast_from_rank0", "flush_memory",
                      "keep_in_memory", "memory_tier"), "tier"),
 }
