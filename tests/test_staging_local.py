@@ -462,7 +462,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
         assert chunks == {"w": state["w"].numpy().tobytes(), "empty": b"",
                           "opt.step": state["opt"]["step"].numpy().tobytes()}
         target = {"w": torch.zeros(3, 2).t(), "empty": torch.ones(0, 3),  # (not contiguous)
-                  "opt": {"n": None, "step": torch.tensor(0.0),
+                  "opt": {"n": None, "step": torch.tensor(0, dtype=torch.float64),  # (converted)
                           "pair": Pair(torch.zeros(2), None)}}
         reader, _ = reader_for(str(out))
         assert isinstance(reader, rank_files.SlotReader)

@@ -189,13 +189,13 @@ class SlotReader(_Storage, StorageReader):
                 if item.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(item, io.BytesIO(f.read(where.length)))
                     continue
-                # A whole chunk into a CPU tensor is read straight into it; else through a
-                # tensor of its own, from which the part the target needs is copied.
+                # A whole chunk into a CPU tensor of its dtype is read straight into it; else
+                # through a tensor of its own, from which the part the target needs is copied.
                 target, size = planner.resolve_tensor(item).detach(), sizes[item.storage_index]
-                whole = target.device.type == "cpu" and target.is_contiguous() and \
-                    target.shape == size
-                chunk = target if whole else torch.empty(
-                    size, dtype=entries[item.storage_index.fqn].properties.dtype)
+                dtype = entries[item.storage_index.fqn].properties.dtype
+                whole = target.device.type == "cpu" and target.dtype == dtype and \
+                    target.is_contiguous() and target.shape == size
+                chunk = target if whole else torch.empty(size, dtype=dtype)
                 if where.length and f.readinto(
                         chunk.reshape(-1).view(torch.uint8).numpy()) != where.length:
                     raise OSError(f"{where.name}: {where.length} bytes from {where.offset} "
