@@ -144,9 +144,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                                 and all(torch.equal(a.full_tensor(), b)
                                         for a, b in zip(fresh.parameters(), before)))
     # Rank by rank, in place (the memory tier's format, rank_files.py): each rank's data file
-    # (a slot, its shards copied into torch.save's records) and its own metadata, no
-    # collective; merged, the metadata is torch's own for the same state (c15, dcp.save), and
-    # the checkpoint loads bit for bit.
+    # (a slot, each chunk's bytes the shard's own, where the rank's metadata says) and its own
+    # metadata, no collective; merged, the metadata is torch's own for the same state (c15,
+    # dcp.save), the checkpoint loads bit for bit, and read whole on one rank (resharded).
     import pickle
 
     from ray_train_xla.toolkit.checkpoint import rank_files
@@ -166,13 +166,29 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     write_staged(stage(describe(state)), os.path.join(root, "c15"))
     dist.barrier()
     by_rank = {}
-    if rank == 0:
-        def load(path):
-            with open(path, "rb") as f:
-                return pickle.load(f)
 
-        merged = rank_files.merge_metadata([load(os.path.join(c14, rank_files.rank_metadata_file(r)))
-                                            for r in range(world)])
+    def load(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    from ray_train_xla.toolkit.checkpoint.sharded import _named, _split
+
+    own, named = load(os.path.join(c14, rank_files.rank_metadata_file(rank))), _named(
+        _split(state)[0])[0]
+    with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
+        data = f.read()
+    chunks = []
+    for index, where in own.storage_data.items():
+        value = named
+        for key in own.planner_data[index.fqn]:
+            value = value[key]
+        local = value.to_local() if hasattr(value, "to_local") else value
+        chunks.append(where.name == rank_files.rank_data_file(rank) and
+                      data[where.offset:where.offset + where.length] ==
+                      local.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    by_rank["chunks"] = len(chunks) > 4 and all(chunks)
+    if rank == 0:
+        merged = rank_files.SlotReader(c14).read_metadata()  # the ranks' own, merged
         theirs = load(os.path.join(root, "c15", ".metadata"))
 
         def described(md):
@@ -185,13 +201,32 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                 md.planner_data
 
         by_rank["same_as_torch"] = described(merged) == described(theirs)
-        with open(os.path.join(c14, ".metadata"), "wb") as f:
-            pickle.dump(merged, f)
         write_small_files(LocalFiles(), c14, staged, sorted(staged["tree"]), world)
     dist.barrier()
     extra = load_sharded(c14, fresh, fresh_opt)
     by_rank["exact"] = extra["step"] == 14 and all(
         torch.equal(a.full_tensor(), b) for a, b in zip(fresh.parameters(), before))
+    # Resharded: the first weight (63 rows saved in two uneven row shards) into a target
+    # sharded by columns, each rank's part a piece of both ranks' chunks.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ray_train_xla.toolkit.checkpoint.files import reader_for
+
+    fqn = next(k for k, e in own.state_dict_metadata.items()
+               if k.startswith("model.") and tuple(getattr(e, "size", ())) == (63, 64))
+    target = {"model": {fqn[len("model."):]: distribute_tensor(
+        torch.zeros(63, 64), next(model.parameters()).device_mesh, [Shard(1)])}}
+    dcp.load(target, storage_reader=reader_for(c14)[0])
+    by_rank["resharded"] = torch.equal(target["model"][fqn[len("model."):]].full_tensor(),
+                                       before[0])
+    if rank == 0:
+        from ray_train_xla.toolkit.checkpoint.format import read_full_state
+
+        whole = read_full_state(c14)["model"]
+        by_rank["whole"] = [tuple(v.shape) for v in whole.values()] == [
+            tuple(b.shape) for b in before] and all(
+            torch.equal(v, b) for v, b in zip(whole.values(), before))
     with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
         by_rank["stamp"] = store.slot_stamp(f.read(8))
     process["by_rank"] = by_rank
@@ -263,8 +298,10 @@ def test_snapshots_reuse_their_buffers_and_never_one_still_being_written(tmp_pat
         w = r["process"]
         assert w["exact"] == [True, True, True, True] and w["pid"], w
         assert w["threads"] == ["1", "unset"], w
-        assert w["by_rank"] == ({"same_as_torch": True, "exact": True, "stamp": 14} if rank == 0
-                                else {"exact": True, "stamp": 14}), w
+        assert w["by_rank"] == ({"chunks": True, "same_as_torch": True, "exact": True,
+                                 "resharded": True, "whole": True, "stamp": 14} if rank == 0
+                                else {"chunks": True, "exact": True, "resharded": True,
+                                      "stamp": 14}), w
         assert "writer process failed" in w["dead"] and "dead" in w["dead"], w
         assert "writer_process=False" in w["dead"] and w["dead_s"] < 10, w
     # c11 and c13 were written through the storage's filesystem, in place: every rank's shards
@@ -398,16 +435,17 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
 
 def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_its_plan(tmp_path):
     """Rank by rank, in place (``rank_files``) in one process: a state with a non-tensor value
-    (DCP pickles it), a namedtuple, an empty tensor and a scalar one; each generation reads back
-    its own values through torch's FileSystemReader over the merged metadata; the two slots
-    are used in turn (laid out and planned once), each stamped with its generation (-1 while
-    the snapshot copies into it); a new structure lays out new slots."""
+    (DCP pickles it), a namedtuple, an empty tensor and a scalar one; each tensor chunk's bytes
+    lie in the slot where the rank's metadata says; each generation reads back its own values
+    with ``dcp.load`` through the merged metadata (``reader_for``: ``SlotReader``); the two
+    slots are used in turn (laid out and planned once), each stamped with its generation (-1
+    while the snapshot copies into it); a new structure lays out new slots."""
     import pickle
 
     import torch.distributed.checkpoint as dcp
 
     from ray_train_xla.toolkit.checkpoint import rank_files
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, reader_for
     from ray_train_xla.toolkit.checkpoint.memory import store
     from ray_train_xla.toolkit.checkpoint.staging import split_dtensors
 
@@ -434,13 +472,18 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
         copy_out(files, str(out))
         assert sorted(os.listdir(out)) == ["__0.metadata", "__0_0.distcp", "__0_1.distcp"]
         with open(out / rank_files.rank_metadata_file(0), "rb") as f:
-            merged = rank_files.merge_metadata([pickle.load(f)])
-        with open(out / ".metadata", "wb") as f:
-            pickle.dump(merged, f)
-        target = {"w": torch.zeros(2, 3), "empty": torch.ones(0, 3),
-                  "opt": {"n": None, "step": torch.tensor(0.0),
+            own = pickle.load(f)
+        data = (out / "__0_0.distcp").read_bytes()
+        chunks = {i.fqn: data[c.offset:c.offset + c.length] for i, c in own.storage_data.items()
+                  if c.name == "__0_0.distcp"}
+        assert chunks == {"w": state["w"].numpy().tobytes(), "empty": b"",
+                          "opt.step": state["opt"]["step"].numpy().tobytes()}
+        target = {"w": torch.zeros(3, 2).t(), "empty": torch.ones(0, 3),  # (not contiguous)
+                  "opt": {"n": None, "step": torch.tensor(0, dtype=torch.float64),  # (converted)
                           "pair": Pair(torch.zeros(2), None)}}
-        dcp.load(target, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
+        reader, _ = reader_for(str(out))
+        assert isinstance(reader, rank_files.SlotReader)
+        dcp.load(target, storage_reader=reader, no_dist=True)
         return target
 
     (tmp_path / "slots").mkdir()

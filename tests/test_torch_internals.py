@@ -292,7 +292,6 @@ CALLS = {
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict":
         (1, ["storage_reader", "planner", "no_dist"]),
     "torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner": (0, ["keys"]),
-    "torch.distributed.checkpoint.filesystem._StorageInfo": (3, []),
     "torch.distributed.checkpoint._dedup_save_plans.dedup_save_plans":
         (1, ["save_to_lowest_rank"]),
     "torch.distributed.checkpoint._nested_dict.flatten_state_dict": (1, []),
@@ -338,18 +337,4 @@ def test_each_private_name_is_there_and_takes_what_we_pass(key):
             return
         signature.bind(*[None] * args, **dict.fromkeys(kwargs))
 
-
-def test_the_record_framing_the_memory_tier_writes_into_is_torch_saves():
-    """``torch._C.PyTorchFileReader.get_record_offset`` says where ``torch.save`` put a tensor's
-    bytes: the memory tier's slots copy shards there (``rank_files.py``)."""
-    import io
-
-    import torch
-
-    buf = io.BytesIO()
-    value = torch.arange(16, dtype=torch.float32)
-    torch.save(value, buf)
-    data = buf.getvalue()
-    at = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record_offset("data/0")
-    assert data[at:at + value.nbytes] == value.numpy().tobytes()
 

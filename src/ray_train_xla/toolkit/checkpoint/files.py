@@ -1,7 +1,8 @@
 """A checkpoint's files where they lie: on the local file system or on any pyarrow filesystem
 (the one Ray Train's ``Checkpoint.filesystem`` holds: S3, GCS, a mounted one; the memory tier's
 stores, ``memory/restore.py``). torch's ``FileSystemReader`` reads a DCP checkpoint through them, byte
-ranges included; the small files (``extra.pt``, ``sharded.json``) are read whole."""
+ranges included (the memory tier's ``rank_files.SlotReader`` one it wrote rank by rank); the
+small files (``extra.pt``, ``sharded.json``) are read whole."""
 
 from __future__ import annotations
 
@@ -155,10 +156,17 @@ def save_file(files, directory: str, name: str, obj: Any) -> None:
 
 def reader_for(path: str, filesystem=None):
     """torch's ``FileSystemReader`` for the checkpoint ``path`` (on ``filesystem``, a pyarrow
-    filesystem, when given), reading its ``.metadata`` once."""
+    filesystem, when given), reading its ``.metadata`` once; the memory tier's ``SlotReader``
+    for one written rank by rank (``rank_files.py``), its ranks' own metadata merged once."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
+    from ray_train_xla.toolkit.checkpoint.rank_files import SlotReader, rank_metadata_file
+
+    if not has_file(path, ".metadata", filesystem) and \
+            has_file(path, rank_metadata_file(0), filesystem):
+        reader = SlotReader(path, filesystem)
+    else:
+        reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
     metadata = reader.read_metadata()
     reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
     return reader, metadata
@@ -174,18 +182,19 @@ def _arrow_reader(path: str, filesystem):
     return reader
 
 
+def has_file(path: str, name: str, filesystem=None) -> bool:
+    """Whether the checkpoint directory ``path`` holds ``name``."""
+    if filesystem is None:
+        return os.path.exists(os.path.join(path, name))
+    return ArrowFileSystem(filesystem).exists(f"{path.rstrip('/')}/{name}")
+
+
 def read_file(path: str, name: str, filesystem=None) -> bytes | None:
     """The bytes of ``name`` in the checkpoint directory ``path``, None when it is not there."""
-    file = os.path.join(path, name) if filesystem is None else f"{path.rstrip('/')}/{name}"
-    if filesystem is None:
-        if not os.path.exists(file):
-            return None
-        with open(file, "rb") as f:
-            return f.read()
-    fs = ArrowFileSystem(filesystem)
-    if not fs.exists(file):
+    if not has_file(path, name, filesystem):
         return None
-    with fs.create_stream(file, "rb") as f:
+    files = files_at(filesystem)
+    with files.create_stream(files.concat_path(path, name), "rb") as f:
         return f.read()
 
 

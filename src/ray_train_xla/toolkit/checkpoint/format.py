@@ -151,13 +151,13 @@ def saved_specs(metadata: Any) -> dict[str, Spec]:
 
 
 def is_sharded_checkpoint(path: str, filesystem=None) -> bool:
-    """True when the directory holds a sharded checkpoint (DCP's ``.metadata``); ``filesystem``:
-    a pyarrow filesystem the directory is on (default the local one)."""
-    if filesystem is None:
-        return os.path.exists(os.path.join(path, METADATA_FILE))
-    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem
+    """True when the directory holds a sharded checkpoint (DCP's ``.metadata``, or rank 0's own
+    of one the memory tier wrote rank by rank, ``rank_files.py``); ``filesystem``: a pyarrow
+    filesystem the directory is on (default the local one)."""
+    from ray_train_xla.toolkit.checkpoint.files import has_file
+    from ray_train_xla.toolkit.checkpoint.rank_files import rank_metadata_file
 
-    return ArrowFileSystem(filesystem).exists(f"{path.rstrip('/')}/{METADATA_FILE}")
+    return any(has_file(path, n, filesystem) for n in (METADATA_FILE, rank_metadata_file(0)))
 
 
 def read_full_state(path: str, keys: tuple[str, ...] = ("model",),

@@ -5,27 +5,29 @@ torch's ``dcp.save`` plans every checkpoint collectively (every rank's plan gath
 coordinator, the global plan scattered back, the write results gathered for the one
 ``.metadata``) and then formats each shard with ``torch.save``: Python work, collectives and
 copies at each save. The memory tier saves the same structure again and again, so each rank
-lays its DCP data file out once per structure and then only copies its shards into it:
+lays its shards out once per structure and then only copies them into place, through DCP's
+public extension points (a ``StorageWriter`` and a ``StorageReader`` of its own):
 
 - **Slots.** Each rank keeps two files in the node's shared memory (:class:`RankSlots`), used in
-  turn: the generation being written, and the newest complete one. A slot is laid out as DCP's
-  data file of the rank (``__{rank}_0.distcp``): each shard's record as ``torch.save`` writes
-  it (the record's frame taken from a save of a tensor of the same dtype and shape, written
-  once), the shard's bytes where ``torch.save`` puts them. The snapshot copies the shards
-  straight there: that copy is the only work that grows with the state. The slot's memory is
-  allocated once. The slot of the newest complete generation serves until the generation
-  after the next one starts (a rank starts a generation only once every rank completed the one
-  before).
-- **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``:
-  ``create_local_plan``, then ``create_global_plan`` over that one plan, as DCP does without a
-  process group), once per structure. Each generation gets the rank's metadata
-  (``__{rank}.metadata``: its chunks and where they lie) and a small file for what is not a
-  shard's bytes (``__{rank}_1.distcp``: non-tensor values, empty shards).
+  turn: the generation being written, and the newest complete one. A slot is the rank's data
+  file (``__{rank}_0.distcp``): each shard's bytes as they lie in memory, at an offset laid out
+  once per structure. The snapshot copies the shards straight there: that copy is the only
+  work that grows with the state. The slot's memory is allocated once. The slot of the newest
+  complete generation serves until the generation after the next one starts (a rank starts a
+  generation only once every rank completed the one before).
+- **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``) and
+  :class:`SlotWriter`, driven as ``dcp.save`` drives them without a process group
+  (``create_local_plan``, then ``create_global_plan`` over that one plan), once per structure.
+  The writer's storage data says where each chunk lies (:class:`SlotChunk`: a file, an offset,
+  a length). Each generation gets the rank's metadata (``__{rank}.metadata``: DCP's ``Metadata``
+  of its chunks) and, when the state has non-tensor values, a small file of their bytes
+  (``__{rank}_1.distcp``, as the planner pickles them). An empty shard has no bytes.
 - **Stamp.** A slot's first 8 bytes say which generation it holds (-1 while the snapshot
   copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
 
-A reader merges the ranks' metadata into the checkpoint's ``.metadata`` (:func:`merge_metadata`)
-and reads it with torch's ``FileSystemReader`` like any DCP checkpoint, resharding included.
+:class:`SlotReader` merges the ranks' metadata into the checkpoint's (:func:`merge_metadata`)
+and reads their files (``files.reader_for`` picks it for a checkpoint with ranks' own metadata):
+``dcp.load`` like any DCP checkpoint, resharding included.
 
 DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
 ``dcp.save`` (``memory/tier.py``).
@@ -33,6 +35,8 @@ DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state go
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import itertools
 import mmap
 import os
@@ -41,10 +45,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ray_train_xla.toolkit.checkpoint.memory.store import SLOT_PREFIX
 
-ALIGN = 64  # each record's offset in a slot
+ALIGN = 64  # each shard's offset in a slot
 HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
 # This process's layouts, numbered from a random start: a slot's name is unique on its node even
 # when a later worker gets the pid of one that died.
@@ -67,29 +73,146 @@ def is_rank_metadata(name: str) -> bool:
     return name.startswith("__") and name.endswith(".metadata") and name[2:-9].isdigit()
 
 
-def record_frame(dtype: torch.dtype, shape: tuple) -> tuple[bytes, bytes, int]:
-    """``torch.save`` of a tensor of ``dtype`` and ``shape`` (zeros) around its bytes: (what
-    comes before them, what comes after, the record's whole length). The records, their order
-    and offsets depend only on the dtype and shape. The record's checksum is the zeros':
-    ``torch.load`` does not check it, and the tier's files live in memory only."""
-    import io
+@dataclasses.dataclass(frozen=True)
+class SlotChunk:
+    """Where one chunk of a checkpoint written by :class:`SlotWriter` lies (its
+    ``WriteResult.storage_data``): ``length`` bytes from ``offset`` of the rank's file
+    ``name``. A tensor's bytes as they lie in memory; a non-tensor value as the planner
+    pickled it."""
 
-    buf = io.BytesIO()
-    torch.save(torch.zeros(shape, dtype=dtype), buf)
-    buf.seek(0)
-    at = torch._C.PyTorchFileReader(buf).get_record_offset("data/0")
-    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    view = buf.getbuffer()
-    head, tail, length = bytes(view[:at]), bytes(view[at + nbytes:]), len(view)
-    del view
-    return head, tail, length
+    name: str
+    offset: int
+    length: int
+
+
+def _done(value) -> Any:
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class _Storage:
+    """What :class:`SlotWriter` and :class:`SlotReader` do alike: no checkpoint ids, the plans
+    as the planner made them."""
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+
+class SlotWriter(_Storage, StorageWriter):
+    """DCP's ``StorageWriter`` of one rank's generation, without a collective: each tensor
+    chunk is where the snapshot copied it, in the rank's slot (:attr:`slot`; the writer notes
+    where), each non-tensor value goes into the small file of the write (:attr:`small`);
+    ``finish`` keeps the rank's ``Metadata`` (:attr:`metadata`)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.slot, self.small, self.metadata = rank, None, io.BytesIO(), None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
+
+    def write_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        results, self.small = [], io.BytesIO()
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                where = SlotChunk(rank_small_file(self.rank), self.small.tell(),
+                                  self.small.write(data.getbuffer()))
+            else:  # an empty shard has no bytes
+                at = data.data_ptr() - self.slot.data.data_ptr() if data.numel() else 0
+                if data.numel() and not (data.is_contiguous() and
+                                         HEADER <= at <= self.slot.size - data.nbytes):
+                    raise ValueError(f"{item.index.fqn}: not a shard of the slot")
+                where = SlotChunk(rank_data_file(self.rank), at, data.nbytes)
+            results.append(WriteResult(index=item.index, size_in_bytes=where.length,
+                                       storage_data=where))
+        return _done(results)
+
+    def finish(self, metadata, results) -> None:
+        self.metadata = dataclasses.replace(
+            metadata, storage_data={r.index: r.storage_data for rank in results for r in rank})
+
+
+class SlotReader(_Storage, StorageReader):
+    """DCP's ``StorageReader`` of a checkpoint written by :class:`SlotWriter` in directory
+    ``path`` (on ``filesystem``, a pyarrow filesystem such as the stores', ``StoreFiles``;
+    default the local file system): its metadata is the ranks' own merged; each file a chunk
+    lies in is opened once per read, each chunk read where it lies."""
+
+    def __init__(self, path: str, filesystem=None) -> None:
+        self.path, self.filesystem, self.metadata = path, filesystem, None
+
+    def read_metadata(self, *args, **kwargs):
+        import pickle
+
+        from ray_train_xla.toolkit.checkpoint.files import files_at, read_file
+
+        names = [n for n in files_at(self.filesystem).sizes(self.path) if is_rank_metadata(n)]
+        return merge_metadata([pickle.loads(read_file(self.path, name, self.filesystem))
+                               for name in sorted(names, key=lambda n: int(n[2:-9]))])
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.metadata = metadata
+
+    def read_data(self, plan, planner):
+        from contextlib import ExitStack
+
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        from ray_train_xla.toolkit.checkpoint.files import files_at
+
+        entries, files = self.metadata.state_dict_metadata, files_at(self.filesystem)
+        sizes = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, entry in entries.items()
+                 for c in getattr(entry, "chunks", ())}
+        with ExitStack() as streams:
+            opened: dict[str, Any] = {}
+            for item in plan.items:
+                where = self.metadata.storage_data[item.storage_index]
+                if where.name not in opened:
+                    opened[where.name] = streams.enter_context(files.create_stream(
+                        files.concat_path(self.path, where.name), "rb"))
+                f = opened[where.name]
+                f.seek(where.offset)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(f.read(where.length)))
+                    continue
+                # A whole chunk into a CPU tensor of its dtype is read straight into it; else
+                # through a tensor of its own, from which the part the target needs is copied.
+                target, size = planner.resolve_tensor(item).detach(), sizes[item.storage_index]
+                dtype = entries[item.storage_index.fqn].properties.dtype
+                whole = target.device.type == "cpu" and target.dtype == dtype and \
+                    target.is_contiguous() and target.shape == size
+                chunk = target if whole else torch.empty(size, dtype=dtype)
+                if where.length and f.readinto(
+                        chunk.reshape(-1).view(torch.uint8).numpy()) != where.length:
+                    raise OSError(f"{where.name}: {where.length} bytes from {where.offset} "
+                                  "not there")
+                if not whole:
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets,
+                                                              item.lengths)):
+                        chunk = chunk.narrow(dim, start, length)
+                    target.copy_(chunk)
+                planner.commit_tensor(item, target)
+        return _done(None)
 
 
 class _Slot:
-    """One slot file in shared memory, mapped here: the records' frames written once, a view of
-    each shard's bytes."""
+    """One slot file in shared memory, mapped here: a view of each shard's bytes."""
 
-    def __init__(self, path: str, layout: list, size: int, shapes: list) -> None:
+    def __init__(self, path: str, key: tuple, offsets: list[int], size: int) -> None:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             # Allocated now (a full tmpfs is this error, not a SIGBUS at the first copy)
@@ -102,19 +225,11 @@ class _Slot:
                                      f"{exc.strerror}") from exc
         os.close(fd)
         self.path, self.size = path, size
-        data = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._stamp = data[:8].view(torch.int64)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._stamp = self.data[:8].view(torch.int64)
         self.stamp(-1)
-        self.views: list[torch.Tensor] = []
-        for record, (dtype, shape) in zip(layout, shapes):
-            if record is None:  # an empty shard: its record goes in the small file
-                self.views.append(torch.empty(shape, dtype=dtype))
-                continue
-            start, head, tail, nbytes = record
-            at = start + len(head)
-            self._map[start:at] = head
-            self._map[at + nbytes:at + nbytes + len(tail)] = tail
-            self.views.append(data[at:at + nbytes].view(dtype).view(shape))
+        self.views = [self.data[at:at + dtype.itemsize * torch.Size(shape).numel()]
+                      .view(dtype).view(shape) for at, (dtype, shape) in zip(offsets, key)]
 
     def stamp(self, gen: int) -> None:
         self._stamp[0] = gen
@@ -132,13 +247,14 @@ class RankSlots:
         self.allocations = 0  # slot files made (two per layout)
         self.plans = 0  # plans made (one per structure)
         self._turn = 0
-        self._layout: list = []
-        self._plan: dict[str, Any] | None = None
+        self._offsets: list[int] = []
+        self._writer = SlotWriter(rank)
+        self._plan: tuple | None = None
         self._plan_key: tuple | None = None
 
     def stager(self, gen: int):
         """What copies generation ``gen``'s shards (a staging function for
-        ``sharded.stage_sharded``): into the slot whose turn it is, stamped -1 meanwhile."""
+        ``staging.stage``): into the slot whose turn it is, stamped -1 meanwhile."""
 
         def stage(tensors: list[torch.Tensor]):
             key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -154,19 +270,14 @@ class RankSlots:
         return stage
 
     def _lay_out(self, key: tuple) -> None:
-        layout, end = [], HEADER
+        offsets, end = [], HEADER
         for dtype, shape in key:
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            if not nbytes:
-                layout.append(None)
-                continue
-            head, tail, length = record_frame(dtype, shape)
-            layout.append((end, head, tail, nbytes))
-            end += -(-length // ALIGN) * ALIGN
+            offsets.append(end)
+            end += -(-dtype.itemsize * torch.Size(shape).numel() // ALIGN) * ALIGN
         self.remove()  # the old layout's slot files no store took
         self._series, self._size = next(_SERIES), end
         self.slots = [None, None]
-        self.key, self._layout, self._turn = key, layout, 0
+        self.key, self._offsets, self._turn = key, offsets, 0
 
     def _slot(self, turn: int) -> _Slot:
         """The slot of ``turn``, made at its first use (so that a worker that ends early leaves
@@ -177,7 +288,7 @@ class RankSlots:
             for last in (False, True):  # the directory may be swept as empty meanwhile
                 os.makedirs(self.directory, exist_ok=True)
                 try:
-                    self.slots[turn] = _Slot(path, self._layout, self._size, list(self.key))
+                    self.slots[turn] = _Slot(path, self.key, self._offsets, self._size)
                     break
                 except FileNotFoundError:
                     if last:
@@ -186,15 +297,13 @@ class RankSlots:
         return self.slots[turn]
 
     def write(self, staged: dict[str, Any], files, gen: int, timeout_s: float) -> None:
-        """Generation ``gen`` (``staged``: ``sharded.stage_sharded`` with :meth:`stager`, whose
+        """Generation ``gen`` (``staged``: ``staging.stage`` with :meth:`stager`, whose
         copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
         as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
-        checkpoint's own small files are the caller's (``sharded.write_small_files``)."""
-        import dataclasses
-        import io
+        checkpoint's own small files are the caller's (``writer.write_small_files``)."""
         import pickle
 
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.planner import WriteItemType
 
         from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile
@@ -207,72 +316,39 @@ class RankSlots:
                 raise TimeoutError(f"the snapshot was not copied into the slot within "
                                    f"timeout_s={timeout_s:g}") from None
         views, tree, specs = staged["state"], staged["tree"], staged["specs"]
-        slot = self.slots[self._turn]
+        writer = self._writer
+        writer.slot = self.slots[self._turn]
         key = (self.key, structure(tree),
                tuple(None if s is None else (tuple(s[1]), tuple(s[2])) for s in specs))
-        state = None
-        if key != self._plan_key:
-            state = join_dtensors(tree, views, specs)
-            self._plan, self._plan_key = self._make_plan(state, views), key
-            self.plans += 1
-        plan = self._plan
-        data_name, small_name = rank_data_file(self.rank), rank_small_file(self.rank)
-        storage = dict(plan["fixed"])
-        small = io.BytesIO()
-        if plan["small"]:
-            from torch.distributed.checkpoint import DefaultSavePlanner
-
+        if key != self._plan_key:  # DCP's plan, as dcp.save makes it without a process group
             planner = DefaultSavePlanner()
-            planner.set_up_planner(state or join_dtensors(tree, views, specs), storage_meta=None,
-                                   is_coordinator=True)
-            for item in plan["small"]:
-                value = planner.resolve_data(item)
-                offset = small.tell()
-                if item.type == WriteItemType.BYTE_IO:
-                    small.write(value.getbuffer())
-                else:  # an empty shard
-                    torch.save(getattr(value, "_local_tensor", value), small)
-                storage[item.index] = _StorageInfo(small_name, offset, small.tell() - offset)
-        if plan["small"] or "pickled" not in plan:  # else the same every generation
-            metadata = dataclasses.replace(plan["metadata"], version=CURRENT_DCP_VERSION,
-                                           storage_data=storage)
-            plan["pickled"] = pickle.dumps(metadata)
-        files.files[files.concat_path(ROOT, data_name)] = SlotFile(slot.path, slot.size)
-        if plan["small"]:
-            files.files[files.concat_path(ROOT, small_name)] = small.getvalue()
-        files.files[files.concat_path(ROOT, rank_metadata_file(self.rank))] = plan["pickled"]
-        slot.stamp(gen)
+            planner.set_up_planner(join_dtensors(tree, views, specs),
+                                   storage_meta=writer.storage_meta(), is_coordinator=True)
+            writer.set_up_storage_writer(True)
+            plans, metadata = planner.create_global_plan(
+                [writer.prepare_local_plan(planner.create_local_plan())])
+            plan = planner.finish_plan(writer.prepare_global_plan(plans)[0])
+            small = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+            # Where each tensor chunk lies: the same in both slots, and every generation
+            tensors = writer.write_data(dataclasses.replace(
+                plan, items=[i for i in plan.items if i not in small]), planner).wait()
+            writer.finish(metadata, [tensors])
+            self._plan = (planner, dataclasses.replace(plan, items=small), metadata, tensors,
+                          pickle.dumps(writer.metadata))
+            self._plan_key = key
+            self.plans += 1
+        planner, small, metadata, tensors, pickled = self._plan
+        if small.items:  # the non-tensor values: each generation's own
+            planner.set_up_planner(join_dtensors(tree, views, specs), is_coordinator=True)
+            writer.finish(metadata, [tensors + writer.write_data(small, planner).wait()])
+            pickled = pickle.dumps(writer.metadata)
+            files.files[files.concat_path(ROOT, rank_small_file(self.rank))] = \
+                writer.small.getvalue()
+        files.files[files.concat_path(ROOT, rank_data_file(self.rank))] = \
+            SlotFile(writer.slot.path, writer.slot.size)
+        files.files[files.concat_path(ROOT, rank_metadata_file(self.rank))] = pickled
+        writer.slot.stamp(gen)
         self._turn ^= 1
-
-    def _make_plan(self, state: dict[str, Any], views: list[torch.Tensor]) -> dict[str, Any]:
-        """DCP's plan over this rank's shards: where each tensor item's record lies in a slot
-        (the same in both), and the items that go in the small file."""
-        from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state, storage_meta=None, is_coordinator=True)
-        plans, metadata = planner.create_global_plan([planner.create_local_plan()])
-        plan = planner.finish_plan(plans[0])
-        index = {v.data_ptr(): i for i, v in enumerate(views) if v.numel()}
-        fixed, small = {}, []
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                small.append(item)
-                continue
-            data = planner.resolve_data(item)
-            local = getattr(data, "_local_tensor", data)
-            if not local.numel():
-                small.append(item)
-                continue
-            i = index.get(local.data_ptr())
-            if i is None or views[i].shape != local.shape:
-                raise ValueError(f"{item.index.fqn}: not a shard of the slot")
-            start, head, tail, nbytes = self._layout[i]
-            fixed[item.index] = _StorageInfo(rank_data_file(self.rank), start,
-                                             len(head) + nbytes + len(tail))
-        return {"metadata": metadata, "fixed": fixed, "small": small}
 
     def remove(self) -> None:
         """Remove the slot files still on the file system (the store unlinks them once it maps
@@ -288,8 +364,6 @@ class RankSlots:
 def merge_metadata(parts: list[Any]):
     """One DCP ``Metadata`` from the ranks' own: every rank's chunks of each tensor (a chunk
     two ranks both wrote, a replicated one, once), where each lies, the planner's mappings."""
-    import dataclasses
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     tensors: dict[str, Any] = {}

@@ -20,8 +20,9 @@ generation is complete once every rank handed its files (a barrier of the ranks 
 After a failure, ``load_checkpoint()`` asks the stores first: rank 0 takes the newest
 generation whose files every rank of its world survive on some live store, and which is newer
 than the newest checkpoint Ray took into storage (each ``save_checkpoint`` takes a generation
-number too, and the stores note it once Ray took it); every rank then reads through torch's
-``FileSystemReader`` over the stores, fetching only the files its shards need, so the restore
+number too, and the stores note it once Ray took it); every rank then reads with ``dcp.load``
+over the stores (through torch's ``FileSystemReader``, or ``rank_files.SlotReader`` for a
+generation written rank by rank), fetching only the files its shards need, so the restore
 reshards onto another world size as from storage. Otherwise the restore comes from storage,
 and the log says why. Each store holds at most two generations: the newest complete one and
 the one being written.
@@ -42,7 +43,7 @@ from ray_train_xla.toolkit.lazy import lazy_names
 _EXPORTS = {
     **dict.fromkeys(("NAMESPACE", "STORE_PREFIX", "MemoryStore", "start_stores", "store_name"),
                     "store"),
-    **dict.fromkeys(("METADATA", "StoreFiles"), "restore"),
+    **dict.fromkeys(("StoreFiles",), "restore"),
     **dict.fromkeys(("SHARED_ROOT", "MemoryTier", "broadcast_from_rank0", "flush_memory",
                      "keep_in_memory", "memory_tier"), "tier"),
 }

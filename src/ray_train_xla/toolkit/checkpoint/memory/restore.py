@@ -1,7 +1,6 @@
 """A generation read back from the memory stores: a read-only pyarrow filesystem over them
-(``StoreFiles``), through which torch's ``FileSystemReader`` restores it as from storage; the
-ranks' own metadata files of a generation written rank by rank are merged into DCP's
-``.metadata`` there."""
+(``StoreFiles``), through which ``dcp.load`` restores it as from storage (torch's
+``FileSystemReader``; ``rank_files.SlotReader`` for a generation written rank by rank)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ import threading
 
 from ray_train_xla.toolkit.checkpoint.files import ROOT
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE
-
-METADATA = ".metadata"  # DCP's
 
 
 class StoreFiles:
@@ -22,28 +19,6 @@ class StoreFiles:
         self.fetched_bytes = 0
         self.served: set[str] = set()  # the stores files were read from
         self._lock = threading.Lock()
-        self._merged: bytes | None = None
-
-    def _metadata(self) -> bytes:
-        """A generation written rank by rank (``rank_files``): its ``.metadata``, the ranks'
-        own merged (once)."""
-        import pickle
-
-        from ray_train_xla.toolkit.checkpoint.rank_files import is_rank_metadata, merge_metadata
-
-        if self._merged is None:
-            parts = [pickle.loads(self._fetch(name)) for name in sorted(self.holders)
-                     if is_rank_metadata(name)]
-            self._merged = pickle.dumps(merge_metadata(parts))
-        return self._merged
-
-    def _names(self) -> list[str]:
-        from ray_train_xla.toolkit.checkpoint.rank_files import is_rank_metadata
-
-        names = sorted(self.holders)
-        if METADATA not in names and any(is_rank_metadata(n) for n in names):
-            names.append(METADATA)
-        return names
 
     def _fetch(self, path: str):
         import ray
@@ -51,8 +26,6 @@ class StoreFiles:
         from ray_train_xla.toolkit.checkpoint.rank_files import rank_data_file
 
         name = path.rsplit("/", 1)[-1]
-        if name == METADATA and name not in self.holders and name in self._names():
-            return self._metadata()
         if name not in self.holders:
             raise FileNotFoundError(path)
         errors = []
@@ -100,7 +73,7 @@ class StoreFiles:
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if path.rstrip("/") == ROOT:
                 out.append(pafs.FileInfo(path, pafs.FileType.Directory))
-            elif name in self._names():
+            elif name in self.holders:
                 out.append(pafs.FileInfo(path, pafs.FileType.File))
             else:
                 out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
@@ -109,7 +82,7 @@ class StoreFiles:
     def get_file_info_selector(self, selector):
         import pyarrow.fs as pafs
 
-        return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in self._names()]
+        return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in sorted(self.holders)]
 
     def open_input_file(self, path: str):
         import pyarrow as pa
