@@ -171,10 +171,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         with open(path, "rb") as f:
             return pickle.load(f)
 
-    from ray_train_xla.toolkit.checkpoint.sharded import _named, _split
-
-    own, named = load(os.path.join(c14, rank_files.rank_metadata_file(rank))), _named(
-        _split(state)[0])[0]
+    own = load(os.path.join(c14, rank_files.rank_metadata_file(rank)))
+    named = describe(state)["named"]
     with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
         data = f.read()
     chunks = []
@@ -211,7 +209,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ray_train_xla.toolkit.checkpoint.files import reader_for
+    from ray_train_xla.toolkit.checkpoint.format import reader_for
 
     fqn = next(k for k, e in own.state_dict_metadata.items()
                if k.startswith("model.") and tuple(getattr(e, "size", ())) == (63, 64))
@@ -445,7 +443,8 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
     import torch.distributed.checkpoint as dcp
 
     from ray_train_xla.toolkit.checkpoint import rank_files
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, reader_for
+    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles
+    from ray_train_xla.toolkit.checkpoint.format import reader_for
     from ray_train_xla.toolkit.checkpoint.memory import store
     from ray_train_xla.toolkit.checkpoint.staging import split_dtensors
 

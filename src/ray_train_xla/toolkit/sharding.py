@@ -25,6 +25,8 @@ import torch
 
 from ray_train_xla.errors import ShardedStateError
 
+# The two layouts of sharded state a checkpoint holds: torch_xla SPMD tensors, DTensors.
+SPMD, DTENSOR = "spmd", "dtensor"
 FSDP_AXES = ("fsdp", "model")
 FSDP_V2_CLASS = "SpmdFullyShardedDataParallel"
 FSDP_V1_CLASS = "XlaFullyShardedDataParallel"

@@ -154,34 +154,6 @@ def save_file(files, directory: str, name: str, obj: Any) -> None:
             torch.save(obj, f)
 
 
-def reader_for(path: str, filesystem=None):
-    """torch's ``FileSystemReader`` for the checkpoint ``path`` (on ``filesystem``, a pyarrow
-    filesystem, when given), reading its ``.metadata`` once; the memory tier's ``SlotReader``
-    for one written rank by rank (``rank_files.py``), its ranks' own metadata merged once."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from ray_train_xla.toolkit.checkpoint.rank_files import SlotReader, rank_metadata_file
-
-    if not has_file(path, ".metadata", filesystem) and \
-            has_file(path, rank_metadata_file(0), filesystem):
-        reader = SlotReader(path, filesystem)
-    else:
-        reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
-    metadata = reader.read_metadata()
-    reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
-    return reader, metadata
-
-
-def _arrow_reader(path: str, filesystem):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    reader = FileSystemReader.__new__(FileSystemReader)
-    FileSystemReader.__init__(reader, os.devnull)  # a path FileSystem accepts; replaced below
-    reader.fs = ArrowFileSystem(filesystem)
-    reader.path = str(path)
-    return reader
-
-
 def has_file(path: str, name: str, filesystem=None) -> bool:
     """Whether the checkpoint directory ``path`` holds ``name``."""
     if filesystem is None:

@@ -26,7 +26,7 @@ public extension points (a ``StorageWriter`` and a ``StorageReader`` of its own)
   copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
 
 :class:`SlotReader` merges the ranks' metadata into the checkpoint's (:func:`merge_metadata`)
-and reads their files (``files.reader_for`` picks it for a checkpoint with ranks' own metadata):
+and reads their files (``format.reader_for`` picks it for a checkpoint with ranks' own metadata):
 ``dcp.load`` like any DCP checkpoint, resharding included.
 
 DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through

@@ -47,9 +47,7 @@ from ray_train_xla.toolkit.checkpoint.names import (
     named_optimizer_state,
     optimizer_param_names,
 )
-from ray_train_xla.toolkit.sharding import ShardedStateError, walk_sharded
-
-SPMD, DTENSOR = "spmd", "dtensor"
+from ray_train_xla.toolkit.sharding import DTENSOR, SPMD, ShardedStateError, walk_sharded
 
 
 def layout_of(desc: str) -> str | None:
@@ -224,7 +222,7 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    from ray_train_xla.toolkit.checkpoint.files import reader_for
+    from ray_train_xla.toolkit.checkpoint.format import reader_for
 
     layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
     reader, metadata = reader_for(directory, filesystem)

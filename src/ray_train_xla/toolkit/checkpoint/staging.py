@@ -227,8 +227,8 @@ def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
     (:class:`Snapshots`). ``shared``: replicated state in shared memory, for a writer process.
     ``stager``: what copies DTensor state's local shards (default: the pool's
     ``stage_tensors``)."""
-    from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR
     from ray_train_xla.toolkit.device import to_cpu
+    from ray_train_xla.toolkit.sharding import DTENSOR
 
     layout = desc["layout"]
     if layout is None:

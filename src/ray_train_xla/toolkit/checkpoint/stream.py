@@ -23,8 +23,8 @@ from ray_train_xla.toolkit.checkpoint.files import (  # noqa: F401 (read here an
     ArrowFileSystem,
     load_small,
     read_file,
-    reader_for,
 )
+from ray_train_xla.toolkit.checkpoint.format import reader_for
 
 # The safetensors names of torch dtypes (safetensors' own table).
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
