@@ -121,6 +121,15 @@ def test_judge_training_names_the_step_that_compiled():
                                 "(every step after warm-up must reuse its graphs)"]
 
 
+def test_a_rank_whose_peer_left_is_listed_after_the_rank_that_failed():
+    lost = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection "
+            "closed by peer [127.0.0.1]:37001")
+    records = [{"rank": r, "error": e, "seconds": 0.1}
+               for r, e in ((0, lost), (1, "RuntimeError: injected"), (2, None))]
+    assert check.judge_bandwidth(records, 3, [])["failures"] == [
+        "rank 1: RuntimeError: injected", f"rank 0: {lost}"]
+
+
 def _compute_record(rank, tflops, peak, source="the published bf16 peak of a TPU v6e chip"):
     return {"phase": "main", "step": "compute", "rank": rank, "ray_rank": rank, "seconds": 0.6,
             "ok": True, "dtype": "bfloat16", "size": 8192, "tflops": tflops,

@@ -199,8 +199,16 @@ def _by(found: list[dict], phase: str, step: str) -> list[dict]:
                   key=lambda r: r["ray_rank"])
 
 
+# What a rank's collective raises when a peer left it (a peer that failed first, its group
+# destroyed): an effect, listed after the errors that may be the cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _failed_records(records: list[dict]) -> list[str]:
-    return [f"rank {r['rank']}: {r['error']}" for r in records if r.get("error")]
+    """Each failed rank's error, those of ranks whose peers left them last."""
+    failed = sorted((r for r in records if r.get("error")),
+                    key=lambda r: any(text in r["error"] for text in PEER_LOST))
+    return [f"rank {r['rank']}: {r['error']}" for r in failed]
 
 
 def _not_run(name: str, why: str) -> dict:
