@@ -132,7 +132,8 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
     (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
     ``writer_process``: DTensor shards in a process group are written by this worker's writer
-    process (``writer.py``). Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
+    process (:func:`save_in_writer_process`). Returns what this rank wrote: ``{"files": [...],
+    "bytes": n}``.
     The snapshot's host buffers go back to the staging pool once the shards are written (or the
     write failed)."""
     import torch.distributed.checkpoint as dcp
