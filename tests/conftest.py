@@ -17,6 +17,7 @@ import copy
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 from unittest import mock
@@ -36,6 +37,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 # default): every fit waits for a poll to see its workers start, report and finish. Every
 # cluster the tests start (and its controllers) inherits this. No test asserts on report timing.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Every temporary directory of a session (the tests', their Ray workers', the package's) lies
+# under one directory of this pytest process, removed when the session ends: a run of the suite
+# writes gigabytes (models, checkpoints) and leaves none of them behind. Ray keeps its session
+# directory (its logs, which .ci/run prints on a failure) where it would be without this.
+os.environ.setdefault("RAY_TMPDIR", tempfile.gettempdir())
+SESSION_TMP = tempfile.mkdtemp(prefix="rtx-session-")
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 
 
 @contextlib.contextmanager
@@ -101,6 +109,7 @@ _session_status: list[int] = []
 
 def pytest_sessionfinish(session, exitstatus):
     close_shared_clusters()
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
     _session_status.append(int(exitstatus))
 
 
