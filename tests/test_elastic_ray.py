@@ -24,8 +24,8 @@ import pytest
 
 from conftest import HAS_TORCH_XLA, is_train_v2, write_record
 
-# The FSDP2 run is in `make test`; the replicated one (the same scenario, the path the toolkit had
-# first) only in `make test-e2e`.
+# The FSDP2 run (TorchNeuronConfig's twin) is `make test-native`'s, on the torch the native stacks
+# ship; the replicated one (the same scenario, the path the toolkit had first) `make test-e2e`'s.
 # `make test` runs it in its second process, after the tests without Ray (tests/run_suite.py).
 pytestmark = [pytest.mark.ray, pytest.mark.beside]
 
@@ -252,7 +252,7 @@ def elastic_cluster():
 @pytest.mark.skipif(not is_train_v2(), reason="elastic training is Ray Train V2's")
 @pytest.mark.parametrize("sharded", [
     pytest.param(False, id="replicated-xla", marks=pytest.mark.e2e),
-    pytest.param(True, id="fsdp2-native", marks=pytest.mark.native),
+    pytest.param(True, id="fsdp2-native", marks=(pytest.mark.native, pytest.mark.native_only)),
 ])
 def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_cluster, sharded):
     import torch
