@@ -146,8 +146,6 @@ def load_example(name_or_path: str = "train_mlp"):
     registered so that Ray ships it by value (workers cannot import it by name)."""
     if name_or_path in EXAMPLES:
         return importlib.import_module(f"ray_train_xla.tools.examples.{name_or_path}")
-    import sys
-
     import ray.cloudpickle
 
     if not os.path.exists(name_or_path):
@@ -162,10 +160,6 @@ def load_example(name_or_path: str = "train_mlp"):
     return module
 
 
-def _storage(storage_path: str | None, tmp: str) -> str:
-    return storage_path if storage_path is not None else tmp
-
-
 def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
                    address: str | None = None, tpu_topology: str | None = None,
                    accelerator_type: str | None = None, storage_path: str | None = None,
@@ -178,11 +172,10 @@ def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
             ray_session(address, num_cpus=max(2, workers + 1), log_to_driver=False):
         start = time.perf_counter()
-        trainer = example.build_trainer(workers, config, _storage(storage_path, tmp), "train_mlp",
-                                        resolve_device(device), keep=None,
-                                        tpu_topology=tpu_topology,
-                                        accelerator_type=accelerator_type)
-        result = trainer.fit()
+        result = example.build_trainer(
+            workers, config, tmp if storage_path is None else storage_path, "train_mlp",
+            resolve_device(device), keep=None, tpu_topology=tpu_topology,
+            accelerator_type=accelerator_type).fit()
         seconds = time.perf_counter() - start
         history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
         checkpoint = result.checkpoint.path if result.checkpoint else ""
@@ -216,11 +209,10 @@ def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", wor
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
             ray_session(address, num_cpus=4, log_to_driver=False):
         start = time.perf_counter()
-        trainer = example.build_trainer(config, devices, _storage(storage_path, tmp), "train_lm",
-                                        resolve_device(device), keep=None, workers=workers,
-                                        tpu_topology=tpu_topology,
-                                        accelerator_type=accelerator_type)
-        result = trainer.fit()
+        result = example.build_trainer(
+            config, devices, tmp if storage_path is None else storage_path, "train_lm",
+            resolve_device(device), keep=None, workers=workers, tpu_topology=tpu_topology,
+            accelerator_type=accelerator_type).fit()
         seconds = time.perf_counter() - start
         history = []
         for checkpoint, metrics in result.best_checkpoints:

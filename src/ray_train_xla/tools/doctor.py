@@ -8,7 +8,6 @@ alive node (``NodeAffinitySchedulingStrategy``), and every wait is bounded by ``
 
 Every check of a node is one function in ``NODE_CHECKS``; ``check_node`` runs them in that
 order. Adding a check is adding a function (``(NodeContext, NodeFacts) -> rows``) and a row there.
-At the end, the command's parser and function.
 """
 
 from __future__ import annotations
@@ -26,13 +25,12 @@ from dataclasses import asdict, dataclass, field
 
 from ray_train_xla.startup import netinfo
 from ray_train_xla.tools.args import positive_seconds
+from ray_train_xla.tools.examples.cluster import NEURON_RESOURCE, TPU_RESOURCE
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
 NEFF_CACHE_VAR, NEFF_CACHE_DEFAULT = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
 PACKAGES = ("torch", "torch_xla", "torch-neuronx", "libneuronxla")
-# Ray resource names for the accelerators we map (see planning/runtimes/).
-NEURON_RESOURCE, TPU_RESOURCE = "neuron_cores", "TPU"
 HEAD_RESOURCE = "node:__internal_head__"
 
 
@@ -63,9 +61,7 @@ class NodeContext:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------
 # Facts about this machine.
-# ---------------------------------------------------------------------------------------------
 
 
 def _norm(name: str) -> str:
@@ -81,11 +77,8 @@ def installed_version(dist: str) -> str | None:
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    return tuple(int("".join(c for c in piece if c.isdigit()) or 0)
+                 for piece in version.split("+")[0].split(".")[:2])
 
 
 def torch_pin(dist: str, requirement: str = "torch") -> str | None:
@@ -127,13 +120,8 @@ def pairing(dist: str, dist_version: str, torch_version: str) -> tuple[bool, str
 def is_native_neuronx(version: str | None) -> bool:
     """Whether the installed torch-neuronx is native TorchNeuron (Neuron SDK 2.30+): the XLA
     builds require torch-xla, the native one does not."""
-    if version is None:
-        return False
-    try:
-        requires = importlib.metadata.requires("torch-neuronx") or []
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return not any(_norm(line).startswith("torch-xla") for line in requires)
+    return version is not None and not any(
+        _norm(line).startswith("torch-xla") for line in importlib.metadata.requires("torch-neuronx") or [])
 
 
 def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tuple[str, str, str, str]]:
@@ -255,9 +243,7 @@ def _load_torch_xla(timeout_s: float) -> tuple[bool, str]:
     return True, f"import torch_xla works ({proc.stdout.strip().splitlines()[-1]})"
 
 
-# ---------------------------------------------------------------------------------------------
 # The checks of one node: one function each, run in the order of NODE_CHECKS.
-# ---------------------------------------------------------------------------------------------
 
 # A check's row before it is placed on a node: (check, status, detail, fix).
 Row = tuple[str, str, str, str]
@@ -437,7 +423,7 @@ def check_visible_cores(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
 
 def check_efa(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
     """EFA, which multi-node Neuron collectives need."""
-    if _has_efa():
+    if netinfo.has_efa():
         return [("EFA", OK, "EFA devices present", "")]
     if facts.neuron_present and ctx.multi_node:
         return [("EFA", WARN, "no EFA devices: multi-node Neuron collectives fall back to TCP",
@@ -531,15 +517,8 @@ def check_node(ctx: NodeContext) -> list[Check]:
     every function of ``NODE_CHECKS`` in order. A fix is kept only on a non-OK row."""
     facts = node_facts(ctx)
     ctx.extra["versions"] = dict(facts.versions)
-    rows: list[Check] = []
-    for check in NODE_CHECKS:
-        for name, status, detail, fix in check(ctx, facts):
-            rows.append(Check(name, ctx.node, status, detail, fix if status != OK else ""))
-    return rows
-
-
-def _has_efa() -> bool:
-    return netinfo.has_efa()
+    return [Check(name, ctx.node, status, detail, fix if status != OK else "")
+            for check in NODE_CHECKS for name, status, detail, fix in check(ctx, facts)]
 
 
 def remote_node_check(ctx: NodeContext) -> dict:
@@ -555,9 +534,7 @@ def remote_node_check(ctx: NodeContext) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------------------
 # Driver side: local only, or every node of a cluster.
-# ---------------------------------------------------------------------------------------------
 
 
 def cpu_note(node: str) -> Check:
@@ -602,10 +579,6 @@ def _connect(address: str, timeout_s: float) -> str | None:
     return None
 
 
-def node_label(node: Mapping, head: bool) -> str:
-    return f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}" + (" (head)" if head else "")
-
-
 def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:
     """Checks of the driver, then one task on each alive node of the cluster at ``address``."""
     import ray
@@ -625,11 +598,11 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         task = ray.remote(remote_node_check)
-        refs, labels = {}, {}
+        labels = {}
         for node in nodes:
             resources = dict(node.get("Resources", {}))
             head = HEAD_RESOURCE in resources
-            label = node_label(node, head)
+            label = f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}" + (" (head)" if head else "")
             ctx = NodeContext(node=label, node_id=node["NodeID"],
                               node_ip=node["NodeManagerAddress"], ray_resources=resources,
                               is_head=head, load_check=load_check, timeout_s=timeout_s * 0.8,
@@ -638,12 +611,12 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                 num_cpus=0, max_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(ctx)
-            refs[ref], labels[ref] = node, label
+            labels[ref] = label
         # The driver's own checks run while the nodes work.
         rows = driver_rows()
         rows.append(Check("ray cluster", "driver", OK,
                           f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        ready, pending = ray.wait(list(labels), num_returns=len(labels), timeout=timeout_s)
         answers = []
         for ref in ready:
             try:
@@ -659,7 +632,6 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                               f"no answer within {timeout_s:.0f} s",
                               "check the node is healthy (ray status), or rerun with a larger "
                               "--timeout"))
-        cpu_nodes = 0
         for label, answer in sorted(answers, key=lambda a: a[0]):
             rows += [Check(**r) for r in answer["rows"]]
             differ = [f"{n} {answer['versions'].get(n) or '-'} (driver {driver_versions[n] or '-'})"
@@ -668,17 +640,14 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                               "; ".join(differ) if differ else "package versions match the driver",
                               "install the same torch, torch_xla and Neuron packages on the "
                               "driver and every node" if differ else ""))
-            cpu_nodes += answer.get("device") == "cpu"
-        if cpu_nodes:
+        if any(answer.get("device") == "cpu" for _, answer in answers):
             rows.append(cpu_note("cluster"))
     finally:
         ray.shutdown()
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
 # Output.
-# ---------------------------------------------------------------------------------------------
 
 
 def failed(rows: Sequence[Check]) -> bool:

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from ray_train_xla.tools.args import CommandError, positive_float, positive_int
@@ -244,9 +245,7 @@ def _describe_topology(args: argparse.Namespace):
                 f"workers: plan describes at most {PLAN_MAX_WORKERS}"
             )
         counts = counts * nodes
-    cores = args.accelerators_per_worker
-    if cores is None:
-        cores = 0 if args.device == "cpu" else 1
+    cores = args.accelerators_per_worker or (0 if args.device == "cpu" else 1)
     workers = sum(counts)
     if workers > PLAN_MAX_WORKERS:
         raise CommandError(f"--workers-per-node gives {workers} workers: plan describes at most "
@@ -383,9 +382,7 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
         per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
         if args.device == "tpu":
             per_worker *= devices_per_chip(args.accelerator_type)
-    per_node: dict[str, int] = {}
-    for w in topology.workers:
-        per_node[w.node_id] = per_node.get(w.node_id, 0) + per_worker
+    per_node = {node: n * per_worker for node, n in Counter(w.node_id for w in topology.workers).items()}
     if args.sharding == "hsdp" and len(set(per_node.values())) > 1:
         raise CommandError(f"--sharding hsdp shards within a node, so every node needs the same "
                            f"number of workers, not {','.join(map(str, per_node.values()))}")

@@ -13,11 +13,6 @@ them in a background thread, so the loop does not wait for Ray.
 On accelerators (``--device neuron`` / ``tpu``) each SPMD worker asks Ray for ``--devices``
 NeuronCores or TPU chips: one worker per node (``--workers``, the nodes), all of its devices in
 the mesh.
-
-    python examples/train_lm.py --devices 4 --steps 40              # 4 virtual XLA CPU devices
-    python examples/train_lm.py --devices 4 --steps 40 --crash-at 25  # crash once, resume
-    python examples/train_lm.py --address auto --device tpu --workers 4 --devices 4 \
-        --tpu-topology 4x4 --accelerator-type TPU-V6E --storage-path gs://bucket/runs
 """
 
 from __future__ import annotations
