@@ -1,16 +1,12 @@
-"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check,
-and the packaged examples (``ray_train_xla.tools.examples``) for ``demo --train`` / ``--sharded``.
-
-In the seed check every worker all-reduces ``torch.ones(2, 3)`` on its XLA device ``iterations``
-times with ``ray_train_xla.all_reduce`` and checks that the result equals ``ones * world_size``.
-On ``neuron`` / ``tpu`` every worker asks Ray for its NeuronCores / TPU chips
-(``tools/examples/cluster.py``). At the end, ``ray-train-xla demo``'s parser and command.
+"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check
+(every worker all-reduces ``torch.ones(2, 3)`` on its XLA device with ``ray_train_xla.all_reduce``
+and checks the sum), and the packaged examples (``ray_train_xla.tools.examples``) for
+``demo --train`` / ``--sharded``. At the end, ``ray-train-xla demo``'s parser and command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import sys

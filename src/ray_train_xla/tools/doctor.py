@@ -151,33 +151,6 @@ def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tup
     return rows
 
 
-def native_tpu_rows(version: str, torch_v: str | None,
-                    libtpu_v: str | None) -> list[tuple[str, str, str, str]]:
-    """(check, status, detail, fix) rows for native TorchTPU (``TorchTPUConfig``): torch-tpu's
-    torch pin (0.2.0: ``torch>=2.11,<=2.15``, so not torch_xla 2.9's torch) and its libtpu."""
-    from packaging.specifiers import SpecifierSet
-
-    if torch_v is None:
-        rows = [("native TorchTPU", FAIL, f"torch-tpu {version}; torch not installed",
-                 "pip install torch-tpu (it pulls a torch it supports)")]
-    else:
-        ok, how = pairing("torch-tpu", version, torch_v)
-        rows = [("native TorchTPU", OK if ok else FAIL,
-                 f"torch-tpu {version} ({how}; torch {torch_v}); use TorchTPUConfig",
-                 "install torch-tpu in an environment of its own with the torch it requires "
-                 "(torch_xla 2.9 needs torch 2.9: the two cannot share one)")]
-    spec = torch_pin("torch-tpu", "libtpu") or ""
-    if libtpu_v is None:
-        rows.append(("libtpu", FAIL, f"not installed (torch-tpu requires libtpu{spec})",
-                     f"pip install 'libtpu{spec or '>=0.0.50'}'"))
-    else:
-        ok = not spec or SpecifierSet(spec).contains(libtpu_v, prereleases=True)
-        rows.append(("libtpu", OK if ok else FAIL,
-                     f"{libtpu_v}" + (f" (torch-tpu requires libtpu{spec})" if spec else ""),
-                     f"pip install 'libtpu{spec}'"))
-    return rows
-
-
 def neuron_devices(dev: str = "/dev") -> list[str]:
     """The Neuron device files (``/dev/neuron0`` ...)."""
     return sorted(p for p in glob.glob(os.path.join(dev, "neuron*")) if p[len(dev) + 7:].isdigit())
@@ -330,10 +303,32 @@ def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
 
 
 def check_torch_tpu(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
-    """Native TorchTPU's package and libtpu, when torch-tpu is installed."""
+    """Native TorchTPU (``TorchTPUConfig``), when torch-tpu is installed: torch-tpu's torch pin
+    (0.2.0: ``torch>=2.11,<=2.15``, so not torch_xla 2.9's torch) and its libtpu."""
+    from packaging.specifiers import SpecifierSet
+
     if not facts.torch_tpu:
         return []
-    return native_tpu_rows(facts.torch_tpu, facts.versions["torch"], installed_version("libtpu"))
+    version, torch_v, libtpu_v = facts.torch_tpu, facts.versions["torch"], installed_version("libtpu")
+    if torch_v is None:
+        rows = [("native TorchTPU", FAIL, f"torch-tpu {version}; torch not installed",
+                 "pip install torch-tpu (it pulls a torch it supports)")]
+    else:
+        ok, how = pairing("torch-tpu", version, torch_v)
+        rows = [("native TorchTPU", OK if ok else FAIL,
+                 f"torch-tpu {version} ({how}; torch {torch_v}); use TorchTPUConfig",
+                 "install torch-tpu in an environment of its own with the torch it requires "
+                 "(torch_xla 2.9 needs torch 2.9: the two cannot share one)")]
+    spec = torch_pin("torch-tpu", "libtpu") or ""
+    if libtpu_v is None:
+        rows.append(("libtpu", FAIL, f"not installed (torch-tpu requires libtpu{spec})",
+                     f"pip install 'libtpu{spec or '>=0.0.50'}'"))
+    else:
+        ok = not spec or SpecifierSet(spec).contains(libtpu_v, prereleases=True)
+        rows.append(("libtpu", OK if ok else FAIL,
+                     f"{libtpu_v}" + (f" (torch-tpu requires libtpu{spec})" if spec else ""),
+                     f"pip install 'libtpu{spec}'"))
+    return rows
 
 
 def check_neuron_packages(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
