@@ -76,9 +76,10 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def _major_minor(version: str) -> tuple[int, ...]:
-    return tuple(int("".join(c for c in piece if c.isdigit()) or 0)
-                 for piece in version.split("+")[0].split(".")[:2])
+def _major_minor(version: str) -> str:
+    """``2.9`` of ``2.9.1+cpu``."""
+    return ".".join(str(int("".join(c for c in piece if c.isdigit()) or 0))
+                    for piece in version.split("+")[0].split(".")[:2])
 
 
 def torch_pin(dist: str, requirement: str = "torch") -> str | None:
@@ -113,8 +114,7 @@ def pairing(dist: str, dist_version: str, torch_version: str) -> tuple[bool, str
         ok = SpecifierSet(spec).contains(torch_version.split("+")[0], prereleases=True)
         return ok, f"{dist} requires torch{spec}"
     ok = _major_minor(dist_version) == _major_minor(torch_version)
-    mm = ".".join(map(str, _major_minor(dist_version)))
-    return ok, f"{dist} {dist_version} pairs with torch {mm}.x"
+    return ok, f"{dist} {dist_version} pairs with torch {_major_minor(dist_version)}.x"
 
 
 def is_native_neuronx(version: str | None) -> bool:
@@ -286,11 +286,11 @@ def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
                  "native configs need none)", "")]
     if xla_v is None:
         return [("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
-                 f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")]
+                 f"pip install 'torch-xla=={_major_minor(torch_v or '2.9')}.*'")]
     if torch_v is None:
         return []
     ok, how = pairing("torch_xla", xla_v, torch_v)
-    tmm, xmm = (".".join(map(str, _major_minor(v))) for v in (torch_v, xla_v))
+    tmm, xmm = _major_minor(torch_v), _major_minor(xla_v)
     rows = [("torch/torch_xla", OK if ok else FAIL, f"torch {torch_v}, torch_xla {xla_v} ({how})",
              f"install a matching pair: pip install 'torch=={xmm}.*' (for torch_xla {xla_v}) "
              f"or 'torch-xla=={tmm}.*' (for torch {torch_v})")]
@@ -705,9 +705,5 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"ray-train-xla doctor: connecting to Ray at {args.cluster}...", flush=True)
         rows = run_cluster(args.cluster, load_check=args.load_check, timeout_s=args.timeout)
-    if args.json:
-        json.dump(to_json(rows), sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(rows))
+    print(json.dumps(to_json(rows), indent=2) if args.json else format_table(rows))
     return 1 if failed(rows) else 0

@@ -284,14 +284,13 @@ def _native_options(args: argparse.Namespace):
     from ray_train_xla.errors import config_error
     from ray_train_xla.planning.options import NEURON_OWNER, TPU_OWNER, NeuronOptions, TPUOptions
 
-    owner = TPU_OWNER if args.device == "tpu" else NEURON_OWNER
+    owner, cls = (TPU_OWNER, TPUOptions) if args.device == "tpu" else (NEURON_OWNER, NeuronOptions)
     for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
                         ("cpu_devices_per_worker", args.cpu_devices_per_worker),
                         ("tpu_process_bounds", args.tpu_process_bounds),
                         ("efa", args.efa and args.device == "tpu")):
         if value:
             raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
-    cls = TPUOptions if args.device == "tpu" else NeuronOptions
     return cls(device=args.device, env=dict(args.env), compile_cache=args.compile_cache,
                peak_tflops=args.peak_tflops)
 
@@ -398,8 +397,5 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
         sharding=args.sharding, param_dtype=args.param_dtype,
         optimizer_dtype=args.optimizer_dtype, memory=found)
     plan.check()
-    if args.json:
-        print(json.dumps(plan.to_json()))
-    else:
-        print(memory.format_memory_table(plan))
+    print(json.dumps(plan.to_json()) if args.json else memory.format_memory_table(plan))
     return 0
