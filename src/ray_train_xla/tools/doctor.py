@@ -517,16 +517,9 @@ def check_node(ctx: NodeContext) -> list[Check]:
 
 
 def remote_node_check(ctx: NodeContext) -> dict:
-    """Run in a Ray task on one node: that node's rows plus facts for cluster-wide checks."""
-    import ray
-
-    rows = check_node(ctx)
-    return {
-        "rows": [asdict(r) for r in rows],
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "python": sys.executable,
-        **ctx.extra,
-    }
+    """Run in a Ray task on one node: that node's rows plus the facts the driver compares across
+    nodes (``ctx.extra``: its package versions and device)."""
+    return {"rows": [asdict(r) for r in check_node(ctx)], **ctx.extra}
 
 
 # Driver side: local only, or every node of a cluster.

@@ -171,28 +171,6 @@ def train_loop(config: dict) -> None:
         torch.save(full, os.path.join(config["out_dir"], "final_params.pt"))
 
 
-def train_without_ray(config: dict) -> dict:
-    """The same training in this process (SPMD already on, no Ray, no checkpoints): the
-    uninterrupted reference. Returns the final parameters (CPU, unwrapped names)."""
-    import numpy as np
-    import torch
-    import torch_xla
-
-    import ray_train_xla as rtx
-
-    model = rtx.prepare_sharded_model(make_model(config))
-    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
-    data = torch.from_numpy(make_tokens({"id": np.arange(config["rows"])})["tokens"])
-    b, steps_per_epoch = config["batch_size"], config["rows"] // config["batch_size"]
-    for step in range(config["steps"]):
-        i = step % steps_per_epoch
-        optimizer.zero_grad()
-        lm_loss(model, rtx.shard_batch(data[i * b:(i + 1) * b])).backward()
-        optimizer.step()
-        torch_xla.sync()
-    return {k.replace("_orig_module.", ""): v.cpu() for k, v in model.state_dict().items()}
-
-
 def check_workers(device: str, workers: int) -> None:
     """SPMD on the CPU is one worker."""
     if device == "cpu" and workers != 1:
