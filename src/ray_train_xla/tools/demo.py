@@ -367,9 +367,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         print(f"{m['step']:>6}  {m['loss']:>10.5f}  {m['xla/compiles']:>8}  "
               f"{m['xla/compiles_after_warmup']:>13}  {m['xla/compile_time_s']:>9.2f}")
     status = "OK" if summary.ok else "FAILED"
-    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
-    print(f"{status}: loss {first.get('loss', float('nan')):.5f} -> "
-          f"{last.get('loss', float('nan')):.5f} in {summary.steps} steps, "
+    losses = [m["loss"] for m in summary.history] or [float("nan")]
+    print(f"{status}: loss {losses[0]:.5f} -> {losses[-1]:.5f} in {summary.steps} steps, "
           f"{len(summary.history)} checkpoints reported, time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1
 
@@ -391,8 +390,8 @@ def cmd_sharded_demo(args: argparse.Namespace) -> int:
         print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
               f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
     status = "OK" if summary.ok else "FAILED"
-    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
-    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
-          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
-          f"devices per worker; time={summary.seconds:.1f}s")
+    losses = [m["loss"] for m in summary.history] or [float("nan")]
+    print(f"{status}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary.steps} steps; "
+          f"{summary.parameters} parameters sharded over {args.devices} devices per worker; "
+          f"time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1
