@@ -80,14 +80,29 @@ def test_a_worker_saves_its_shards_another_restores_them_on_another_mesh(two_nod
     assert rec["extra"] == {"step": 3}
 
 
+# The same training as train_lm's, in a fresh process (SPMD on, no Ray, no checkpoints): the
+# uninterrupted reference. Saves the final parameters (CPU, unwrapped names) to argv[2].
 LM_REFERENCE = """
-import os, sys, torch
+import os, sys, numpy as np, torch, torch_xla
 import torch_xla.runtime as xr
 os.environ["RAY_TRAIN_XLA_SPMD"] = "1"
 xr.use_spmd()
+import ray_train_xla as rtx
 from ray_train_xla.tools.demo import load_example
 lm = load_example("train_lm")
-torch.save(lm.train_without_ray(lm.lm_config(steps=int(sys.argv[1]))), sys.argv[2])
+config = lm.lm_config(steps=int(sys.argv[1]))
+model = rtx.prepare_sharded_model(lm.make_model(config))
+optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+data = torch.from_numpy(lm.make_tokens({"id": np.arange(config["rows"])})["tokens"])
+b, steps_per_epoch = config["batch_size"], config["rows"] // config["batch_size"]
+for step in range(config["steps"]):
+    i = step % steps_per_epoch
+    optimizer.zero_grad()
+    lm.lm_loss(model, rtx.shard_batch(data[i * b:(i + 1) * b])).backward()
+    optimizer.step()
+    torch_xla.sync()
+torch.save({k.replace("_orig_module.", ""): v.cpu() for k, v in model.state_dict().items()},
+           sys.argv[2])
 """
 
 

@@ -30,26 +30,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
+def _positive_number(text: str, at_most: float, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value <= TIMEOUT_MAX_S:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a positive number of seconds (at most {TIMEOUT_MAX_S:g})")
+    if not (0 < value <= at_most and math.isfinite(value)):  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {what}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    return _positive_number(text, TIMEOUT_MAX_S, f"positive number of seconds (at most {TIMEOUT_MAX_S:g})")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (``--peak-tflops``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+    return _positive_number(text, math.inf, "positive number")
 
 
 def where(args: argparse.Namespace) -> str:

@@ -12,15 +12,13 @@ from ray_train_xla.tools import check, consolidate_cli, demo, doctor, goodput, p
 from ray_train_xla.tools.args import EXIT_USAGE, CommandError
 
 EXIT_STATUS_HELP = (
-    "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, "
-    "a step of check failed, "
-    "consolidate could not read the checkpoint's storage or write OUT, goodput could not read the "
-    "run's storage or write the PNG, profile could not write its request or --wait ran out); "
-    "2 the command line is "
-    "wrong (an unknown or invalid option, a configuration the backend would refuse, a CHECKPOINT "
-    "that does not exist or holds no model, an OUT that is a directory, a --hf config that is "
-    "missing or does not fit the checkpoint, a RUN_PATH without goodput events). Every error is "
-    "one line on stderr."
+    "Exit status: 0 success; 1 the command ran and failed (doctor found a FAIL, the demo failed, a "
+    "step of check failed, consolidate could not read the checkpoint's storage or write OUT, goodput "
+    "could not read the run's storage or write the PNG, profile could not write its request or --wait "
+    "ran out); 2 the command line is wrong (an unknown or invalid option, a configuration the backend "
+    "would refuse, a CHECKPOINT that does not exist or holds no model, an OUT that is a directory, a "
+    "--hf config that is missing or does not fit the checkpoint, a RUN_PATH without goodput events). "
+    "Every error is one line on stderr."
 )
 
 
@@ -82,12 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = {name: cmd for name, _, cmd in COMMANDS}[args.command](args)
         sys.stdout.flush()
-    except XLAConfigError as exc:
+    except (XLAConfigError, CommandError) as exc:
         print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    except CommandError as exc:
-        print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
-        return exc.exit_code
+        return getattr(exc, "exit_code", EXIT_USAGE)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

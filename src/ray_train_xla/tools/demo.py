@@ -1,16 +1,12 @@
-"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check,
-and the packaged examples (``ray_train_xla.tools.examples``) for ``demo --train`` / ``--sharded``.
-
-In the seed check every worker all-reduces ``torch.ones(2, 3)`` on its XLA device ``iterations``
-times with ``ray_train_xla.all_reduce`` and checks that the result equals ``ones * world_size``.
-On ``neuron`` / ``tpu`` every worker asks Ray for its NeuronCores / TPU chips
-(``tools/examples/cluster.py``). At the end, ``ray-train-xla demo``'s parser and command.
+"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check
+(every worker all-reduces ``torch.ones(2, 3)`` on its XLA device with ``ray_train_xla.all_reduce``
+and checks the sum), and the packaged examples (``ray_train_xla.tools.examples``) for
+``demo --train`` / ``--sharded``. At the end, ``ray-train-xla demo``'s parser and command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import sys
@@ -66,9 +62,7 @@ def seed_check_loop(config: dict) -> None:
     from ray_train_xla.planning.contract import worker_context
 
     device = rtx.get_device()
-    n = rtx.world_size()
-    expected = torch.ones(2, 3) * n
-    start = time.perf_counter()
+    expected = torch.ones(2, 3) * rtx.world_size()
     for i in range(config["iterations"]):
         result = rtx.all_reduce(torch.ones(2, 3, device=device)).cpu()
         if not torch.equal(result, expected):
@@ -76,13 +70,11 @@ def seed_check_loop(config: dict) -> None:
                 f"rank {rtx.rank()}, iteration {i}: all_reduce gave {result.tolist()}, "
                 f"expected {expected.tolist()}"
             )
-    elapsed = time.perf_counter() - start
     ray.get(config["records"].add.remote({
         "rank": rtx.rank(),
         "device": str(device),
         "pjrt_device": os.environ.get("PJRT_DEVICE", ""),
         "process_group": worker_context().pg_backend,
-        "loop_seconds": elapsed,
     }))
 
 
@@ -146,8 +138,6 @@ def load_example(name_or_path: str = "train_mlp"):
     registered so that Ray ships it by value (workers cannot import it by name)."""
     if name_or_path in EXAMPLES:
         return importlib.import_module(f"ray_train_xla.tools.examples.{name_or_path}")
-    import sys
-
     import ray.cloudpickle
 
     if not os.path.exists(name_or_path):
@@ -162,10 +152,6 @@ def load_example(name_or_path: str = "train_mlp"):
     return module
 
 
-def _storage(storage_path: str | None, tmp: str) -> str:
-    return storage_path if storage_path is not None else tmp
-
-
 def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
                    address: str | None = None, tpu_topology: str | None = None,
                    accelerator_type: str | None = None, storage_path: str | None = None,
@@ -178,11 +164,10 @@ def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
             ray_session(address, num_cpus=max(2, workers + 1), log_to_driver=False):
         start = time.perf_counter()
-        trainer = example.build_trainer(workers, config, _storage(storage_path, tmp), "train_mlp",
-                                        resolve_device(device), keep=None,
-                                        tpu_topology=tpu_topology,
-                                        accelerator_type=accelerator_type)
-        result = trainer.fit()
+        result = example.build_trainer(
+            workers, config, tmp if storage_path is None else storage_path, "train_mlp",
+            resolve_device(device), keep=None, tpu_topology=tpu_topology,
+            accelerator_type=accelerator_type).fit()
         seconds = time.perf_counter() - start
         history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
         checkpoint = result.checkpoint.path if result.checkpoint else ""
@@ -216,11 +201,10 @@ def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", wor
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
             ray_session(address, num_cpus=4, log_to_driver=False):
         start = time.perf_counter()
-        trainer = example.build_trainer(config, devices, _storage(storage_path, tmp), "train_lm",
-                                        resolve_device(device), keep=None, workers=workers,
-                                        tpu_topology=tpu_topology,
-                                        accelerator_type=accelerator_type)
-        result = trainer.fit()
+        result = example.build_trainer(
+            config, devices, tmp if storage_path is None else storage_path, "train_lm",
+            resolve_device(device), keep=None, workers=workers, tpu_topology=tpu_topology,
+            accelerator_type=accelerator_type).fit()
         seconds = time.perf_counter() - start
         history = []
         for checkpoint, metrics in result.best_checkpoints:
@@ -383,9 +367,8 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
         print(f"{m['step']:>6}  {m['loss']:>10.5f}  {m['xla/compiles']:>8}  "
               f"{m['xla/compiles_after_warmup']:>13}  {m['xla/compile_time_s']:>9.2f}")
     status = "OK" if summary.ok else "FAILED"
-    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
-    print(f"{status}: loss {first.get('loss', float('nan')):.5f} -> "
-          f"{last.get('loss', float('nan')):.5f} in {summary.steps} steps, "
+    losses = [m["loss"] for m in summary.history] or [float("nan")]
+    print(f"{status}: loss {losses[0]:.5f} -> {losses[-1]:.5f} in {summary.steps} steps, "
           f"{len(summary.history)} checkpoints reported, time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1
 
@@ -407,8 +390,8 @@ def cmd_sharded_demo(args: argparse.Namespace) -> int:
         print(f"{m['step']:>6}  {m['loss']:>8.4f}  {m['xla/compiles']:>8}  "
               f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
     status = "OK" if summary.ok else "FAILED"
-    first, last = (summary.history[0], summary.history[-1]) if summary.history else ({}, {})
-    print(f"{status}: loss {first.get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f} "
-          f"in {summary.steps} steps; {summary.parameters} parameters sharded over {args.devices} "
-          f"devices per worker; time={summary.seconds:.1f}s")
+    losses = [m["loss"] for m in summary.history] or [float("nan")]
+    print(f"{status}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary.steps} steps; "
+          f"{summary.parameters} parameters sharded over {args.devices} devices per worker; "
+          f"time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1

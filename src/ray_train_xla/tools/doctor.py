@@ -8,7 +8,6 @@ alive node (``NodeAffinitySchedulingStrategy``), and every wait is bounded by ``
 
 Every check of a node is one function in ``NODE_CHECKS``; ``check_node`` runs them in that
 order. Adding a check is adding a function (``(NodeContext, NodeFacts) -> rows``) and a row there.
-At the end, the command's parser and function.
 """
 
 from __future__ import annotations
@@ -26,13 +25,12 @@ from dataclasses import asdict, dataclass, field
 
 from ray_train_xla.startup import netinfo
 from ray_train_xla.tools.args import positive_seconds
+from ray_train_xla.tools.examples.cluster import NEURON_RESOURCE, TPU_RESOURCE
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 NEURON_CACHE_DEFAULT = "/var/tmp/neuron-compile-cache"
 NEFF_CACHE_VAR, NEFF_CACHE_DEFAULT = "TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"
 PACKAGES = ("torch", "torch_xla", "torch-neuronx", "libneuronxla")
-# Ray resource names for the accelerators we map (see planning/runtimes/).
-NEURON_RESOURCE, TPU_RESOURCE = "neuron_cores", "TPU"
 HEAD_RESOURCE = "node:__internal_head__"
 
 
@@ -63,9 +61,7 @@ class NodeContext:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------------
 # Facts about this machine.
-# ---------------------------------------------------------------------------------------------
 
 
 def _norm(name: str) -> str:
@@ -80,12 +76,10 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def _major_minor(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+def _major_minor(version: str) -> str:
+    """``2.9`` of ``2.9.1+cpu``."""
+    return ".".join(str(int("".join(c for c in piece if c.isdigit()) or 0))
+                    for piece in version.split("+")[0].split(".")[:2])
 
 
 def torch_pin(dist: str, requirement: str = "torch") -> str | None:
@@ -120,20 +114,14 @@ def pairing(dist: str, dist_version: str, torch_version: str) -> tuple[bool, str
         ok = SpecifierSet(spec).contains(torch_version.split("+")[0], prereleases=True)
         return ok, f"{dist} requires torch{spec}"
     ok = _major_minor(dist_version) == _major_minor(torch_version)
-    mm = ".".join(map(str, _major_minor(dist_version)))
-    return ok, f"{dist} {dist_version} pairs with torch {mm}.x"
+    return ok, f"{dist} {dist_version} pairs with torch {_major_minor(dist_version)}.x"
 
 
 def is_native_neuronx(version: str | None) -> bool:
     """Whether the installed torch-neuronx is native TorchNeuron (Neuron SDK 2.30+): the XLA
     builds require torch-xla, the native one does not."""
-    if version is None:
-        return False
-    try:
-        requires = importlib.metadata.requires("torch-neuronx") or []
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return not any(_norm(line).startswith("torch-xla") for line in requires)
+    return version is not None and not any(
+        _norm(line).startswith("torch-xla") for line in importlib.metadata.requires("torch-neuronx") or [])
 
 
 def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tuple[str, str, str, str]]:
@@ -160,33 +148,6 @@ def native_rows(version: str, torch_v: str | None, multi_node: bool) -> list[tup
                      "pass TorchNeuronConfig(compile_cache=<directory shared by all nodes>)"))
     else:
         rows.append(("NEFF cache", OK, f"{where}: {detail}", ""))
-    return rows
-
-
-def native_tpu_rows(version: str, torch_v: str | None,
-                    libtpu_v: str | None) -> list[tuple[str, str, str, str]]:
-    """(check, status, detail, fix) rows for native TorchTPU (``TorchTPUConfig``): torch-tpu's
-    torch pin (0.2.0: ``torch>=2.11,<=2.15``, so not torch_xla 2.9's torch) and its libtpu."""
-    from packaging.specifiers import SpecifierSet
-
-    if torch_v is None:
-        rows = [("native TorchTPU", FAIL, f"torch-tpu {version}; torch not installed",
-                 "pip install torch-tpu (it pulls a torch it supports)")]
-    else:
-        ok, how = pairing("torch-tpu", version, torch_v)
-        rows = [("native TorchTPU", OK if ok else FAIL,
-                 f"torch-tpu {version} ({how}; torch {torch_v}); use TorchTPUConfig",
-                 "install torch-tpu in an environment of its own with the torch it requires "
-                 "(torch_xla 2.9 needs torch 2.9: the two cannot share one)")]
-    spec = torch_pin("torch-tpu", "libtpu") or ""
-    if libtpu_v is None:
-        rows.append(("libtpu", FAIL, f"not installed (torch-tpu requires libtpu{spec})",
-                     f"pip install 'libtpu{spec or '>=0.0.50'}'"))
-    else:
-        ok = not spec or SpecifierSet(spec).contains(libtpu_v, prereleases=True)
-        rows.append(("libtpu", OK if ok else FAIL,
-                     f"{libtpu_v}" + (f" (torch-tpu requires libtpu{spec})" if spec else ""),
-                     f"pip install 'libtpu{spec}'"))
     return rows
 
 
@@ -255,9 +216,7 @@ def _load_torch_xla(timeout_s: float) -> tuple[bool, str]:
     return True, f"import torch_xla works ({proc.stdout.strip().splitlines()[-1]})"
 
 
-# ---------------------------------------------------------------------------------------------
 # The checks of one node: one function each, run in the order of NODE_CHECKS.
-# ---------------------------------------------------------------------------------------------
 
 # A check's row before it is placed on a node: (check, status, detail, fix).
 Row = tuple[str, str, str, str]
@@ -327,11 +286,11 @@ def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
                  "native configs need none)", "")]
     if xla_v is None:
         return [("torch/torch_xla", FAIL, f"torch {torch_v or '-'}; torch_xla not installed",
-                 f"pip install 'torch-xla=={'.'.join(map(str, _major_minor(torch_v or '2.9')))}.*'")]
+                 f"pip install 'torch-xla=={_major_minor(torch_v or '2.9')}.*'")]
     if torch_v is None:
         return []
     ok, how = pairing("torch_xla", xla_v, torch_v)
-    tmm, xmm = (".".join(map(str, _major_minor(v))) for v in (torch_v, xla_v))
+    tmm, xmm = _major_minor(torch_v), _major_minor(xla_v)
     rows = [("torch/torch_xla", OK if ok else FAIL, f"torch {torch_v}, torch_xla {xla_v} ({how})",
              f"install a matching pair: pip install 'torch=={xmm}.*' (for torch_xla {xla_v}) "
              f"or 'torch-xla=={tmm}.*' (for torch {torch_v})")]
@@ -344,10 +303,32 @@ def check_torch_xla(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
 
 
 def check_torch_tpu(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
-    """Native TorchTPU's package and libtpu, when torch-tpu is installed."""
+    """Native TorchTPU (``TorchTPUConfig``), when torch-tpu is installed: torch-tpu's torch pin
+    (0.2.0: ``torch>=2.11,<=2.15``, so not torch_xla 2.9's torch) and its libtpu."""
+    from packaging.specifiers import SpecifierSet
+
     if not facts.torch_tpu:
         return []
-    return native_tpu_rows(facts.torch_tpu, facts.versions["torch"], installed_version("libtpu"))
+    version, torch_v, libtpu_v = facts.torch_tpu, facts.versions["torch"], installed_version("libtpu")
+    if torch_v is None:
+        rows = [("native TorchTPU", FAIL, f"torch-tpu {version}; torch not installed",
+                 "pip install torch-tpu (it pulls a torch it supports)")]
+    else:
+        ok, how = pairing("torch-tpu", version, torch_v)
+        rows = [("native TorchTPU", OK if ok else FAIL,
+                 f"torch-tpu {version} ({how}; torch {torch_v}); use TorchTPUConfig",
+                 "install torch-tpu in an environment of its own with the torch it requires "
+                 "(torch_xla 2.9 needs torch 2.9: the two cannot share one)")]
+    spec = torch_pin("torch-tpu", "libtpu") or ""
+    if libtpu_v is None:
+        rows.append(("libtpu", FAIL, f"not installed (torch-tpu requires libtpu{spec})",
+                     f"pip install 'libtpu{spec or '>=0.0.50'}'"))
+    else:
+        ok = not spec or SpecifierSet(spec).contains(libtpu_v, prereleases=True)
+        rows.append(("libtpu", OK if ok else FAIL,
+                     f"{libtpu_v}" + (f" (torch-tpu requires libtpu{spec})" if spec else ""),
+                     f"pip install 'libtpu{spec}'"))
+    return rows
 
 
 def check_neuron_packages(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
@@ -437,7 +418,7 @@ def check_visible_cores(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
 
 def check_efa(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
     """EFA, which multi-node Neuron collectives need."""
-    if _has_efa():
+    if netinfo.has_efa():
         return [("EFA", OK, "EFA devices present", "")]
     if facts.neuron_present and ctx.multi_node:
         return [("EFA", WARN, "no EFA devices: multi-node Neuron collectives fall back to TCP",
@@ -531,33 +512,17 @@ def check_node(ctx: NodeContext) -> list[Check]:
     every function of ``NODE_CHECKS`` in order. A fix is kept only on a non-OK row."""
     facts = node_facts(ctx)
     ctx.extra["versions"] = dict(facts.versions)
-    rows: list[Check] = []
-    for check in NODE_CHECKS:
-        for name, status, detail, fix in check(ctx, facts):
-            rows.append(Check(name, ctx.node, status, detail, fix if status != OK else ""))
-    return rows
-
-
-def _has_efa() -> bool:
-    return netinfo.has_efa()
+    return [Check(name, ctx.node, status, detail, fix if status != OK else "")
+            for check in NODE_CHECKS for name, status, detail, fix in check(ctx, facts)]
 
 
 def remote_node_check(ctx: NodeContext) -> dict:
-    """Run in a Ray task on one node: that node's rows plus facts for cluster-wide checks."""
-    import ray
-
-    rows = check_node(ctx)
-    return {
-        "rows": [asdict(r) for r in rows],
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "python": sys.executable,
-        **ctx.extra,
-    }
+    """Run in a Ray task on one node: that node's rows plus the facts the driver compares across
+    nodes (``ctx.extra``: its package versions and device)."""
+    return {"rows": [asdict(r) for r in check_node(ctx)], **ctx.extra}
 
 
-# ---------------------------------------------------------------------------------------------
 # Driver side: local only, or every node of a cluster.
-# ---------------------------------------------------------------------------------------------
 
 
 def cpu_note(node: str) -> Check:
@@ -602,10 +567,6 @@ def _connect(address: str, timeout_s: float) -> str | None:
     return None
 
 
-def node_label(node: Mapping, head: bool) -> str:
-    return f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}" + (" (head)" if head else "")
-
-
 def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) -> list[Check]:
     """Checks of the driver, then one task on each alive node of the cluster at ``address``."""
     import ray
@@ -625,11 +586,11 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         task = ray.remote(remote_node_check)
-        refs, labels = {}, {}
+        labels = {}
         for node in nodes:
             resources = dict(node.get("Resources", {}))
             head = HEAD_RESOURCE in resources
-            label = node_label(node, head)
+            label = f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}" + (" (head)" if head else "")
             ctx = NodeContext(node=label, node_id=node["NodeID"],
                               node_ip=node["NodeManagerAddress"], ray_resources=resources,
                               is_head=head, load_check=load_check, timeout_s=timeout_s * 0.8,
@@ -638,12 +599,12 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                 num_cpus=0, max_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote(ctx)
-            refs[ref], labels[ref] = node, label
+            labels[ref] = label
         # The driver's own checks run while the nodes work.
         rows = driver_rows()
         rows.append(Check("ray cluster", "driver", OK,
                           f"connected to {address}: {len(nodes)} alive nodes, Ray {ray.__version__}"))
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        ready, pending = ray.wait(list(labels), num_returns=len(labels), timeout=timeout_s)
         answers = []
         for ref in ready:
             try:
@@ -659,7 +620,6 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                               f"no answer within {timeout_s:.0f} s",
                               "check the node is healthy (ray status), or rerun with a larger "
                               "--timeout"))
-        cpu_nodes = 0
         for label, answer in sorted(answers, key=lambda a: a[0]):
             rows += [Check(**r) for r in answer["rows"]]
             differ = [f"{n} {answer['versions'].get(n) or '-'} (driver {driver_versions[n] or '-'})"
@@ -668,17 +628,14 @@ def run_cluster(address: str, load_check: bool = True, timeout_s: float = 60.0) 
                               "; ".join(differ) if differ else "package versions match the driver",
                               "install the same torch, torch_xla and Neuron packages on the "
                               "driver and every node" if differ else ""))
-            cpu_nodes += answer.get("device") == "cpu"
-        if cpu_nodes:
+        if any(answer.get("device") == "cpu" for _, answer in answers):
             rows.append(cpu_note("cluster"))
     finally:
         ray.shutdown()
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
 # Output.
-# ---------------------------------------------------------------------------------------------
 
 
 def failed(rows: Sequence[Check]) -> bool:
@@ -741,9 +698,5 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"ray-train-xla doctor: connecting to Ray at {args.cluster}...", flush=True)
         rows = run_cluster(args.cluster, load_check=args.load_check, timeout_s=args.timeout)
-    if args.json:
-        json.dump(to_json(rows), sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(rows))
+    print(json.dumps(to_json(rows), indent=2) if args.json else format_table(rows))
     return 1 if failed(rows) else 0

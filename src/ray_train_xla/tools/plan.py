@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 
 from ray_train_xla.tools.args import CommandError, positive_float, positive_int
@@ -244,9 +245,7 @@ def _describe_topology(args: argparse.Namespace):
                 f"workers: plan describes at most {PLAN_MAX_WORKERS}"
             )
         counts = counts * nodes
-    cores = args.accelerators_per_worker
-    if cores is None:
-        cores = 0 if args.device == "cpu" else 1
+    cores = args.accelerators_per_worker or (0 if args.device == "cpu" else 1)
     workers = sum(counts)
     if workers > PLAN_MAX_WORKERS:
         raise CommandError(f"--workers-per-node gives {workers} workers: plan describes at most "
@@ -285,14 +284,13 @@ def _native_options(args: argparse.Namespace):
     from ray_train_xla.errors import config_error
     from ray_train_xla.planning.options import NEURON_OWNER, TPU_OWNER, NeuronOptions, TPUOptions
 
-    owner = TPU_OWNER if args.device == "tpu" else NEURON_OWNER
+    owner, cls = (TPU_OWNER, TPUOptions) if args.device == "tpu" else (NEURON_OWNER, NeuronOptions)
     for flag, value in (("spmd", args.spmd), ("neuron_parallel_compile", args.parallel_compile),
                         ("cpu_devices_per_worker", args.cpu_devices_per_worker),
                         ("tpu_process_bounds", args.tpu_process_bounds),
                         ("efa", args.efa and args.device == "tpu")):
         if value:
             raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
-    cls = TPUOptions if args.device == "tpu" else NeuronOptions
     return cls(device=args.device, env=dict(args.env), compile_cache=args.compile_cache,
                peak_tflops=args.peak_tflops)
 
@@ -383,9 +381,7 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
         per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
         if args.device == "tpu":
             per_worker *= devices_per_chip(args.accelerator_type)
-    per_node: dict[str, int] = {}
-    for w in topology.workers:
-        per_node[w.node_id] = per_node.get(w.node_id, 0) + per_worker
+    per_node = {node: n * per_worker for node, n in Counter(w.node_id for w in topology.workers).items()}
     if args.sharding == "hsdp" and len(set(per_node.values())) > 1:
         raise CommandError(f"--sharding hsdp shards within a node, so every node needs the same "
                            f"number of workers, not {','.join(map(str, per_node.values()))}")
@@ -401,8 +397,5 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
         sharding=args.sharding, param_dtype=args.param_dtype,
         optimizer_dtype=args.optimizer_dtype, memory=found)
     plan.check()
-    if args.json:
-        print(json.dumps(plan.to_json()))
-    else:
-        print(memory.format_memory_table(plan))
+    print(json.dumps(plan.to_json()) if args.json else memory.format_memory_table(plan))
     return 0

@@ -1,14 +1,7 @@
-"""How the examples and ``ray-train-xla demo`` reach Ray and ask it for accelerators.
-
-- ``--address``: none (the default) starts an embedded local Ray for the run
-  (``ray.init(address="local")``, never a stale cluster left behind); an address (``auto``,
-  ``HOST:6379``, ``ray://HOST:10001``) joins that cluster.
-- ``--device``: ``cpu``, ``neuron``, ``tpu``, or ``auto`` (what the cluster has: ``neuron_cores``,
-  else ``TPU``, else the CPU). Each worker's accelerators are requested from Ray, so the backend
-  plans with the ids Ray assigned: ``{"neuron_cores": N}`` on Neuron; on TPU Ray Train V2's
-  ``ScalingConfig(use_tpu=True, topology=..., accelerator_type=...)`` with ``{"TPU": N}``
-  (``--tpu-topology`` and ``--accelerator-type``, which Ray needs for more than one worker: it
-  then reserves a whole slice).
+"""How the examples and ``ray-train-xla demo`` reach Ray and ask it for accelerators. Each
+worker's NeuronCores or TPU chips are requested from Ray, so the backend plans with the ids Ray
+assigned; on TPU through Ray Train V2's ``ScalingConfig(use_tpu=True, topology=...,
+accelerator_type=...)``, which reserves a whole slice for more than one worker.
 """
 
 from __future__ import annotations
@@ -51,8 +44,9 @@ def add_cluster_args(parser: argparse.ArgumentParser, device_default: str = "cpu
 
 @contextlib.contextmanager
 def ray_session(address: str | None, num_cpus: int | None = None, log_to_driver: bool = True):
-    """Ray for one run: join ``address``, or start an embedded local Ray (``num_cpus`` CPUs);
-    shut it down after. A Ray this process already started is used as it is."""
+    """Ray for one run: join ``address``, or start an embedded local Ray (``num_cpus`` CPUs;
+    ``address="local"``, never a stale cluster left behind); shut it down after. A Ray this
+    process already started is used as it is."""
     import ray
 
     if ray.is_initialized():

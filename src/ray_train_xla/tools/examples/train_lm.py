@@ -13,11 +13,6 @@ them in a background thread, so the loop does not wait for Ray.
 On accelerators (``--device neuron`` / ``tpu``) each SPMD worker asks Ray for ``--devices``
 NeuronCores or TPU chips: one worker per node (``--workers``, the nodes), all of its devices in
 the mesh.
-
-    python examples/train_lm.py --devices 4 --steps 40              # 4 virtual XLA CPU devices
-    python examples/train_lm.py --devices 4 --steps 40 --crash-at 25  # crash once, resume
-    python examples/train_lm.py --address auto --device tpu --workers 4 --devices 4 \
-        --tpu-topology 4x4 --accelerator-type TPU-V6E --storage-path gs://bucket/runs
 """
 
 from __future__ import annotations
@@ -174,28 +169,6 @@ def train_loop(config: dict) -> None:
     if config.get("out_dir") and rtx.rank() == 0:
         full = {k.replace("_orig_module.", ""): v.cpu() for k, v in model.state_dict().items()}
         torch.save(full, os.path.join(config["out_dir"], "final_params.pt"))
-
-
-def train_without_ray(config: dict) -> dict:
-    """The same training in this process (SPMD already on, no Ray, no checkpoints): the
-    uninterrupted reference. Returns the final parameters (CPU, unwrapped names)."""
-    import numpy as np
-    import torch
-    import torch_xla
-
-    import ray_train_xla as rtx
-
-    model = rtx.prepare_sharded_model(make_model(config))
-    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
-    data = torch.from_numpy(make_tokens({"id": np.arange(config["rows"])})["tokens"])
-    b, steps_per_epoch = config["batch_size"], config["rows"] // config["batch_size"]
-    for step in range(config["steps"]):
-        i = step % steps_per_epoch
-        optimizer.zero_grad()
-        lm_loss(model, rtx.shard_batch(data[i * b:(i + 1) * b])).backward()
-        optimizer.step()
-        torch_xla.sync()
-    return {k.replace("_orig_module.", ""): v.cpu() for k, v in model.state_dict().items()}
 
 
 def check_workers(device: str, workers: int) -> None:

@@ -12,11 +12,6 @@ in every checkpoint, so a restart of the same run trains on to it, not ``--steps
 
 ``save_checkpoint`` does not wait for Ray: it copies the state off the device and hands the
 write and the report to a background thread, so the loop can report every few steps.
-
-    python examples/train_mlp.py --workers 2 --steps 2000
-    python examples/train_mlp.py --resume --name train_mlp-... --steps 1000
-    python examples/train_mlp.py --address auto --device neuron --workers 32 \
-        --storage-path s3://bucket/runs          # a cluster's NeuronCores, shared storage
 """
 
 from __future__ import annotations
