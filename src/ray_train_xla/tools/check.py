@@ -1,23 +1,13 @@
 """``ray-train-xla check``: prove that a cluster trains, through Ray Train's own worker set-up.
 
-Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` on the chosen config (the
-steps are described there):
-
-1. ``main`` (``--workers`` workers): world, correctness, bandwidth, compute, training, and a
-   checkpoint saved through Ray into the run's storage;
-2. ``restart`` (the same size): that checkpoint loaded on a fresh worker group (the same-size
-   round trip), then training on from it (what the restarted group compiles, its time to first
-   step);
-3. ``reload`` (half the size, when there are at least 2 workers): the checkpoint loaded again.
-
-The driver then judges each step (:func:`judge`): the world against the plan that ``plan``
-computes from the workers' own facts, the collectives' values, algbw and busbw against the
-hardware's published figures, matmul TFLOP/s and the training step's MFU against the device's
-peak (reported, not judged), compilations after warm-up, the loaded state's digests against
-the saved one's, and the restart's compilations against the persistent compile cache the
-device has. Every wait is bounded: the process group and its collectives by ``--timeout``
-(``timeout_s`` of the config), each answer of the records actor likewise. At the end, the
-command's parser and function.
+Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` (its phases ``main``, ``restart``
+and ``reload`` are described there) on the chosen config; then the driver judges each step
+(:func:`judge`): the world against the plan computed from the workers' own facts, the
+collectives' values, algbw and busbw against the hardware's published figures, matmul TFLOP/s
+and MFU against the device's peak (reported, not judged), compilations after warm-up, the
+loaded state's digests against the saved one's, and the restart's compilations against the
+persistent compile cache the device has. Every wait is bounded by ``--timeout`` (``timeout_s``
+of the config).
 """
 
 from __future__ import annotations
@@ -42,10 +32,10 @@ from ray_train_xla.tools.args import (
 )
 from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_args, check_cluster
 
-CONFIGS = ("xla", "neuron", "tpu")
 # The devices each config runs on (its CPU twin included).
 CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
                   "tpu": ("cpu", "tpu")}
+CONFIGS = tuple(CONFIG_DEVICES)
 CONFIG_CLASSES = {"xla": "TorchXLAConfig", "neuron": "TorchNeuronConfig", "tpu": "TorchTPUConfig"}
 
 
@@ -85,13 +75,13 @@ class CheckOptions:
 
 def torch_config(options: CheckOptions, device: str):
     """The config object the check runs (``device`` resolved)."""
-    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
+    import ray_train_xla
 
     if device not in CONFIG_DEVICES[options.config]:
         raise CheckUsageError(f"--config {options.config} cannot run on this cluster's "
                               f"device, {device} (it runs on "
                               f"{' or '.join(CONFIG_DEVICES[options.config])})")
-    cls = {"xla": TorchXLAConfig, "neuron": TorchNeuronConfig, "tpu": TorchTPUConfig}[options.config]
+    cls = getattr(ray_train_xla, CONFIG_CLASSES[options.config])
     return cls(device=device, timeout_s=options.timeout_s, peak_tflops=options.peak_tflops)
 
 
@@ -140,9 +130,8 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
         checkpoint = result_main.checkpoint if result_main is not None else None
         if checkpoint is not None:
             _, errors["restart"] = fit("restart", options.workers, checkpoint=checkpoint)
-            if reload_workers(options, device):
-                _, errors["reload"] = fit("reload", reload_workers(options, device),
-                                          checkpoint=checkpoint)
+            if half := reload_workers(options, device):
+                _, errors["reload"] = fit("reload", half, checkpoint=checkpoint)
         found = ray.get(records.get_all.remote(), timeout=options.timeout_s)
         ray.kill(records)
     result = judge(options, config, device, found, errors)
@@ -155,9 +144,7 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
 def reload_workers(options: CheckOptions, device: str) -> int:
     """The workers of the half-size reload; 0 when there is none: one worker, or a TPU slice,
     whose workers Ray reserves whole (half of them is not a group it places)."""
-    if options.workers < 2 or (device == "tpu" and options.workers > 1):
-        return 0
-    return options.workers // 2
+    return 0 if device == "tpu" else options.workers // 2
 
 
 def no_retries():
@@ -220,31 +207,28 @@ def judge(options: CheckOptions, config, device: str, found: list[dict],
     """The result: one entry per step (``ok``: True, False, or None when it did not run)."""
     workers = options.workers
     world = _by(found, "main", "world")
-    out_steps = []
     world_step, planned_env = judge_world(config, world, workers)
-    out_steps.append(world_step)
+    out_steps = [world_step]
     for name, judge_step in (("correctness", judge_correctness), ("bandwidth", judge_bandwidth),
                              ("compute", judge_compute), ("training", judge_training)):
         records = _by(found, "main", name)
         out_steps.append(judge_step(records, workers, world) if records else
                          _missing(name, "main", errors, found))
     training = _by(found, "main", "training")
-    out_steps.append(judge_checkpoint(found, training, errors, workers,
-                                      reload_workers(options, device)))
-    out_steps.append(judge_restart(found, training, errors, device, options.config))
-    failing = [{"rank": r["rank"], "phase": r["phase"], "step": r["step"], "error": r["error"],
-                "log_tail": r.get("log_tail", "")} for r in found if r.get("error")]
-    phase_errors = {p: e for p, e in errors.items() if e}
+    out_steps += [judge_checkpoint(found, training, errors, workers, reload_workers(options, device)),
+                  judge_restart(found, training, errors, device, options.config)]
     reported = [w for w in world if not w.get("error")]
-    nodes = len({w["facts"]["node_id"] for w in reported})
-    first = reported[0] if reported else {}
     return {
         "ok": all(s.get("ok") is True for s in out_steps),
         "config": CONFIG_CLASSES[options.config], "device": device, "workers": workers,
-        "nodes": nodes, "steps": out_steps, "planned_env": planned_env,
-        "failing_workers": failing, "phase_errors": phase_errors,
-        "worker_versions": first.get("versions", {}),
-        "options": {k: v for k, v in vars(options).items()},
+        "nodes": len({w["facts"]["node_id"] for w in reported}), "steps": out_steps,
+        "planned_env": planned_env,
+        "failing_workers": [{"rank": r["rank"], "phase": r["phase"], "step": r["step"],
+                             "error": r["error"], "log_tail": r.get("log_tail", "")}
+                            for r in found if r.get("error")],
+        "phase_errors": {p: e for p, e in errors.items() if e},
+        "worker_versions": reported[0].get("versions", {}) if reported else {},
+        "options": dict(vars(options)),
     }
 
 
@@ -621,12 +605,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         options.validate()
         check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
-    except (CheckUsageError, ExampleUsageError) as exc:
-        raise CommandError(str(exc)) from exc
-    if not args.json:
-        print(f"ray-train-xla check: {CONFIG_CLASSES[args.config]}, {args.workers} workers, "
-              f"device={args.device}, on {where(args)}...", flush=True)
-    try:
+        if not args.json:
+            print(f"ray-train-xla check: {CONFIG_CLASSES[args.config]}, {args.workers} workers, "
+                  f"device={args.device}, on {where(args)}...", flush=True)
         result = run_check(options)
     except (CheckUsageError, ExampleUsageError) as exc:
         raise CommandError(str(exc)) from exc

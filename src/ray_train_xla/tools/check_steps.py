@@ -3,14 +3,11 @@ function per step, each sending what it found to the driver's ``Records`` actor.
 
 Phases (one ``TorchTrainer`` fit each, ``tools/check.py``):
 
-- ``main``: world, correctness, bandwidth, compute (a matmul probe against the device's
-  peak), training (the cold start, its model FLOPs utilisation), and a checkpoint saved
-  through Ray at the end of training (its state's digests recorded at the save);
-- ``restart``: a fresh worker group of the same size loads that checkpoint (the checkpoint
-  step's same-size round trip) and trains again from it (the restart step: graphs compiled, time
-  to first step);
-- ``reload``: a fresh worker group of half the size loads the checkpoint (the half-size round
-  trip).
+- ``main``: world, correctness, bandwidth, compute, training, and a checkpoint saved through Ray
+  at the end of training (its state's digests recorded at the save);
+- ``restart``: a fresh worker group of the same size loads that checkpoint (the same-size round
+  trip) and trains on from it (graphs compiled, time to first step);
+- ``reload``: a fresh worker group of half the size loads the checkpoint.
 
 A step that raises on a worker is recorded with its error and the tail of the worker's log, and
 ends that worker's run (the others then fail in their next collective, bounded by the config's
@@ -32,8 +29,6 @@ from typing import Any
 
 from ray_train_xla.tools.demo import Records as DemoRecords
 
-# Steps in report order, and the phase each one runs in.
-STEPS = ("world", "correctness", "bandwidth", "compute", "training", "checkpoint", "restart")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = ("float32", "bfloat16")
@@ -76,8 +71,7 @@ class Records(DemoRecords):
 
 
 def _hook(config: dict, name: str, *args):
-    hooks = config.get("hooks")
-    fn = getattr(hooks, name, None) if hooks is not None else None
+    fn = getattr(config.get("hooks"), name, None)
     return fn(*args) if fn is not None else None
 
 
@@ -104,6 +98,8 @@ def check_loop(config: dict) -> None:
     """The training function of every phase (``config["phase"]``)."""
     import ray.train
 
+    import ray_train_xla as rtx
+
     phase = config["phase"]
     steps = {"main": (world, correctness, bandwidth, compute, training),
              "restart": (checkpoint_round_trip, restart),
@@ -117,8 +113,6 @@ def check_loop(config: dict) -> None:
             _hook(config, "before", name)
             found = step(config, state) or {}
         except Exception as exc:
-            import ray_train_xla as rtx
-
             _send(config, {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank,
                            "ok": False, "seconds": time.perf_counter() - start,
                            "error": f"{type(exc).__name__}: {exc}",
@@ -126,8 +120,6 @@ def check_loop(config: dict) -> None:
                            "log_tail": log_tail()})
             raise StepFailed(f"check step {name!r} failed on this worker: "
                              f"{type(exc).__name__}: {exc}") from exc
-        import ray_train_xla as rtx
-
         _send(config, {**found, "phase": phase, "step": name, "rank": rtx.rank(),
                        "ray_rank": ray_rank, "seconds": time.perf_counter() - start})
 
@@ -226,27 +218,27 @@ def expected(op: str, rank: int, world: int, count: int, dtype: str = "float32")
     raise ValueError(op)
 
 
-def run_op(op: str, tensor, world: int):
-    """``op`` through torch.distributed on this worker's device (the default process group);
-    returns the output tensor."""
+def run_op(op: str, tensor, world: int, group=None, out=None):
+    """``op`` through torch.distributed on this worker's device, over ``group`` (of ``world``
+    ranks; default the whole process group) into ``out`` (allocated when None); returns the
+    output tensor."""
     import torch
     import torch.distributed as dist
 
+    if out is None and op in ("all_gather", "reduce_scatter"):
+        n = tensor.numel() * world if op == "all_gather" else tensor.numel() // world
+        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
     if op == "all_reduce":
-        dist.all_reduce(tensor)
-        return tensor
-    if op == "all_gather":
-        out = torch.empty(tensor.numel() * world, dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor)
-        return out
-    if op == "reduce_scatter":
-        out = torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_tensor(out, tensor)
-        return out
-    if op == "broadcast":
-        dist.broadcast(tensor, src=world - 1)
-        return tensor
-    raise ValueError(op)
+        dist.all_reduce(tensor, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, tensor, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, tensor, group=group)
+    elif op == "broadcast":
+        dist.broadcast(tensor, src=world - 1, group=group)
+    else:
+        raise ValueError(op)
+    return tensor if out is None else out
 
 
 def correctness(config: dict, state: dict) -> dict:
@@ -290,11 +282,7 @@ def correctness(config: dict, state: dict) -> dict:
 
 def sizes(max_bytes: int) -> list[int]:
     """8 B, 16 B, ... up to ``max_bytes`` (powers of two)."""
-    out, size = [], 8
-    while size <= max_bytes:
-        out.append(size)
-        size *= 2
-    return out
+    return [1 << k for k in range(3, max_bytes.bit_length())]
 
 
 def iterations(size: int) -> int:
@@ -328,7 +316,7 @@ def device_memory_bytes() -> int | None:
 def _time_op(op: str, size: int, n: int, device, group=None) -> float:
     """Seconds for one ``op`` of ``size`` bytes (the nccl-tests size: the whole buffer of
     all_gather and reduce_scatter, a multiple of ``4 * n``), the mean of ``iterations(size)``
-    after one untimed run."""
+    after one untimed run (which allocates the output)."""
     import torch
     import torch.distributed as dist
 
@@ -336,30 +324,17 @@ def _time_op(op: str, size: int, n: int, device, group=None) -> float:
     from ray_train_xla.toolkit import device as device_layer
 
     elements = size // 4
-    per_rank = elements // n if op == "all_gather" else elements
-    tensor = torch.ones(per_rank, dtype=torch.float32).to(device)
-    out = None
-    if op == "all_gather":
-        out = torch.empty(elements, dtype=torch.float32, device=device)
-    elif op == "reduce_scatter":
-        out = torch.empty(elements // n, dtype=torch.float32, device=device)
-
-    def once():
-        if op == "all_reduce":
-            dist.all_reduce(tensor, group=group)
-        elif op == "all_gather":
-            dist.all_gather_into_tensor(out, tensor, group=group)
-        else:
-            dist.reduce_scatter_tensor(out, tensor, group=group)
-        rtx.sync()
-
-    once()
+    tensor = torch.ones(elements // n if op == "all_gather" else elements,
+                        dtype=torch.float32).to(device)
+    out = run_op(op, tensor, n, group)
+    rtx.sync()
     device_layer.wait()
     dist.barrier(group=group)
     reps = iterations(size)
     start = time.perf_counter()
     for _ in range(reps):
-        once()
+        run_op(op, tensor, n, group, out)
+        rtx.sync()
     device_layer.wait()
     return (time.perf_counter() - start) / reps
 
@@ -501,10 +476,8 @@ def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
 
     device = rtx.get_device()
     monitor = rtx.CompileMonitor(warmup_steps=0, warn_after=1 << 30)
-    before = monitor.metrics(0)
     compiled, times, losses = [], [], []
-    prev = before["xla/compiles"]
-    first_step_at = None
+    prev, first_step_at = monitor.metrics(0)["xla/compiles"], None
     for step in range(first, first + count):
         start = time.perf_counter()
         tokens = tokens_for(step, rtx.rank())
@@ -519,8 +492,7 @@ def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
         now = monitor.metrics(step - first + 1)["xla/compiles"]
         compiled.append(now - prev)
         prev = now
-        if first_step_at is None:
-            first_step_at = time.time()
+        first_step_at = first_step_at or time.time()
     return {"compiled": compiled, "step_seconds": times, "losses": losses,
             "first_step_at": first_step_at}
 
