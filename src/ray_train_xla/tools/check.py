@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -35,7 +36,6 @@ from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_
 # The devices each config runs on (its CPU twin included).
 CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
                   "tpu": ("cpu", "tpu")}
-CONFIGS = tuple(CONFIG_DEVICES)
 CONFIG_CLASSES = {"xla": "TorchXLAConfig", "neuron": "TorchNeuronConfig", "tpu": "TorchTPUConfig"}
 
 
@@ -61,8 +61,9 @@ class CheckOptions:
     peak_tflops: float | None = None  # the config's peak_tflops (None: the device's own)
 
     def validate(self) -> None:
-        if self.config not in CONFIGS:
-            raise CheckUsageError(f"--config {self.config!r}: expected one of {', '.join(CONFIGS)}")
+        if self.config not in CONFIG_DEVICES:
+            raise CheckUsageError(
+                f"--config {self.config!r}: expected one of {', '.join(CONFIG_DEVICES)}")
         if self.device != "auto" and self.device not in CONFIG_DEVICES[self.config]:
             raise CheckUsageError(
                 f"--config {self.config} runs on --device "
@@ -198,6 +199,13 @@ def _failed_records(records: list[dict]) -> list[str]:
     return [f"rank {r['rank']}: {r['error']}" for r in failed]
 
 
+def _step(name: str, records: list[dict], workers: int, failures: list[str], summary: str,
+          **more) -> dict:
+    """A judged step: ok when nothing failed and every worker reported."""
+    return {"name": name, "ok": not failures and len(records) == workers, "summary": summary,
+            "failures": failures, "seconds": max(r["seconds"] for r in records), **more}
+
+
 def _not_run(name: str, why: str) -> dict:
     return {"name": name, "ok": None, "summary": f"not run: {why}", "failures": []}
 
@@ -315,10 +323,9 @@ def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> d
                     f"element(s), the first at index {w.get('index')}: got {w.get('got')}, "
                     f"expected {w.get('expected')}")
     ops = sorted({x["op"] for r in records for x in r.get("results", [])})
-    return {"name": "correctness", "ok": not failures and len(records) == workers,
-            "summary": (f"{', '.join(ops)} in float32 and bfloat16: {checked} results exact"
-                        if not failures else f"{len(failures)} wrong result(s)"),
-            "failures": failures, "seconds": max(r["seconds"] for r in records)}
+    return _step("correctness", records, workers, failures,
+                 f"{', '.join(ops)} in float32 and bfloat16: {checked} results exact"
+                 if not failures else f"{len(failures)} wrong result(s)")
 
 
 def _hardware(world: list[dict]) -> tuple[str, str]:
@@ -357,12 +364,11 @@ def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dic
                      f"({figure.as_published}; {figure.source})")
         comparisons.append(text)
     largest = max((r["bytes"] for r in rows), default=0)
-    return {"name": "bandwidth", "ok": not failures and len(records) == workers,
-            "summary": (f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons))
-            if rows else "no timings",
-            "failures": failures,
-            "rows": sorted(rows, key=lambda r: (r["scope"], r["op"], r["ranks"], r["bytes"])),
-            "comparisons": comparisons, "seconds": max(r["seconds"] for r in records)}
+    return _step("bandwidth", records, workers, failures,
+                 f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons)
+                 if rows else "no timings",
+                 rows=sorted(rows, key=lambda r: (r["scope"], r["op"], r["ranks"], r["bytes"])),
+                 comparisons=comparisons)
 
 
 def _peak_text(peak: float | None, source: str) -> str:
@@ -376,8 +382,7 @@ def judge_compute(records: list[dict], workers: int, world: list[dict]) -> dict:
     failures = _failed_records(records)
     ok = [r for r in records if not r.get("error")]
     if not ok:
-        return {"name": "compute", "ok": False, "summary": "no worker measured",
-                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+        return _step("compute", records, workers, failures, "no worker measured")
     rows = [{"rank": r["rank"], "tflops": r["tflops"], "peak_tflops": r["peak_tflops"],
              "share": r["tflops"] / r["peak_tflops"] if r["peak_tflops"] else None}
             for r in ok]
@@ -392,11 +397,10 @@ def judge_compute(records: list[dict], workers: int, world: list[dict]) -> dict:
                     + _peak_text(statistics.median(peaks), r0["peak_source"]))
     else:
         summary += "; " + _peak_text(None, r0["peak_source"])
-    return {"name": "compute", "ok": not failures and len(records) == workers,
-            "summary": summary, "failures": failures, "rows": rows,
-            "tflops": statistics.median(rates), "dtype": r0["dtype"], "size": r0["size"],
-            "peak_tflops": statistics.median(peaks) if peaks else None,
-            "peak_source": r0["peak_source"], "seconds": max(r["seconds"] for r in records)}
+    return _step("compute", records, workers, failures, summary, rows=rows,
+                 tflops=statistics.median(rates), dtype=r0["dtype"], size=r0["size"],
+                 peak_tflops=statistics.median(peaks) if peaks else None,
+                 peak_source=r0["peak_source"])
 
 
 def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict:
@@ -408,13 +412,12 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
                             "reuse its graphs)")
     ok = [r for r in records if not r.get("error")]
     if not ok:
-        return {"name": "training", "ok": False, "summary": "no worker trained",
-                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+        return _step("training", records, workers, failures, "no worker trained")
     r0 = ok[0]
     step_s = statistics.median(t for r in ok for t in r["step_seconds"][r["warmup_steps"]:])
     losses = r0["losses"]
     for r in ok:
-        if not all(x == x and abs(x) != float("inf") for x in r["losses"]):
+        if not all(map(math.isfinite, r["losses"])):
             failures.append(f"rank {r['rank']}: a loss is not finite: {r['losses']}")
     tflops = [r["tflops_per_s"] for r in ok if r.get("tflops_per_s")]
     mfus = [r["mfu"] for r in ok if r.get("mfu") is not None]
@@ -428,16 +431,14 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
                       + _peak_text(statistics.median(peaks), r0["peak_source"])
                       if mfu is not None and peaks else
                       "no MFU: " + _peak_text(None, r0["peak_source"])))
-    return {"name": "training", "ok": not failures and len(records) == workers,
-            "summary": (f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
-                        f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
-                        f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}"
-                        + compute),
-            "failures": failures, "seconds": max(r["seconds"] for r in records),
-            "first_step_s": r0["first_step_s"], "tokens_per_s": r0["tokens_per_s"],
-            "median_step_s": step_s, "flops_per_step": r0.get("flops_per_step"),
-            "tflops_per_s": statistics.median(tflops) if tflops else None, "mfu": mfu,
-            "mfu_by_rank": {r["rank"]: r.get("mfu") for r in ok}}
+    return _step("training", records, workers, failures,
+                 f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
+                 f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
+                 f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}" + compute,
+                 first_step_s=r0["first_step_s"], tokens_per_s=r0["tokens_per_s"],
+                 median_step_s=step_s, flops_per_step=r0.get("flops_per_step"),
+                 tflops_per_s=statistics.median(tflops) if tflops else None, mfu=mfu,
+                 mfu_by_rank={r["rank"]: r.get("mfu") for r in ok})
 
 
 def _compare_digests(saved: dict, loaded: dict) -> list[str]:

@@ -38,7 +38,6 @@ WARMUP_STEPS = 2  # training steps that may compile (the first step, then the op
 CHECK_ELEMENTS = 1001
 # bfloat16 holds every integer up to 256 exactly: its sums are checked exactly up to this world.
 BF16_EXACT_WORLD = 256
-LOG_TAIL_LINES = 40
 # The matmul probe: bfloat16 products of this size on accelerators (the dtype of their published
 # peaks; 4 a round, 4.4 TFLOP), float32 on the CPU (the dtype of its measured peak).
 MATMUL_SIZE = {"accelerator": 8192, "cpu": 512}
@@ -81,7 +80,7 @@ def _send(config: dict, record: dict) -> None:
     ray.get(config["records"].add.remote(record), timeout=config["timeout_s"])
 
 
-def log_tail(lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(lines: int = 40) -> str:
     """The last ``lines`` lines of this worker's log: the file Ray redirected its stderr to."""
     try:
         path = os.readlink("/proc/self/fd/2")
@@ -108,20 +107,18 @@ def check_loop(config: dict) -> None:
     ray_rank = ray.train.get_context().get_world_rank()
     for step in steps:
         name = step.__name__.replace("checkpoint_round_trip", "checkpoint")
+        head = {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank}
         start = time.perf_counter()
         try:
             _hook(config, "before", name)
             found = step(config, state) or {}
         except Exception as exc:
-            _send(config, {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank,
-                           "ok": False, "seconds": time.perf_counter() - start,
-                           "error": f"{type(exc).__name__}: {exc}",
-                           "traceback": traceback.format_exc(limit=8),
+            error = f"{type(exc).__name__}: {exc}"
+            _send(config, {**head, "ok": False, "seconds": time.perf_counter() - start,
+                           "error": error, "traceback": traceback.format_exc(limit=8),
                            "log_tail": log_tail()})
-            raise StepFailed(f"check step {name!r} failed on this worker: "
-                             f"{type(exc).__name__}: {exc}") from exc
-        _send(config, {**found, "phase": phase, "step": name, "rank": rtx.rank(),
-                       "ray_rank": ray_rank, "seconds": time.perf_counter() - start})
+            raise StepFailed(f"check step {name!r} failed on this worker: {error}") from exc
+        _send(config, {**found, **head, "seconds": time.perf_counter() - start})
 
 
 # ---- world -----------------------------------------------------------------------------------

@@ -399,7 +399,7 @@ def _config_dtype(hf_config) -> torch.dtype | None:
     """The dtype the model's config names (``dtype``, or Transformers 4's ``torch_dtype``)."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     try:
-        return parse_dtype(value) if value is not None else None
+        return parse_dtype(value)
     except ValueError:
         return None
 
