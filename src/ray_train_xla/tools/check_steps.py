@@ -49,9 +49,8 @@ class StepFailed(Exception):
 
 
 class Records(DemoRecords):
-    """The Ray actor every worker sends its findings to (it works on any cluster: workers on
-    other nodes cannot write into the driver's files, and Ray Train V2 keeps no metrics reported
-    without a checkpoint): the demo's, which also answers which ranks share a node."""
+    """The Ray actor every worker sends its findings to (the demo's, see there why an actor),
+    which also answers which ranks share a node."""
 
     def get_all(self) -> list[dict]:
         return list(self.records)
@@ -442,12 +441,10 @@ def build(config: dict):
 
     model = make_model(model_config())
     if config["native"]:
-        block = type(model.blocks[0])
-        model = rtx.prepare_sharded_model(model, auto_wrap_policy={block})
-        layout = "FSDP2 (per block)"
+        model = rtx.prepare_sharded_model(model, auto_wrap_policy={type(model.blocks[0])})
     else:
         model = rtx.prepare_model(model)
-        layout = "replicated"
+    layout = "FSDP2 (per block)" if config["native"] else "replicated"
     optimizer = torch.optim.AdamW(model.parameters(), lr=model_config()["lr"])
     return model, optimizer, layout
 

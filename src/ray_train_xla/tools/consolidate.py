@@ -169,15 +169,14 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
         try:
             source = _model_source(checkpoint, path, filesystem)
             if hf_config is None:
-                extras = source.extras
-                if HF_CONFIG_KEY not in extras:
+                if HF_CONFIG_KEY not in source.extras:
                     raise NotConsolidatableError(
                         f"checkpoint {checkpoint} holds no '{HF_CONFIG_KEY}' entry: name the "
                         "model's config with --config MODEL_DIR (a directory holding config.json, "
                         "or a config.json file), or save it with save_checkpoint({..., "
                         f"'{HF_CONFIG_KEY}': model.config.to_dict()}})")
                 config_name = f"the checkpoint's {HF_CONFIG_KEY}"
-                hf_config = _config_of(transformers, extras[HF_CONFIG_KEY], config_name)
+                hf_config = _config_of(transformers, source.extras[HF_CONFIG_KEY], config_name)
             export_dtype = export_dtype or _config_dtype(hf_config) or _dominant_dtype(source.specs)
             model, plan, tied = _hf_plan(transformers, hf_config, source, export_dtype, checkpoint,
                                          config_name)
@@ -471,17 +470,16 @@ def _write_hf(out: str, model, hf_config, plan: Mapping[str, str], source: _Sour
     index = file_plan(specs, None, max_shard_bytes)
     count = max(index.values()) if index else 1
     read = 0
+
+    def produce(name: str) -> torch.Tensor:
+        nonlocal read
+        tensor = source.read(plan[name])
+        read += tensor.numel() * tensor.element_size()
+        return tensor
+
     for i in range(1, count + 1):
-        names = [k for k in specs if index[k] == i]
-
-        def produce(name: str) -> torch.Tensor:
-            nonlocal read
-            tensor = source.read(plan[name])
-            read += tensor.numel() * tensor.element_size()
-            return tensor
-
         write_safetensors(os.path.join(out, file_name(i, count)),
-                          [(k, *specs[k]) for k in names], produce)
+                          [(k, *specs[k]) for k in specs if index[k] == i], produce)
     if count > 1:
         total = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
         with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as f:
