@@ -13,16 +13,9 @@ from ray_train_xla.tools.args import EXIT_FAILED, CommandError
 if TYPE_CHECKING:
     from ray_train_xla.toolkit.observability.goodput import Goodput
 
-LABELS = {
-    "productive": "productive",
-    "start_up": "start-up",
-    "compilation": "compilation",
-    "data_wait": "data wait",
-    "checkpoint_stall": "checkpoint stall",
-    "lost": "lost to failures",
-    "restart": "restart",
-    "other": "other",
-}
+LABELS = {"productive": "productive", "start_up": "start-up", "compilation": "compilation",
+          "data_wait": "data wait", "checkpoint_stall": "checkpoint stall",
+          "lost": "lost to failures", "restart": "restart", "other": "other"}
 
 
 def _share(text: str) -> float:
@@ -129,9 +122,8 @@ def draw(result: Goodput, path: str) -> None:
                        hatch="//", lw=0)
         for w in attempt.workers:
             y = w.rank
-            first = w.first_step_end
             lost_from = lost_work_from(w, attempt.end) if failed else attempt.end
-            head_end = min(first if first is not None else attempt.end, attempt.end)
+            head_end = attempt.end if w.first_step_end is None else min(w.first_step_end, attempt.end)
             bar(y, attempt.start - t0, head_end - attempt.start,
                 color=COLORS["restart" if i else "start_up"])
             head = next((sp for sp in w.spans if sp.get("first")), None)
