@@ -1,14 +1,10 @@
 """``ray-train-xla check``'s figures and report: pure functions, no Ray, no torch.
 
-- :func:`bus_bandwidth`: algbw and busbw in nccl-tests' definitions (``doc/PERFORMANCE.md`` of
-  NVIDIA/nccl-tests): ``algbw = size / time``, where size is the whole buffer (all_gather's
-  output, reduce_scatter's input), and ``busbw = algbw x factor``, the factor being
-  ``2(n-1)/n`` for all_reduce and ``(n-1)/n`` for all_gather and reduce_scatter, so that busbw
-  compares with the hardware's link bandwidth whatever the number of ranks.
-- :data:`PUBLISHED`: the hardware's published interconnect figures, with their sources.
-- :func:`compare_world`: every worker's environment against the plan.
-- matmul TFLOP/s and MFU are set beside the peak the workers report (``check_steps.compute``).
-- :func:`to_markdown`, :func:`to_table`, :func:`draw_bandwidth`: the report.
+:func:`bus_bandwidth` follows nccl-tests' definitions (``doc/PERFORMANCE.md`` of
+NVIDIA/nccl-tests): ``algbw = size / time``, where size is the whole buffer (all_gather's
+output, reduce_scatter's input), and ``busbw = algbw x factor``, the factor being ``2(n-1)/n``
+for all_reduce and ``(n-1)/n`` for all_gather and reduce_scatter, so that busbw compares with
+the hardware's link bandwidth (:data:`PUBLISHED`, with sources) whatever the number of ranks.
 """
 
 from __future__ import annotations

@@ -202,13 +202,12 @@ def expected(op: str, rank: int, world: int, count: int, dtype: str = "float32")
     """The exact result of ``op`` on rank ``rank`` of ``world`` when every rank r contributes
     ``pattern`` (reduce_scatter: ``pattern`` of ``count * world`` values; broadcast: from the
     last rank). Only the places this rank receives are computed: count x world values."""
-    if op == "all_reduce":
-        return [sum(value(r, i, world, op, dtype) for r in range(world)) for i in range(count)]
+    if op in ("all_reduce", "reduce_scatter"):
+        start = rank * count if op == "reduce_scatter" else 0
+        return [sum(value(r, i, world, op, dtype) for r in range(world))
+                for i in range(start, start + count)]
     if op == "all_gather":
         return [v for r in range(world) for v in pattern(r, count, world, op, dtype)]
-    if op == "reduce_scatter":
-        return [sum(value(r, i, world, op, dtype) for r in range(world))
-                for i in range(rank * count, (rank + 1) * count)]
     if op == "broadcast":
         return pattern(world - 1, count, world, op, dtype)
     raise ValueError(op)
