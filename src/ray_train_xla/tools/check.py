@@ -330,11 +330,9 @@ def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> d
 
 def _hardware(world: list[dict]) -> tuple[str, str]:
     """(instance type, TPU type) of the first worker that reported its world."""
-    reported = [w for w in world if not w.get("error")]
-    if not reported:
-        return "", ""
-    return (reported[0].get("instance_type", ""),
-            reported[0]["facts"].get("tpu_accelerator_type", ""))
+    first = next((w for w in world if not w.get("error")), None)
+    return ("", "") if first is None else (first.get("instance_type", ""),
+                                           first["facts"].get("tpu_accelerator_type", ""))
 
 
 def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dict:
@@ -466,11 +464,12 @@ def judge_checkpoint(found: list[dict], training: list[dict], errors: dict, work
     failures, parts, seconds = [], [], []
     for phase, size in [("restart", workers)] + ([("reload", half)] if half else []):
         records = _by(found, phase, "checkpoint")
-        failures += _failed_records(records)
+        failed = _failed_records(records)
+        failures += failed
         loaded = [r for r in records if r.get("digest")]
         seconds += [r["seconds"] for r in records]
         if not loaded:
-            if not _failed_records(records):
+            if not failed:
                 failures.append(f"at {size} worker(s): no state loaded"
                                 + (f" ({errors[phase]})" if errors.get(phase) else ""))
             continue
