@@ -1,29 +1,20 @@
 """``ray-train-xla check``: prove that a cluster trains, through Ray Train's own worker set-up.
 
-Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` on the chosen config (the
-steps are described there):
-
-1. ``main`` (``--workers`` workers): world, correctness, bandwidth, compute, training, and a
-   checkpoint saved through Ray into the run's storage;
-2. ``restart`` (the same size): that checkpoint loaded on a fresh worker group (the same-size
-   round trip), then training on from it (what the restarted group compiles, its time to first
-   step);
-3. ``reload`` (half the size, when there are at least 2 workers): the checkpoint loaded again.
-
-The driver then judges each step (:func:`judge`): the world against the plan that ``plan``
-computes from the workers' own facts, the collectives' values, algbw and busbw against the
-hardware's published figures, matmul TFLOP/s and the training step's MFU against the device's
-peak (reported, not judged), compilations after warm-up, the loaded state's digests against
-the saved one's, and the restart's compilations against the persistent compile cache the
-device has. Every wait is bounded: the process group and its collectives by ``--timeout``
-(``timeout_s`` of the config), each answer of the records actor likewise. At the end, the
-command's parser and function.
+Three ``TorchTrainer`` fits of :func:`check_steps.check_loop` (its phases ``main``, ``restart``
+and ``reload`` are described there) on the chosen config; then the driver judges each step
+(:func:`judge`): the world against the plan computed from the workers' own facts, the
+collectives' values, algbw and busbw against the hardware's published figures, matmul TFLOP/s
+and MFU against the device's peak (reported, not judged), compilations after warm-up, the
+loaded state's digests against the saved one's, and the restart's compilations against the
+persistent compile cache the device has. Every wait is bounded by ``--timeout`` (``timeout_s``
+of the config).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -42,7 +33,6 @@ from ray_train_xla.tools.args import (
 )
 from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_args, check_cluster
 
-CONFIGS = ("xla", "neuron", "tpu")
 # The devices each config runs on (its CPU twin included).
 CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
                   "tpu": ("cpu", "tpu")}
@@ -71,8 +61,9 @@ class CheckOptions:
     peak_tflops: float | None = None  # the config's peak_tflops (None: the device's own)
 
     def validate(self) -> None:
-        if self.config not in CONFIGS:
-            raise CheckUsageError(f"--config {self.config!r}: expected one of {', '.join(CONFIGS)}")
+        if self.config not in CONFIG_DEVICES:
+            raise CheckUsageError(
+                f"--config {self.config!r}: expected one of {', '.join(CONFIG_DEVICES)}")
         if self.device != "auto" and self.device not in CONFIG_DEVICES[self.config]:
             raise CheckUsageError(
                 f"--config {self.config} runs on --device "
@@ -85,13 +76,13 @@ class CheckOptions:
 
 def torch_config(options: CheckOptions, device: str):
     """The config object the check runs (``device`` resolved)."""
-    from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
+    import ray_train_xla
 
     if device not in CONFIG_DEVICES[options.config]:
         raise CheckUsageError(f"--config {options.config} cannot run on this cluster's "
                               f"device, {device} (it runs on "
                               f"{' or '.join(CONFIG_DEVICES[options.config])})")
-    cls = {"xla": TorchXLAConfig, "neuron": TorchNeuronConfig, "tpu": TorchTPUConfig}[options.config]
+    cls = getattr(ray_train_xla, CONFIG_CLASSES[options.config])
     return cls(device=device, timeout_s=options.timeout_s, peak_tflops=options.peak_tflops)
 
 
@@ -140,9 +131,8 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
         checkpoint = result_main.checkpoint if result_main is not None else None
         if checkpoint is not None:
             _, errors["restart"] = fit("restart", options.workers, checkpoint=checkpoint)
-            if reload_workers(options, device):
-                _, errors["reload"] = fit("reload", reload_workers(options, device),
-                                          checkpoint=checkpoint)
+            if half := reload_workers(options, device):
+                _, errors["reload"] = fit("reload", half, checkpoint=checkpoint)
         found = ray.get(records.get_all.remote(), timeout=options.timeout_s)
         ray.kill(records)
     result = judge(options, config, device, found, errors)
@@ -155,9 +145,7 @@ def run_check(options: CheckOptions, hooks: Any = None) -> dict[str, Any]:
 def reload_workers(options: CheckOptions, device: str) -> int:
     """The workers of the half-size reload; 0 when there is none: one worker, or a TPU slice,
     whose workers Ray reserves whole (half of them is not a group it places)."""
-    if options.workers < 2 or (device == "tpu" and options.workers > 1):
-        return 0
-    return options.workers // 2
+    return 0 if device == "tpu" else options.workers // 2
 
 
 def no_retries():
@@ -211,6 +199,13 @@ def _failed_records(records: list[dict]) -> list[str]:
     return [f"rank {r['rank']}: {r['error']}" for r in failed]
 
 
+def _step(name: str, records: list[dict], workers: int, failures: list[str], summary: str,
+          **more) -> dict:
+    """A judged step: ok when nothing failed and every worker reported."""
+    return {"name": name, "ok": not failures and len(records) == workers, "summary": summary,
+            "failures": failures, "seconds": max(r["seconds"] for r in records), **more}
+
+
 def _not_run(name: str, why: str) -> dict:
     return {"name": name, "ok": None, "summary": f"not run: {why}", "failures": []}
 
@@ -220,31 +215,28 @@ def judge(options: CheckOptions, config, device: str, found: list[dict],
     """The result: one entry per step (``ok``: True, False, or None when it did not run)."""
     workers = options.workers
     world = _by(found, "main", "world")
-    out_steps = []
     world_step, planned_env = judge_world(config, world, workers)
-    out_steps.append(world_step)
+    out_steps = [world_step]
     for name, judge_step in (("correctness", judge_correctness), ("bandwidth", judge_bandwidth),
                              ("compute", judge_compute), ("training", judge_training)):
         records = _by(found, "main", name)
         out_steps.append(judge_step(records, workers, world) if records else
                          _missing(name, "main", errors, found))
     training = _by(found, "main", "training")
-    out_steps.append(judge_checkpoint(found, training, errors, workers,
-                                      reload_workers(options, device)))
-    out_steps.append(judge_restart(found, training, errors, device, options.config))
-    failing = [{"rank": r["rank"], "phase": r["phase"], "step": r["step"], "error": r["error"],
-                "log_tail": r.get("log_tail", "")} for r in found if r.get("error")]
-    phase_errors = {p: e for p, e in errors.items() if e}
+    out_steps += [judge_checkpoint(found, training, errors, workers, reload_workers(options, device)),
+                  judge_restart(found, training, errors, device, options.config)]
     reported = [w for w in world if not w.get("error")]
-    nodes = len({w["facts"]["node_id"] for w in reported})
-    first = reported[0] if reported else {}
     return {
         "ok": all(s.get("ok") is True for s in out_steps),
         "config": CONFIG_CLASSES[options.config], "device": device, "workers": workers,
-        "nodes": nodes, "steps": out_steps, "planned_env": planned_env,
-        "failing_workers": failing, "phase_errors": phase_errors,
-        "worker_versions": first.get("versions", {}),
-        "options": {k: v for k, v in vars(options).items()},
+        "nodes": len({w["facts"]["node_id"] for w in reported}), "steps": out_steps,
+        "planned_env": planned_env,
+        "failing_workers": [{"rank": r["rank"], "phase": r["phase"], "step": r["step"],
+                             "error": r["error"], "log_tail": r.get("log_tail", "")}
+                            for r in found if r.get("error")],
+        "phase_errors": {p: e for p, e in errors.items() if e},
+        "worker_versions": reported[0].get("versions", {}) if reported else {},
+        "options": dict(vars(options)),
     }
 
 
@@ -331,19 +323,16 @@ def judge_correctness(records: list[dict], workers: int, world: list[dict]) -> d
                     f"element(s), the first at index {w.get('index')}: got {w.get('got')}, "
                     f"expected {w.get('expected')}")
     ops = sorted({x["op"] for r in records for x in r.get("results", [])})
-    return {"name": "correctness", "ok": not failures and len(records) == workers,
-            "summary": (f"{', '.join(ops)} in float32 and bfloat16: {checked} results exact"
-                        if not failures else f"{len(failures)} wrong result(s)"),
-            "failures": failures, "seconds": max(r["seconds"] for r in records)}
+    return _step("correctness", records, workers, failures,
+                 f"{', '.join(ops)} in float32 and bfloat16: {checked} results exact"
+                 if not failures else f"{len(failures)} wrong result(s)")
 
 
 def _hardware(world: list[dict]) -> tuple[str, str]:
     """(instance type, TPU type) of the first worker that reported its world."""
-    reported = [w for w in world if not w.get("error")]
-    if not reported:
-        return "", ""
-    return (reported[0].get("instance_type", ""),
-            reported[0]["facts"].get("tpu_accelerator_type", ""))
+    first = next((w for w in world if not w.get("error")), None)
+    return ("", "") if first is None else (first.get("instance_type", ""),
+                                           first["facts"].get("tpu_accelerator_type", ""))
 
 
 def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dict:
@@ -373,12 +362,11 @@ def judge_bandwidth(records: list[dict], workers: int, world: list[dict]) -> dic
                      f"({figure.as_published}; {figure.source})")
         comparisons.append(text)
     largest = max((r["bytes"] for r in rows), default=0)
-    return {"name": "bandwidth", "ok": not failures and len(records) == workers,
-            "summary": (f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons))
-            if rows else "no timings",
-            "failures": failures,
-            "rows": sorted(rows, key=lambda r: (r["scope"], r["op"], r["ranks"], r["bytes"])),
-            "comparisons": comparisons, "seconds": max(r["seconds"] for r in records)}
+    return _step("bandwidth", records, workers, failures,
+                 f"{len(rows)} timings, 8 B to {largest} B; " + "; ".join(comparisons)
+                 if rows else "no timings",
+                 rows=sorted(rows, key=lambda r: (r["scope"], r["op"], r["ranks"], r["bytes"])),
+                 comparisons=comparisons)
 
 
 def _peak_text(peak: float | None, source: str) -> str:
@@ -392,8 +380,7 @@ def judge_compute(records: list[dict], workers: int, world: list[dict]) -> dict:
     failures = _failed_records(records)
     ok = [r for r in records if not r.get("error")]
     if not ok:
-        return {"name": "compute", "ok": False, "summary": "no worker measured",
-                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+        return _step("compute", records, workers, failures, "no worker measured")
     rows = [{"rank": r["rank"], "tflops": r["tflops"], "peak_tflops": r["peak_tflops"],
              "share": r["tflops"] / r["peak_tflops"] if r["peak_tflops"] else None}
             for r in ok]
@@ -408,11 +395,10 @@ def judge_compute(records: list[dict], workers: int, world: list[dict]) -> dict:
                     + _peak_text(statistics.median(peaks), r0["peak_source"]))
     else:
         summary += "; " + _peak_text(None, r0["peak_source"])
-    return {"name": "compute", "ok": not failures and len(records) == workers,
-            "summary": summary, "failures": failures, "rows": rows,
-            "tflops": statistics.median(rates), "dtype": r0["dtype"], "size": r0["size"],
-            "peak_tflops": statistics.median(peaks) if peaks else None,
-            "peak_source": r0["peak_source"], "seconds": max(r["seconds"] for r in records)}
+    return _step("compute", records, workers, failures, summary, rows=rows,
+                 tflops=statistics.median(rates), dtype=r0["dtype"], size=r0["size"],
+                 peak_tflops=statistics.median(peaks) if peaks else None,
+                 peak_source=r0["peak_source"])
 
 
 def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict:
@@ -424,13 +410,12 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
                             "reuse its graphs)")
     ok = [r for r in records if not r.get("error")]
     if not ok:
-        return {"name": "training", "ok": False, "summary": "no worker trained",
-                "failures": failures, "seconds": max(r["seconds"] for r in records)}
+        return _step("training", records, workers, failures, "no worker trained")
     r0 = ok[0]
     step_s = statistics.median(t for r in ok for t in r["step_seconds"][r["warmup_steps"]:])
     losses = r0["losses"]
     for r in ok:
-        if not all(x == x and abs(x) != float("inf") for x in r["losses"]):
+        if not all(map(math.isfinite, r["losses"])):
             failures.append(f"rank {r['rank']}: a loss is not finite: {r['losses']}")
     tflops = [r["tflops_per_s"] for r in ok if r.get("tflops_per_s")]
     mfus = [r["mfu"] for r in ok if r.get("mfu") is not None]
@@ -444,16 +429,14 @@ def judge_training(records: list[dict], workers: int, world: list[dict]) -> dict
                       + _peak_text(statistics.median(peaks), r0["peak_source"])
                       if mfu is not None and peaks else
                       "no MFU: " + _peak_text(None, r0["peak_source"])))
-    return {"name": "training", "ok": not failures and len(records) == workers,
-            "summary": (f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
-                        f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
-                        f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}"
-                        + compute),
-            "failures": failures, "seconds": max(r["seconds"] for r in records),
-            "first_step_s": r0["first_step_s"], "tokens_per_s": r0["tokens_per_s"],
-            "median_step_s": step_s, "flops_per_step": r0.get("flops_per_step"),
-            "tflops_per_s": statistics.median(tflops) if tflops else None, "mfu": mfu,
-            "mfu_by_rank": {r["rank"]: r.get("mfu") for r in ok}}
+    return _step("training", records, workers, failures,
+                 f"{r0['layout']}, {r0['train_steps']} steps: median step {step_s * 1e3:.1f} ms, "
+                 f"{r0['tokens_per_s']:.0f} tokens/s, loss {losses[0]:.3f} -> "
+                 f"{losses[-1]:.3f}, graphs compiled per step {r0['compiled_per_step']}" + compute,
+                 first_step_s=r0["first_step_s"], tokens_per_s=r0["tokens_per_s"],
+                 median_step_s=step_s, flops_per_step=r0.get("flops_per_step"),
+                 tflops_per_s=statistics.median(tflops) if tflops else None, mfu=mfu,
+                 mfu_by_rank={r["rank"]: r.get("mfu") for r in ok})
 
 
 def _compare_digests(saved: dict, loaded: dict) -> list[str]:
@@ -481,11 +464,12 @@ def judge_checkpoint(found: list[dict], training: list[dict], errors: dict, work
     failures, parts, seconds = [], [], []
     for phase, size in [("restart", workers)] + ([("reload", half)] if half else []):
         records = _by(found, phase, "checkpoint")
-        failures += _failed_records(records)
+        failed = _failed_records(records)
+        failures += failed
         loaded = [r for r in records if r.get("digest")]
         seconds += [r["seconds"] for r in records]
         if not loaded:
-            if not _failed_records(records):
+            if not failed:
                 failures.append(f"at {size} worker(s): no state loaded"
                                 + (f" ({errors[phase]})" if errors.get(phase) else ""))
             continue
@@ -621,12 +605,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         options.validate()
         check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
-    except (CheckUsageError, ExampleUsageError) as exc:
-        raise CommandError(str(exc)) from exc
-    if not args.json:
-        print(f"ray-train-xla check: {CONFIG_CLASSES[args.config]}, {args.workers} workers, "
-              f"device={args.device}, on {where(args)}...", flush=True)
-    try:
+        if not args.json:
+            print(f"ray-train-xla check: {CONFIG_CLASSES[args.config]}, {args.workers} workers, "
+                  f"device={args.device}, on {where(args)}...", flush=True)
         result = run_check(options)
     except (CheckUsageError, ExampleUsageError) as exc:
         raise CommandError(str(exc)) from exc

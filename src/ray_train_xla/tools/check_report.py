@@ -1,14 +1,10 @@
 """``ray-train-xla check``'s figures and report: pure functions, no Ray, no torch.
 
-- :func:`bus_bandwidth`: algbw and busbw in nccl-tests' definitions (``doc/PERFORMANCE.md`` of
-  NVIDIA/nccl-tests): ``algbw = size / time``, where size is the whole buffer (all_gather's
-  output, reduce_scatter's input), and ``busbw = algbw x factor``, the factor being
-  ``2(n-1)/n`` for all_reduce and ``(n-1)/n`` for all_gather and reduce_scatter, so that busbw
-  compares with the hardware's link bandwidth whatever the number of ranks.
-- :data:`PUBLISHED`: the hardware's published interconnect figures, with their sources.
-- :func:`compare_world`: every worker's environment against the plan.
-- matmul TFLOP/s and MFU are set beside the peak the workers report (``check_steps.compute``).
-- :func:`to_markdown`, :func:`to_table`, :func:`draw_bandwidth`: the report.
+:func:`bus_bandwidth` follows nccl-tests' definitions (``doc/PERFORMANCE.md`` of
+NVIDIA/nccl-tests): ``algbw = size / time``, where size is the whole buffer (all_gather's
+output, reduce_scatter's input), and ``busbw = algbw x factor``, the factor being ``2(n-1)/n``
+for all_reduce and ``(n-1)/n`` for all_gather and reduce_scatter, so that busbw compares with
+the hardware's link bandwidth (:data:`PUBLISHED`, with sources) whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -93,12 +89,6 @@ def published_for(instance_type: str, tpu_type: str, scope: str) -> Published | 
 
 # ---- world -----------------------------------------------------------------------------------
 
-# Variables whose values are chosen afresh at every start (ports, ids, clocks): the plan is
-# computed with the values the workers got, so only their agreement is checked.
-PER_START = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "RAY_TRAIN_XLA_GROUP_START",
-             "RAY_TRAIN_XLA_RUN_START", "TORCH_TPU_XPROF_SESSION_ID")
-
-
 def _without_ports(value: str) -> str:
     return ",".join(part.rsplit(":", 1)[0] for part in value.split(","))
 
@@ -114,11 +104,6 @@ def _own_core(planned: str, have: Mapping[str, str]) -> str | None:
     return None
 
 
-# Variables the runtime rewrites on the worker after the plan is applied: what it makes of the
-# planned value (None: no rewrite applies).
-REWRITTEN = {"NEURON_RT_VISIBLE_CORES": _own_core}
-
-
 def compare_world(observed: Sequence[Mapping[str, str]],
                   planned: Sequence[Mapping[str, str]]) -> list[str]:
     """Every difference between what each worker has (``observed``, rank order) and the plan
@@ -131,13 +116,10 @@ def compare_world(observed: Sequence[Mapping[str, str]],
             got, value = have.get(key), want[key]
             if key == "TORCH_TPU_SLICEBUILDER_ADDRESSES" and got is not None:
                 got, value = _without_ports(got), _without_ports(value)  # ports: free at start
-            rewrite = REWRITTEN.get(key)
-            if got is not None and got != value and rewrite is not None \
-                    and got == rewrite(value, have):
-                continue
             if got is None:
                 problems.append(f"rank {rank}: {key} is not set; the plan says {value!r}")
-            elif got != value:
+            elif got != value and not (key == "NEURON_RT_VISIBLE_CORES"
+                                       and got == _own_core(value, have)):
                 problems.append(f"rank {rank}: {key}={got!r}; the plan says {value!r}")
     return problems
 
@@ -149,25 +131,15 @@ STATUS = {True: "PASS", False: "FAIL", None: "NOT RUN"}
 
 def to_table(result: Mapping[str, Any]) -> str:
     """The terminal table: one row per step."""
-    rows = [("step", "status", "seconds", "what was found")]
-    for step in result["steps"]:
-        seconds = step.get("seconds")
-        rows.append((step["name"], STATUS[step.get("ok")],
-                     "" if seconds is None else f"{seconds:.1f}", step.get("summary", "")))
+    rows = [("step", "status", "seconds", "what was found")] + [
+        (step["name"], STATUS[step.get("ok")],
+         "" if step.get("seconds") is None else f"{step['seconds']:.1f}", step.get("summary", ""))
+        for step in result["steps"]]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
     verdict = "PASS: every step passed" if result["ok"] else \
         f"FAIL: {', '.join(s['name'] for s in result['steps'] if s.get('ok') is not True)}"
     return "\n".join(lines + ["", verdict])
-
-
-def _bandwidth_md(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    out = ["| scope | op | bytes | ranks | time (us) | algbw (GB/s) | busbw (GB/s) |",
-           "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['scope']} | {r['op']} | {r['bytes']} | {r['ranks']} | "
-                   f"{r['seconds'] * 1e6:.1f} | {r['algbw']:.4g} | {r['busbw']:.4g} |")
-    return out
 
 
 def to_markdown(result: Mapping[str, Any]) -> str:
@@ -197,9 +169,12 @@ def to_markdown(result: Mapping[str, Any]) -> str:
                       + (f"{r['peak_tflops']:.4g} | {100 * r['share']:.1f}% |" if r["share"]
                          is not None else "- | - |") for r in step["rows"]]
         if step["name"] == "bandwidth" and step.get("rows"):
-            for c in step.get("comparisons", []):
-                lines.append(f"- {c}")
-            lines += [""] + _bandwidth_md(step["rows"])
+            lines += [f"- {c}" for c in step.get("comparisons", [])]
+            lines += ["", "| scope | op | bytes | ranks | time (us) | algbw (GB/s) | busbw (GB/s) |",
+                      "|---|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {r['scope']} | {r['op']} | {r['bytes']} | {r['ranks']} | "
+                      f"{r['seconds'] * 1e6:.1f} | {r['algbw']:.4g} | {r['busbw']:.4g} |"
+                      for r in step["rows"]]
         lines.append("")
     if result.get("planned_env"):
         lines += ["## Planned environment", "", "```"]

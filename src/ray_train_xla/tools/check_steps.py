@@ -3,14 +3,11 @@ function per step, each sending what it found to the driver's ``Records`` actor.
 
 Phases (one ``TorchTrainer`` fit each, ``tools/check.py``):
 
-- ``main``: world, correctness, bandwidth, compute (a matmul probe against the device's
-  peak), training (the cold start, its model FLOPs utilisation), and a checkpoint saved
-  through Ray at the end of training (its state's digests recorded at the save);
-- ``restart``: a fresh worker group of the same size loads that checkpoint (the checkpoint
-  step's same-size round trip) and trains again from it (the restart step: graphs compiled, time
-  to first step);
-- ``reload``: a fresh worker group of half the size loads the checkpoint (the half-size round
-  trip).
+- ``main``: world, correctness, bandwidth, compute, training, and a checkpoint saved through Ray
+  at the end of training (its state's digests recorded at the save);
+- ``restart``: a fresh worker group of the same size loads that checkpoint (the same-size round
+  trip) and trains on from it (graphs compiled, time to first step);
+- ``reload``: a fresh worker group of half the size loads the checkpoint.
 
 A step that raises on a worker is recorded with its error and the tail of the worker's log, and
 ends that worker's run (the others then fail in their next collective, bounded by the config's
@@ -32,8 +29,6 @@ from typing import Any
 
 from ray_train_xla.tools.demo import Records as DemoRecords
 
-# Steps in report order, and the phase each one runs in.
-STEPS = ("world", "correctness", "bandwidth", "compute", "training", "checkpoint", "restart")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 BANDWIDTH_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DTYPES = ("float32", "bfloat16")
@@ -43,7 +38,6 @@ WARMUP_STEPS = 2  # training steps that may compile (the first step, then the op
 CHECK_ELEMENTS = 1001
 # bfloat16 holds every integer up to 256 exactly: its sums are checked exactly up to this world.
 BF16_EXACT_WORLD = 256
-LOG_TAIL_LINES = 40
 # The matmul probe: bfloat16 products of this size on accelerators (the dtype of their published
 # peaks; 4 a round, 4.4 TFLOP), float32 on the CPU (the dtype of its measured peak).
 MATMUL_SIZE = {"accelerator": 8192, "cpu": 512}
@@ -55,9 +49,8 @@ class StepFailed(Exception):
 
 
 class Records(DemoRecords):
-    """The Ray actor every worker sends its findings to (it works on any cluster: workers on
-    other nodes cannot write into the driver's files, and Ray Train V2 keeps no metrics reported
-    without a checkpoint): the demo's, which also answers which ranks share a node."""
+    """The Ray actor every worker sends its findings to (the demo's, see there why an actor),
+    which also answers which ranks share a node."""
 
     def get_all(self) -> list[dict]:
         return list(self.records)
@@ -76,8 +69,7 @@ class Records(DemoRecords):
 
 
 def _hook(config: dict, name: str, *args):
-    hooks = config.get("hooks")
-    fn = getattr(hooks, name, None) if hooks is not None else None
+    fn = getattr(config.get("hooks"), name, None)
     return fn(*args) if fn is not None else None
 
 
@@ -87,7 +79,7 @@ def _send(config: dict, record: dict) -> None:
     ray.get(config["records"].add.remote(record), timeout=config["timeout_s"])
 
 
-def log_tail(lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(lines: int = 40) -> str:
     """The last ``lines`` lines of this worker's log: the file Ray redirected its stderr to."""
     try:
         path = os.readlink("/proc/self/fd/2")
@@ -104,6 +96,8 @@ def check_loop(config: dict) -> None:
     """The training function of every phase (``config["phase"]``)."""
     import ray.train
 
+    import ray_train_xla as rtx
+
     phase = config["phase"]
     steps = {"main": (world, correctness, bandwidth, compute, training),
              "restart": (checkpoint_round_trip, restart),
@@ -112,24 +106,18 @@ def check_loop(config: dict) -> None:
     ray_rank = ray.train.get_context().get_world_rank()
     for step in steps:
         name = step.__name__.replace("checkpoint_round_trip", "checkpoint")
+        head = {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank}
         start = time.perf_counter()
         try:
             _hook(config, "before", name)
             found = step(config, state) or {}
         except Exception as exc:
-            import ray_train_xla as rtx
-
-            _send(config, {"phase": phase, "step": name, "rank": rtx.rank(), "ray_rank": ray_rank,
-                           "ok": False, "seconds": time.perf_counter() - start,
-                           "error": f"{type(exc).__name__}: {exc}",
-                           "traceback": traceback.format_exc(limit=8),
+            error = f"{type(exc).__name__}: {exc}"
+            _send(config, {**head, "ok": False, "seconds": time.perf_counter() - start,
+                           "error": error, "traceback": traceback.format_exc(limit=8),
                            "log_tail": log_tail()})
-            raise StepFailed(f"check step {name!r} failed on this worker: "
-                             f"{type(exc).__name__}: {exc}") from exc
-        import ray_train_xla as rtx
-
-        _send(config, {**found, "phase": phase, "step": name, "rank": rtx.rank(),
-                       "ray_rank": ray_rank, "seconds": time.perf_counter() - start})
+            raise StepFailed(f"check step {name!r} failed on this worker: {error}") from exc
+        _send(config, {**found, **head, "seconds": time.perf_counter() - start})
 
 
 # ---- world -----------------------------------------------------------------------------------
@@ -214,39 +202,38 @@ def expected(op: str, rank: int, world: int, count: int, dtype: str = "float32")
     """The exact result of ``op`` on rank ``rank`` of ``world`` when every rank r contributes
     ``pattern`` (reduce_scatter: ``pattern`` of ``count * world`` values; broadcast: from the
     last rank). Only the places this rank receives are computed: count x world values."""
-    if op == "all_reduce":
-        return [sum(value(r, i, world, op, dtype) for r in range(world)) for i in range(count)]
+    if op in ("all_reduce", "reduce_scatter"):
+        start = rank * count if op == "reduce_scatter" else 0
+        return [sum(value(r, i, world, op, dtype) for r in range(world))
+                for i in range(start, start + count)]
     if op == "all_gather":
         return [v for r in range(world) for v in pattern(r, count, world, op, dtype)]
-    if op == "reduce_scatter":
-        return [sum(value(r, i, world, op, dtype) for r in range(world))
-                for i in range(rank * count, (rank + 1) * count)]
     if op == "broadcast":
         return pattern(world - 1, count, world, op, dtype)
     raise ValueError(op)
 
 
-def run_op(op: str, tensor, world: int):
-    """``op`` through torch.distributed on this worker's device (the default process group);
-    returns the output tensor."""
+def run_op(op: str, tensor, world: int, group=None, out=None):
+    """``op`` through torch.distributed on this worker's device, over ``group`` (of ``world``
+    ranks; default the whole process group) into ``out`` (allocated when None); returns the
+    output tensor."""
     import torch
     import torch.distributed as dist
 
+    if out is None and op in ("all_gather", "reduce_scatter"):
+        n = tensor.numel() * world if op == "all_gather" else tensor.numel() // world
+        out = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
     if op == "all_reduce":
-        dist.all_reduce(tensor)
-        return tensor
-    if op == "all_gather":
-        out = torch.empty(tensor.numel() * world, dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor)
-        return out
-    if op == "reduce_scatter":
-        out = torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device)
-        dist.reduce_scatter_tensor(out, tensor)
-        return out
-    if op == "broadcast":
-        dist.broadcast(tensor, src=world - 1)
-        return tensor
-    raise ValueError(op)
+        dist.all_reduce(tensor, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, tensor, group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, tensor, group=group)
+    elif op == "broadcast":
+        dist.broadcast(tensor, src=world - 1, group=group)
+    else:
+        raise ValueError(op)
+    return tensor if out is None else out
 
 
 def correctness(config: dict, state: dict) -> dict:
@@ -290,11 +277,7 @@ def correctness(config: dict, state: dict) -> dict:
 
 def sizes(max_bytes: int) -> list[int]:
     """8 B, 16 B, ... up to ``max_bytes`` (powers of two)."""
-    out, size = [], 8
-    while size <= max_bytes:
-        out.append(size)
-        size *= 2
-    return out
+    return [1 << k for k in range(3, max_bytes.bit_length())]
 
 
 def iterations(size: int) -> int:
@@ -328,7 +311,7 @@ def device_memory_bytes() -> int | None:
 def _time_op(op: str, size: int, n: int, device, group=None) -> float:
     """Seconds for one ``op`` of ``size`` bytes (the nccl-tests size: the whole buffer of
     all_gather and reduce_scatter, a multiple of ``4 * n``), the mean of ``iterations(size)``
-    after one untimed run."""
+    after one untimed run (which allocates the output)."""
     import torch
     import torch.distributed as dist
 
@@ -336,30 +319,17 @@ def _time_op(op: str, size: int, n: int, device, group=None) -> float:
     from ray_train_xla.toolkit import device as device_layer
 
     elements = size // 4
-    per_rank = elements // n if op == "all_gather" else elements
-    tensor = torch.ones(per_rank, dtype=torch.float32).to(device)
-    out = None
-    if op == "all_gather":
-        out = torch.empty(elements, dtype=torch.float32, device=device)
-    elif op == "reduce_scatter":
-        out = torch.empty(elements // n, dtype=torch.float32, device=device)
-
-    def once():
-        if op == "all_reduce":
-            dist.all_reduce(tensor, group=group)
-        elif op == "all_gather":
-            dist.all_gather_into_tensor(out, tensor, group=group)
-        else:
-            dist.reduce_scatter_tensor(out, tensor, group=group)
-        rtx.sync()
-
-    once()
+    tensor = torch.ones(elements // n if op == "all_gather" else elements,
+                        dtype=torch.float32).to(device)
+    out = run_op(op, tensor, n, group)
+    rtx.sync()
     device_layer.wait()
     dist.barrier(group=group)
     reps = iterations(size)
     start = time.perf_counter()
     for _ in range(reps):
-        once()
+        run_op(op, tensor, n, group, out)
+        rtx.sync()
     device_layer.wait()
     return (time.perf_counter() - start) / reps
 
@@ -470,12 +440,10 @@ def build(config: dict):
 
     model = make_model(model_config())
     if config["native"]:
-        block = type(model.blocks[0])
-        model = rtx.prepare_sharded_model(model, auto_wrap_policy={block})
-        layout = "FSDP2 (per block)"
+        model = rtx.prepare_sharded_model(model, auto_wrap_policy={type(model.blocks[0])})
     else:
         model = rtx.prepare_model(model)
-        layout = "replicated"
+    layout = "FSDP2 (per block)" if config["native"] else "replicated"
     optimizer = torch.optim.AdamW(model.parameters(), lr=model_config()["lr"])
     return model, optimizer, layout
 
@@ -501,10 +469,8 @@ def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
 
     device = rtx.get_device()
     monitor = rtx.CompileMonitor(warmup_steps=0, warn_after=1 << 30)
-    before = monitor.metrics(0)
     compiled, times, losses = [], [], []
-    prev = before["xla/compiles"]
-    first_step_at = None
+    prev, first_step_at = monitor.metrics(0)["xla/compiles"], None
     for step in range(first, first + count):
         start = time.perf_counter()
         tokens = tokens_for(step, rtx.rank())
@@ -519,8 +485,7 @@ def train_steps(config: dict, model, optimizer, first: int, count: int) -> dict:
         now = monitor.metrics(step - first + 1)["xla/compiles"]
         compiled.append(now - prev)
         prev = now
-        if first_step_at is None:
-            first_step_at = time.time()
+        first_step_at = first_step_at or time.time()
     return {"compiled": compiled, "step_seconds": times, "losses": losses,
             "first_step_at": first_step_at}
 

@@ -1,18 +1,10 @@
 """``ray-train-xla consolidate``: the full model from a checkpoint, for plain torch or Hugging Face.
 
-Reads a sharded checkpoint (``torch.distributed.checkpoint``, written by ``save_checkpoint`` of
-SPMD state) or a replicated one (``checkpoint.pt``) on the CPU, without torch_xla, and writes the
-model's full tensors as safetensors (and, on request, a ``torch.save`` file). FSDPv2's
-``_orig_module.`` key prefixes are removed, so the file loads into the unwrapped model.
-
-:func:`consolidate_hf` (``--hf``) writes a Transformers ``save_pretrained`` directory instead
-(``config.json``, ``generation_config.json``, ``model.safetensors`` or shards with their index),
-through Transformers' own code: the model is built from its config on the meta device, the
-checkpoint's tensors are assigned to it (after checking that they fit), weights are tied as the
-config says, and ``save_pretrained`` writes it.
-
-Everything a user can get wrong (a missing or foreign directory, no model in it, unreachable
-storage, an output that cannot be written) raises ``ConsolidateError`` with a one-line message.
+:func:`consolidate` reads a sharded checkpoint (``torch.distributed.checkpoint``) or a replicated
+one (``checkpoint.pt``) on the CPU, without torch_xla, and writes the model's full tensors as
+safetensors (and, on request, a ``torch.save`` file), without FSDPv2's ``_orig_module.``
+prefixes. :func:`consolidate_hf` (``--hf``) writes a Transformers ``save_pretrained`` directory
+instead. Everything a user can get wrong raises ``ConsolidateError`` with a one-line message.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -76,11 +68,8 @@ class NotConsolidatableError(ConsolidateError):
 
 def plain_model_state(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Model tensors under the unwrapped model's names (FSDPv2 prefixes removed), contiguous."""
-    out = {}
-    for key, value in model_state.items():
-        if isinstance(value, torch.Tensor):
-            out[key.replace(FSDP_V2_PREFIX, "")] = value.detach().to("cpu").contiguous()
-    return out
+    return {key.replace(FSDP_V2_PREFIX, ""): value.detach().to("cpu").contiguous()
+            for key, value in model_state.items() if isinstance(value, torch.Tensor)}
 
 
 def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
@@ -96,7 +85,7 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
     if remote:
         filesystem, path = _look(checkpoint, timeout_s)
     else:
-        _check_directory(checkpoint)
+        _check_directory(checkpoint, os.path.exists(checkpoint), os.path.isdir(checkpoint))
     if torch_file and os.path.realpath(torch_file) == os.path.realpath(out):
         raise NotConsolidatableError(f"--torch file {torch_file} is OUT: name another file")
     outputs: dict[str, str] = {}
@@ -138,39 +127,31 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
     ``save_pretrained``; returns a summary.
 
     The model's config comes from ``config`` (a directory holding ``config.json``, or a
-    ``config.json`` file), else from the ``hf_config`` entry of the checkpoint's rest of state
-    (``save_checkpoint({..., "hf_config": model.config.to_dict()})``). The model is built from it
-    on the meta device (the architecture ``config.json`` names, else ``AutoModelForCausalLM``),
-    which allocates nothing, and the checkpoint's tensors are checked against it (names and
-    shapes) before anything is written. ``dtype`` (``"bfloat16"``, ``torch.float16``, ...) is the
-    export's dtype; default, the one the config names (the pretrained model's stored dtype),
-    else the checkpoint's. ``config.json``, ``generation_config.json`` (for models that
-    generate), the tokenizer files of a ``config`` directory, and ``model.safetensors``, or
-    files of at most ``max_shard_size`` (``"5GB"``, ``"500MB"``, ``"10KB"``, or bytes) with
-    ``model.safetensors.index.json``, are written. Tied weights are written once, as
-    Transformers writes them.
+    ``config.json`` file), else from the checkpoint's ``hf_config`` entry. The model is built
+    from it on the meta device (the architecture ``config.json`` names, else
+    ``AutoModelForCausalLM``) and the checkpoint's names and shapes are checked against it
+    before anything is written. ``dtype`` (``"bfloat16"``, ``torch.float16``, ...) is the
+    export's dtype; default, the one the config names, else the checkpoint's. Written:
+    ``config.json``, ``generation_config.json`` (models that generate), a ``config``
+    directory's tokenizer files, and weight files of at most ``max_shard_size`` (``"5GB"``,
+    ``"500MB"``, or bytes), tied weights once, as Transformers writes them.
 
-    A sharded checkpoint is read one tensor at a time, each whole (every rank's shards of it),
-    converted and written before the next is read: no more than two tensors are held at once,
-    and only the model's tensors are read (not the optimizer state), in place on any storage.
-    A replicated checkpoint (``checkpoint.pt``) is one file, read whole.
+    A sharded checkpoint is read one tensor at a time (every rank's shards of it, none of the
+    optimizer state), converted and written before the next is read: no more than two tensors
+    are held at once. A replicated checkpoint (``checkpoint.pt``) is read whole.
 
-    ``out_dir`` is created if missing; a file, or a directory that already holds model files
-    (``config.json``, ``*.safetensors``, ...), is refused. Everything is written into a new
-    directory next to it first and moved into place at the end: a failure leaves nothing.
-
-    Needs ``transformers`` (the ``hf`` extra), not torch_xla: when torch_xla is not imported yet,
-    Transformers and Accelerate are imported with ``USE_TORCH_XLA=0`` (which they read at their
-    import), so that they do not import it. Raises ``ConsolidateError`` (one line) for anything
-    a user can get wrong."""
+    ``out_dir`` is created if missing; a file, or a directory that already holds model files,
+    is refused. Everything is written into a new directory next to it and moved into place at
+    the end: a failure leaves nothing. Needs ``transformers``, not torch_xla: Transformers and
+    Accelerate are imported with ``USE_TORCH_XLA=0`` when torch_xla is not imported yet.
+    Raises ``ConsolidateError`` (one line) for anything a user can get wrong."""
+    path = checkpoint
     if filesystem is not None:
-        path = checkpoint
         _check_on(filesystem, path, checkpoint)
     elif "://" in checkpoint:
         filesystem, path = _look(checkpoint, timeout_s)
     else:
-        path = checkpoint
-        _check_directory(checkpoint)
+        _check_directory(checkpoint, os.path.exists(checkpoint), os.path.isdir(checkpoint))
     _check_out_dir(out_dir)
     try:
         export_dtype = parse_dtype(dtype)
@@ -184,19 +165,18 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
         if config_dict is not None:
             config_name = f"--config {config}"
             hf_config = _config_of(transformers, config_dict, config_name)
-        tmp = _reserve_dir(out_dir)
+        tmp = _reserve(out_dir, "OUT_DIR", directory=True)
         try:
             source = _model_source(checkpoint, path, filesystem)
             if hf_config is None:
-                extras = source.extras
-                if HF_CONFIG_KEY not in extras:
+                if HF_CONFIG_KEY not in source.extras:
                     raise NotConsolidatableError(
                         f"checkpoint {checkpoint} holds no '{HF_CONFIG_KEY}' entry: name the "
                         "model's config with --config MODEL_DIR (a directory holding config.json, "
                         "or a config.json file), or save it with save_checkpoint({..., "
                         f"'{HF_CONFIG_KEY}': model.config.to_dict()}})")
                 config_name = f"the checkpoint's {HF_CONFIG_KEY}"
-                hf_config = _config_of(transformers, extras[HF_CONFIG_KEY], config_name)
+                hf_config = _config_of(transformers, source.extras[HF_CONFIG_KEY], config_name)
             export_dtype = export_dtype or _config_dtype(hf_config) or _dominant_dtype(source.specs)
             model, plan, tied = _hf_plan(transformers, hf_config, source, export_dtype, checkpoint,
                                          config_name)
@@ -226,12 +206,6 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
             "max_shard_size": shard_bytes,
             "read_bytes": written["read_bytes"],
         }
-
-
-def hf_model_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model_state`` (already without FSDPv2's prefixes) without the activation checkpoint
-    wrapper's ``_checkpoint_wrapped_module.`` either: the names of the plain Transformers model."""
-    return {key.replace(CHECKPOINT_WRAPPER_PREFIX, ""): value for key, value in model_state.items()}
 
 
 @contextlib.contextmanager
@@ -303,25 +277,6 @@ def _check_out_dir(out_dir: str) -> None:
                 "another directory, or remove those files first")
 
 
-def _reserve_dir(out_dir: str) -> str:
-    """A new empty directory next to ``out_dir``, where save_pretrained writes before its files
-    are moved into ``out_dir``."""
-    target = os.path.realpath(out_dir)
-    parent = os.path.dirname(target)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as exc:
-        raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: cannot create directory "
-                               f"{exc.filename or parent} ({exc.strerror or exc})") from exc
-    tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
-    try:
-        os.mkdir(tmp)
-    except OSError as exc:
-        raise ConsolidateError(f"cannot write OUT_DIR {out_dir}: cannot create a directory in "
-                               f"{parent} ({exc.strerror or exc})") from exc
-    return tmp
-
-
 def _move_into(tmp: str, out_dir: str) -> list[str]:
     """Move what ``tmp`` holds into ``out_dir`` (renamed to it when missing); the names."""
     names = sorted(os.listdir(tmp))
@@ -390,17 +345,15 @@ def _dominant_dtype(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) ->
     return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
-class _Source:
+class _Source(NamedTuple):
     """The model of a checkpoint: its tensors' specs under the plain model's names, each tensor
     read on request (one at a time for a sharded checkpoint), and the rest of its state
     (``extras``: ``hf_config``)."""
 
-    def __init__(self, sharded: bool, specs: dict, read, extras: dict, counter=None) -> None:
-        self.sharded, self.specs, self.read, self.extras = sharded, specs, read, extras
-        self._counter = counter
-
-    def read_bytes(self) -> int:
-        return self._counter() if self._counter else 0
+    sharded: bool
+    specs: dict
+    read: Callable[[str], torch.Tensor]
+    extras: dict
 
 
 def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
@@ -410,7 +363,7 @@ def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
     def plain(name: str) -> str:
         return name.replace(FSDP_V2_PREFIX, "").replace(CHECKPOINT_WRAPPER_PREFIX, "")
 
-    try:
+    with _reading(checkpoint, checkpoint):
         if stream.read_file(path, METADATA_FILE, filesystem) is not None:
             tensors = stream.ModelTensors(path, filesystem, rename=plain)
             if not tensors.entries:
@@ -435,18 +388,7 @@ def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
             model = plain_model_state(dict(model))
         else:
             sharded, model, extras = _read_model(path, checkpoint, (HF_CONFIG_KEY,))
-    except NotACheckpointError as exc:
-        raise NotConsolidatableError(f"checkpoint {exc}") from exc
-    except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
-        raise ConsolidateError(f"cannot consolidate {exc}") from exc
-    except ConsolidateError:
-        raise
-    except BaseException as exc:  # narrowed by _read_failure: anything else is re-raised
-        reason = _read_failure(exc)
-        if reason is None:
-            raise
-        raise ConsolidateError(f"cannot read checkpoint {checkpoint}: {reason}") from exc
-    model = hf_model_state(model)
+    model = {k.replace(CHECKPOINT_WRAPPER_PREFIX, ""): v for k, v in model.items()}
     extras = {k: extras[k] for k in (HF_CONFIG_KEY,) if k in extras}
     return _Source(sharded, {k: (tuple(v.shape), v.dtype) for k, v in model.items()},
                    model.__getitem__, extras)
@@ -456,7 +398,7 @@ def _config_dtype(hf_config) -> torch.dtype | None:
     """The dtype the model's config names (``dtype``, or Transformers 4's ``torch_dtype``)."""
     value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     try:
-        return parse_dtype(value) if value is not None else None
+        return parse_dtype(value)
     except ValueError:
         return None
 
@@ -528,17 +470,16 @@ def _write_hf(out: str, model, hf_config, plan: Mapping[str, str], source: _Sour
     index = file_plan(specs, None, max_shard_bytes)
     count = max(index.values()) if index else 1
     read = 0
+
+    def produce(name: str) -> torch.Tensor:
+        nonlocal read
+        tensor = source.read(plan[name])
+        read += tensor.numel() * tensor.element_size()
+        return tensor
+
     for i in range(1, count + 1):
-        names = [k for k in specs if index[k] == i]
-
-        def produce(name: str) -> torch.Tensor:
-            nonlocal read
-            tensor = source.read(plan[name])
-            read += tensor.numel() * tensor.element_size()
-            return tensor
-
         write_safetensors(os.path.join(out, file_name(i, count)),
-                          [(k, *specs[k]) for k in names], produce)
+                          [(k, *specs[k]) for k in specs if index[k] == i], produce)
     if count > 1:
         total = sum(math.prod(shape) * dt.itemsize for shape, dt in specs.values())
         with open(os.path.join(out, INDEX_FILE), "w", encoding="utf-8") as f:
@@ -555,24 +496,29 @@ def _write_hf(out: str, model, hf_config, plan: Mapping[str, str], source: _Sour
 
 def _check_on(filesystem, path: str, name: str) -> None:
     """Refuse a checkpoint ``path`` on ``filesystem`` that does not exist or is a file."""
-    import pyarrow.fs
+    import pyarrow
 
     try:
         info = filesystem.get_file_info(path)
     except (OSError, pyarrow.ArrowException) as exc:
         raise ConsolidateError(f"cannot read checkpoint {name}: {_one_line(exc)}") from exc
-    if info.type == pyarrow.fs.FileType.NotFound:
+    _check_info(info, name)
+
+
+def _check_info(info, name: str) -> None:
+    """Refuse a checkpoint whose pyarrow ``FileInfo`` says it does not exist or is a file."""
+    import pyarrow.fs
+
+    _check_directory(name, info.type != pyarrow.fs.FileType.NotFound,
+                     info.type == pyarrow.fs.FileType.Directory)
+
+
+def _check_directory(name: str, exists: bool, is_dir: bool) -> None:
+    """Refuse a checkpoint that does not exist or is a file."""
+    if not exists:
         raise NotConsolidatableError(f"checkpoint {name} does not exist")
-    if info.type != pyarrow.fs.FileType.Directory:
+    if not is_dir:
         raise NotConsolidatableError(f"checkpoint {name} is a file: name the checkpoint's directory")
-
-
-def _check_directory(path: str) -> None:
-    """Refuse a local checkpoint ``path`` that does not exist or is a file."""
-    if not os.path.exists(path):
-        raise NotConsolidatableError(f"checkpoint {path} does not exist")
-    if not os.path.isdir(path):
-        raise NotConsolidatableError(f"checkpoint {path} is a file: name the checkpoint's directory")
 
 
 def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str, ...] = ()
@@ -582,22 +528,13 @@ def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str,
     errors, default the directory)."""
     name = name or checkpoint
     sharded = is_sharded_checkpoint(checkpoint)
-    try:
+    with _reading(checkpoint, name):
         state = read_full_state(checkpoint, keys=("model",) if sharded else ("model", *extra_keys))
         extra_file = os.path.join(checkpoint, EXTRA_FILE)
         if sharded and extra_keys and os.path.exists(extra_file):
             rest = torch.load(extra_file, map_location="cpu", weights_only=False)
             if isinstance(rest, Mapping):
                 state.update({k: rest[k] for k in extra_keys if k in rest})
-    except NotACheckpointError as exc:
-        raise NotConsolidatableError(f"checkpoint {str(exc).replace(checkpoint, name, 1)}") from exc
-    except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
-        raise ConsolidateError(f"cannot consolidate {str(exc).replace(checkpoint, name, 1)}") from exc
-    except BaseException as exc:  # narrowed by _read_failure: anything else is re-raised
-        reason = _read_failure(exc)
-        if reason is None:
-            raise
-        raise ConsolidateError(f"cannot read checkpoint {name}: {reason}") from exc
     if "model" not in state:
         raise NotConsolidatableError(
             f"checkpoint {name} has no 'model' entry to consolidate (save_checkpoint("
@@ -608,6 +545,25 @@ def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str,
             "not a state dict (save model.state_dict())")
     extras = {k: state[k] for k in extra_keys if k in state}
     return sharded, plain_model_state(dict(state["model"])), extras
+
+
+@contextlib.contextmanager
+def _reading(path: str, name: str) -> Iterator[None]:
+    """Turn what reading the checkpoint at ``path`` raises into a ``ConsolidateError`` that
+    names it ``name``; an error that is not about the files (a bug) goes through as it is."""
+    try:
+        yield
+    except ConsolidateError:
+        raise
+    except NotACheckpointError as exc:
+        raise NotConsolidatableError(f"checkpoint {str(exc).replace(path, name, 1)}") from exc
+    except CheckpointMismatchError as exc:  # shards that do not make up the declared tensors
+        raise ConsolidateError(f"cannot consolidate {str(exc).replace(path, name, 1)}") from exc
+    except BaseException as exc:  # narrowed by _read_failure: anything else is re-raised
+        reason = _read_failure(exc)
+        if reason is None:
+            raise
+        raise ConsolidateError(f"cannot read checkpoint {name}: {reason}") from exc
 
 
 def _read_failure(exc: BaseException) -> str | None:
@@ -628,10 +584,11 @@ def _read_failure(exc: BaseException) -> str | None:
     return None
 
 
-def _reserve(path: str, what: str) -> str:
-    """A new empty file next to ``path`` (a symlink's target), to be renamed onto it once
-    written; created with the permissions a plain open() would give."""
-    if os.path.isdir(path):
+def _reserve(path: str, what: str, directory: bool = False) -> str:
+    """A new empty file (or ``directory``) next to ``path`` (a symlink's target), to be renamed
+    onto it once written (a directory: where save_pretrained writes before its files are moved
+    into ``path``); a file is created with the permissions a plain open() would give."""
+    if not directory and os.path.isdir(path):
         raise NotConsolidatableError(f"{what} {path} is a directory: name the file to write")
     target = os.path.realpath(path)
     parent = os.path.dirname(target)
@@ -642,9 +599,13 @@ def _reserve(path: str, what: str) -> str:
                                f"{exc.filename or parent} ({exc.strerror or exc})") from exc
     tmp = os.path.join(parent, f".{os.path.basename(target)}.{secrets.token_hex(4)}.tmp")
     try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        if directory:
+            os.mkdir(tmp)
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as exc:
-        raise ConsolidateError(f"cannot write {what} {path}: cannot create a file in {parent} "
+        raise ConsolidateError(f"cannot write {what} {path}: cannot create a "
+                               f"{'directory' if directory else 'file'} in {parent} "
                                f"({exc.strerror or exc})") from exc
     return tmp
 
@@ -687,10 +648,7 @@ def _look(uri: str, timeout_s: float):
         raise NotConsolidatableError(f"checkpoint {uri}: {_one_line(exc)}") from exc
     except (OSError, pyarrow.ArrowException) as exc:  # unreachable storage, no credentials
         raise ConsolidateError(f"cannot read checkpoint {uri}: {_one_line(exc)}") from exc
-    if info.type == pyarrow.fs.FileType.NotFound:
-        raise NotConsolidatableError(f"checkpoint {uri} does not exist")
-    if info.type != pyarrow.fs.FileType.Directory:
-        raise NotConsolidatableError(f"checkpoint {uri} is a file: name the checkpoint's directory")
+    _check_info(info, uri)
     return filesystem, path
 
 

@@ -80,42 +80,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from ray_train_xla.tools import consolidate as tool
 
-    if args.hf:
-        return _consolidate_hf(args)
-    if args.config is not None or args.max_shard_size is not None or args.dtype is not None:
+    if args.hf and args.torch_file is not None:
+        raise CommandError("--torch does not go with --hf: the Hugging Face export is safetensors")
+    if not args.hf and (args.config is not None or args.max_shard_size is not None
+                        or args.dtype is not None):
         raise CommandError("--config, --max-shard-size and --dtype go with --hf (a Hugging Face "
                            "export)")
     try:
-        summary = tool.consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
-                                   timeout_s=args.timeout)
+        if args.hf:
+            summary = tool.consolidate_hf(
+                args.checkpoint, args.out, config=args.config,
+                max_shard_size=(tool.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
+                                else args.max_shard_size),
+                timeout_s=args.timeout, dtype=args.dtype)
+        else:
+            summary = tool.consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
+                                       timeout_s=args.timeout)
     except tool.ConsolidateError as exc:
         raise CommandError(str(exc), exc.exit_code) from exc
+    kind = "sharded" if summary["sharded"] else "replicated"
     if args.json:
         print(json.dumps(summary))
-    else:
-        kind = "sharded" if summary["sharded"] else "replicated"
-        print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
-              f"{summary['bytes']} bytes (from a {kind} checkpoint)")
-    return 0
-
-
-def _consolidate_hf(args: argparse.Namespace) -> int:
-    from ray_train_xla.tools import consolidate as tool
-
-    if args.torch_file is not None:
-        raise CommandError("--torch does not go with --hf: the Hugging Face export is safetensors")
-    try:
-        summary = tool.consolidate_hf(
-            args.checkpoint, args.out, config=args.config,
-            max_shard_size=(tool.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
-                            else args.max_shard_size),
-            timeout_s=args.timeout, dtype=args.dtype)
-    except tool.ConsolidateError as exc:
-        raise CommandError(str(exc), exc.exit_code) from exc
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        kind = "sharded" if summary["sharded"] else "replicated"
+    elif args.hf:
         tied = f", tied: {', '.join(summary['tied'])}" if summary["tied"] else ""
         print(f"{summary['out_dir']}: {summary['architecture']} ({summary['dtype']}), "
               f"{summary['tensors']} tensors, {summary['parameters']} parameters, "
@@ -123,4 +109,7 @@ def _consolidate_hf(args: argparse.Namespace) -> int:
               f"file{'s' if summary['shards'] > 1 else ''}{tied} (from a {kind} checkpoint, "
               f"config from {summary['config']}); load it with "
               f"transformers.AutoModelForCausalLM.from_pretrained({summary['out_dir']!r})")
+    else:
+        print(f"{summary['out']}: {summary['tensors']} tensors, {summary['parameters']} parameters, "
+              f"{summary['bytes']} bytes (from a {kind} checkpoint)")
     return 0

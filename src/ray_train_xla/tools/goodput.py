@@ -13,16 +13,9 @@ from ray_train_xla.tools.args import EXIT_FAILED, CommandError
 if TYPE_CHECKING:
     from ray_train_xla.toolkit.observability.goodput import Goodput
 
-LABELS = {
-    "productive": "productive",
-    "start_up": "start-up",
-    "compilation": "compilation",
-    "data_wait": "data wait",
-    "checkpoint_stall": "checkpoint stall",
-    "lost": "lost to failures",
-    "restart": "restart",
-    "other": "other",
-}
+LABELS = {"productive": "productive", "start_up": "start-up", "compilation": "compilation",
+          "data_wait": "data wait", "checkpoint_stall": "checkpoint stall",
+          "lost": "lost to failures", "restart": "restart", "other": "other"}
 
 
 def _share(text: str) -> float:
@@ -52,26 +45,21 @@ def format_table(result: Goodput) -> str:
     for b in BUCKETS:
         share = result.buckets[b] / wall if wall > 0 else 0.0
         lines.append(f"{LABELS[b]:<18}{result.buckets[b]:>10.2f}{share:>8.1%}")
-    lines.append(f"{'total':<18}{sum(result.buckets.values()):>10.2f}")
-    lines.append("")
-    lines.append(f"goodput {result.goodput:.1%}")
+    lines += [f"{'total':<18}{sum(result.buckets.values()):>10.2f}", "",
+              f"goodput {result.goodput:.1%}"]
     if result.mfu is not None:
         lines.append(f"MFU {result.mfu:.1%} over productive time, effective MFU "
                      f"{result.effective_mfu:.1%} (MFU x goodput)")
-    lines.append("")
-    lines.append(f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome")
+    lines += ["", f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome"]
     for a in result.attempts:
         steps = max((w.steps for w in a.workers), default=0)
-        restore = a.restore
-        restored = f", restored from {restore['tier']} in {restore['seconds']:.2f} s" \
-            if restore else ""
+        restored = (f", restored from {a.restore['tier']} in {a.restore['seconds']:.2f} s"
+                    if a.restore else "")
         mfu = (f"; MFU {a.mfu:.1%}, effective {a.effective_mfu:.1%}" if a.mfu is not None
                else "")
         lines.append(f"{a.id[:12]:<14}{a.start - result.start:>8.1f}{a.end - result.start:>9.1f}"
                      f"{len(a.workers):>9}{steps:>8}  {a.outcome}{restored}{mfu}")
-    lines.append("")
-    lines.extend(format_stragglers(result))
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *format_stragglers(result)])
 
 
 def format_stragglers(result: Goodput) -> list[str]:
@@ -122,6 +110,10 @@ def draw(result: Goodput, path: str) -> None:
     else:
         fig, ax = plt.subplots(figsize=(12, 2.2 + 0.6 * lanes))
     height = 0.6
+
+    def bar(y: int, x: float, width: float, **style) -> None:
+        ax.broken_barh([(x, width)], (y - height / 2, height), **style)
+
     previous_end = None
     for i, attempt in enumerate(result.attempts):
         failed = attempt.outcome in ("failed", "stopped")
@@ -130,11 +122,10 @@ def draw(result: Goodput, path: str) -> None:
                        hatch="//", lw=0)
         for w in attempt.workers:
             y = w.rank
-            first = w.first_step_end
             lost_from = lost_work_from(w, attempt.end) if failed else attempt.end
-            head_end = min(first if first is not None else attempt.end, attempt.end)
-            ax.broken_barh([(attempt.start - t0, head_end - attempt.start)], (y - height / 2, height),
-                           color=COLORS["restart" if i else "start_up"])
+            head_end = attempt.end if w.first_step_end is None else min(w.first_step_end, attempt.end)
+            bar(y, attempt.start - t0, head_end - attempt.start,
+                color=COLORS["restart" if i else "start_up"])
             head = next((sp for sp in w.spans if sp.get("first")), None)
             if head is not None and float(head["t1"]) <= attempt.end:  # the first step's measured
                 x = float(head["t1"]) - t0
@@ -143,14 +134,12 @@ def draw(result: Goodput, path: str) -> None:
                     seconds = min(float(head.get(key, 0.0)), x - (attempt.start - t0))
                     if seconds > 0:
                         x -= seconds
-                        ax.broken_barh([(x, seconds)], (y - height / 2, height),
-                                       color=COLORS[bucket], lw=0)
+                        bar(y, x, seconds, color=COLORS[bucket], lw=0)
             for span in w.spans:
                 s0, s1 = float(span["t0"]), min(float(span["t1"]), attempt.end)
                 if s1 <= s0 or span.get("first") or s0 >= lost_from:
                     continue
-                x = s0 - t0
-                length = s1 - s0
+                x, length = s0 - t0, s1 - s0
                 parts = [("compilation", span.get("compile_s", 0.0)), ("data_wait", span.get("data_s", 0.0)),
                          ("checkpoint_stall", span.get("stall_s", 0.0))]
                 measured = sum(p[1] for p in parts)
@@ -159,12 +148,11 @@ def draw(result: Goodput, path: str) -> None:
                 scale = length / max(length, rest + measured)
                 for bucket, seconds in segments:
                     if seconds > 0:
-                        ax.broken_barh([(x, seconds * scale)], (y - height / 2, height),
-                                       color=COLORS[bucket], lw=0)
+                        bar(y, x, seconds * scale, color=COLORS[bucket], lw=0)
                         x += seconds * scale
             if failed and attempt.end > lost_from:
-                ax.broken_barh([(lost_from - t0, attempt.end - lost_from)], (y - height / 2, height),
-                               facecolor=COLORS["lost"], edgecolor="#d62728", hatch="xx", lw=0.5)
+                bar(y, lost_from - t0, attempt.end - lost_from, facecolor=COLORS["lost"],
+                    edgecolor="#d62728", hatch="xx", lw=0.5)
             for t, _ in w.compiles:
                 if t <= attempt.end:
                     ax.plot(t - t0, y - height / 2 - 0.1, marker="v", color=COLORS["compilation"],
