@@ -138,12 +138,6 @@ def device_peak(device: str) -> tuple[float | None, str]:
     return found.bf16, f"the published bf16 peak of a {found.device}, from {what}"
 
 
-def step_size() -> tuple[float | None, float | None]:
-    """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
-    options = runtime().options(TimelineOptions)
-    return options.samples_per_step, options.tokens_per_step
-
-
 # ---- device memory, off the step path ---------------------------------------------------------
 
 def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
@@ -171,11 +165,10 @@ def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
         dev = _device.get_device()
         if dev.type != "cpu":
             mod = getattr(torch, dev.type, None)
-            if mod is not None and hasattr(mod, "memory_allocated"):
+            if not hasattr(mod, "memory_allocated"):
+                mod = getattr(torch, "accelerator", None)
+            if hasattr(mod, "memory_allocated"):
                 return float(mod.memory_allocated()), float(mod.max_memory_allocated())
-            if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
-                return (float(torch.accelerator.memory_allocated()),
-                        float(torch.accelerator.max_memory_allocated()))
     except Exception:  # noqa: BLE001 (the XLA CPU device has no allocator stats: RSS below)
         pass
     return _process_memory()
@@ -233,8 +226,7 @@ class Timeline:
         self._read: dict[Any, list] = {}
         # The background side.
         self._lock = threading.Lock()
-        self._drained = 0
-        self._dropped = 0
+        self._drained = self._dropped = 0
         self._span: dict[str, Any] | None = None
         self._first_done = False
         self._lines: list[str] = []
@@ -242,7 +234,8 @@ class Timeline:
         self._compile_events = 0
         self._dirty = True
         self._last_write = 0.0
-        self._memory: tuple[float, float] | None = None
+        # (bytes in use, peak bytes) of the device, as last read by the background thread
+        self.memory: tuple[float, float] | None = None
         self._write_error_logged = False
         self._peak: list[tuple] = []  # the device's (peak TFLOP/s, source), once looked up
         self._header = {
@@ -250,9 +243,7 @@ class Timeline:
             "local_rank": local_rank, "node": node, "device": device,
             "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
             "pid": os.getpid(),
-            "samples_per_step": options().samples_per_step,
-            "tokens_per_step": options().tokens_per_step,
-        }
+        }  # what one step processes is added at each write of the first part (``_write``)
         self._lines.append(json.dumps(self._header))
         self._wake = threading.Event()
         self._stop = False
@@ -358,18 +349,13 @@ class Timeline:
                 peak = self.peak_tflops()
                 if peak:
                     out["timeline/mfu"] = tflops / peak
-        memory = self._memory
+        memory = self.memory
         if memory is not None:
             out["timeline/device_memory_bytes"] = memory[0]
             out["timeline/device_memory_peak_bytes"] = memory[1]
         return out
 
     # ---- other threads ------------------------------------------------------------------------
-
-    @property
-    def memory(self) -> tuple[float, float] | None:
-        """(bytes in use, peak bytes) of the device, as last read by the background thread."""
-        return self._memory
 
     def checkpoint_committed(self) -> None:
         """Ray took the oldest checkpoint still in flight (the background reporter's thread)."""
@@ -379,17 +365,14 @@ class Timeline:
     def restored(self, tier: str, seconds: float) -> None:
         """A restore from ``tier`` (memory or storage) that took ``seconds``: a goodput event."""
         with self._lock:
-            self._lines.append(json.dumps({"kind": "restore", "t": self._clock(), "tier": tier,
-                                           "seconds": seconds}))
-            self._dirty = True
-            self._last_write = 0.0
+            self._event({"kind": "restore", "t": self._clock(), "tier": tier, "seconds": seconds},
+                        due=True)
 
     def memory_kept(self, t: float) -> None:
         """The memory tier completed the snapshot taken at ``t`` (every rank's files are in):
         a restore from memory resumes from there (goodput counts no work before it as lost)."""
         with self._lock:
-            self._lines.append(json.dumps({"kind": "memory_kept", "t": t}))
-            self._dirty = True
+            self._event({"kind": "memory_kept", "t": t})
 
     def wake(self) -> None:
         self._wake.set()
@@ -412,8 +395,7 @@ class Timeline:
             end = {"kind": "end", "t": self._last, "failed": failed, "error": error[:500]}
             if stopped:
                 end["stopped"] = True
-            self._lines.append(json.dumps(end))
-            self._dirty = True
+            self._event(end)
             self._write(force=True)
 
     def _run(self) -> None:
@@ -424,21 +406,21 @@ class Timeline:
             if self._stop:
                 return
             try:
-                now = time.monotonic()
+                options, now = self._options(), time.monotonic()
                 if now >= next_memory:
-                    self._memory = device_memory(self._xla_memory_info)
-                    next_memory = now + self._options().interval_s
+                    self.memory = device_memory(self._xla_memory_info)
+                    next_memory = now + options.interval_s
                 with self._lock:
                     window = self._drain()
                     self._write()
                 if self._export is not None:
-                    window["samples_per_step"], window["tokens_per_step"] = step_size()
-                    window["flops_per_step"] = self._options().flops_per_step
-                    window["peak_tflops"] = (self.peak_tflops() if window["flops_per_step"]
-                                             else None)
+                    flops = options.flops_per_step
+                    window.update(samples_per_step=options.samples_per_step,
+                                  tokens_per_step=options.tokens_per_step, flops_per_step=flops,
+                                  peak_tflops=self.peak_tflops() if flops else None)
                     if (self.rank == 0 and self.world > 1 and self._storage is not None
                             and now >= next_stragglers):
-                        next_stragglers = now + self._options().storage_interval_s
+                        next_stragglers = now + options.storage_interval_s
                         window["stragglers"] = self.stragglers()
                     self._export(self, window)
             except Exception as exc:  # noqa: BLE001 (never take the run down for its timeline)
@@ -460,9 +442,7 @@ class Timeline:
         totals of the steps drained (for the Ray metrics)."""
         window = {"steps": 0, "step_s": 0.0, "data_s": 0.0, "stall_s": 0.0, "compile_s": 0.0}
         while self._commits:  # (lost work is counted from the checkpoints Ray took: write now)
-            self._lines.append(json.dumps({"kind": "commit", "t": self._commits.popleft()}))
-            self._dirty = True
-            self._last_write = 0.0
+            self._event({"kind": "commit", "t": self._commits.popleft()}, due=True)
         appended = self._appended
         while True:
             try:
@@ -475,7 +455,7 @@ class Timeline:
         if lost > self._dropped:  # the deque dropped its oldest records: the timeline is behind
             logger.warning("rank %d: timeline: %d step records dropped (the background thread "
                            "fell behind)", self.rank, lost - self._dropped)
-            self._lines.append(json.dumps({"kind": "dropped", "records": lost - self._dropped}))
+            self._event({"kind": "dropped", "records": lost - self._dropped})
             self._dropped = lost
         self._close_span()
         return window
@@ -505,16 +485,14 @@ class Timeline:
             window["compile_s"] += compile_s
         if compile_s > 0 and self._compile_events < MAX_COMPILE_EVENTS:
             self._compile_events += 1
-            self._lines.append(json.dumps({"kind": "compile", "t": t1, "compile_s": compile_s,
-                                           "step": steps}))
+            self._event({"kind": "compile", "t": t1, "compile_s": compile_s, "step": steps})
         if kind == STEP and not self._first_done:
             self._first_done = True
             span["first"] = True  # begin -> the end of the first step: start-up
             self._close_span()
         elif kind == CHECKPOINT:
             self._close_span()
-            self._lines.append(json.dumps({"kind": "checkpoint", "t": t1, "step": steps}))
-            self._last_write = 0.0
+            self._event({"kind": "checkpoint", "t": t1, "step": steps}, due=True)
         elif kind == END:
             self._close_span()
 
@@ -524,9 +502,16 @@ class Timeline:
             if own:  # the steps' own times: their sum, count and median
                 self._span.update(own_s=sum(own), own_steps=len(own),
                                   own_median_s=statistics.median(own))
-            self._lines.append(json.dumps(self._span))
+            self._event(self._span)
             self._span = None
-            self._dirty = True
+
+    def _event(self, event: dict[str, Any], due: bool = False) -> None:
+        """(Holding the lock) add one goodput event; ``due``: written at the background
+        thread's next run, not at the next ``storage_interval_s``."""
+        self._lines.append(json.dumps(event))
+        self._dirty = True
+        if due:
+            self._last_write = 0.0
 
     def _write(self, force: bool = False) -> None:
         """(Holding the lock) write this worker's current part when it changed and is due."""
@@ -537,10 +522,10 @@ class Timeline:
             return
         if self._part == 0:  # what one step processes may have been configured since
             options = self._options()
-            self._header["samples_per_step"] = options.samples_per_step
-            self._header["tokens_per_step"] = options.tokens_per_step
-            self._header["flops_per_step"] = options.flops_per_step
-            self._header["peak_tflops"] = self.peak_tflops() if options.flops_per_step else None
+            self._header.update(samples_per_step=options.samples_per_step,
+                                tokens_per_step=options.tokens_per_step,
+                                flops_per_step=options.flops_per_step,
+                                peak_tflops=self.peak_tflops() if options.flops_per_step else None)
             self._lines[0] = json.dumps(self._header)
         self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
         try:
