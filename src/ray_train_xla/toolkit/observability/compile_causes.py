@@ -8,7 +8,7 @@
   plans it for every worker with ``PT_XLA_DEBUG_FILE`` set to a file of the worker's own, and
   :class:`DebugLog` reads that file (only new bytes, only when asked: at the end of warm-up, at
   a recompilation warning and at a graph check). torch_xla writes it only in the process whose
-  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_every_process` makes every worker one.
+  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_this_process` makes every worker one.
   Level 1 is the analysis at compile time only; level 2 would also analyse every execution
   (about 1 KB of text a step), which is not planned.
 - **Causes, native stacks** (``TorchNeuronConfig``, ``TorchTPUConfig``): ``torch.compile``'s
@@ -241,24 +241,14 @@ DEFAULT_CHECK_EVERY = 100
 SHOWN_RANKS = 16
 
 
-def graph_count() -> int:
-    """Graphs this process compiled so far (``counters.py``: torch_xla's ``UncachedCompile``;
-    Dynamo's ``unique_graphs`` on the native stacks)."""
-    import sys
-
-    if worker_context().native and "torch._dynamo.utils" not in sys.modules:
-        return 0  # nothing compiled (and Dynamo's import is slow)
-    return int(Counters().compiles())
-
-
 def summary() -> str:
-    """This rank's graphs as ``"<count>:<digest of their hashes>"`` (digest empty without the
-    causes)."""
+    """This rank's graphs as ``"<count>:<digest of their hashes>"``: the graphs this process
+    compiled so far (``counters.py``), the digest empty without the causes."""
     digest = ""
     if not worker_context().native and debug_log().enabled:
         hashes = debug_log().hashes()
         digest = hashlib.sha1(",".join(hashes).encode()).hexdigest()[:12] if hashes else ""
-    return f"{graph_count()}:{digest}"
+    return f"{int(Counters().compiles())}:{digest}"
 
 
 def compare(values: dict[int, str]) -> str | None:
@@ -292,8 +282,7 @@ class GraphCheck:
         self._store = store
         self.rank, self.world = rank, world
         self._prefix = prefix
-        self.every = every
-        self._next = _steps.steps_done() // every * every + every
+        self.set_every(every)
         self._last: tuple[int, str] | None = None  # (step, summary) of this rank's last check
         self._last_verdict: str | None = None
         self.verdicts: list[tuple[int, str]] = []  # (step compared, sentence): rank 0 only
@@ -345,30 +334,31 @@ class GraphCheck:
         warnings.warn(message, DivergentGraphsWarning, stacklevel=2)
 
 
-def _process_group_store():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
-    return None
-
-
 LOCAL_RANK_VAR = "PJRT_LOCAL_PROCESS_RANK"
 
 
-def analyse_every_process() -> bool:
-    """Make torch_xla write its compilation analysis in this process too.
+def analyse_this_process() -> None:
+    """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
+    compilations too (as the training function starts, every rank, before anything compiles:
+    ``startup/train_function.py``; every worker, so their graph counts stay equal).
 
     torch_xla 2.9 writes it only in its "master" process, the one whose
     ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that variable (with the level and the file) once,
     at its first compilation. So this process makes its first compilation here, a graph of one
     small op, with the variable at 0 for that moment only, after the device is up (the runtime
-    has read the real value). Returns False when torch_xla had compiled already (too late)."""
+    has read the real value); a warning when torch_xla had compiled already (too late)."""
+    ctx = worker_context()
+    if ctx.native or not debug_log().enabled:
+        return
     import torch
     import torch_xla
 
     if Counters().compiles():
-        return False
+        logger.warning("rank %d: torch_xla compiled before the training function started, so "
+                       "it analyses compilations only where %s is 0 (local rank 0): this "
+                       "worker's recompilation warnings will not name their cause",
+                       ctx.rank, LOCAL_RANK_VAR)
+        return
     # A copy to the device (data, no graph): the runtime up, with the planned variables.
     one = torch.zeros(1).to(torch_xla.device())
     old = os.environ.get(LOCAL_RANK_VAR)
@@ -381,20 +371,6 @@ def analyse_every_process() -> bool:
             os.environ.pop(LOCAL_RANK_VAR, None)
         else:
             os.environ[LOCAL_RANK_VAR] = old
-    return True
-
-
-def analyse_this_process() -> None:
-    """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
-    compilations too (as the training function starts, every rank, before anything compiles:
-    ``startup/train_function.py``)."""
-    ctx = worker_context()
-    if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
-        if not analyse_every_process():
-            logger.warning("rank %d: torch_xla compiled before the training function started, so "
-                           "it analyses compilations only where %s is 0 (local rank 0): this "
-                           "worker's recompilation warnings will not name their cause",
-                           ctx.rank, LOCAL_RANK_VAR)
 
 
 def install(store=None) -> GraphCheck | None:
@@ -403,7 +379,11 @@ def install(store=None) -> GraphCheck | None:
     uninstall()
     rt = runtime()
     ctx = rt.ctx
-    store = store if store is not None else _process_group_store()
+    if store is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
     if store is None or ctx.world_size < 2:
         return None
     rt.graph_check = GraphCheck(store, ctx.rank, ctx.world_size,

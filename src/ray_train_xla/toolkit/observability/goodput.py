@@ -232,16 +232,14 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
             worker.last_seen = max(worker.last_seen, float(event.get("begin", 0.0)))
         elif kind == "span":
             worker.spans.append(event)
-        elif kind == "checkpoint":
-            worker.checkpoints.append(float(event["t"]))
-        elif kind == "commit":
-            worker.commits.append(float(event["t"]))
+        elif kind in ("checkpoint", "commit", "memory_kept"):
+            times = {"checkpoint": worker.checkpoints, "commit": worker.commits,
+                     "memory_kept": worker.memory_kept}
+            times[kind].append(float(event["t"]))
         elif kind == "compile":
             worker.compiles.append((float(event["t"]), float(event["compile_s"])))
         elif kind == "restore":
             worker.restores.append({"tier": event.get("tier"), "seconds": event.get("seconds")})
-        elif kind == "memory_kept":
-            worker.memory_kept.append(float(event["t"]))
         elif kind == "end":
             worker.end = event
     worker.spans.sort(key=lambda s: s["t0"])
@@ -265,12 +263,13 @@ def _files(storage: Any, under: str) -> dict[tuple[str, int], list[tuple[int, st
     return {key: sorted(parts) for key, parts in grouped.items()}
 
 
-def read_run(storage: Any) -> list[Worker]:
-    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``)."""
+def read_run(storage: Any, under: str = "goodput", newest: bool = False) -> list[Worker]:
+    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``) whose
+    events are under ``under``; ``newest``: from the newest part of each worker's files only."""
     workers = []
-    for (attempt, rank), parts in sorted(_files(storage, "goodput").items()):
+    for (attempt, rank), parts in sorted(_files(storage, under).items()):
         lines: list[str] = []
-        for _, path in parts:
+        for _, path in parts[-1:] if newest else parts:
             data = storage.read_bytes(path)
             if data is not None:
                 lines.extend(data.decode(errors="replace").splitlines())
@@ -492,9 +491,4 @@ def live_stragglers(storage: Any, under: str, since: float,
     """The stragglers of a running worker group from the newest event file of each of its ranks
     under ``under`` (``goodput/attempt-<id>`` in ``storage``; rank 0's timeline, for the Ray
     metric), over the spans that end at ``since`` or later."""
-    workers = []
-    for (attempt, rank), parts in sorted(_files(storage, under).items()):
-        data = storage.read_bytes(parts[-1][1])
-        if data is not None:
-            workers.append(parse_worker(attempt, rank, data.decode(errors="replace").splitlines()))
-    return stragglers(workers, threshold, since)[0] if workers else []
+    return stragglers(read_run(storage, under, newest=True), threshold, since)[0]
