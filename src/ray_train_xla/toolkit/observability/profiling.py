@@ -202,10 +202,8 @@ def rank_dir(window: Window, rank: int) -> str:
 
 
 class _StepSpans:
-    """One named range per step, opened at a step's start and closed at its end."""
-
-    def _span_for(self, step: int) -> Any:
-        raise NotImplementedError
+    """One named range per step (a subclass's ``_span_for``), opened at a step's start and
+    closed at its end."""
 
     def _open(self, step: int) -> None:
         self._span = self._span_for(step)
@@ -546,8 +544,7 @@ class RequestWatcher:
             except Exception:  # noqa: BLE001 (the wait timed out: look again)
                 if self._stop.is_set():
                     return
-                if not _alive(store):
-                    raise
+                store.check(["ray_train_xla/alive"])  # raises once the store is gone
                 continue
             body = json.loads(store.get(key))
             self._seq += 1
@@ -556,14 +553,6 @@ class RequestWatcher:
             except ValueError as exc:  # overlaps a window of this rank's own
                 logger.warning("rank %d: profile window from rank 0 not scheduled: %s",
                                self._profiles.rank, exc)
-
-
-def _alive(store) -> bool:
-    try:
-        store.check(["ray_train_xla/alive"])
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 # ---- this worker ---------------------------------------------------------------------------------
