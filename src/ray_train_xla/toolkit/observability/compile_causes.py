@@ -77,31 +77,23 @@ def parse_analysis(text: str) -> tuple[list[Compilation], int]:
     """The compilations in ``text`` (torch_xla's debug output) and how many characters of it
     were consumed (a block still being written is left for the next read)."""
     found: list[Compilation] = []
-    consumed = 0
-    pos = 0
+    consumed = pos = 0
     current: Compilation | None = None
     section = ""
-    while True:
-        end = text.find("\n", pos)
-        if end < 0:
-            break
-        line = text[pos:end]
-        pos = end + 1
-        if not line.startswith(_PREFIX):
-            if current is None:
-                consumed = pos
-            continue
-        body = line[len(_PREFIX):]
+    for line in text.split("\n")[:-1]:  # whole lines only (the last piece has no newline)
+        pos += len(line) + 1
+        body = line[len(_PREFIX):] if line.startswith(_PREFIX) else None
         if current is None:
-            if body.startswith(_RULE):
+            if body is not None and body.startswith(_RULE):
                 current, section = Compilation(), ""
             else:
                 consumed = pos
             continue
+        if body is None:
+            continue
         if body.startswith(_END):
             found.append(current)
-            current = None
-            consumed = pos
+            current, consumed = None, pos
             continue
         if not body.startswith("  "):
             section = body.strip().rstrip(":").strip()

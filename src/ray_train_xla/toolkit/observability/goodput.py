@@ -46,6 +46,7 @@ mean over its workers: they step together.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from collections import defaultdict
@@ -444,28 +445,17 @@ def own_times(workers: list[Worker], since: float = 0.0) -> dict[int, tuple[floa
     medians, each weighted by its steps."""
     out = {}
     for w in workers:
-        medians: list[tuple[float, int]] = []
-        length = 0.0
-        steps = 0
-        for span in w.spans:
-            if span.get("first") or not span.get("own_steps") or float(span["t1"]) < since:
-                continue
-            medians.append((float(span["own_median_s"]), int(span["own_steps"])))
-            length += float(span["t1"]) - float(span["t0"])
-            steps += int(span.get("steps", 0))
-        if medians and steps:
+        spans = [s for s in w.spans
+                 if not s.get("first") and s.get("own_steps") and float(s["t1"]) >= since]
+        steps = sum(int(s.get("steps", 0)) for s in spans)
+        if spans and steps:
+            medians = sorted((float(s["own_median_s"]), int(s["own_steps"])) for s in spans)
             n = sum(c for _, c in medians)
-            out[w.rank] = (_weighted_median(medians, n), length / steps, n)
+            seen = itertools.accumulate(c for _, c in medians)
+            median = next(v for (v, _), upto in zip(medians, seen) if 2 * upto >= n)
+            length = sum(float(s["t1"]) - float(s["t0"]) for s in spans)
+            out[w.rank] = (median, length / steps, n)
     return out
-
-
-def _weighted_median(values: list[tuple[float, int]], total: int) -> float:
-    seen = 0
-    for value, count in sorted(values):
-        seen += count
-        if 2 * seen >= total:
-            return value
-    return max(values)[0]
 
 
 def stragglers(workers: list[Worker], threshold: float = 0.1,
