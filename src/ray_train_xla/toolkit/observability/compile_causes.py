@@ -1,27 +1,20 @@
-"""Why graphs compiled, and whether the ranks compile the same ones.
+"""Why graphs compiled, and whether the ranks compile the same ones (``docs/debugging.md``).
 
-- **Causes, torch_xla.** torch_xla analyses every compilation when ``PT_XLA_DEBUG_LEVEL`` is 1 or
-  more: what triggered it (``user torch_xla.sync``, ``most likely user code trying to access
-  tensor value before torch_xla.sync``, a Dynamo step...), the graph's hash, its numbers of
-  inputs and outputs, and the Python frames that triggered it. It reads the level once, at the
-  first compilation, so it cannot be switched on later: ``TorchXLAConfig(compile_causes=True)``
-  plans it for every worker with ``PT_XLA_DEBUG_FILE`` set to a file of the worker's own, and
-  :class:`DebugLog` reads that file (only new bytes, only when asked: at the end of warm-up, at
-  a recompilation warning and at a graph check). torch_xla writes it only in the process whose
+- **Causes, torch_xla.** With ``PT_XLA_DEBUG_LEVEL`` 1 (the analysis at compile time only; 2
+  would analyse every execution too, about 1 KB of text a step) torch_xla analyses every
+  compilation: its cause, the graph's hash, its numbers of inputs and outputs and the Python
+  frames that triggered it. It reads the level once, at the first compilation:
+  ``TorchXLAConfig(compile_causes=True)`` plans it for every worker with ``PT_XLA_DEBUG_FILE`` a
+  file of the worker's own, which :class:`DebugLog` reads (new bytes only, when asked: at the
+  end of warm-up, at a recompilation warning, at a graph check). torch_xla writes it only where
   ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_this_process` makes every worker one.
-  Level 1 is the analysis at compile time only; level 2 would also analyse every execution
-  (about 1 KB of text a step), which is not planned.
-- **Causes, native stacks** (``TorchNeuronConfig``, ``TorchTPUConfig``): ``torch.compile``'s
-  Dynamo records why a compiled frame's guards failed (``torch._dynamo.utils.guard_failures``:
-  "tensor 'x' size mismatch at index 0. expected 4, actual 6"); :func:`dynamo_reasons` reads
-  them, with nothing to switch on. Eager code compiles nothing and has nothing to report.
-- **Ranks compiling different graphs** run different programs; with collectives in them that is
-  the usual cause of a hang. :class:`GraphCheck` compares them at a step every rank reaches
-  (every ``every`` steps, 100 by default, at the step seam of ``toolkit/steps.py``): each rank
-  writes its number of compiled graphs (and, with the causes on, a digest of their hashes) to
-  one key of the process group's store, overwriting its previous one, and rank 0 compares the
-  ranks' values of the previous check ``every`` steps later, which every rank has written by
-  then. No collective: one store write per rank and one read of every key on rank 0 per check.
+- **Causes, native stacks**: Dynamo records why a compiled frame's guards failed, which
+  :func:`dynamo_reasons` reads, with nothing to switch on; eager code compiles nothing.
+- **Ranks compiling different graphs** run different programs: with collectives in them, the
+  usual cause of a hang. :class:`GraphCheck` compares them every ``every`` steps (100 by
+  default) without a collective: each rank writes its graph count (with the causes, a digest of
+  their hashes) to one key of the process group's store, and rank 0 compares the ranks' values
+  of the previous check, which every rank has written by then.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""Model FLOPs: what a step computes, for model FLOPs utilisation (MFU).
+"""Model FLOPs: what a step computes, for model FLOPs utilisation (MFU), counted as torchtitan
+and MaxText count them (``docs/observability.md``):
 
-Two ways to the figure, as torchtitan and MaxText count it:
-
-- :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs
-  per token for each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's
-  ``Conv1D``, the output projection included, tied or not; not the input embedding, a lookup),
-  forward and backward, plus attention's ``12 x layers x heads x head_dim x sequence length``.
-  Causal attention is counted whole, as torchtitan counts it and as the math and eager kernels compute it (the
-  scores of the masked half are computed, then masked); MaxText halves it
-  (``causal_half=True``). A model with weights of another kind, or a config without layers
-  and heads, is refused with a ``ValueError`` that names :func:`count_flops`.
+- :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs a
+  token for each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's ``Conv1D``,
+  the output projection included, tied or not; not the input embedding, a lookup), forward and
+  backward, plus attention's ``12 x layers x heads x head_dim x sequence length``, causal
+  attention counted whole (the math and eager kernels compute the masked half) unless
+  ``causal_half=True`` (MaxText). Another kind of weight, or a config without layers and heads,
+  is refused with a ``ValueError`` that names :func:`count_flops`.
 - :func:`count_flops`: torch's own ``FlopCounterMode`` over one call of any function (a
   training step on one batch), for any model.
 
-``configure_timeline(flops_per_step=...)`` takes the result; the timeline then gives TFLOP/s
-and MFU per step (``timeline.py``).
+``configure_timeline(flops_per_step=...)`` takes the result (``timeline.py``).
 """
 
 from __future__ import annotations

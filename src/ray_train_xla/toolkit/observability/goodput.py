@@ -1,47 +1,22 @@
 """Goodput of a run: productive step time over the run's wall-clock time, and where the rest
 went, from the events every worker's step timeline (``timeline.py``) wrote into the run's
 storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput``
-(``tools/goodput.py``) prints it and draws the run.
+(``tools/goodput.py``) prints it and draws the run; ``docs/observability.md`` describes the
+buckets, MFU over productive time and the stragglers.
 
-The run's wall clock starts at ``fit()``: when it handed the config to Ray (the config records
-the time when Ray pickles it for its controller; runs whose events lack it start at the first
-worker group's start, when Ray Train's controller called the backend's ``on_start``), and ends
-when the last training function of the last worker group ended. Every second of it falls in one
-bucket:
+The run's wall clock starts at ``fit()`` (the workers' ``run_start``: when it handed the config
+to Ray; runs whose events lack it start at the first worker group's start) and ends when the
+last training function of the last worker group ended. Every second of it falls in one of
+``BUCKETS`` (``worker_buckets`` says how). A worker group failed when a training function
+raised (its end is the earliest failure), or when it stopped while its functions ran: Ray shut
+it down (an elastic resize; its end is when the first worker was told), or its workers stopped
+writing (killed: its end is then their last write, known to within ``storage_interval_s``).
+Each group's buckets are the mean over its workers: they step together.
 
-- ``productive``: step time less the three below, from the end of the first step of a worker
-  group on;
-- ``start_up``: from ``fit()`` (Ray starting its controller and the workers, the backend's set-up)
-  to the end of the first group's first step (mostly tracing and first transfers), less its
-  compilation and data wait;
-- ``compilation``: torch_xla's compile time (native stacks: Dynamo's), wherever it happened;
-- ``data_wait``: time the training thread waited for a batch of the toolkit's loaders;
-- ``checkpoint_stall``: time it was blocked in ``save_checkpoint``, ``report``, ``flush_reports``;
-- ``lost``: work lost to failures: a failed worker group's time after its last checkpoint that
-  Ray took (the one the next group resumes from), until the failure; all of its time after the
-  first step when it had none;
-- ``restart``: from a failure to the end of the next group's first step, less that step's
-  compilation and data wait (restarts and elastic resizes alike);
-- ``other``: the rest: between a worker's last step and its end (evaluation, final writes),
-  between checkpoints and the next step, and a worker that ended before its group's last one.
-
-With model FLOPs in the workers' events (``configure_timeline(flops_per_step=...)``): MFU over
-productive time (``mfu``: the FLOPs of the steps in productive time over those seconds at each
-worker's peak) and effective MFU = MFU x goodput, for the run and each worker group.
-
-Stragglers (``stragglers``): with synchronous collectives every rank's step ends together, so
-step times cannot tell which rank held the others back. The events carry each rank's own time
-a step: from the previous step end to its arrival at the step's gradient synchronisation, less
-its checkpoint stall, steps that compiled left out (``timeline.py``). A rank is named when its
-median own time a step exceeds the median of the other ranks' by more than ``threshold`` (10%)
-of the group's step time (medians: a single hiccup names no rank); that excess times its steps
-is what it cost every rank, given as seconds and as a share of the run.
-
-A worker group failed when a training function raised (its end is the earliest failure), or
-when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
-the first worker was told), or its workers stopped writing (killed: its end is then their last
-write, known to within ``storage_interval_s``). Each group's buckets are the
-mean over its workers: they step together.
+With synchronous collectives every rank's step ends together, so a straggler is found by its
+own time a step (``timeline.py``): a rank is named when its median own time exceeds the median
+of the other ranks' by more than ``threshold`` (10%) of the group's step time (medians: a
+single hiccup names no rank); that excess times its steps is what it cost every rank.
 """
 
 from __future__ import annotations

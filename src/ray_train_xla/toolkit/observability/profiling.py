@@ -1,42 +1,21 @@
 """Profiles of every rank: a window of steps, captured on every rank, written into the run's
-storage under ``profiles/<first step>/rank-<r>/``.
+storage under ``profiles/<first step>/rank-<r>/`` (how to ask for one, what each stack writes:
+``docs/debugging.md``).
 
-A window is asked for in three ways, and every rank captures exactly the same steps:
+A window comes from the config (``profile_steps=(start, count)``), from the training function
+(``profile_steps``, on every rank) or from outside (``ray-train-xla profile`` writes a request
+under ``profiles/requests/``). Rank 0's ``RequestWatcher`` looks for requests every ``POLL_S``
+seconds, accepts one by choosing its first step a safe margin ahead (``MIN_MARGIN_STEPS``, and
+``MARGIN_S`` seconds of steps at its measured rate), writes ``profiles/accepted/<id>.json`` and
+publishes the window in the process group's store; the other ranks' watchers wait for it there
+(a blocking wait on a store connection of their own: no traffic while idle). A rank that learns
+of a window after its first step captures nothing and writes ``rank-<r>/missed.json``.
 
-- in the config: ``TorchXLAConfig(profile_steps=(start, count))`` (also ``TorchNeuronConfig``
-  and ``TorchTPUConfig``), planned for every worker;
-- in the training function: ``rtx.profile_steps(start, count)``, called on every rank;
-- from outside while the run goes: ``ray-train-xla profile RUN_PATH --steps N`` writes a request
-  under ``profiles/requests/``. Rank 0 looks for requests every ``POLL_S`` seconds in a thread of
-  its own, accepts one by choosing its first step a safe margin ahead (at least
-  ``MIN_MARGIN_STEPS``, and ``MARGIN_S`` seconds of steps at the rate it measured), writes
-  ``profiles/accepted/<id>.json`` and publishes the window in the process group's store; the
-  other ranks wait for it there (a blocking wait on a store connection of their own, so an idle
-  run costs no traffic) and schedule the same window. A rank that learns of a window after its
-  first step (a rank more than the margin behind rank 0) captures nothing and says so in
-  ``rank-<r>/missed.json``.
-
-Steps are counted at the step seam (``toolkit/steps.py``: ``optimizer_step``, ``step_done``, or a
-plain ``optimizer.step()``, each step once);
-step ``k`` is the k-th step. A window (start, count) starts its trace when step ``start - 1``
-ends and stops it when step ``start + count - 1`` ends. Outside a window the step hook compares
-one integer. Each stack uses its own profiler:
-
-- torch_xla (Neuron, TPU, CPU): ``torch_xla.debug.profiler.start_trace``/``stop_trace`` (the
-  in-process session its profiler server also drives, started and stopped at exact steps;
-  ``trace()`` against the server captures a duration, not steps). Each step is a ``train_step``
-  event with its ``step_num``. It writes ``plugins/profile/<time>/<host>.xplane.pb`` (TensorBoard's
-  profile plugin, xprof) and ``<host>.trace.json.gz`` (Chrome trace: Perfetto);
-- TorchNeuron and CPU (native): ``torch.profiler`` (CPU activity, and the device's own when torch
-  lists it), each step a ``ProfilerStep#<k>`` range, exported as a Chrome trace
-  ``rank-<r>.pt.trace.json`` (Perfetto);
-- TorchTPU: ``torch.profiler`` with ``TORCH_TPU_PROFILER_OUTPUT_DIR`` pointing into the rank's
-  directory, where the ``torch_tpu`` wheel writes its device trace.
-
-The traces are written on the training thread when the window ends (part of the window's cost)
-and uploaded to the run's storage in the background; the training function's end waits for the
-uploads (:func:`flush`). Each rank's directory ends with ``profile.json`` (its steps, profiler
-and files), written last.
+Steps are counted at the step seam (``toolkit/steps.py``). A window (start, count) starts its
+trace when step ``start - 1`` ends and stops it when step ``start + count - 1`` ends; outside a
+window the step hook compares one integer. The traces are written on the training thread when
+the window ends and uploaded in the background (:func:`flush` waits for them); each rank's
+directory ends with ``profile.json`` (its steps, profiler and files), written last.
 """
 
 from __future__ import annotations
@@ -218,7 +197,9 @@ class _StepSpans:
 
 
 class XLATracer(_StepSpans):
-    """torch_xla's profiler session, one ``train_step`` event per step."""
+    """torch_xla's in-process profiler session (started and stopped at exact steps; ``trace()``
+    against its server captures a duration), one ``train_step`` event per step: it writes
+    ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``."""
 
     name = "torch_xla"
 

@@ -1,27 +1,13 @@
 """The step timeline's figures as Ray metrics (``ray.util.metrics``), for Ray's dashboard,
-Prometheus and Grafana (``docs/grafana-dashboard.json``).
+Prometheus and Grafana (the metrics: ``docs/observability.md``; the dashboard:
+``docs/grafana-dashboard.json``).
 
 Set from the timeline's background thread every ``interval_s`` (``configure_timeline``), never
 from the step. Every metric is tagged ``run`` (the run's name), ``rank``, ``node`` (the node's
-IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
-
-- ``ray_train_xla_step_time_seconds``: mean step time over the last interval with steps;
-- ``ray_train_xla_samples_per_second`` / ``ray_train_xla_tokens_per_second`` (when
-  ``configure_timeline`` says what a step processes);
-- ``ray_train_xla_tflops_per_second`` / ``ray_train_xla_mfu``: model TFLOP/s of this device
-  and their share of its peak (when ``configure_timeline`` gives ``flops_per_step``);
-- ``ray_train_xla_device_memory_bytes`` / ``ray_train_xla_device_memory_peak_bytes``;
-- ``ray_train_xla_steps_total``: steps finished;
-- ``ray_train_xla_time_seconds_total{bucket=...}``: seconds of step time by bucket: ``step``
-  (all of it), ``data_wait``, ``checkpoint_stall``, ``compilation``;
-- ``ray_train_xla_goodput_ratio``: this worker's productive step time over the time since its
-  worker group started (the run's goodput across restarts is ``ray-train-xla goodput``);
-- ``ray_train_xla_straggler_excess_seconds{run, rank}``: set by rank 0 for each rank it names a
-  straggler (``goodput.stragglers``, from every rank's events in the run's storage, every
-  ``storage_interval_s``, over the last 5 minutes): how much longer a step that rank's own
-  time is than the other ranks' median; 0 once it is no longer named.
-
-Needs Ray's metrics agent (``pip install 'ray[default]'``) to leave the node.
+IP address) and ``device``, but rank 0's ``train_xla_straggler_excess_seconds``, tagged ``run``
+and ``rank`` (the rank it names: ``goodput.stragglers``, every ``storage_interval_s``, over the
+last 5 minutes; 0 once no longer named). Ray exports them with its ``ray_`` prefix; they leave
+the node through Ray's metrics agent (``pip install 'ray[default]'``).
 """
 
 from __future__ import annotations

@@ -1,40 +1,23 @@
 """The step timeline of one worker: where each step's time goes, at a cost of a few
-microseconds a step.
+microseconds a step (what it measures and reports: ``docs/observability.md``).
 
-The training thread only stamps boundaries. At the end of every step (``optimizer_step``,
-``step_done``, or a plain ``optimizer.step()`` seen through torch's optimizer hook: each step
-once, by the rules of ``steps.py``) it appends one record to a bounded buffer: the step's end
-(host wall clock), and what the step spent, since the previous end,
+The training thread only stamps boundaries. At the end of every step (each step once, by the
+rules of ``steps.py``) it appends one record to a bounded buffer: the step's end (host wall
+clock) and what the step spent since the previous end waiting for data (blocked in the
+toolkit's loaders handing out a batch, nothing else: the rest is step time), blocked in
+``save_checkpoint``, ``report`` and ``flush_reports`` (the stall), compiling (the growth of the
+compile time, read again only when the compile counter moved: about 0.6 us) and on its own:
+from the previous step end to its arrival at the step's gradient synchronisation (``arrived``),
+less its stall. Synchronous collectives end every rank's step together, so step times cannot
+tell a slow rank; own times can (``goodput.stragglers``). Step time is host time: XLA's queue is
+short, so in steady state the host waits for the device every step, without a forced sync.
 
-- waiting for data: time blocked in the toolkit's loaders (``prepare_data_loader``,
-  ``iter_xla_batches``) handing out a batch, from the loop asking for it (``next()``) to
-  getting it, and nothing else: whichever way steps end, the rest of the time between two
-  step ends (forward, backward, a ``torch_xla.sync()`` after a hooked ``step()``) is step time;
-- blocked in ``save_checkpoint``, ``report`` and ``flush_reports`` (the checkpoint/report stall:
-  the snapshot, a wait for an in-flight slot, ``wait=True``);
-- compiling: the growth of torch_xla's ``CompileTime`` (native stacks: Dynamo's compile time),
-  read again only when the compile counter moved (a counter read, about 0.6 us);
-- its own time: from the previous step end to its arrival at the step's gradient
-  synchronisation (``optimizer_step``, ``reduce_gradients``, ``clip_grad_norm_`` before their
-  first collective, the forward of a model ``prepare_sharded_model`` returned), less its
-  checkpoint stall; a span keeps the sum, count and median of its steps' own times, steps
-  that compiled left out. Synchronous collectives end every rank's step together, so step
-  times cannot tell a slow rank; own times can: the rank that arrives last holds the others
-  back (``goodput.stragglers``).
-
-Step time is host time between step ends. XLA runs asynchronously, but its queue is short:
-in steady state the host waits for the device every step, so the host's step time is the
-device's, without forcing a sync. A background thread, every ``interval_s``, drains the buffer,
-reads device memory (torch_xla's memory info, the native device's allocator, or the process's
-resident memory on CPU), sets the Ray metrics (``ray_metrics.py``) and, every
-``storage_interval_s``, at checkpoints and at the end, writes this worker's goodput events into
-the run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``).
-
-The backend starts the timeline when the training function starts and ends it when it returns
-or raises (``startup/train_function.py``); the loaders, checkpoints and reports tell it what they
-do through ``toolkit/events.py``. :func:`configure_timeline` says what one step
-processes (samples, tokens) and how often the background thread runs. ``metrics()`` adds the
-steps since its previous call as ``timeline/...`` keys (:func:`report_metrics`).
+A background thread, every ``interval_s``, drains the buffer into spans and events, reads
+device memory, sets the Ray metrics (``ray_metrics.py``) and, every ``storage_interval_s``, at
+checkpoints and at the end, writes this worker's goodput events into the run's storage
+(``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``). The training path
+tells it what happens through ``toolkit/events.py``; ``startup/train_function.py`` begins and
+ends it.
 """
 
 from __future__ import annotations
@@ -69,17 +52,14 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
                        peak_tflops: float | None = None,
                        straggler_threshold: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
-    the timeline then gives samples/s and tokens/s; ``flops_per_step``, the model FLOPs of this
-    worker's step, forward and backward, from ``model_flops_per_token`` or ``count_flops``: it
-    then gives TFLOP/s and MFU against ``peak_tflops``, the device's peak, by default the
-    config's ``peak_tflops``, else the published figure of the worker's device or, on CPU, a
-    matmul probe's) and how often the background thread runs (``interval_s``: Ray metrics and
-    memory, 5 s by default; ``storage_interval_s``: goodput events written to the run's storage,
-    30 s by default, and always at checkpoints and at the end; ``straggler_threshold``: rank 0
-    names, as a Ray metric, the ranks whose own time exceeds the others' median by more than
-    this share of the step time, 0.1 by default). Call it on every worker; values left None are
-    as they are, and a value that differs from one set before (or from the config's
-    ``peak_tflops``) raises ``ValueError``."""
+    then samples/s and tokens/s; ``flops_per_step``, the model FLOPs of its forward and
+    backward, from ``model_flops_per_token`` or ``count_flops``: then TFLOP/s and MFU against
+    ``peak_tflops``, by default the config's, else ``device_peak``), how often the background
+    thread runs (``interval_s``: Ray metrics and memory, 5 s; ``storage_interval_s``: goodput
+    events, 30 s, and always at checkpoints and at the end) and ``straggler_threshold`` (rank 0's
+    Ray metric names the ranks whose own time exceeds the others' median by more than this share
+    of the step time, 0.1). Call it on every worker; values left None are as they are, and a
+    value that differs from one set before (or from the config's) raises ``ValueError``."""
     values = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step,
               "interval_s": interval_s, "storage_interval_s": storage_interval_s,
               "flops_per_step": flops_per_step, "peak_tflops": peak_tflops,
@@ -108,12 +88,9 @@ def instance_type(path: str = PRODUCT_NAME) -> str:
 
 
 def device_peak(device: str) -> tuple[float | None, str]:
-    """(peak TFLOP/s, where it comes from) of one device of this worker when neither
-    ``configure_timeline`` nor the config gives one: on TPU the published figure of the host's
-    accelerator type (``TPU_ACCELERATOR_TYPE``, as Ray reads it on GKE), on Trainium that of the
-    instance type (``instance_type()``) at the logical NeuronCore configuration
-    (``NEURON_LOGICAL_NC_CONFIG``), on CPU a matmul probe of this process
-    (``flops.cpu_peak_tflops``); (None, why) where none is known."""
+    """(peak TFLOP/s, where it comes from) of one device of this worker: the published figure
+    of ``TPU_ACCELERATOR_TYPE`` on TPU, of the instance type at ``NEURON_LOGICAL_NC_CONFIG`` on
+    Trainium, a matmul probe on CPU; (None, why) where none is known."""
     from ray_train_xla.planning import peaks
 
     if device == "cpu":
@@ -141,10 +118,9 @@ def device_peak(device: str) -> tuple[float | None, str]:
 # ---- device memory, off the step path ---------------------------------------------------------
 
 def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
-    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info on XLA
-    devices that report it (``xla_info[0]``, set False once the device said it has none), the
-    native device's allocator, else this process's resident memory (current, peak). None when
-    nothing can be read."""
+    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info where the
+    device reports it (``xla_info[0]``: False once it said it has none), the native device's
+    allocator, else this process's resident memory; None when nothing can be read."""
     from ray_train_xla.toolkit import device as _device
 
     try:
