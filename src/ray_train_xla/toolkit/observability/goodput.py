@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ from typing import Any
 
 BUCKETS = ("productive", "start_up", "compilation", "data_wait", "checkpoint_stall", "lost",
            "restart", "other")
+
+
+# goodput/attempt-<id>/rank-<r>.<part>.jsonl
+_EVENT_FILE = re.compile(r"[^/]*/attempt-([^/]*)/rank-(\d+)(?:\.(\d+))?\.jsonl")
 
 
 class GoodputError(Exception):
@@ -224,18 +229,11 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
 
 def _files(storage: Any, under: str) -> dict[tuple[str, int], list[tuple[int, str]]]:
     """The event files under ``under`` by (attempt, rank): their parts, in order."""
-    files = [f for f in storage.list(under, recursive=True) if f.endswith(".jsonl")]
     grouped: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
-    for path in files:
-        parts = path.split("/")
-        if len(parts) != 3 or not parts[1].startswith("attempt-") or not parts[2].startswith("rank-"):
-            continue
-        name = parts[2][len("rank-"):-len(".jsonl")]
-        rank_text, _, part_text = name.partition(".")
-        try:
-            grouped[(parts[1][len("attempt-"):], int(rank_text))].append((int(part_text or 0), path))
-        except ValueError:
-            continue
+    for path in storage.list(under, recursive=True):
+        found = _EVENT_FILE.fullmatch(path)
+        if found:
+            grouped[(found[1], int(found[2]))].append((int(found[3] or 0), path))
     return {key: sorted(parts) for key, parts in grouped.items()}
 
 

@@ -263,9 +263,7 @@ def tracer_for_worker():
     ctx = worker_context()
     if not ctx.native:
         return XLATracer()
-    if ctx.device == "tpu":
-        return TorchTPUTracer()
-    return TorchTracer()
+    return TorchTPUTracer() if ctx.device == "tpu" else TorchTracer()
 
 
 # ---- the worker's windows -----------------------------------------------------------------------
@@ -487,7 +485,7 @@ class RequestWatcher:
                 requests = pending_requests(self._profiles.storage)
             except Exception as exc:  # noqa: BLE001 (storage briefly unavailable)
                 logger.debug("profile requests not read: %s", exc)
-                requests = []
+                continue
             for request in requests:
                 self.publish(store, request)
 
