@@ -69,10 +69,7 @@ class Worker:
 
     @property
     def first_step_end(self) -> float | None:
-        for span in self.spans:
-            if span.get("first"):
-                return float(span["t1"])
-        return None
+        return next((float(s["t1"]) for s in self.spans if s.get("first")), None)
 
     @property
     def steps(self) -> int:
@@ -255,6 +252,7 @@ def read_run(storage: Any, under: str = "goodput", newest: bool = False) -> list
 
 
 def _attempts(workers: list[Worker]) -> list[Attempt]:
+    """The worker groups of ``workers`` (at least one), by their start."""
     by_attempt: dict[str, list[Worker]] = defaultdict(list)
     for w in workers:
         by_attempt[w.attempt].append(w)
@@ -273,15 +271,13 @@ def _attempts(workers: list[Worker]) -> list[Attempt]:
         attempts.append(Attempt(attempt_id, start, max(end, start), outcome,
                                 sorted(group, key=lambda w: w.rank)))
     attempts.sort(key=lambda a: a.start)
-    if attempts:
-        # The run's clock starts at fit() (when it handed the config to Ray), where the workers
-        # know it: Ray's controller and the first workers starting are the first group's start-up.
-        first = attempts[0]
-        known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
-        if known:
-            first.start = min(known)
-    if attempts and attempts[-1].outcome == "stopped" and all(w.end is None for w in attempts[-1].workers):
-        last = attempts[-1]
+    first, last = attempts[0], attempts[-1]
+    # The run's clock starts at fit() (when it handed the config to Ray), where the workers know
+    # it: Ray's controller and the first workers starting are the first group's start-up.
+    known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
+    if known:
+        first.start = min(known)
+    if last.outcome == "stopped" and all(w.end is None for w in last.workers):
         last.outcome = "running"  # nothing after it: still going (or the run was killed)
         last.end = max(w.last_seen for w in last.workers)
     return attempts

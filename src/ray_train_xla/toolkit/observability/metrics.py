@@ -47,10 +47,8 @@ class CompileMonitor:
     def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, warn_after: int = 1,
                  prefix: str = "xla/", since_start: bool = False) -> None:
         if warmup_steps < 0 or warn_after < 1:
-            raise ValueError(
-                f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) is not "
-                "valid: expected warmup_steps >= 0 and warn_after >= 1"
-            )
+            raise ValueError(f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) "
+                             "is not valid: expected warmup_steps >= 0 and warn_after >= 1")
         self.warmup_steps = warmup_steps
         self.warn_after = warn_after
         self.prefix = prefix
@@ -137,9 +135,9 @@ def _analysed() -> int | None:
     """How many compilations torch_xla's analysis has written so far (None when it is off)."""
     from ray_train_xla.toolkit.observability import compile_causes
 
-    if worker_context().native or not compile_causes.debug_log().enabled:
-        return None
     log = compile_causes.debug_log()
+    if worker_context().native or not log.enabled:
+        return None
     log.read()
     return len(log.compilations)
 
@@ -155,12 +153,8 @@ def metrics(step: int | None = None, warmup_steps: int | None = None,
     ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
 
     In a training function, the step timeline of the steps since this call site's previous call
-    is added (``timeline.py``; each place that calls it has its own window): ``timeline/steps``,
-    and per step on average ``timeline/step_time_s``, ``timeline/data_wait_s``,
-    ``timeline/checkpoint_stall_s``, ``timeline/compile_s``; ``timeline/samples_per_s`` and
-    ``timeline/tokens_per_s`` once ``configure_timeline`` says what a step processes;
-    ``timeline/device_memory_bytes`` and ``timeline/device_memory_peak_bytes`` once the
-    background thread has read them.
+    is added as ``timeline/...`` keys (``Timeline.report_metrics``; each place that calls it has
+    its own window; the keys: ``docs/observability.md``).
     """
     if warmup_steps is not None and (isinstance(warmup_steps, bool) or
                                      not isinstance(warmup_steps, int) or warmup_steps < 0):
