@@ -53,10 +53,8 @@ class Compilation:
     def user_frame(self) -> str:
         """The first frame outside torch, torch_xla, Ray and this package (the user's line that
         cut the graph), else the first frame."""
-        for frame in self.frames:
-            if not any(part in frame for part in _OWN_FRAMES):
-                return frame
-        return self.frames[0] if self.frames else ""
+        outside = [f for f in self.frames if not any(part in f for part in _OWN_FRAMES)]
+        return (outside or self.frames or [""])[0]
 
     def describe(self) -> str:
         where = f" at {self.user_frame}" if self.user_frame else ""
@@ -169,12 +167,9 @@ def dynamo_reasons(limit: int = 5) -> list[str]:
         return []
     from torch._dynamo.utils import guard_failures
 
-    out = []
-    for code, reasons in list(guard_failures.items()):
-        name = getattr(code, "co_name", str(code))
-        where = f"{getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')}"
-        for reason in reasons:
-            out.append(f"{name} ({where}): {reason}")
+    out = [f"{getattr(code, 'co_name', str(code))} ({getattr(code, 'co_filename', '?')}:"
+           f"{getattr(code, 'co_firstlineno', '?')}): {reason}"
+           for code, reasons in list(guard_failures.items()) for reason in reasons]
     return out[-limit:]
 
 
@@ -305,11 +300,10 @@ class GraphCheck:
             if str(step) not in entries:
                 return  # a rank is more than one check away: compare at the next one
             values[rank] = entries[str(step)]
-        verdict = compare(values)
-        if verdict is None or verdict == self._last_verdict:
-            self._last_verdict = verdict
-            return
+        verdict, last = compare(values), self._last_verdict
         self._last_verdict = verdict
+        if verdict is None or verdict == last:
+            return
         self.verdicts.append((step, verdict))
         message = (f"ranks compile different graphs (compared at step {step}): {verdict}. "
                    "Ranks that run different graphs run different programs: with collectives "
