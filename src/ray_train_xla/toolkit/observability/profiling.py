@@ -555,8 +555,7 @@ def install(watch_requests: bool = True) -> Profiles:
     uninstall()
     rt = runtime()
     ctx = rt.ctx
-    profiles = rt.profiles = Profiles(ctx.rank, ctx.world_size)
-    _steps.add_step_hook(profiles.on_step)
+    profiles = _worker_profiles()
     if ctx.profile_steps is not None:
         start, count = ctx.profile_steps
         try:

@@ -445,9 +445,10 @@ class Timeline:
             span = self._span = {"kind": "span", "t0": t0, "t1": t1, "steps": 0, "data_s": 0.0,
                                  "stall_s": 0.0, "compile_s": 0.0}
         span["t1"] = t1
-        span["data_s"] += data
-        span["stall_s"] += stall
-        span["compile_s"] += compile_s
+        for key, value in (("data_s", data), ("stall_s", stall), ("compile_s", compile_s)):
+            span[key] += value
+            if kind != END:
+                window[key] += value
         if kind == STEP:
             span["steps"] += 1
             span["last_step"] = steps
@@ -456,9 +457,6 @@ class Timeline:
                 span.setdefault("own", []).append(own)
         if kind != END:
             window["step_s"] += t1 - t0
-            window["data_s"] += data
-            window["stall_s"] += stall
-            window["compile_s"] += compile_s
         if compile_s > 0 and self._compile_events < MAX_COMPILE_EVENTS:
             self._compile_events += 1
             self._event({"kind": "compile", "t": t1, "compile_s": compile_s, "step": steps})
