@@ -111,7 +111,9 @@ class DebugLog:
     grows (None of it when the analysis is off or goes to stderr)."""
 
     def __init__(self, path: str | None = None) -> None:
-        if path is None and _debug_level() >= 1:
+        level = os.environ.get("PT_XLA_DEBUG_LEVEL", "").strip()
+        on = int(level) >= 1 if level.isdigit() else os.environ.get("PT_XLA_DEBUG", "") == "1"
+        if path is None and on:
             path = os.environ.get("PT_XLA_DEBUG_FILE") or None
         self.path = path
         self._offset = 0
@@ -143,13 +145,6 @@ class DebugLog:
     def hashes(self) -> list[str]:
         self.read()
         return sorted({c.graph_hash for c in self.compilations if c.graph_hash})
-
-
-def _debug_level() -> int:
-    value = os.environ.get("PT_XLA_DEBUG_LEVEL", "")
-    if value.strip().isdigit():
-        return int(value)
-    return 1 if os.environ.get("PT_XLA_DEBUG", "") == "1" else 0
 
 
 def debug_log() -> DebugLog:
@@ -398,8 +393,3 @@ def check_graphs_every(steps: int) -> None:
 def check_interval() -> int:
     """Steps between two graph checks on this worker."""
     return runtime().options(GraphCheckOptions).every
-
-
-def checked() -> GraphCheck | None:
-    """This worker's graph check (None with one worker or outside a run)."""
-    return runtime().graph_check

@@ -112,8 +112,6 @@ def matmul_tflops(size: int = 512, seconds: float = 0.2, dtype: Any = None, devi
     return best / 1e12
 
 
-def cpu_peak_tflops(size: int = 512, seconds: float = 0.2) -> float:
-    """This process's matmul TFLOP/s on the CPU, measured (``matmul_tflops``: float32 products
-    of ``size`` square matrices for about ``seconds``, the best of its rounds): the peak MFU is
-    taken against on CPU workers, where no published figure applies."""
-    return matmul_tflops(size, seconds)
+# The peak MFU is taken against on CPU workers, where no published figure applies: the probe
+# at its defaults (float32, the CPU).
+cpu_peak_tflops = matmul_tflops

@@ -224,21 +224,17 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
     return worker
 
 
-def _files(storage: Any, under: str) -> dict[tuple[str, int], list[tuple[int, str]]]:
-    """The event files under ``under`` by (attempt, rank): their parts, in order."""
-    grouped: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
-    for path in storage.list(under, recursive=True):
-        found = _EVENT_FILE.fullmatch(path)
-        if found:
-            grouped[(found[1], int(found[2]))].append((int(found[3] or 0), path))
-    return {key: sorted(parts) for key, parts in grouped.items()}
-
-
 def read_run(storage: Any, under: str = "goodput", newest: bool = False) -> list[Worker]:
     """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``) whose
     events are under ``under``; ``newest``: from the newest part of each worker's files only."""
+    files: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)  # (part, path)
+    for path in storage.list(under, recursive=True):
+        found = _EVENT_FILE.fullmatch(path)
+        if found:
+            files[(found[1], int(found[2]))].append((int(found[3] or 0), path))
     workers = []
-    for (attempt, rank), parts in sorted(_files(storage, under).items()):
+    for (attempt, rank), parts in sorted(files.items()):
+        parts.sort()
         lines: list[str] = []
         for _, path in parts[-1:] if newest else parts:
             data = storage.read_bytes(path)
