@@ -157,12 +157,9 @@ def wait_for_profile(storage, request_id: str, timeout_s: float, poll_s: float =
             window = Window(accepted["start"], accepted["count"], request_id)
             ranks = {}
             for r in range(accepted["world_size"]):
-                base = rank_dir(window, r)
-                names = {p.rsplit("/", 1)[-1] for p in storage.list(base)}
-                if "profile.json" in names:
-                    ranks[r] = "written"
-                elif "missed.json" in names:
-                    ranks[r] = "missed"
+                names = {p.rsplit("/", 1)[-1] for p in storage.list(rank_dir(window, r))}
+                if names & {"profile.json", "missed.json"}:
+                    ranks[r] = "written" if "profile.json" in names else "missed"
             out = {**accepted, "ranks": ranks,
                    "complete": len(ranks) == accepted["world_size"],
                    "state": f"{len(ranks)} of {accepted['world_size']} ranks done"}

@@ -327,8 +327,7 @@ class Timeline:
                     out["timeline/mfu"] = tflops / peak
         memory = self.memory
         if memory is not None:
-            out["timeline/device_memory_bytes"] = memory[0]
-            out["timeline/device_memory_peak_bytes"] = memory[1]
+            out["timeline/device_memory_bytes"], out["timeline/device_memory_peak_bytes"] = memory
         return out
 
     # ---- other threads ------------------------------------------------------------------------
@@ -510,9 +509,9 @@ class Timeline:
                 self._write_error_logged = True
                 logger.warning("rank %d: timeline: cannot write goodput events to the run's "
                                "storage: %s: %s", self.rank, type(exc).__name__, exc)
-            self._lines.pop()
             return
-        self._lines.pop()  # the heartbeat stays only in what was written
+        finally:
+            self._lines.pop()  # the heartbeat stays only in what was written
         self._last_write = now
         self._dirty = False
         if len(self._lines) >= PART_LINES:
