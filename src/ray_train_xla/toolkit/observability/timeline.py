@@ -184,13 +184,11 @@ class Timeline:
         self._storage = storage
         self._export = export
         # The training thread's accumulators since the last boundary.
-        self.data_s = 0.0
-        self.stall_s = 0.0
+        self.data_s = self.stall_s = 0.0
         self._last = self._prev_step_end = self.begin
         self._own: float | None = None  # this step's own time, once it arrived (``arrived``)
         self._step_stall = 0.0  # stall in this step's checkpoint records so far
-        reader = compile_reader
-        self._count, self._compile_total = reader if reader is not None else (None, None)
+        self._count, self._compile_total = compile_reader or (None, None)
         self._compiles = self._count() if self._count else 0.0
         self._compile_s = self._compile_total() if self._compile_total else 0.0
         self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
@@ -205,7 +203,6 @@ class Timeline:
         self._drained = self._dropped = 0
         self._span: dict[str, Any] | None = None
         self._first_done = False
-        self._lines: list[str] = []
         self._part = 0
         self._compile_events = 0
         self._dirty = True
@@ -220,7 +217,7 @@ class Timeline:
             "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
             "pid": os.getpid(),
         }  # what one step processes is added at each write of the first part (``_write``)
-        self._lines.append(json.dumps(self._header))
+        self._lines = [json.dumps(self._header)]
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -244,8 +241,7 @@ class Timeline:
             self._step_stall += stall
         self._buf.append((kind, steps, self._last, now, data, stall, compile_s, own))
         self._appended += 1
-        self.data_s = 0.0
-        self.stall_s = 0.0
+        self.data_s = self.stall_s = 0.0
         self._last = now
         m = self._m  # what metrics() reports: whole steps, their checkpoints included
         m[2] += data
@@ -419,13 +415,9 @@ class Timeline:
         while self._commits:  # (lost work is counted from the checkpoints Ray took: write now)
             self._event({"kind": "commit", "t": self._commits.popleft()}, due=True)
         appended = self._appended
-        while True:
-            try:
-                rec = self._buf.popleft()
-            except IndexError:
-                break
+        while self._buf:  # (this thread alone takes records out)
             self._drained += 1
-            self._record(rec, window)
+            self._record(self._buf.popleft(), window)
         lost = appended - self._drained - len(self._buf)
         if lost > self._dropped:  # the deque dropped its oldest records: the timeline is behind
             logger.warning("rank %d: timeline: %d step records dropped (the background thread "
