@@ -246,11 +246,10 @@ def compare(values: dict[int, str]) -> str | None:
 
 
 class GraphCheck:
-    """Every ``every`` steps, each rank writes its :func:`summary` for that step to the store;
-    rank 0 compares the ranks' values of the previous check and warns (logs and
-    :class:`DivergentGraphsWarning`, on its training thread) when they differ, once per
-    different outcome. Each value holds this check's and the previous one's, so rank 0 finds
-    the previous check's whatever the order of the writes."""
+    """Every ``every`` steps, each rank writes its :func:`summary` to the store with the previous
+    check's (so rank 0 finds it whatever the order of the writes); rank 0 compares the ranks'
+    values of the previous check and warns (logs and :class:`DivergentGraphsWarning`, on its
+    training thread) once per different outcome."""
 
     def __init__(self, store, rank: int, world: int, prefix: str,
                  every: int = DEFAULT_CHECK_EVERY) -> None:
@@ -313,14 +312,12 @@ LOCAL_RANK_VAR = "PJRT_LOCAL_PROCESS_RANK"
 
 def analyse_this_process() -> None:
     """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
-    compilations too (as the training function starts, every rank, before anything compiles:
-    ``startup/train_function.py``; every worker, so their graph counts stay equal).
-
-    torch_xla 2.9 writes it only in its "master" process, the one whose
-    ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that variable (with the level and the file) once,
-    at its first compilation. So this process makes its first compilation here, a graph of one
-    small op, with the variable at 0 for that moment only, after the device is up (the runtime
-    has read the real value); a warning when torch_xla had compiled already (too late)."""
+    compilations too (every rank, as the training function starts, so their graph counts stay
+    equal). torch_xla 2.9 writes it only where ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that
+    variable (with the level and the file) once, at its first compilation: so this process
+    makes its first compilation here, a graph of one small op, with the variable at 0 for that
+    moment only, after the device is up (the runtime has read the real value). When torch_xla
+    compiled already (too late): a warning."""
     ctx = worker_context()
     if ctx.native or not debug_log().enabled:
         return

@@ -53,10 +53,9 @@ def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -
         raise ValueError(f"model_flops_per_token: {type(module).__name__} has {what}; it counts "
                          "Hugging Face decoders of linear layers: measure this model's step "
                          "with count_flops(step) instead")
-    layers = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    attention = 12 * layers * heads * head_dim * seq_len
+    attention = 12 * config.num_hidden_layers * heads * head_dim * seq_len
     return 6.0 * matmul + (attention / 2 if causal_half else attention)
 
 

@@ -4,19 +4,17 @@ storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodpu
 (``tools/goodput.py``) prints it and draws the run; ``docs/observability.md`` describes the
 buckets, MFU over productive time and the stragglers.
 
-The run's wall clock starts at ``fit()`` (the workers' ``run_start``: when it handed the config
-to Ray; runs whose events lack it start at the first worker group's start) and ends when the
-last training function of the last worker group ended. Every second of it falls in one of
-``BUCKETS`` (``worker_buckets`` says how). A worker group failed when a training function
-raised (its end is the earliest failure), or when it stopped while its functions ran: Ray shut
-it down (an elastic resize; its end is when the first worker was told), or its workers stopped
-writing (killed: its end is then their last write, known to within ``storage_interval_s``).
-Each group's buckets are the mean over its workers: they step together.
+The run's wall clock starts at ``fit()`` (the workers' ``run_start``; else at the first worker
+group's start) and ends when the last training function of the last worker group ended; every
+second of it falls in one of ``BUCKETS`` (``worker_buckets``). A worker group failed when a
+training function raised (its end is the earliest failure), or when it stopped while its
+functions ran: Ray shut it down (an elastic resize; its end is when the first worker was told),
+or its workers stopped writing (killed: its end is their last write, known to within
+``storage_interval_s``). Each group's buckets are the mean over its workers: they step together.
 
-With synchronous collectives every rank's step ends together, so a straggler is found by its
-own time a step (``timeline.py``): a rank is named when its median own time exceeds the median
-of the other ranks' by more than ``threshold`` (10%) of the group's step time (medians: a
-single hiccup names no rank); that excess times its steps is what it cost every rank.
+A rank is a straggler when its median own time a step (``timeline.py``) exceeds the median of
+the other ranks' by more than ``threshold`` (10%) of the group's step time (medians: a single
+hiccup names no rank); that excess times its steps is what it cost every rank.
 """
 
 from __future__ import annotations
@@ -443,7 +441,6 @@ def stragglers(workers: list[Worker], threshold: float = 0.1,
 
 def live_stragglers(storage: Any, under: str, since: float,
                     threshold: float = 0.1) -> list[Straggler]:
-    """The stragglers of a running worker group from the newest event file of each of its ranks
-    under ``under`` (``goodput/attempt-<id>`` in ``storage``; rank 0's timeline, for the Ray
-    metric), over the spans that end at ``since`` or later."""
+    """The stragglers of a running worker group (rank 0's Ray metric) from the newest event file
+    of each rank under ``under`` (``goodput/attempt-<id>``), over the spans ending at ``since`` on."""
     return stragglers(read_run(storage, under, newest=True), threshold, since)[0]

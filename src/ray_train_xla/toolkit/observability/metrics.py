@@ -37,12 +37,9 @@ class RecompilationWarning(UserWarning):
 
 class CompileMonitor:
     """Counts compilations and executions since it was created (``since_start``: since the
-    process started); warns on recompilation storms.
-
-    Call ``metrics(step)`` once per step (or every few steps). Compilations after step
-    ``warmup_steps`` count as recompilations; when they reach ``warn_after``, one
-    ``RecompilationWarning`` is issued with the step number.
-    """
+    process started). Call ``metrics(step)`` once per step (or every few steps): compilations
+    after step ``warmup_steps`` count as recompilations, and when they reach ``warn_after`` one
+    ``RecompilationWarning`` names the step."""
 
     def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, warn_after: int = 1,
                  prefix: str = "xla/", since_start: bool = False) -> None:
@@ -63,12 +60,10 @@ class CompileMonitor:
         self.warned_at_step: int | None = None
 
     def metrics(self, step: int | None = None, execute_time: bool = False) -> dict[str, Any]:
-        """A flat dict of this worker's compile/execution counts and times (seconds) so far.
-
-        ``step``: the current step (1-based, finished); default: one more than the last call.
+        """A flat dict of this worker's compile/execution counts and times (seconds) so far;
+        ``step``: the current step (1-based, finished), by default one more than the last call;
         ``execute_time``: also ``execute_time_s`` (about 0.2 ms to read: ask for it on the steps
-        you report, not every step).
-        """
+        you report, not every step)."""
         step = self._steps + 1 if step is None else step
         self._steps = step
         now = self._read(execute_time)
@@ -145,17 +140,13 @@ def _analysed() -> int | None:
 def metrics(step: int | None = None, warmup_steps: int | None = None,
             execute_time: bool = False) -> dict[str, Any]:
     """This worker's XLA compile/execution metrics and step timeline as a flat dict for
-    ``ray.train.report``.
-
-    Counts since the process started; warns once on recompilations after ``warmup_steps``
-    (default 3; see ``CompileMonitor``: a value that differs from the one in effect raises
-    ``ValueError``). Cheap enough for every step; ``execute_time=True`` adds
-    ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
-
-    In a training function, the step timeline of the steps since this call site's previous call
-    is added as ``timeline/...`` keys (``Timeline.report_metrics``; each place that calls it has
-    its own window; the keys: ``docs/observability.md``).
-    """
+    ``ray.train.report``: counts since the process started and, in a training function,
+    ``timeline/...`` keys for the steps since this call site's previous call (each place that
+    calls it has its own window; the keys: ``docs/observability.md``). Warns once on
+    recompilations after ``warmup_steps`` (default 3; see ``CompileMonitor``; a value that
+    differs from the one in effect raises ``ValueError``). Cheap enough for every step;
+    ``execute_time=True`` adds ``xla/execute_time_s``, about 0.2 ms to read (ask for it when
+    reporting)."""
     if warmup_steps is not None and (isinstance(warmup_steps, bool) or
                                      not isinstance(warmup_steps, int) or warmup_steps < 0):
         raise ValueError(f"metrics: warmup_steps={warmup_steps!r} must be an int >= 0")

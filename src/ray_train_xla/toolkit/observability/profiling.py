@@ -431,10 +431,9 @@ class Profiles:
 
 
 class RequestWatcher:
-    """A daemon thread. Rank 0: looks for requests in the run's storage every ``poll_s``,
-    accepts each and publishes its window under ``<prefix>/<n>`` in the store. Other ranks: wait
-    for ``<prefix>/<n>`` on a store connection of their own. Both add the window to
-    ``profiles``."""
+    """A daemon thread. Rank 0: looks for requests in the run's storage every ``poll_s``, accepts
+    each and publishes its window under ``<prefix>/<n>`` in the store; other ranks wait for it on
+    a store connection of their own. Both add the window to ``profiles``."""
 
     def __init__(self, profiles: Profiles, connect, prefix: str, poll_s: float = POLL_S,
                  wait_s: float = WAIT_S) -> None:
@@ -468,12 +467,6 @@ class RequestWatcher:
                 logger.info("rank %d: profile requests from outside no longer watched: %s",
                             self._profiles.rank, exc)
 
-    def steps_per_s(self) -> float:
-        if len(self._samples) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
-
     def _lead(self, store) -> None:
         # (the first look one interval in: not while the training function starts)
         while not self._stop.wait(self._poll_s):
@@ -494,8 +487,10 @@ class RequestWatcher:
             self._sample()
             self._stop.wait(0.25)
             self._sample()
+        (t0, s0), (t1, s1) = self._samples
         done = _steps.steps_done()
-        window = accept(request["id"], int(request["steps"]), done, self.steps_per_s())
+        window = accept(request["id"], int(request["steps"]), done,
+                        (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0)
         busy = [w for w in self._profiles.windows() if w.end_after >= window.start]
         if busy:  # after the last window still to come
             window = Window(max(w.end_after for w in busy) + 1, window.count, window.source)
@@ -546,9 +541,8 @@ def _store_client():
 
 
 def install(watch_requests: bool = True) -> Profiles:
-    """Start this worker's profiles (as the training function starts, every rank; held by the
-    runtime): the config's window and, with several workers or one, the watcher of requests
-    from outside."""
+    """Start this worker's profiles (every rank, as the training function starts; held by the
+    runtime): the config's window and the watcher of requests from outside."""
     uninstall()
     rt = runtime()
     ctx = rt.ctx
@@ -585,10 +579,9 @@ def _worker_profiles() -> Profiles:
 
 
 def profile_steps(start: int, count: int) -> Window:
-    """Capture steps ``start`` .. ``start + count - 1`` on this rank (call it with the same
-    values on every rank). The traces go to the run's storage under
-    ``profiles/<start>/rank-<r>/``. Raises ValueError for a window already past, or one that
-    overlaps another."""
+    """Capture steps ``start`` .. ``start + count - 1`` on this rank (call it with the same values
+    on every rank) into the run's storage under ``profiles/<start>/rank-<r>/``. Raises
+    ValueError for a window already past, or one that overlaps another."""
     window = Window(start, count, "function")
     if window.begin_after < _steps.steps_done():
         raise ValueError(f"profile_steps({start}, {count}): step {start} has already started "

@@ -12,11 +12,9 @@ the node through Ray's metrics agent (``pip install 'ray[default]'``).
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Callable
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 TAG_KEYS = ("run", "rank", "node", "device")
 BUCKETS = ("step", "data_wait", "checkpoint_stall", "compilation")
@@ -98,8 +96,6 @@ def exporter() -> Callable[[Any, dict], None] | None:
                 m.seconds.inc(window[key], tags={**tags, "bucket": bucket})
         m.productive += max(0.0, window["step_s"] - window["data_s"] - window["stall_s"]
                             - window["compile_s"])
-        import time
-
         elapsed = time.time() - tl.group_start
         if elapsed > 0:
             m.goodput.set(min(1.0, m.productive / elapsed), tags=tags)

@@ -3,21 +3,18 @@ microseconds a step (what it measures and reports: ``docs/observability.md``).
 
 The training thread only stamps boundaries. At the end of every step (each step once, by the
 rules of ``steps.py``) it appends one record to a bounded buffer: the step's end (host wall
-clock) and what the step spent since the previous end waiting for data (blocked in the
-toolkit's loaders handing out a batch, nothing else: the rest is step time), blocked in
-``save_checkpoint``, ``report`` and ``flush_reports`` (the stall), compiling (the growth of the
-compile time, read again only when the compile counter moved: about 0.6 us) and on its own:
-from the previous step end to its arrival at the step's gradient synchronisation (``arrived``),
-less its stall. Synchronous collectives end every rank's step together, so step times cannot
-tell a slow rank; own times can (``goodput.stragglers``). Step time is host time: XLA's queue is
-short, so in steady state the host waits for the device every step, without a forced sync.
+clock) and, since the previous end, its time blocked in the toolkit's loaders handing out a
+batch (data wait), in ``save_checkpoint``, ``report`` and ``flush_reports`` (stall), compiling
+(the compile time, read again only when the compile counter moved: about 0.6 us) and its own
+time (``arrived``), which tells a slow rank where synchronous collectives give every rank the
+same step time. Step time is host time: XLA's queue is short, so in steady state the host
+waits for the device every step, without a forced sync.
 
 A background thread, every ``interval_s``, drains the buffer into spans and events, reads
 device memory, sets the Ray metrics (``ray_metrics.py``) and, every ``storage_interval_s``, at
 checkpoints and at the end, writes this worker's goodput events into the run's storage
 (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``). The training path
-tells it what happens through ``toolkit/events.py``; ``startup/train_function.py`` begins and
-ends it.
+tells it what happens through ``toolkit/events.py``.
 """
 
 from __future__ import annotations
@@ -398,9 +395,8 @@ class Timeline:
                 logger.warning("rank %d: timeline: %s: %s", self.rank, type(exc).__name__, exc)
 
     def stragglers(self) -> dict[int, float]:
-        """(Rank 0) the ranks of this worker group named stragglers over the last
-        ``STRAGGLER_WINDOW_S``, from every rank's newest events in the run's storage: their
-        excess own time a step, in seconds (``goodput.stragglers``)."""
+        """(Rank 0) the ranks named stragglers over the last ``STRAGGLER_WINDOW_S``, from every
+        rank's newest events: their excess own time a step, in seconds (``goodput.stragglers``)."""
         from ray_train_xla.toolkit.observability.goodput import live_stragglers
 
         found = live_stragglers(self._storage, self.path(0).rsplit("/", 1)[0],
