@@ -20,6 +20,7 @@ directory ends with ``profile.json`` (its steps, profiler and files), written la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -413,11 +414,9 @@ class Profiles:
         logger.warning("rank %d: the profile window of steps %d-%d reached this rank at step %d, "
                        "after its start: not captured here", self.rank, window.start,
                        window.end_after, at_step)
-        try:
+        with contextlib.suppress(Exception):  # (the warning above says it)
             self.storage.write_bytes(f"{rank_dir(window, self.rank)}/missed.json", json.dumps(
                 {**asdict(window), "rank": self.rank, "at_step": at_step}).encode())
-        except Exception:  # noqa: BLE001 (the warning above says it)
-            pass
 
     def flush(self, timeout_s: float = 300.0) -> None:
         """Wait for the uploads of finished windows (the end of the training function)."""

@@ -20,6 +20,7 @@ tells it what happens through ``toolkit/events.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -120,7 +121,7 @@ def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
     allocator, else this process's resident memory; None when nothing can be read."""
     from ray_train_xla.toolkit import device as _device
 
-    try:
+    with contextlib.suppress(Exception):  # (the XLA CPU device has no allocator stats: RSS)
         if not _device.is_native():
             if not xla_info[0]:
                 return _process_memory()
@@ -142,8 +143,6 @@ def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
                 mod = getattr(torch, "accelerator", None)
             if hasattr(mod, "memory_allocated"):
                 return float(mod.memory_allocated()), float(mod.max_memory_allocated())
-    except Exception:  # noqa: BLE001 (the XLA CPU device has no allocator stats: RSS below)
-        pass
     return _process_memory()
 
 
@@ -538,13 +537,11 @@ def begin() -> Timeline:
     ctx = rt.ctx
     storage = RunStorage.of_worker() if ctx.planned else None
     node = ""
-    try:
+    with contextlib.suppress(Exception):  # (outside Ray)
         import ray
 
         if ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 (outside Ray)
-        pass
     try:
         counters = Counters()
         compile_reader = counters.compiles, counters.compile_time_s
