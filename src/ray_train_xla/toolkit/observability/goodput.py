@@ -135,8 +135,8 @@ class Attempt:
         found = [r for w in self.workers for r in w.restores]
         if not found:
             return None
-        tiers = sorted({str(r["tier"]) for r in found})
-        return {"tier": "+".join(tiers), "seconds": max(float(r["seconds"] or 0) for r in found)}
+        return {"tier": "+".join(sorted({str(r["tier"]) for r in found})),
+                "seconds": max(float(r["seconds"] or 0) for r in found)}
 
 
 @dataclass

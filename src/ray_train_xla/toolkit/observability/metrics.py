@@ -1,11 +1,8 @@
 """Compile and execution metrics (``counters.py``: torch_xla's, Dynamo's on the native stacks),
-ready for ``ray.train.report``.
-
-A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
-them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
-``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as the
-stack reports it (``compile_causes``: torch_xla's compilation analysis with
-``TorchXLAConfig(compile_causes=True)``, Dynamo's guard failures on the native stacks).
+ready for ``ray.train.report``. A healthy XLA loop compiles its graphs during the first steps
+(warm-up) and then only replays them; graphs that keep compiling after warm-up make every step
+slow: ``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as
+the stack reports it (``compile_causes.py``).
 """
 
 from __future__ import annotations

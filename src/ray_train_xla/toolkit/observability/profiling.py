@@ -2,20 +2,19 @@
 storage under ``profiles/<first step>/rank-<r>/`` (how to ask for one, what each stack writes:
 ``docs/debugging.md``).
 
-A window comes from the config (``profile_steps=(start, count)``), from the training function
-(``profile_steps``, on every rank) or from outside (``ray-train-xla profile`` writes a request
-under ``profiles/requests/``). Rank 0's ``RequestWatcher`` looks for requests every ``POLL_S``
-seconds, accepts one by choosing its first step a safe margin ahead (``MIN_MARGIN_STEPS``, and
-``MARGIN_S`` seconds of steps at its measured rate), writes ``profiles/accepted/<id>.json`` and
-publishes the window in the process group's store; the other ranks' watchers wait for it there
-(a blocking wait on a store connection of their own: no traffic while idle). A rank that learns
-of a window after its first step captures nothing and writes ``rank-<r>/missed.json``.
+A window comes from the config (``profile_steps=(start, count)``), the training function
+(``profile_steps``, on every rank) or outside (``ray-train-xla profile`` writes a request under
+``profiles/requests/``). Rank 0's ``RequestWatcher`` accepts a request with a first step a safe
+margin ahead (``MIN_MARGIN_STEPS``, and ``MARGIN_S`` seconds of steps at its measured rate),
+writes ``profiles/accepted/<id>.json`` and publishes the window in the process group's store,
+where the other ranks' watchers wait for it. A rank that learns of a window after its first
+step captures nothing and writes ``rank-<r>/missed.json``.
 
-Steps are counted at the step seam (``toolkit/steps.py``). A window (start, count) starts its
-trace when step ``start - 1`` ends and stops it when step ``start + count - 1`` ends; outside a
-window the step hook compares one integer. The traces are written on the training thread when
-the window ends and uploaded in the background (:func:`flush` waits for them); each rank's
-directory ends with ``profile.json`` (its steps, profiler and files), written last.
+A window (start, count) starts its trace when step ``start - 1`` ends and stops it when step
+``start + count - 1`` ends (steps counted by ``toolkit/steps.py``); outside a window the step
+hook compares one integer. The traces are written on the training thread when the window ends
+and uploaded in the background (:func:`flush` waits for them); each rank's directory ends with
+``profile.json`` (its steps, profiler and files), written last.
 """
 
 from __future__ import annotations

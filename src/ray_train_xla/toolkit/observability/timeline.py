@@ -177,8 +177,7 @@ class Timeline:
         self.begin = clock()
         self.group_start = group_start or self.begin
         self.run_start = run_start  # when fit() handed the config to Ray; 0.0 when unknown
-        self._storage = storage
-        self._export = export
+        self._storage, self._export = storage, export
         # The training thread's accumulators since the last boundary.
         self.data_s = self.stall_s = 0.0
         self._last = self._prev_step_end = self.begin
