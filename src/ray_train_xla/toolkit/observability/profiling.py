@@ -85,10 +85,9 @@ def check_window(start: Any, count: Any) -> None:
                              "(steps are counted from 1)")
 
 
-def margin_steps(steps_per_s: float, margin_s: float = MARGIN_S,
-                 minimum: int = MIN_MARGIN_STEPS) -> int:
+def margin_steps(steps_per_s: float) -> int:
     """How many steps ahead of rank 0 a window requested from outside starts."""
-    return max(minimum, math.ceil(max(steps_per_s, 0.0) * margin_s))
+    return max(MIN_MARGIN_STEPS, math.ceil(max(steps_per_s, 0.0) * MARGIN_S))
 
 
 def accept(request_id: str, count: int, steps_done: int, steps_per_s: float) -> Window:

@@ -12,6 +12,7 @@ the node through Ray's metrics agent (``pip install 'ray[default]'``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,12 +66,10 @@ def exporter() -> Callable[[Any, dict], None] | None:
         node_ip = ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 (outside Ray)
         return None
-    state: dict[str, Any] = {}
+    metrics = functools.cache(_Metrics)  # made at the first export, then the same
 
     def export(tl: Any, window: dict) -> None:
-        m = state.get("m")
-        if m is None:
-            m = state["m"] = _Metrics()
+        m = metrics()
         tags = {"run": tl.run or "unnamed", "rank": str(tl.rank), "node": node_ip,
                 "device": tl.device}
         if window["steps"]:
