@@ -58,9 +58,7 @@ class Compilation:
 
     def describe(self) -> str:
         where = f" at {self.user_frame}" if self.user_frame else ""
-        shape = ""
-        if self.inputs is not None:
-            shape = f", {self.inputs} inputs, {self.outputs} outputs"
+        shape = f", {self.inputs} inputs, {self.outputs} outputs" if self.inputs is not None else ""
         return f"{self.cause or 'unknown cause'} (graph {self.graph_hash[:12] or '?'}{shape}){where}"
 
 

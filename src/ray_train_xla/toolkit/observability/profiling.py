@@ -545,9 +545,8 @@ def install(watch_requests: bool = True) -> Profiles:
     ctx = rt.ctx
     profiles = _worker_profiles()
     if ctx.profile_steps is not None:
-        start, count = ctx.profile_steps
         try:
-            profiles.add(Window(start, count, "config"))
+            profiles.add(Window(*ctx.profile_steps, "config"))
         except ValueError as exc:
             logger.warning("rank %d: profile_steps not scheduled: %s", ctx.rank, exc)
     if watch_requests and ctx.master_addr and ctx.master_port:

@@ -248,9 +248,8 @@ class Timeline:
             self._prev_step_end = now
 
     def arrived(self) -> None:
-        """This rank reached the step's gradient synchronisation: its own time of the step is
-        the time since the previous step end, less its checkpoint stall (the first arrival of a
-        step counts)."""
+        """This rank reached the step's gradient synchronisation (the first arrival counts): its
+        own time of the step is the time since the previous step end, less its checkpoint stall."""
         if self._own is None:
             self._own = (self._clock() - self._prev_step_end - self._step_stall
                          - self.stall_s)
