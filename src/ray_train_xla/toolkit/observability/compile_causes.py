@@ -146,8 +146,7 @@ class DebugLog:
 
 
 def debug_log() -> DebugLog:
-    """This worker's :class:`DebugLog` (one reader, so each block is read once; held by the
-    runtime)."""
+    """This worker's :class:`DebugLog`, held by the runtime (one reader: each block read once)."""
     return runtime().part("debug_log", DebugLog)
 
 
@@ -160,10 +159,9 @@ def dynamo_reasons(limit: int = 5) -> list[str]:
         return []
     from torch._dynamo.utils import guard_failures
 
-    out = [f"{getattr(code, 'co_name', str(code))} ({getattr(code, 'co_filename', '?')}:"
-           f"{getattr(code, 'co_firstlineno', '?')}): {reason}"
-           for code, reasons in list(guard_failures.items()) for reason in reasons]
-    return out[-limit:]
+    return [f"{getattr(code, 'co_name', str(code))} ({getattr(code, 'co_filename', '?')}:"
+            f"{getattr(code, 'co_firstlineno', '?')}): {reason}"
+            for code, reasons in list(guard_failures.items()) for reason in reasons][-limit:]
 
 
 def causes_text(since: int = 0, limit: int = 3) -> str:

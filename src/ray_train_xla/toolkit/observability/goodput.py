@@ -314,8 +314,7 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
         length = t1 - t0
         if length <= 0:
             continue
-        data, compile_s, stall = (float(span.get("data_s", 0.0)), float(span.get("compile_s", 0.0)),
-                                  float(span.get("stall_s", 0.0)))
+        data, compile_s, stall = (float(span.get(k, 0.0)) for k in ("data_s", "compile_s", "stall_s"))
         measured = data + compile_s + stall
         if t1 <= head:  # in the head: only what was measured leaves start-up
             moved = min(measured, out[startup_key])

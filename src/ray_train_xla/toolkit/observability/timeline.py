@@ -44,10 +44,8 @@ GOODPUT_DIR = "goodput"
 STEP, CHECKPOINT, END = 0, 1, 2
 
 def configure_timeline(samples_per_step: float | None = None, tokens_per_step: float | None = None,
-                       interval_s: float | None = None,
-                       storage_interval_s: float | None = None,
-                       flops_per_step: float | None = None,
-                       peak_tflops: float | None = None,
+                       interval_s: float | None = None, storage_interval_s: float | None = None,
+                       flops_per_step: float | None = None, peak_tflops: float | None = None,
                        straggler_threshold: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
     then samples/s and tokens/s; ``flops_per_step``, the model FLOPs of its forward and
