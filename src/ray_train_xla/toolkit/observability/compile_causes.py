@@ -1,20 +1,17 @@
 """Why graphs compiled, and whether the ranks compile the same ones (``docs/debugging.md``).
 
-- **Causes, torch_xla.** With ``PT_XLA_DEBUG_LEVEL`` 1 (the analysis at compile time only; 2
-  would analyse every execution too, about 1 KB of text a step) torch_xla analyses every
-  compilation: its cause, the graph's hash, its numbers of inputs and outputs and the Python
-  frames that triggered it. It reads the level once, at the first compilation:
-  ``TorchXLAConfig(compile_causes=True)`` plans it for every worker with ``PT_XLA_DEBUG_FILE`` a
-  file of the worker's own, which :class:`DebugLog` reads (new bytes only, when asked: at the
-  end of warm-up, at a recompilation warning, at a graph check). torch_xla writes it only where
-  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_this_process` makes every worker one.
-- **Causes, native stacks**: Dynamo records why a compiled frame's guards failed, which
-  :func:`dynamo_reasons` reads, with nothing to switch on; eager code compiles nothing.
+- **Causes, torch_xla.** With ``PT_XLA_DEBUG_LEVEL`` 1 (2 would also analyse every execution,
+  about 1 KB of text a step) torch_xla analyses every compilation: its cause, the graph's hash,
+  its numbers of inputs and outputs, the Python frames that triggered it. It reads the level
+  once, at the first compilation: ``TorchXLAConfig(compile_causes=True)`` plans it for every
+  worker with ``PT_XLA_DEBUG_FILE`` a file of its own, which :class:`DebugLog` reads when asked
+  (the end of warm-up, a recompilation warning, a graph check); :func:`analyse_this_process`
+  has torch_xla write it on every worker, not only where ``PJRT_LOCAL_PROCESS_RANK`` is 0.
+- **Causes, native stacks**: Dynamo's guard failures (:func:`dynamo_reasons`), with nothing to
+  switch on; eager code compiles nothing.
 - **Ranks compiling different graphs** run different programs: with collectives in them, the
   usual cause of a hang. :class:`GraphCheck` compares them every ``every`` steps (100 by
-  default) without a collective: each rank writes its graph count (with the causes, a digest of
-  their hashes) to one key of the process group's store, and rank 0 compares the ranks' values
-  of the previous check, which every rank has written by then.
+  default) through the process group's store, without a collective.
 """
 
 from __future__ import annotations
@@ -249,9 +246,8 @@ class GraphCheck:
 
     def __init__(self, store, rank: int, world: int, prefix: str,
                  every: int = DEFAULT_CHECK_EVERY) -> None:
-        self._store = store
+        self._store, self._prefix = store, prefix
         self.rank, self.world = rank, world
-        self._prefix = prefix
         self.set_every(every)
         self._last: tuple[int, str] | None = None  # (step, summary) of this rank's last check
         self._last_verdict: str | None = None

@@ -271,9 +271,7 @@ class Profiles:
     def __init__(self, rank: int, world: int, storage=None, tracer_factory=tracer_for_worker,
                  local_root: str | None = None) -> None:
         self.rank, self.world = rank, world
-        self._storage = storage
-        self._tracer_factory = tracer_factory
-        self._local_root = local_root
+        self._storage, self._tracer_factory, self._local_root = storage, tracer_factory, local_root
         self._lock = threading.Lock()
         self._pending: list[Window] = []
         self._active: tuple[Window, Any, str] | None = None  # window, tracer, local dir
@@ -434,9 +432,8 @@ class RequestWatcher:
 
     def __init__(self, profiles: Profiles, connect, prefix: str, poll_s: float = POLL_S,
                  wait_s: float = WAIT_S) -> None:
-        self._profiles = profiles
+        self._profiles, self._prefix = profiles, prefix
         self._connect = connect  # () -> a store client for this thread alone
-        self._prefix = prefix
         self._poll_s, self._wait_s = poll_s, wait_s
         self._stop = threading.Event()
         self._seq = 0
