@@ -1,16 +1,6 @@
 """Model FLOPs: what a step computes, for model FLOPs utilisation (MFU), counted as torchtitan
-and MaxText count them (``docs/observability.md``):
-
-- :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs a
-  token for each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's ``Conv1D``,
-  the output projection included, tied or not; not the input embedding, a lookup), forward and
-  backward, plus attention's ``12 x layers x heads x head_dim x sequence length``, causal
-  attention counted whole (the math and eager kernels compute the masked half) unless
-  ``causal_half=True`` (MaxText). Another kind of weight, or a config without layers and heads,
-  is refused with a ``ValueError`` that names :func:`count_flops`.
-- :func:`count_flops`: torch's own ``FlopCounterMode`` over one call of any function (a
-  training step on one batch), for any model.
-
+and MaxText count them (``docs/observability.md``): :func:`model_flops_per_token` for a Hugging
+Face decoder, :func:`count_flops` (torch's own ``FlopCounterMode``) for any model.
 ``configure_timeline(flops_per_step=...)`` takes the result (``timeline.py``).
 """
 
@@ -24,7 +14,12 @@ from typing import Any
 
 def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -> float:
     """Training FLOPs (forward and backward) per token of a Hugging Face decoder ``model`` (a
-    ``PreTrainedModel`` or its ``PretrainedConfig``) on sequences of ``seq_len`` tokens."""
+    ``PreTrainedModel`` or its ``PretrainedConfig``) on sequences of ``seq_len`` tokens: 6 for
+    each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's ``Conv1D``, the
+    output projection included, tied or not; not the input embedding, a lookup), plus
+    attention's ``12 x layers x heads x head_dim x seq_len``, causal attention counted whole (the
+    math and eager kernels compute the masked half) unless ``causal_half=True`` (MaxText).
+    Another kind of weight, or a config without layers and heads, raises ``ValueError``."""
     import torch
 
     config = getattr(model, "config", model)
