@@ -392,8 +392,7 @@ class Profiles:
         try:
             files = self.storage.upload_dir(local, target)
             body = {**asdict(window), "rank": self.rank, "world_size": self.world,
-                    "steps": list(window.steps), "profiler": profiler,
-                    "host": socket.gethostname(),
+                    "steps": list(window.steps), "profiler": profiler, "host": socket.gethostname(),
                     "files": [f[len(target) + 1:] for f in files]}
             self.storage.write_bytes(f"{target}/profile.json", json.dumps(body).encode())
             logger.info("rank %d: profile of steps %d-%d written to %s", self.rank, window.start,
@@ -451,11 +450,7 @@ class RequestWatcher:
 
     def _run(self) -> None:
         try:
-            store = self._connect()
-            if self._profiles.rank == 0:
-                self._lead(store)
-            else:
-                self._follow(store)
+            (self._lead if self._profiles.rank == 0 else self._follow)(self._connect())
         except Exception as exc:  # noqa: BLE001 (the store went away with the run)
             if not self._stop.is_set():
                 logger.info("rank %d: profile requests from outside no longer watched: %s",

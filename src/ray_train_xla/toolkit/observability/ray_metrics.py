@@ -1,13 +1,11 @@
-"""The step timeline's figures as Ray metrics (``ray.util.metrics``), for Ray's dashboard,
+"""The step timeline's figures as Ray metrics (``ray.util.metrics``) for Ray's dashboard,
 Prometheus and Grafana (the metrics: ``docs/observability.md``; the dashboard:
-``docs/grafana-dashboard.json``).
-
-Set from the timeline's background thread every ``interval_s`` (``configure_timeline``), never
-from the step. Every metric is tagged ``run`` (the run's name), ``rank``, ``node`` (the node's
-IP address) and ``device``, but rank 0's ``train_xla_straggler_excess_seconds``, tagged ``run``
-and ``rank`` (the rank it names: ``goodput.stragglers``, every ``storage_interval_s``, over the
-last 5 minutes; 0 once no longer named). Ray exports them with its ``ray_`` prefix; they leave
-the node through Ray's metrics agent (``pip install 'ray[default]'``).
+``docs/grafana-dashboard.json``), set from the timeline's background thread every
+``interval_s``, never from the step. Ray exports them with its ``ray_`` prefix; they leave the
+node through Ray's metrics agent (``pip install 'ray[default]'``). Rank 0 also sets
+``train_xla_straggler_excess_seconds`` for each rank it names a straggler
+(``goodput.stragglers``, every ``storage_interval_s``, over the last 5 minutes; 0 once no
+longer named).
 """
 
 from __future__ import annotations

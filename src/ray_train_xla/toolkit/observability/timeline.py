@@ -262,9 +262,8 @@ class Timeline:
         self._boundary(CHECKPOINT, steps)
 
     def peak(self) -> tuple[float | None, str]:
-        """(peak TFLOP/s, where it comes from) that MFU is taken against: ``configure_timeline``'s
-        or the config's ``peak_tflops``, else the device's (``device_peak``, looked up or
-        measured once); None when unknown (warned once)."""
+        """(peak TFLOP/s, where it comes from) that MFU is taken against: the configured
+        ``peak_tflops``, else ``device_peak`` (once); None when unknown (warned once)."""
         given = self._options().peak_tflops
         if given:
             return given, "given: the config's or configure_timeline's peak_tflops"
