@@ -192,13 +192,10 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
     """A worker from its files' lines (parts concatenated in order)."""
     worker = Worker(attempt=attempt, rank=rank, header={})
     for line in lines:
-        line = line.strip()
-        if not line:
-            continue
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a torn last line of a part being written
+            continue  # a torn last line of a part being written, or an empty one
         kind = event.get("kind")
         t = event.get("t", event.get("t1"))
         if isinstance(t, (int, float)):

@@ -43,9 +43,7 @@ class CompileMonitor:
         if warmup_steps < 0 or warn_after < 1:
             raise ValueError(f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) "
                              "is not valid: expected warmup_steps >= 0 and warn_after >= 1")
-        self.warmup_steps = warmup_steps
-        self.warn_after = warn_after
-        self.prefix = prefix
+        self.warmup_steps, self.warn_after, self.prefix = warmup_steps, warn_after, prefix
         self._counters = Counters()
         self._compiles, self._compile_s = -1.0, 0.0  # CompileTime, read when the count moves
         self._baseline = (dict.fromkeys(self._read(True), 0.0) if since_start

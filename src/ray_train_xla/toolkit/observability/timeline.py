@@ -196,8 +196,7 @@ class Timeline:
         self._drained = self._dropped = 0
         self._span: dict[str, Any] | None = None
         self._first_done = False
-        self._part = 0
-        self._compile_events = 0
+        self._part = self._compile_events = 0
         self._dirty = True
         self._last_write = 0.0
         # (bytes in use, peak bytes) of the device, as last read by the background thread
