@@ -253,9 +253,6 @@ class GraphCheck:
         self._last_verdict: str | None = None
         self.verdicts: list[tuple[int, str]] = []  # (step compared, sentence): rank 0 only
 
-    def _key(self, rank: int) -> str:
-        return f"{self._prefix}/{rank}"
-
     def on_step(self, n: int) -> None:
         if n >= self._next:
             self._check(n)
@@ -270,14 +267,14 @@ class GraphCheck:
         self._last = (n, now)
         value = f"{n}={now}" + (f";{previous[0]}={previous[1]}" if previous else "")
         try:
-            self._store.set(self._key(self.rank), value)
+            self._store.set(f"{self._prefix}/{self.rank}", value)
             if self.rank == 0 and previous is not None:
                 self._compare(previous[0])
         except Exception as exc:  # noqa: BLE001 (a diagnostic: never fail the step)
             logger.debug("graph check at step %d skipped: %s", n, exc)
 
     def _compare(self, step: int) -> None:
-        keys = [self._key(r) for r in range(self.world)]
+        keys = [f"{self._prefix}/{r}" for r in range(self.world)]
         if not self._store.check(keys):
             return  # a rank has not reached its first check yet
         values: dict[int, str] = {}

@@ -76,8 +76,7 @@ class Worker:
 
 @dataclass
 class Straggler:
-    """A rank of a worker group whose own time a step (before the step's gradient
-    synchronisation) exceeds the other ranks' median by more than the threshold."""
+    """A rank whose own time a step exceeds the other ranks' median by more than the threshold."""
 
     attempt: str
     rank: int
@@ -431,8 +430,7 @@ def stragglers(workers: list[Worker], threshold: float = 0.1,
         others = statistics.median(v[0] for r, v in measured.items() if r != rank)
         if own - others > threshold * step_s:
             found.append(Straggler(attempt, rank, own, others, step_s, n))
-    found.sort(key=lambda s: -s.excess_s)
-    return found, len(measured)
+    return sorted(found, key=lambda s: -s.excess_s), len(measured)
 
 
 def live_stragglers(storage: Any, under: str, since: float,

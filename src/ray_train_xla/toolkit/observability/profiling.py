@@ -241,7 +241,6 @@ class TorchTracer(_StepSpans):
         self._close()
         self._prof.stop()
         self._prof.export_chrome_trace(os.path.join(local_dir, f"rank-{rank}.pt.trace.json"))
-        self._prof = None
 
 
 class TorchTPUTracer(TorchTracer):

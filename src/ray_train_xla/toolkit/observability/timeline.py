@@ -460,8 +460,7 @@ class Timeline:
             self._span = None
 
     def _event(self, event: dict[str, Any], due: bool = False) -> None:
-        """(Holding the lock) add one goodput event; ``due``: written at the background
-        thread's next run, not at the next ``storage_interval_s``."""
+        """(Holding the lock) one goodput event; ``due``: written at the thread's next run."""
         self._lines.append(json.dumps(event))
         self._dirty = True
         if due:
@@ -512,8 +511,7 @@ def active() -> Timeline | None:
 
 
 def report_metrics(caller: Any = None) -> dict[str, float]:
-    """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()``
-    adds them, each call site of it a caller of its own)."""
+    """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()`` adds them)."""
     tl = runtime().timeline
     return tl.report_metrics(caller) if tl is not None else {}
 
