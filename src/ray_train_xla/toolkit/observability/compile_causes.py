@@ -1,27 +1,17 @@
-"""Why graphs compiled, and whether the ranks compile the same ones.
+"""Why graphs compiled, and whether the ranks compile the same ones (``docs/debugging.md``).
 
-- **Causes, torch_xla.** torch_xla analyses every compilation when ``PT_XLA_DEBUG_LEVEL`` is 1 or
-  more: what triggered it (``user torch_xla.sync``, ``most likely user code trying to access
-  tensor value before torch_xla.sync``, a Dynamo step...), the graph's hash, its numbers of
-  inputs and outputs, and the Python frames that triggered it. It reads the level once, at the
-  first compilation, so it cannot be switched on later: ``TorchXLAConfig(compile_causes=True)``
-  plans it for every worker with ``PT_XLA_DEBUG_FILE`` set to a file of the worker's own, and
-  :class:`DebugLog` reads that file (only new bytes, only when asked: at the end of warm-up, at
-  a recompilation warning and at a graph check). torch_xla writes it only in the process whose
-  ``PJRT_LOCAL_PROCESS_RANK`` is 0: :func:`analyse_every_process` makes every worker one.
-  Level 1 is the analysis at compile time only; level 2 would also analyse every execution
-  (about 1 KB of text a step), which is not planned.
-- **Causes, native stacks** (``TorchNeuronConfig``, ``TorchTPUConfig``): ``torch.compile``'s
-  Dynamo records why a compiled frame's guards failed (``torch._dynamo.utils.guard_failures``:
-  "tensor 'x' size mismatch at index 0. expected 4, actual 6"); :func:`dynamo_reasons` reads
-  them, with nothing to switch on. Eager code compiles nothing and has nothing to report.
-- **Ranks compiling different graphs** run different programs; with collectives in them that is
-  the usual cause of a hang. :class:`GraphCheck` compares them at a step every rank reaches
-  (every ``every`` steps, 100 by default, at the step seam of ``toolkit/steps.py``): each rank
-  writes its number of compiled graphs (and, with the causes on, a digest of their hashes) to
-  one key of the process group's store, overwriting its previous one, and rank 0 compares the
-  ranks' values of the previous check ``every`` steps later, which every rank has written by
-  then. No collective: one store write per rank and one read of every key on rank 0 per check.
+- **Causes, torch_xla.** With ``PT_XLA_DEBUG_LEVEL`` 1 (2 would also analyse every execution,
+  about 1 KB of text a step) torch_xla analyses every compilation: its cause, the graph's hash,
+  its numbers of inputs and outputs, the Python frames that triggered it. It reads the level
+  once, at the first compilation: ``TorchXLAConfig(compile_causes=True)`` plans it for every
+  worker with ``PT_XLA_DEBUG_FILE`` a file of its own, which :class:`DebugLog` reads when asked
+  (the end of warm-up, a recompilation warning, a graph check); :func:`analyse_this_process`
+  has torch_xla write it on every worker, not only where ``PJRT_LOCAL_PROCESS_RANK`` is 0.
+- **Causes, native stacks**: Dynamo's guard failures (:func:`dynamo_reasons`), with nothing to
+  switch on; eager code compiles nothing.
+- **Ranks compiling different graphs** run different programs: with collectives in them, the
+  usual cause of a hang. :class:`GraphCheck` compares them every ``every`` steps (100 by
+  default) through the process group's store, without a collective.
 """
 
 from __future__ import annotations
@@ -60,16 +50,12 @@ class Compilation:
     def user_frame(self) -> str:
         """The first frame outside torch, torch_xla, Ray and this package (the user's line that
         cut the graph), else the first frame."""
-        for frame in self.frames:
-            if not any(part in frame for part in _OWN_FRAMES):
-                return frame
-        return self.frames[0] if self.frames else ""
+        outside = [f for f in self.frames if not any(part in f for part in _OWN_FRAMES)]
+        return (outside or self.frames or [""])[0]
 
     def describe(self) -> str:
         where = f" at {self.user_frame}" if self.user_frame else ""
-        shape = ""
-        if self.inputs is not None:
-            shape = f", {self.inputs} inputs, {self.outputs} outputs"
+        shape = f", {self.inputs} inputs, {self.outputs} outputs" if self.inputs is not None else ""
         return f"{self.cause or 'unknown cause'} (graph {self.graph_hash[:12] or '?'}{shape}){where}"
 
 
@@ -77,31 +63,23 @@ def parse_analysis(text: str) -> tuple[list[Compilation], int]:
     """The compilations in ``text`` (torch_xla's debug output) and how many characters of it
     were consumed (a block still being written is left for the next read)."""
     found: list[Compilation] = []
-    consumed = 0
-    pos = 0
+    consumed = pos = 0
     current: Compilation | None = None
     section = ""
-    while True:
-        end = text.find("\n", pos)
-        if end < 0:
-            break
-        line = text[pos:end]
-        pos = end + 1
-        if not line.startswith(_PREFIX):
-            if current is None:
-                consumed = pos
-            continue
-        body = line[len(_PREFIX):]
+    for line in text.split("\n")[:-1]:  # whole lines only (the last piece has no newline)
+        pos += len(line) + 1
+        body = line[len(_PREFIX):] if line.startswith(_PREFIX) else None
         if current is None:
-            if body.startswith(_RULE):
+            if body is not None and body.startswith(_RULE):
                 current, section = Compilation(), ""
             else:
                 consumed = pos
             continue
+        if body is None:
+            continue
         if body.startswith(_END):
             found.append(current)
-            current = None
-            consumed = pos
+            current, consumed = None, pos
             continue
         if not body.startswith("  "):
             section = body.strip().rstrip(":").strip()
@@ -128,7 +106,9 @@ class DebugLog:
     grows (None of it when the analysis is off or goes to stderr)."""
 
     def __init__(self, path: str | None = None) -> None:
-        if path is None and _debug_level() >= 1:
+        level = os.environ.get("PT_XLA_DEBUG_LEVEL", "").strip()
+        on = int(level) >= 1 if level.isdigit() else os.environ.get("PT_XLA_DEBUG", "") == "1"
+        if path is None and on:
             path = os.environ.get("PT_XLA_DEBUG_FILE") or None
         self.path = path
         self._offset = 0
@@ -162,16 +142,8 @@ class DebugLog:
         return sorted({c.graph_hash for c in self.compilations if c.graph_hash})
 
 
-def _debug_level() -> int:
-    value = os.environ.get("PT_XLA_DEBUG_LEVEL", "")
-    if value.strip().isdigit():
-        return int(value)
-    return 1 if os.environ.get("PT_XLA_DEBUG", "") == "1" else 0
-
-
 def debug_log() -> DebugLog:
-    """This worker's :class:`DebugLog` (one reader, so each block is read once; held by the
-    runtime)."""
+    """This worker's :class:`DebugLog`, held by the runtime (one reader: each block read once)."""
     return runtime().part("debug_log", DebugLog)
 
 
@@ -184,13 +156,9 @@ def dynamo_reasons(limit: int = 5) -> list[str]:
         return []
     from torch._dynamo.utils import guard_failures
 
-    out = []
-    for code, reasons in list(guard_failures.items()):
-        name = getattr(code, "co_name", str(code))
-        where = f"{getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')}"
-        for reason in reasons:
-            out.append(f"{name} ({where}): {reason}")
-    return out[-limit:]
+    return [f"{getattr(code, 'co_name', str(code))} ({getattr(code, 'co_filename', '?')}:"
+            f"{getattr(code, 'co_firstlineno', '?')}): {reason}"
+            for code, reasons in list(guard_failures.items()) for reason in reasons][-limit:]
 
 
 def causes_text(since: int = 0, limit: int = 3) -> str:
@@ -241,24 +209,14 @@ DEFAULT_CHECK_EVERY = 100
 SHOWN_RANKS = 16
 
 
-def graph_count() -> int:
-    """Graphs this process compiled so far (``counters.py``: torch_xla's ``UncachedCompile``;
-    Dynamo's ``unique_graphs`` on the native stacks)."""
-    import sys
-
-    if worker_context().native and "torch._dynamo.utils" not in sys.modules:
-        return 0  # nothing compiled (and Dynamo's import is slow)
-    return int(Counters().compiles())
-
-
 def summary() -> str:
-    """This rank's graphs as ``"<count>:<digest of their hashes>"`` (digest empty without the
-    causes)."""
+    """This rank's graphs as ``"<count>:<digest of their hashes>"``: the graphs this process
+    compiled so far (``counters.py``), the digest empty without the causes."""
     digest = ""
     if not worker_context().native and debug_log().enabled:
         hashes = debug_log().hashes()
         digest = hashlib.sha1(",".join(hashes).encode()).hexdigest()[:12] if hashes else ""
-    return f"{graph_count()}:{digest}"
+    return f"{int(Counters().compiles())}:{digest}"
 
 
 def compare(values: dict[int, str]) -> str | None:
@@ -281,25 +239,19 @@ def compare(values: dict[int, str]) -> str | None:
 
 
 class GraphCheck:
-    """Every ``every`` steps, each rank writes its :func:`summary` for that step to the store;
-    rank 0 compares the ranks' values of the previous check and warns (logs and
-    :class:`DivergentGraphsWarning`, on its training thread) when they differ, once per
-    different outcome. Each value holds this check's and the previous one's, so rank 0 finds
-    the previous check's whatever the order of the writes."""
+    """Every ``every`` steps, each rank writes its :func:`summary` to the store with the previous
+    check's (so rank 0 finds it whatever the order of the writes); rank 0 compares the ranks'
+    values of the previous check and warns (logs and :class:`DivergentGraphsWarning`, on its
+    training thread) once per different outcome."""
 
     def __init__(self, store, rank: int, world: int, prefix: str,
                  every: int = DEFAULT_CHECK_EVERY) -> None:
-        self._store = store
+        self._store, self._prefix = store, prefix
         self.rank, self.world = rank, world
-        self._prefix = prefix
-        self.every = every
-        self._next = _steps.steps_done() // every * every + every
+        self.set_every(every)
         self._last: tuple[int, str] | None = None  # (step, summary) of this rank's last check
         self._last_verdict: str | None = None
         self.verdicts: list[tuple[int, str]] = []  # (step compared, sentence): rank 0 only
-
-    def _key(self, rank: int) -> str:
-        return f"{self._prefix}/{rank}"
 
     def on_step(self, n: int) -> None:
         if n >= self._next:
@@ -315,14 +267,14 @@ class GraphCheck:
         self._last = (n, now)
         value = f"{n}={now}" + (f";{previous[0]}={previous[1]}" if previous else "")
         try:
-            self._store.set(self._key(self.rank), value)
+            self._store.set(f"{self._prefix}/{self.rank}", value)
             if self.rank == 0 and previous is not None:
                 self._compare(previous[0])
         except Exception as exc:  # noqa: BLE001 (a diagnostic: never fail the step)
             logger.debug("graph check at step %d skipped: %s", n, exc)
 
     def _compare(self, step: int) -> None:
-        keys = [self._key(r) for r in range(self.world)]
+        keys = [f"{self._prefix}/{r}" for r in range(self.world)]
         if not self._store.check(keys):
             return  # a rank has not reached its first check yet
         values: dict[int, str] = {}
@@ -331,11 +283,10 @@ class GraphCheck:
             if str(step) not in entries:
                 return  # a rank is more than one check away: compare at the next one
             values[rank] = entries[str(step)]
-        verdict = compare(values)
-        if verdict is None or verdict == self._last_verdict:
-            self._last_verdict = verdict
-            return
+        verdict, last = compare(values), self._last_verdict
         self._last_verdict = verdict
+        if verdict is None or verdict == last:
+            return
         self.verdicts.append((step, verdict))
         message = (f"ranks compile different graphs (compared at step {step}): {verdict}. "
                    "Ranks that run different graphs run different programs: with collectives "
@@ -345,30 +296,29 @@ class GraphCheck:
         warnings.warn(message, DivergentGraphsWarning, stacklevel=2)
 
 
-def _process_group_store():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
-    return None
-
-
 LOCAL_RANK_VAR = "PJRT_LOCAL_PROCESS_RANK"
 
 
-def analyse_every_process() -> bool:
-    """Make torch_xla write its compilation analysis in this process too.
-
-    torch_xla 2.9 writes it only in its "master" process, the one whose
-    ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that variable (with the level and the file) once,
-    at its first compilation. So this process makes its first compilation here, a graph of one
-    small op, with the variable at 0 for that moment only, after the device is up (the runtime
-    has read the real value). Returns False when torch_xla had compiled already (too late)."""
+def analyse_this_process() -> None:
+    """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
+    compilations too (every rank, as the training function starts, so their graph counts stay
+    equal). torch_xla 2.9 writes it only where ``PJRT_LOCAL_PROCESS_RANK`` is 0, and reads that
+    variable (with the level and the file) once, at its first compilation: so this process
+    makes its first compilation here, a graph of one small op, with the variable at 0 for that
+    moment only, after the device is up (the runtime has read the real value). When torch_xla
+    compiled already (too late): a warning."""
+    ctx = worker_context()
+    if ctx.native or not debug_log().enabled:
+        return
     import torch
     import torch_xla
 
     if Counters().compiles():
-        return False
+        logger.warning("rank %d: torch_xla compiled before the training function started, so "
+                       "it analyses compilations only where %s is 0 (local rank 0): this "
+                       "worker's recompilation warnings will not name their cause",
+                       ctx.rank, LOCAL_RANK_VAR)
+        return
     # A copy to the device (data, no graph): the runtime up, with the planned variables.
     one = torch.zeros(1).to(torch_xla.device())
     old = os.environ.get(LOCAL_RANK_VAR)
@@ -381,20 +331,6 @@ def analyse_every_process() -> bool:
             os.environ.pop(LOCAL_RANK_VAR, None)
         else:
             os.environ[LOCAL_RANK_VAR] = old
-    return True
-
-
-def analyse_this_process() -> None:
-    """With torch_xla's analysis on (``compile_causes=True``), have it analyse this worker's
-    compilations too (as the training function starts, every rank, before anything compiles:
-    ``startup/train_function.py``)."""
-    ctx = worker_context()
-    if not ctx.native and debug_log().enabled:  # every worker: their graph counts stay equal
-        if not analyse_every_process():
-            logger.warning("rank %d: torch_xla compiled before the training function started, so "
-                           "it analyses compilations only where %s is 0 (local rank 0): this "
-                           "worker's recompilation warnings will not name their cause",
-                           ctx.rank, LOCAL_RANK_VAR)
 
 
 def install(store=None) -> GraphCheck | None:
@@ -403,7 +339,11 @@ def install(store=None) -> GraphCheck | None:
     uninstall()
     rt = runtime()
     ctx = rt.ctx
-    store = store if store is not None else _process_group_store()
+    if store is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
     if store is None or ctx.world_size < 2:
         return None
     rt.graph_check = GraphCheck(store, ctx.rank, ctx.world_size,
@@ -439,8 +379,3 @@ def check_graphs_every(steps: int) -> None:
 def check_interval() -> int:
     """Steps between two graph checks on this worker."""
     return runtime().options(GraphCheckOptions).every
-
-
-def checked() -> GraphCheck | None:
-    """This worker's graph check (None with one worker or outside a run)."""
-    return runtime().graph_check

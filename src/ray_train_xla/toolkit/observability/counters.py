@@ -1,8 +1,7 @@
 """This process's compile and execution counters, the one reader of them (``timeline.py``,
-``metrics.py``, ``compile_causes.py``): torch_xla's (``UncachedCompile``, ``CompileTime``,
-``ExecuteComputation``, ``CachedCompile``, ``ExecuteTime``), or on the native stacks
-``torch.compile``'s: graphs Dynamo compiled (each new shape or guard failure is one more) and
-the time spent compiling; executions there are eager and not counted (0)."""
+``metrics.py``, ``compile_causes.py``): torch_xla's, or on the native stacks ``torch.compile``'s
+(graphs Dynamo compiled, each new shape or guard failure one more, and the time spent
+compiling; executions there are eager and not counted: 0)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Model FLOPs: what a step computes, for model FLOPs utilisation (MFU).
-
-Two ways to the figure, as torchtitan and MaxText count it:
-
-- :func:`model_flops_per_token` for a Hugging Face decoder (a model or its config): 6 FLOPs
-  per token for each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's
-  ``Conv1D``, the output projection included, tied or not; not the input embedding, a lookup),
-  forward and backward, plus attention's ``12 x layers x heads x head_dim x sequence length``.
-  Causal attention is counted whole, as torchtitan counts it and as the math and eager kernels compute it (the
-  scores of the masked half are computed, then masked); MaxText halves it
-  (``causal_half=True``). A model with weights of another kind, or a config without layers
-  and heads, is refused with a ``ValueError`` that names :func:`count_flops`.
-- :func:`count_flops`: torch's own ``FlopCounterMode`` over one call of any function (a
-  training step on one batch), for any model.
-
-``configure_timeline(flops_per_step=...)`` takes the result; the timeline then gives TFLOP/s
-and MFU per step (``timeline.py``).
+"""Model FLOPs: what a step computes, for model FLOPs utilisation (MFU), counted as torchtitan
+and MaxText count them (``docs/observability.md``): :func:`model_flops_per_token` for a Hugging
+Face decoder, :func:`count_flops` (torch's own ``FlopCounterMode``) for any model.
+``configure_timeline(flops_per_step=...)`` takes the result (``timeline.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +14,12 @@ from typing import Any
 
 def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -> float:
     """Training FLOPs (forward and backward) per token of a Hugging Face decoder ``model`` (a
-    ``PreTrainedModel`` or its ``PretrainedConfig``) on sequences of ``seq_len`` tokens."""
+    ``PreTrainedModel`` or its ``PretrainedConfig``) on sequences of ``seq_len`` tokens: 6 for
+    each weight that takes part in a matmul (every ``nn.Linear`` and GPT-2's ``Conv1D``, the
+    output projection included, tied or not; not the input embedding, a lookup), plus
+    attention's ``12 x layers x heads x head_dim x seq_len``, causal attention counted whole (the
+    math and eager kernels compute the masked half) unless ``causal_half=True`` (MaxText).
+    Another kind of weight, or a config without layers and heads, raises ``ValueError``."""
     import torch
 
     config = getattr(model, "config", model)
@@ -56,10 +48,9 @@ def model_flops_per_token(model: Any, seq_len: int, causal_half: bool = False) -
         raise ValueError(f"model_flops_per_token: {type(module).__name__} has {what}; it counts "
                          "Hugging Face decoders of linear layers: measure this model's step "
                          "with count_flops(step) instead")
-    layers = config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    attention = 12 * layers * heads * head_dim * seq_len
+    attention = 12 * config.num_hidden_layers * heads * head_dim * seq_len
     return 6.0 * matmul + (attention / 2 if causal_half else attention)
 
 
@@ -115,8 +106,6 @@ def matmul_tflops(size: int = 512, seconds: float = 0.2, dtype: Any = None, devi
     return best / 1e12
 
 
-def cpu_peak_tflops(size: int = 512, seconds: float = 0.2) -> float:
-    """This process's matmul TFLOP/s on the CPU, measured (``matmul_tflops``: float32 products
-    of ``size`` square matrices for about ``seconds``, the best of its rounds): the peak MFU is
-    taken against on CPU workers, where no published figure applies."""
-    return matmul_tflops(size, seconds)
+# The peak MFU is taken against on CPU workers, where no published figure applies: the probe
+# at its defaults (float32, the CPU).
+cpu_peak_tflops = matmul_tflops

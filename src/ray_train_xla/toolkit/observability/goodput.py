@@ -1,52 +1,27 @@
 """Goodput of a run: productive step time over the run's wall-clock time, and where the rest
 went, from the events every worker's step timeline (``timeline.py``) wrote into the run's
 storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``). ``ray-train-xla goodput``
-(``tools/goodput.py``) prints it and draws the run.
+(``tools/goodput.py``) prints it and draws the run; ``docs/observability.md`` describes the
+buckets, MFU over productive time and the stragglers.
 
-The run's wall clock starts at ``fit()``: when it handed the config to Ray (the config records
-the time when Ray pickles it for its controller; runs whose events lack it start at the first
-worker group's start, when Ray Train's controller called the backend's ``on_start``), and ends
-when the last training function of the last worker group ended. Every second of it falls in one
-bucket:
+The run's wall clock starts at ``fit()`` (the workers' ``run_start``; else at the first worker
+group's start) and ends when the last training function of the last worker group ended; every
+second of it falls in one of ``BUCKETS`` (``worker_buckets``). A worker group failed when a
+training function raised (its end is the earliest failure), or when it stopped while its
+functions ran: Ray shut it down (an elastic resize; its end is when the first worker was told),
+or its workers stopped writing (killed: its end is their last write, known to within
+``storage_interval_s``). Each group's buckets are the mean over its workers: they step together.
 
-- ``productive``: step time less the three below, from the end of the first step of a worker
-  group on;
-- ``start_up``: from ``fit()`` (Ray starting its controller and the workers, the backend's set-up)
-  to the end of the first group's first step (mostly tracing and first transfers), less its
-  compilation and data wait;
-- ``compilation``: torch_xla's compile time (native stacks: Dynamo's), wherever it happened;
-- ``data_wait``: time the training thread waited for a batch of the toolkit's loaders;
-- ``checkpoint_stall``: time it was blocked in ``save_checkpoint``, ``report``, ``flush_reports``;
-- ``lost``: work lost to failures: a failed worker group's time after its last checkpoint that
-  Ray took (the one the next group resumes from), until the failure; all of its time after the
-  first step when it had none;
-- ``restart``: from a failure to the end of the next group's first step, less that step's
-  compilation and data wait (restarts and elastic resizes alike);
-- ``other``: the rest: between a worker's last step and its end (evaluation, final writes),
-  between checkpoints and the next step, and a worker that ended before its group's last one.
-
-With model FLOPs in the workers' events (``configure_timeline(flops_per_step=...)``): MFU over
-productive time (``mfu``: the FLOPs of the steps in productive time over those seconds at each
-worker's peak) and effective MFU = MFU x goodput, for the run and each worker group.
-
-Stragglers (``stragglers``): with synchronous collectives every rank's step ends together, so
-step times cannot tell which rank held the others back. The events carry each rank's own time
-a step: from the previous step end to its arrival at the step's gradient synchronisation, less
-its checkpoint stall, steps that compiled left out (``timeline.py``). A rank is named when its
-median own time a step exceeds the median of the other ranks' by more than ``threshold`` (10%)
-of the group's step time (medians: a single hiccup names no rank); that excess times its steps
-is what it cost every rank, given as seconds and as a share of the run.
-
-A worker group failed when a training function raised (its end is the earliest failure), or
-when it stopped while its functions ran: Ray shut it down (an elastic resize; its end is when
-the first worker was told), or its workers stopped writing (killed: its end is then their last
-write, known to within ``storage_interval_s``). Each group's buckets are the
-mean over its workers: they step together.
+A rank is a straggler when its median own time a step (``timeline.py``) exceeds the median of
+the other ranks' by more than ``threshold`` (10%) of the group's step time (medians: a single
+hiccup names no rank); that excess times its steps is what it cost every rank.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -54,6 +29,10 @@ from typing import Any
 
 BUCKETS = ("productive", "start_up", "compilation", "data_wait", "checkpoint_stall", "lost",
            "restart", "other")
+
+
+# goodput/attempt-<id>/rank-<r>.<part>.jsonl
+_EVENT_FILE = re.compile(r"[^/]*/attempt-([^/]*)/rank-(\d+)(?:\.(\d+))?\.jsonl")
 
 
 class GoodputError(Exception):
@@ -88,10 +67,7 @@ class Worker:
 
     @property
     def first_step_end(self) -> float | None:
-        for span in self.spans:
-            if span.get("first"):
-                return float(span["t1"])
-        return None
+        return next((float(s["t1"]) for s in self.spans if s.get("first")), None)
 
     @property
     def steps(self) -> int:
@@ -100,8 +76,7 @@ class Worker:
 
 @dataclass
 class Straggler:
-    """A rank of a worker group whose own time a step (before the step's gradient
-    synchronisation) exceeds the other ranks' median by more than the threshold."""
+    """A rank whose own time a step exceeds the other ranks' median by more than the threshold."""
 
     attempt: str
     rank: int
@@ -159,8 +134,8 @@ class Attempt:
         found = [r for w in self.workers for r in w.restores]
         if not found:
             return None
-        tiers = sorted({str(r["tier"]) for r in found})
-        return {"tier": "+".join(tiers), "seconds": max(float(r["seconds"] or 0) for r in found)}
+        return {"tier": "+".join(sorted({str(r["tier"]) for r in found})),
+                "seconds": max(float(r["seconds"] or 0) for r in found)}
 
 
 @dataclass
@@ -216,13 +191,10 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
     """A worker from its files' lines (parts concatenated in order)."""
     worker = Worker(attempt=attempt, rank=rank, header={})
     for line in lines:
-        line = line.strip()
-        if not line:
-            continue
         try:
             event = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a torn last line of a part being written
+            continue  # a torn last line of a part being written, or an empty one
         kind = event.get("kind")
         t = event.get("t", event.get("t1"))
         if isinstance(t, (int, float)):
@@ -232,45 +204,33 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
             worker.last_seen = max(worker.last_seen, float(event.get("begin", 0.0)))
         elif kind == "span":
             worker.spans.append(event)
-        elif kind == "checkpoint":
-            worker.checkpoints.append(float(event["t"]))
-        elif kind == "commit":
-            worker.commits.append(float(event["t"]))
+        elif kind in ("checkpoint", "commit", "memory_kept"):
+            times = {"checkpoint": worker.checkpoints, "commit": worker.commits,
+                     "memory_kept": worker.memory_kept}
+            times[kind].append(float(event["t"]))
         elif kind == "compile":
             worker.compiles.append((float(event["t"]), float(event["compile_s"])))
         elif kind == "restore":
             worker.restores.append({"tier": event.get("tier"), "seconds": event.get("seconds")})
-        elif kind == "memory_kept":
-            worker.memory_kept.append(float(event["t"]))
         elif kind == "end":
             worker.end = event
     worker.spans.sort(key=lambda s: s["t0"])
     return worker
 
 
-def _files(storage: Any, under: str) -> dict[tuple[str, int], list[tuple[int, str]]]:
-    """The event files under ``under`` by (attempt, rank): their parts, in order."""
-    files = [f for f in storage.list(under, recursive=True) if f.endswith(".jsonl")]
-    grouped: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)
-    for path in files:
-        parts = path.split("/")
-        if len(parts) != 3 or not parts[1].startswith("attempt-") or not parts[2].startswith("rank-"):
-            continue
-        name = parts[2][len("rank-"):-len(".jsonl")]
-        rank_text, _, part_text = name.partition(".")
-        try:
-            grouped[(parts[1][len("attempt-"):], int(rank_text))].append((int(part_text or 0), path))
-        except ValueError:
-            continue
-    return {key: sorted(parts) for key, parts in grouped.items()}
-
-
-def read_run(storage: Any) -> list[Worker]:
-    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``)."""
+def read_run(storage: Any, under: str = "goodput", newest: bool = False) -> list[Worker]:
+    """Every worker of every worker group of the run at ``storage`` (a ``RunStorage``) whose
+    events are under ``under``; ``newest``: from the newest part of each worker's files only."""
+    files: dict[tuple[str, int], list[tuple[int, str]]] = defaultdict(list)  # (part, path)
+    for path in storage.list(under, recursive=True):
+        found = _EVENT_FILE.fullmatch(path)
+        if found:
+            files[(found[1], int(found[2]))].append((int(found[3] or 0), path))
     workers = []
-    for (attempt, rank), parts in sorted(_files(storage, "goodput").items()):
+    for (attempt, rank), parts in sorted(files.items()):
+        parts.sort()
         lines: list[str] = []
-        for _, path in parts:
+        for _, path in parts[-1:] if newest else parts:
             data = storage.read_bytes(path)
             if data is not None:
                 lines.extend(data.decode(errors="replace").splitlines())
@@ -282,6 +242,7 @@ def read_run(storage: Any) -> list[Worker]:
 
 
 def _attempts(workers: list[Worker]) -> list[Attempt]:
+    """The worker groups of ``workers`` (at least one), by their start."""
     by_attempt: dict[str, list[Worker]] = defaultdict(list)
     for w in workers:
         by_attempt[w.attempt].append(w)
@@ -300,15 +261,13 @@ def _attempts(workers: list[Worker]) -> list[Attempt]:
         attempts.append(Attempt(attempt_id, start, max(end, start), outcome,
                                 sorted(group, key=lambda w: w.rank)))
     attempts.sort(key=lambda a: a.start)
-    if attempts:
-        # The run's clock starts at fit() (when it handed the config to Ray), where the workers
-        # know it: Ray's controller and the first workers starting are the first group's start-up.
-        first = attempts[0]
-        known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
-        if known:
-            first.start = min(known)
-    if attempts and attempts[-1].outcome == "stopped" and all(w.end is None for w in attempts[-1].workers):
-        last = attempts[-1]
+    first, last = attempts[0], attempts[-1]
+    # The run's clock starts at fit() (when it handed the config to Ray), where the workers know
+    # it: Ray's controller and the first workers starting are the first group's start-up.
+    known = [w.run_start for w in first.workers if 0.0 < w.run_start <= first.start]
+    if known:
+        first.start = min(known)
+    if last.outcome == "stopped" and all(w.end is None for w in last.workers):
         last.outcome = "running"  # nothing after it: still going (or the run was killed)
         last.end = max(w.last_seen for w in last.workers)
     return attempts
@@ -351,8 +310,7 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
         length = t1 - t0
         if length <= 0:
             continue
-        data, compile_s, stall = (float(span.get("data_s", 0.0)), float(span.get("compile_s", 0.0)),
-                                  float(span.get("stall_s", 0.0)))
+        data, compile_s, stall = (float(span.get(k, 0.0)) for k in ("data_s", "compile_s", "stall_s"))
         measured = data + compile_s + stall
         if t1 <= head:  # in the head: only what was measured leaves start-up
             moved = min(measured, out[startup_key])
@@ -445,28 +403,17 @@ def own_times(workers: list[Worker], since: float = 0.0) -> dict[int, tuple[floa
     medians, each weighted by its steps."""
     out = {}
     for w in workers:
-        medians: list[tuple[float, int]] = []
-        length = 0.0
-        steps = 0
-        for span in w.spans:
-            if span.get("first") or not span.get("own_steps") or float(span["t1"]) < since:
-                continue
-            medians.append((float(span["own_median_s"]), int(span["own_steps"])))
-            length += float(span["t1"]) - float(span["t0"])
-            steps += int(span.get("steps", 0))
-        if medians and steps:
+        spans = [s for s in w.spans
+                 if not s.get("first") and s.get("own_steps") and float(s["t1"]) >= since]
+        steps = sum(int(s.get("steps", 0)) for s in spans)
+        if spans and steps:
+            medians = sorted((float(s["own_median_s"]), int(s["own_steps"])) for s in spans)
             n = sum(c for _, c in medians)
-            out[w.rank] = (_weighted_median(medians, n), length / steps, n)
+            seen = itertools.accumulate(c for _, c in medians)
+            median = next(v for (v, _), upto in zip(medians, seen) if 2 * upto >= n)
+            length = sum(float(s["t1"]) - float(s["t0"]) for s in spans)
+            out[w.rank] = (median, length / steps, n)
     return out
-
-
-def _weighted_median(values: list[tuple[float, int]], total: int) -> float:
-    seen = 0
-    for value, count in sorted(values):
-        seen += count
-        if 2 * seen >= total:
-            return value
-    return max(values)[0]
 
 
 def stragglers(workers: list[Worker], threshold: float = 0.1,
@@ -483,18 +430,11 @@ def stragglers(workers: list[Worker], threshold: float = 0.1,
         others = statistics.median(v[0] for r, v in measured.items() if r != rank)
         if own - others > threshold * step_s:
             found.append(Straggler(attempt, rank, own, others, step_s, n))
-    found.sort(key=lambda s: -s.excess_s)
-    return found, len(measured)
+    return sorted(found, key=lambda s: -s.excess_s), len(measured)
 
 
 def live_stragglers(storage: Any, under: str, since: float,
                     threshold: float = 0.1) -> list[Straggler]:
-    """The stragglers of a running worker group from the newest event file of each of its ranks
-    under ``under`` (``goodput/attempt-<id>`` in ``storage``; rank 0's timeline, for the Ray
-    metric), over the spans that end at ``since`` or later."""
-    workers = []
-    for (attempt, rank), parts in sorted(_files(storage, under).items()):
-        data = storage.read_bytes(parts[-1][1])
-        if data is not None:
-            workers.append(parse_worker(attempt, rank, data.decode(errors="replace").splitlines()))
-    return stragglers(workers, threshold, since)[0] if workers else []
+    """The stragglers of a running worker group (rank 0's Ray metric) from the newest event file
+    of each rank under ``under`` (``goodput/attempt-<id>``), over the spans ending at ``since`` on."""
+    return stragglers(read_run(storage, under, newest=True), threshold, since)[0]

@@ -1,11 +1,8 @@
 """Compile and execution metrics (``counters.py``: torch_xla's, Dynamo's on the native stacks),
-ready for ``ray.train.report``.
-
-A healthy XLA loop compiles its graphs during the first steps (warm-up) and then only replays
-them. Graphs that keep compiling after warm-up (a recompilation storm) make every step slow;
-``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as the
-stack reports it (``compile_causes``: torch_xla's compilation analysis with
-``TorchXLAConfig(compile_causes=True)``, Dynamo's guard failures on the native stacks).
+ready for ``ray.train.report``. A healthy XLA loop compiles its graphs during the first steps
+(warm-up) and then only replays them; graphs that keep compiling after warm-up make every step
+slow: ``CompileMonitor`` counts them and warns once, naming the rank, the step and the cause as
+the stack reports it (``compile_causes.py``).
 """
 
 from __future__ import annotations
@@ -37,23 +34,16 @@ class RecompilationWarning(UserWarning):
 
 class CompileMonitor:
     """Counts compilations and executions since it was created (``since_start``: since the
-    process started); warns on recompilation storms.
-
-    Call ``metrics(step)`` once per step (or every few steps). Compilations after step
-    ``warmup_steps`` count as recompilations; when they reach ``warn_after``, one
-    ``RecompilationWarning`` is issued with the step number.
-    """
+    process started). Call ``metrics(step)`` once per step (or every few steps): compilations
+    after step ``warmup_steps`` count as recompilations, and when they reach ``warn_after`` one
+    ``RecompilationWarning`` names the step."""
 
     def __init__(self, warmup_steps: int = DEFAULT_WARMUP_STEPS, warn_after: int = 1,
                  prefix: str = "xla/", since_start: bool = False) -> None:
         if warmup_steps < 0 or warn_after < 1:
-            raise ValueError(
-                f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) is not "
-                "valid: expected warmup_steps >= 0 and warn_after >= 1"
-            )
-        self.warmup_steps = warmup_steps
-        self.warn_after = warn_after
-        self.prefix = prefix
+            raise ValueError(f"CompileMonitor(warmup_steps={warmup_steps}, warn_after={warn_after}) "
+                             "is not valid: expected warmup_steps >= 0 and warn_after >= 1")
+        self.warmup_steps, self.warn_after, self.prefix = warmup_steps, warn_after, prefix
         self._counters = Counters()
         self._compiles, self._compile_s = -1.0, 0.0  # CompileTime, read when the count moves
         self._baseline = (dict.fromkeys(self._read(True), 0.0) if since_start
@@ -65,12 +55,10 @@ class CompileMonitor:
         self.warned_at_step: int | None = None
 
     def metrics(self, step: int | None = None, execute_time: bool = False) -> dict[str, Any]:
-        """A flat dict of this worker's compile/execution counts and times (seconds) so far.
-
-        ``step``: the current step (1-based, finished); default: one more than the last call.
+        """A flat dict of this worker's compile/execution counts and times (seconds) so far;
+        ``step``: the current step (1-based, finished), by default one more than the last call;
         ``execute_time``: also ``execute_time_s`` (about 0.2 ms to read: ask for it on the steps
-        you report, not every step).
-        """
+        you report, not every step)."""
         step = self._steps + 1 if step is None else step
         self._steps = step
         now = self._read(execute_time)
@@ -137,9 +125,9 @@ def _analysed() -> int | None:
     """How many compilations torch_xla's analysis has written so far (None when it is off)."""
     from ray_train_xla.toolkit.observability import compile_causes
 
-    if worker_context().native or not compile_causes.debug_log().enabled:
-        return None
     log = compile_causes.debug_log()
+    if worker_context().native or not log.enabled:
+        return None
     log.read()
     return len(log.compilations)
 
@@ -147,21 +135,13 @@ def _analysed() -> int | None:
 def metrics(step: int | None = None, warmup_steps: int | None = None,
             execute_time: bool = False) -> dict[str, Any]:
     """This worker's XLA compile/execution metrics and step timeline as a flat dict for
-    ``ray.train.report``.
-
-    Counts since the process started; warns once on recompilations after ``warmup_steps``
-    (default 3; see ``CompileMonitor``: a value that differs from the one in effect raises
-    ``ValueError``). Cheap enough for every step; ``execute_time=True`` adds
-    ``xla/execute_time_s``, which costs about 0.2 ms to read (ask for it when reporting).
-
-    In a training function, the step timeline of the steps since this call site's previous call
-    is added (``timeline.py``; each place that calls it has its own window): ``timeline/steps``,
-    and per step on average ``timeline/step_time_s``, ``timeline/data_wait_s``,
-    ``timeline/checkpoint_stall_s``, ``timeline/compile_s``; ``timeline/samples_per_s`` and
-    ``timeline/tokens_per_s`` once ``configure_timeline`` says what a step processes;
-    ``timeline/device_memory_bytes`` and ``timeline/device_memory_peak_bytes`` once the
-    background thread has read them.
-    """
+    ``ray.train.report``: counts since the process started and, in a training function,
+    ``timeline/...`` keys for the steps since this call site's previous call (each place that
+    calls it has its own window; the keys: ``docs/observability.md``). Warns once on
+    recompilations after ``warmup_steps`` (default 3; see ``CompileMonitor``; a value that
+    differs from the one in effect raises ``ValueError``). Cheap enough for every step;
+    ``execute_time=True`` adds ``xla/execute_time_s``, about 0.2 ms to read (ask for it when
+    reporting)."""
     if warmup_steps is not None and (isinstance(warmup_steps, bool) or
                                      not isinstance(warmup_steps, int) or warmup_steps < 0):
         raise ValueError(f"metrics: warmup_steps={warmup_steps!r} must be an int >= 0")

@@ -1,46 +1,25 @@
 """Profiles of every rank: a window of steps, captured on every rank, written into the run's
-storage under ``profiles/<first step>/rank-<r>/``.
+storage under ``profiles/<first step>/rank-<r>/`` (how to ask for one, what each stack writes:
+``docs/debugging.md``).
 
-A window is asked for in three ways, and every rank captures exactly the same steps:
+A window comes from the config (``profile_steps=(start, count)``), the training function
+(``profile_steps``, on every rank) or outside (``ray-train-xla profile`` writes a request under
+``profiles/requests/``). Rank 0's ``RequestWatcher`` accepts a request with a first step a safe
+margin ahead (``MIN_MARGIN_STEPS``, and ``MARGIN_S`` seconds of steps at its measured rate),
+writes ``profiles/accepted/<id>.json`` and publishes the window in the process group's store,
+where the other ranks' watchers wait for it. A rank that learns of a window after its first
+step captures nothing and writes ``rank-<r>/missed.json``.
 
-- in the config: ``TorchXLAConfig(profile_steps=(start, count))`` (also ``TorchNeuronConfig``
-  and ``TorchTPUConfig``), planned for every worker;
-- in the training function: ``rtx.profile_steps(start, count)``, called on every rank;
-- from outside while the run goes: ``ray-train-xla profile RUN_PATH --steps N`` writes a request
-  under ``profiles/requests/``. Rank 0 looks for requests every ``POLL_S`` seconds in a thread of
-  its own, accepts one by choosing its first step a safe margin ahead (at least
-  ``MIN_MARGIN_STEPS``, and ``MARGIN_S`` seconds of steps at the rate it measured), writes
-  ``profiles/accepted/<id>.json`` and publishes the window in the process group's store; the
-  other ranks wait for it there (a blocking wait on a store connection of their own, so an idle
-  run costs no traffic) and schedule the same window. A rank that learns of a window after its
-  first step (a rank more than the margin behind rank 0) captures nothing and says so in
-  ``rank-<r>/missed.json``.
-
-Steps are counted at the step seam (``toolkit/steps.py``: ``optimizer_step``, ``step_done``, or a
-plain ``optimizer.step()``, each step once);
-step ``k`` is the k-th step. A window (start, count) starts its trace when step ``start - 1``
-ends and stops it when step ``start + count - 1`` ends. Outside a window the step hook compares
-one integer. Each stack uses its own profiler:
-
-- torch_xla (Neuron, TPU, CPU): ``torch_xla.debug.profiler.start_trace``/``stop_trace`` (the
-  in-process session its profiler server also drives, started and stopped at exact steps;
-  ``trace()`` against the server captures a duration, not steps). Each step is a ``train_step``
-  event with its ``step_num``. It writes ``plugins/profile/<time>/<host>.xplane.pb`` (TensorBoard's
-  profile plugin, xprof) and ``<host>.trace.json.gz`` (Chrome trace: Perfetto);
-- TorchNeuron and CPU (native): ``torch.profiler`` (CPU activity, and the device's own when torch
-  lists it), each step a ``ProfilerStep#<k>`` range, exported as a Chrome trace
-  ``rank-<r>.pt.trace.json`` (Perfetto);
-- TorchTPU: ``torch.profiler`` with ``TORCH_TPU_PROFILER_OUTPUT_DIR`` pointing into the rank's
-  directory, where the ``torch_tpu`` wheel writes its device trace.
-
-The traces are written on the training thread when the window ends (part of the window's cost)
-and uploaded to the run's storage in the background; the training function's end waits for the
-uploads (:func:`flush`). Each rank's directory ends with ``profile.json`` (its steps, profiler
-and files), written last.
+A window (start, count) starts its trace when step ``start - 1`` ends and stops it when step
+``start + count - 1`` ends (steps counted by ``toolkit/steps.py``); outside a window the step
+hook compares one integer. The traces are written on the training thread when the window ends
+and uploaded in the background (:func:`flush` waits for them); each rank's directory ends with
+``profile.json`` (its steps, profiler and files), written last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -106,10 +85,9 @@ def check_window(start: Any, count: Any) -> None:
                              "(steps are counted from 1)")
 
 
-def margin_steps(steps_per_s: float, margin_s: float = MARGIN_S,
-                 minimum: int = MIN_MARGIN_STEPS) -> int:
+def margin_steps(steps_per_s: float) -> int:
     """How many steps ahead of rank 0 a window requested from outside starts."""
-    return max(minimum, math.ceil(max(steps_per_s, 0.0) * margin_s))
+    return max(MIN_MARGIN_STEPS, math.ceil(max(steps_per_s, 0.0) * MARGIN_S))
 
 
 def accept(request_id: str, count: int, steps_done: int, steps_per_s: float) -> Window:
@@ -178,12 +156,9 @@ def wait_for_profile(storage, request_id: str, timeout_s: float, poll_s: float =
             window = Window(accepted["start"], accepted["count"], request_id)
             ranks = {}
             for r in range(accepted["world_size"]):
-                base = rank_dir(window, r)
-                names = {p.rsplit("/", 1)[-1] for p in storage.list(base)}
-                if "profile.json" in names:
-                    ranks[r] = "written"
-                elif "missed.json" in names:
-                    ranks[r] = "missed"
+                names = {p.rsplit("/", 1)[-1] for p in storage.list(rank_dir(window, r))}
+                if names & {"profile.json", "missed.json"}:
+                    ranks[r] = "written" if "profile.json" in names else "missed"
             out = {**accepted, "ranks": ranks,
                    "complete": len(ranks) == accepted["world_size"],
                    "state": f"{len(ranks)} of {accepted['world_size']} ranks done"}
@@ -202,10 +177,8 @@ def rank_dir(window: Window, rank: int) -> str:
 
 
 class _StepSpans:
-    """One named range per step, opened at a step's start and closed at its end."""
-
-    def _span_for(self, step: int) -> Any:
-        raise NotImplementedError
+    """One named range per step (a subclass's ``_span_for``), opened at a step's start and
+    closed at its end."""
 
     def _open(self, step: int) -> None:
         self._span = self._span_for(step)
@@ -220,7 +193,9 @@ class _StepSpans:
 
 
 class XLATracer(_StepSpans):
-    """torch_xla's profiler session, one ``train_step`` event per step."""
+    """torch_xla's in-process profiler session (started and stopped at exact steps; ``trace()``
+    against its server captures a duration), one ``train_step`` event per step: it writes
+    ``plugins/profile/<time>/<host>.xplane.pb`` and ``<host>.trace.json.gz``."""
 
     name = "torch_xla"
 
@@ -266,7 +241,6 @@ class TorchTracer(_StepSpans):
         self._close()
         self._prof.stop()
         self._prof.export_chrome_trace(os.path.join(local_dir, f"rank-{rank}.pt.trace.json"))
-        self._prof = None
 
 
 class TorchTPUTracer(TorchTracer):
@@ -284,9 +258,7 @@ def tracer_for_worker():
     ctx = worker_context()
     if not ctx.native:
         return XLATracer()
-    if ctx.device == "tpu":
-        return TorchTPUTracer()
-    return TorchTracer()
+    return TorchTPUTracer() if ctx.device == "tpu" else TorchTracer()
 
 
 # ---- the worker's windows -----------------------------------------------------------------------
@@ -298,9 +270,7 @@ class Profiles:
     def __init__(self, rank: int, world: int, storage=None, tracer_factory=tracer_for_worker,
                  local_root: str | None = None) -> None:
         self.rank, self.world = rank, world
-        self._storage = storage
-        self._tracer_factory = tracer_factory
-        self._local_root = local_root
+        self._storage, self._tracer_factory, self._local_root = storage, tracer_factory, local_root
         self._lock = threading.Lock()
         self._pending: list[Window] = []
         self._active: tuple[Window, Any, str] | None = None  # window, tracer, local dir
@@ -421,8 +391,7 @@ class Profiles:
         try:
             files = self.storage.upload_dir(local, target)
             body = {**asdict(window), "rank": self.rank, "world_size": self.world,
-                    "steps": list(window.steps), "profiler": profiler,
-                    "host": socket.gethostname(),
+                    "steps": list(window.steps), "profiler": profiler, "host": socket.gethostname(),
                     "files": [f[len(target) + 1:] for f in files]}
             self.storage.write_bytes(f"{target}/profile.json", json.dumps(body).encode())
             logger.info("rank %d: profile of steps %d-%d written to %s", self.rank, window.start,
@@ -439,11 +408,9 @@ class Profiles:
         logger.warning("rank %d: the profile window of steps %d-%d reached this rank at step %d, "
                        "after its start: not captured here", self.rank, window.start,
                        window.end_after, at_step)
-        try:
+        with contextlib.suppress(Exception):  # (the warning above says it)
             self.storage.write_bytes(f"{rank_dir(window, self.rank)}/missed.json", json.dumps(
                 {**asdict(window), "rank": self.rank, "at_step": at_step}).encode())
-        except Exception:  # noqa: BLE001 (the warning above says it)
-            pass
 
     def flush(self, timeout_s: float = 300.0) -> None:
         """Wait for the uploads of finished windows (the end of the training function)."""
@@ -457,16 +424,14 @@ class Profiles:
 
 
 class RequestWatcher:
-    """A daemon thread. Rank 0: looks for requests in the run's storage every ``poll_s``,
-    accepts each and publishes its window under ``<prefix>/<n>`` in the store. Other ranks: wait
-    for ``<prefix>/<n>`` on a store connection of their own. Both add the window to
-    ``profiles``."""
+    """A daemon thread. Rank 0: looks for requests in the run's storage every ``poll_s``, accepts
+    each and publishes its window under ``<prefix>/<n>`` in the store; other ranks wait for it on
+    a store connection of their own. Both add the window to ``profiles``."""
 
     def __init__(self, profiles: Profiles, connect, prefix: str, poll_s: float = POLL_S,
                  wait_s: float = WAIT_S) -> None:
-        self._profiles = profiles
+        self._profiles, self._prefix = profiles, prefix
         self._connect = connect  # () -> a store client for this thread alone
-        self._prefix = prefix
         self._poll_s, self._wait_s = poll_s, wait_s
         self._stop = threading.Event()
         self._seq = 0
@@ -484,21 +449,11 @@ class RequestWatcher:
 
     def _run(self) -> None:
         try:
-            store = self._connect()
-            if self._profiles.rank == 0:
-                self._lead(store)
-            else:
-                self._follow(store)
+            (self._lead if self._profiles.rank == 0 else self._follow)(self._connect())
         except Exception as exc:  # noqa: BLE001 (the store went away with the run)
             if not self._stop.is_set():
                 logger.info("rank %d: profile requests from outside no longer watched: %s",
                             self._profiles.rank, exc)
-
-    def steps_per_s(self) -> float:
-        if len(self._samples) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
 
     def _lead(self, store) -> None:
         # (the first look one interval in: not while the training function starts)
@@ -508,7 +463,7 @@ class RequestWatcher:
                 requests = pending_requests(self._profiles.storage)
             except Exception as exc:  # noqa: BLE001 (storage briefly unavailable)
                 logger.debug("profile requests not read: %s", exc)
-                requests = []
+                continue
             for request in requests:
                 self.publish(store, request)
 
@@ -520,8 +475,10 @@ class RequestWatcher:
             self._sample()
             self._stop.wait(0.25)
             self._sample()
+        (t0, s0), (t1, s1) = self._samples
         done = _steps.steps_done()
-        window = accept(request["id"], int(request["steps"]), done, self.steps_per_s())
+        window = accept(request["id"], int(request["steps"]), done,
+                        (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0)
         busy = [w for w in self._profiles.windows() if w.end_after >= window.start]
         if busy:  # after the last window still to come
             window = Window(max(w.end_after for w in busy) + 1, window.count, window.source)
@@ -546,8 +503,7 @@ class RequestWatcher:
             except Exception:  # noqa: BLE001 (the wait timed out: look again)
                 if self._stop.is_set():
                     return
-                if not _alive(store):
-                    raise
+                store.check(["ray_train_xla/alive"])  # raises once the store is gone
                 continue
             body = json.loads(store.get(key))
             self._seq += 1
@@ -556,14 +512,6 @@ class RequestWatcher:
             except ValueError as exc:  # overlaps a window of this rank's own
                 logger.warning("rank %d: profile window from rank 0 not scheduled: %s",
                                self._profiles.rank, exc)
-
-
-def _alive(store) -> bool:
-    try:
-        store.check(["ray_train_xla/alive"])
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 # ---- this worker ---------------------------------------------------------------------------------
@@ -581,18 +529,15 @@ def _store_client():
 
 
 def install(watch_requests: bool = True) -> Profiles:
-    """Start this worker's profiles (as the training function starts, every rank; held by the
-    runtime): the config's window and, with several workers or one, the watcher of requests
-    from outside."""
+    """Start this worker's profiles (every rank, as the training function starts; held by the
+    runtime): the config's window and the watcher of requests from outside."""
     uninstall()
     rt = runtime()
     ctx = rt.ctx
-    profiles = rt.profiles = Profiles(ctx.rank, ctx.world_size)
-    _steps.add_step_hook(profiles.on_step)
+    profiles = _worker_profiles()
     if ctx.profile_steps is not None:
-        start, count = ctx.profile_steps
         try:
-            profiles.add(Window(start, count, "config"))
+            profiles.add(Window(*ctx.profile_steps, "config"))
         except ValueError as exc:
             logger.warning("rank %d: profile_steps not scheduled: %s", ctx.rank, exc)
     if watch_requests and ctx.master_addr and ctx.master_port:
@@ -621,10 +566,9 @@ def _worker_profiles() -> Profiles:
 
 
 def profile_steps(start: int, count: int) -> Window:
-    """Capture steps ``start`` .. ``start + count - 1`` on this rank (call it with the same
-    values on every rank). The traces go to the run's storage under
-    ``profiles/<start>/rank-<r>/``. Raises ValueError for a window already past, or one that
-    overlaps another."""
+    """Capture steps ``start`` .. ``start + count - 1`` on this rank (call it with the same values
+    on every rank) into the run's storage under ``profiles/<start>/rank-<r>/``. Raises
+    ValueError for a window already past, or one that overlaps another."""
     window = Window(start, count, "function")
     if window.begin_after < _steps.steps_done():
         raise ValueError(f"profile_steps({start}, {count}): step {start} has already started "

@@ -1,36 +1,19 @@
-"""The step timeline's figures as Ray metrics (``ray.util.metrics``), for Ray's dashboard,
-Prometheus and Grafana (``docs/grafana-dashboard.json``).
-
-Set from the timeline's background thread every ``interval_s`` (``configure_timeline``), never
-from the step. Every metric is tagged ``run`` (the run's name), ``rank``, ``node`` (the node's
-IP address) and ``device``. Ray exports them with its ``ray_`` prefix:
-
-- ``ray_train_xla_step_time_seconds``: mean step time over the last interval with steps;
-- ``ray_train_xla_samples_per_second`` / ``ray_train_xla_tokens_per_second`` (when
-  ``configure_timeline`` says what a step processes);
-- ``ray_train_xla_tflops_per_second`` / ``ray_train_xla_mfu``: model TFLOP/s of this device
-  and their share of its peak (when ``configure_timeline`` gives ``flops_per_step``);
-- ``ray_train_xla_device_memory_bytes`` / ``ray_train_xla_device_memory_peak_bytes``;
-- ``ray_train_xla_steps_total``: steps finished;
-- ``ray_train_xla_time_seconds_total{bucket=...}``: seconds of step time by bucket: ``step``
-  (all of it), ``data_wait``, ``checkpoint_stall``, ``compilation``;
-- ``ray_train_xla_goodput_ratio``: this worker's productive step time over the time since its
-  worker group started (the run's goodput across restarts is ``ray-train-xla goodput``);
-- ``ray_train_xla_straggler_excess_seconds{run, rank}``: set by rank 0 for each rank it names a
-  straggler (``goodput.stragglers``, from every rank's events in the run's storage, every
-  ``storage_interval_s``, over the last 5 minutes): how much longer a step that rank's own
-  time is than the other ranks' median; 0 once it is no longer named.
-
-Needs Ray's metrics agent (``pip install 'ray[default]'``) to leave the node.
+"""The step timeline's figures as Ray metrics (``ray.util.metrics``) for Ray's dashboard,
+Prometheus and Grafana (the metrics: ``docs/observability.md``; the dashboard:
+``docs/grafana-dashboard.json``), set from the timeline's background thread every
+``interval_s``, never from the step. Ray exports them with its ``ray_`` prefix; they leave the
+node through Ray's metrics agent (``pip install 'ray[default]'``). Rank 0 also sets
+``train_xla_straggler_excess_seconds`` for each rank it names a straggler
+(``goodput.stragglers``, every ``storage_interval_s``, over the last 5 minutes; 0 once no
+longer named).
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+import time
 from collections.abc import Callable
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 TAG_KEYS = ("run", "rank", "node", "device")
 BUCKETS = ("step", "data_wait", "checkpoint_stall", "compilation")
@@ -81,12 +64,10 @@ def exporter() -> Callable[[Any, dict], None] | None:
         node_ip = ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 (outside Ray)
         return None
-    state: dict[str, Any] = {}
+    metrics = functools.cache(_Metrics)  # made at the first export, then the same
 
     def export(tl: Any, window: dict) -> None:
-        m = state.get("m")
-        if m is None:
-            m = state["m"] = _Metrics()
+        m = metrics()
         tags = {"run": tl.run or "unnamed", "rank": str(tl.rank), "node": node_ip,
                 "device": tl.device}
         if window["steps"]:
@@ -112,8 +93,6 @@ def exporter() -> Callable[[Any, dict], None] | None:
                 m.seconds.inc(window[key], tags={**tags, "bucket": bucket})
         m.productive += max(0.0, window["step_s"] - window["data_s"] - window["stall_s"]
                             - window["compile_s"])
-        import time
-
         elapsed = time.time() - tl.group_start
         if elapsed > 0:
             m.goodput.set(min(1.0, m.productive / elapsed), tags=tags)

@@ -1,45 +1,26 @@
 """The step timeline of one worker: where each step's time goes, at a cost of a few
-microseconds a step.
+microseconds a step (what it measures and reports: ``docs/observability.md``).
 
-The training thread only stamps boundaries. At the end of every step (``optimizer_step``,
-``step_done``, or a plain ``optimizer.step()`` seen through torch's optimizer hook: each step
-once, by the rules of ``steps.py``) it appends one record to a bounded buffer: the step's end
-(host wall clock), and what the step spent, since the previous end,
+The training thread only stamps boundaries. At the end of every step (each step once, by the
+rules of ``steps.py``) it appends one record to a bounded buffer: the step's end (host wall
+clock) and, since the previous end, its time blocked in the toolkit's loaders handing out a
+batch (data wait), in ``save_checkpoint``, ``report`` and ``flush_reports`` (stall), compiling
+(the compile time, read again only when the compile counter moved: about 0.6 us) and its own
+time (``arrived``), which tells a slow rank where synchronous collectives give every rank the
+same step time. Step time is host time: XLA's queue is short, so in steady state the host
+waits for the device every step, without a forced sync.
 
-- waiting for data: time blocked in the toolkit's loaders (``prepare_data_loader``,
-  ``iter_xla_batches``) handing out a batch, from the loop asking for it (``next()``) to
-  getting it, and nothing else: whichever way steps end, the rest of the time between two
-  step ends (forward, backward, a ``torch_xla.sync()`` after a hooked ``step()``) is step time;
-- blocked in ``save_checkpoint``, ``report`` and ``flush_reports`` (the checkpoint/report stall:
-  the snapshot, a wait for an in-flight slot, ``wait=True``);
-- compiling: the growth of torch_xla's ``CompileTime`` (native stacks: Dynamo's compile time),
-  read again only when the compile counter moved (a counter read, about 0.6 us);
-- its own time: from the previous step end to its arrival at the step's gradient
-  synchronisation (``optimizer_step``, ``reduce_gradients``, ``clip_grad_norm_`` before their
-  first collective, the forward of a model ``prepare_sharded_model`` returned), less its
-  checkpoint stall; a span keeps the sum, count and median of its steps' own times, steps
-  that compiled left out. Synchronous collectives end every rank's step together, so step
-  times cannot tell a slow rank; own times can: the rank that arrives last holds the others
-  back (``goodput.stragglers``).
-
-Step time is host time between step ends. XLA runs asynchronously, but its queue is short:
-in steady state the host waits for the device every step, so the host's step time is the
-device's, without forcing a sync. A background thread, every ``interval_s``, drains the buffer,
-reads device memory (torch_xla's memory info, the native device's allocator, or the process's
-resident memory on CPU), sets the Ray metrics (``ray_metrics.py``) and, every
-``storage_interval_s``, at checkpoints and at the end, writes this worker's goodput events into
-the run's storage (``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``).
-
-The backend starts the timeline when the training function starts and ends it when it returns
-or raises (``startup/train_function.py``); the loaders, checkpoints and reports tell it what they
-do through ``toolkit/events.py``. :func:`configure_timeline` says what one step
-processes (samples, tokens) and how often the background thread runs. ``metrics()`` adds the
-steps since its previous call as ``timeline/...`` keys (:func:`report_metrics`).
+A background thread, every ``interval_s``, drains the buffer into spans and events, reads
+device memory, sets the Ray metrics (``ray_metrics.py``) and, every ``storage_interval_s``, at
+checkpoints and at the end, writes this worker's goodput events into the run's storage
+(``goodput/attempt-<id>/rank-<r>.<part>.jsonl``, read by ``goodput.py``). The training path
+tells it what happens through ``toolkit/events.py``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -63,23 +44,18 @@ GOODPUT_DIR = "goodput"
 STEP, CHECKPOINT, END = 0, 1, 2
 
 def configure_timeline(samples_per_step: float | None = None, tokens_per_step: float | None = None,
-                       interval_s: float | None = None,
-                       storage_interval_s: float | None = None,
-                       flops_per_step: float | None = None,
-                       peak_tflops: float | None = None,
+                       interval_s: float | None = None, storage_interval_s: float | None = None,
+                       flops_per_step: float | None = None, peak_tflops: float | None = None,
                        straggler_threshold: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
-    the timeline then gives samples/s and tokens/s; ``flops_per_step``, the model FLOPs of this
-    worker's step, forward and backward, from ``model_flops_per_token`` or ``count_flops``: it
-    then gives TFLOP/s and MFU against ``peak_tflops``, the device's peak, by default the
-    config's ``peak_tflops``, else the published figure of the worker's device or, on CPU, a
-    matmul probe's) and how often the background thread runs (``interval_s``: Ray metrics and
-    memory, 5 s by default; ``storage_interval_s``: goodput events written to the run's storage,
-    30 s by default, and always at checkpoints and at the end; ``straggler_threshold``: rank 0
-    names, as a Ray metric, the ranks whose own time exceeds the others' median by more than
-    this share of the step time, 0.1 by default). Call it on every worker; values left None are
-    as they are, and a value that differs from one set before (or from the config's
-    ``peak_tflops``) raises ``ValueError``."""
+    then samples/s and tokens/s; ``flops_per_step``, the model FLOPs of its forward and
+    backward, from ``model_flops_per_token`` or ``count_flops``: then TFLOP/s and MFU against
+    ``peak_tflops``, by default the config's, else ``device_peak``), how often the background
+    thread runs (``interval_s``: Ray metrics and memory, 5 s; ``storage_interval_s``: goodput
+    events, 30 s, and always at checkpoints and at the end) and ``straggler_threshold`` (rank 0's
+    Ray metric names the ranks whose own time exceeds the others' median by more than this share
+    of the step time, 0.1). Call it on every worker; values left None are as they are, and a
+    value that differs from one set before (or from the config's) raises ``ValueError``."""
     values = {"samples_per_step": samples_per_step, "tokens_per_step": tokens_per_step,
               "interval_s": interval_s, "storage_interval_s": storage_interval_s,
               "flops_per_step": flops_per_step, "peak_tflops": peak_tflops,
@@ -108,12 +84,9 @@ def instance_type(path: str = PRODUCT_NAME) -> str:
 
 
 def device_peak(device: str) -> tuple[float | None, str]:
-    """(peak TFLOP/s, where it comes from) of one device of this worker when neither
-    ``configure_timeline`` nor the config gives one: on TPU the published figure of the host's
-    accelerator type (``TPU_ACCELERATOR_TYPE``, as Ray reads it on GKE), on Trainium that of the
-    instance type (``instance_type()``) at the logical NeuronCore configuration
-    (``NEURON_LOGICAL_NC_CONFIG``), on CPU a matmul probe of this process
-    (``flops.cpu_peak_tflops``); (None, why) where none is known."""
+    """(peak TFLOP/s, where it comes from) of one device of this worker: the published figure
+    of ``TPU_ACCELERATOR_TYPE`` on TPU, of the instance type at ``NEURON_LOGICAL_NC_CONFIG`` on
+    Trainium, a matmul probe on CPU; (None, why) where none is known."""
     from ray_train_xla.planning import peaks
 
     if device == "cpu":
@@ -138,22 +111,15 @@ def device_peak(device: str) -> tuple[float | None, str]:
     return found.bf16, f"the published bf16 peak of a {found.device}, from {what}"
 
 
-def step_size() -> tuple[float | None, float | None]:
-    """(samples, tokens) one step processes, as ``configure_timeline`` set them (None: not said)."""
-    options = runtime().options(TimelineOptions)
-    return options.samples_per_step, options.tokens_per_step
-
-
 # ---- device memory, off the step path ---------------------------------------------------------
 
 def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
-    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info on XLA
-    devices that report it (``xla_info[0]``, set False once the device said it has none), the
-    native device's allocator, else this process's resident memory (current, peak). None when
-    nothing can be read."""
+    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info where the
+    device reports it (``xla_info[0]``: False once it said it has none), the native device's
+    allocator, else this process's resident memory; None when nothing can be read."""
     from ray_train_xla.toolkit import device as _device
 
-    try:
+    with contextlib.suppress(Exception):  # (the XLA CPU device has no allocator stats: RSS)
         if not _device.is_native():
             if not xla_info[0]:
                 return _process_memory()
@@ -171,13 +137,10 @@ def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
         dev = _device.get_device()
         if dev.type != "cpu":
             mod = getattr(torch, dev.type, None)
-            if mod is not None and hasattr(mod, "memory_allocated"):
+            if not hasattr(mod, "memory_allocated"):
+                mod = getattr(torch, "accelerator", None)
+            if hasattr(mod, "memory_allocated"):
                 return float(mod.memory_allocated()), float(mod.max_memory_allocated())
-            if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_allocated"):
-                return (float(torch.accelerator.memory_allocated()),
-                        float(torch.accelerator.max_memory_allocated()))
-    except Exception:  # noqa: BLE001 (the XLA CPU device has no allocator stats: RSS below)
-        pass
     return _process_memory()
 
 
@@ -212,16 +175,13 @@ class Timeline:
         self.begin = clock()
         self.group_start = group_start or self.begin
         self.run_start = run_start  # when fit() handed the config to Ray; 0.0 when unknown
-        self._storage = storage
-        self._export = export
+        self._storage, self._export = storage, export
         # The training thread's accumulators since the last boundary.
-        self.data_s = 0.0
-        self.stall_s = 0.0
+        self.data_s = self.stall_s = 0.0
         self._last = self._prev_step_end = self.begin
         self._own: float | None = None  # this step's own time, once it arrived (``arrived``)
         self._step_stall = 0.0  # stall in this step's checkpoint records so far
-        reader = compile_reader
-        self._count, self._compile_total = reader if reader is not None else (None, None)
+        self._count, self._compile_total = compile_reader or (None, None)
         self._compiles = self._count() if self._count else 0.0
         self._compile_s = self._compile_total() if self._compile_total else 0.0
         self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
@@ -233,16 +193,14 @@ class Timeline:
         self._read: dict[Any, list] = {}
         # The background side.
         self._lock = threading.Lock()
-        self._drained = 0
-        self._dropped = 0
+        self._drained = self._dropped = 0
         self._span: dict[str, Any] | None = None
         self._first_done = False
-        self._lines: list[str] = []
-        self._part = 0
-        self._compile_events = 0
+        self._part = self._compile_events = 0
         self._dirty = True
         self._last_write = 0.0
-        self._memory: tuple[float, float] | None = None
+        # (bytes in use, peak bytes) of the device, as last read by the background thread
+        self.memory: tuple[float, float] | None = None
         self._write_error_logged = False
         self._peak: list[tuple] = []  # the device's (peak TFLOP/s, source), once looked up
         self._header = {
@@ -250,10 +208,8 @@ class Timeline:
             "local_rank": local_rank, "node": node, "device": device,
             "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
             "pid": os.getpid(),
-            "samples_per_step": options().samples_per_step,
-            "tokens_per_step": options().tokens_per_step,
-        }
-        self._lines.append(json.dumps(self._header))
+        }  # what one step processes is added at each write of the first part (``_write``)
+        self._lines = [json.dumps(self._header)]
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -277,8 +233,7 @@ class Timeline:
             self._step_stall += stall
         self._buf.append((kind, steps, self._last, now, data, stall, compile_s, own))
         self._appended += 1
-        self.data_s = 0.0
-        self.stall_s = 0.0
+        self.data_s = self.stall_s = 0.0
         self._last = now
         m = self._m  # what metrics() reports: whole steps, their checkpoints included
         m[2] += data
@@ -290,9 +245,8 @@ class Timeline:
             self._prev_step_end = now
 
     def arrived(self) -> None:
-        """This rank reached the step's gradient synchronisation: its own time of the step is
-        the time since the previous step end, less its checkpoint stall (the first arrival of a
-        step counts)."""
+        """This rank reached the step's gradient synchronisation (the first arrival counts): its
+        own time of the step is the time since the previous step end, less its checkpoint stall."""
         if self._own is None:
             self._own = (self._clock() - self._prev_step_end - self._step_stall
                          - self.stall_s)
@@ -307,9 +261,8 @@ class Timeline:
         self._boundary(CHECKPOINT, steps)
 
     def peak(self) -> tuple[float | None, str]:
-        """(peak TFLOP/s, where it comes from) that MFU is taken against: ``configure_timeline``'s
-        or the config's ``peak_tflops``, else the device's (``device_peak``, looked up or
-        measured once); None when unknown (warned once)."""
+        """(peak TFLOP/s, where it comes from) that MFU is taken against: the configured
+        ``peak_tflops``, else ``device_peak`` (once); None when unknown (warned once)."""
         given = self._options().peak_tflops
         if given:
             return given, "given: the config's or configure_timeline's peak_tflops"
@@ -358,18 +311,12 @@ class Timeline:
                 peak = self.peak_tflops()
                 if peak:
                     out["timeline/mfu"] = tflops / peak
-        memory = self._memory
+        memory = self.memory
         if memory is not None:
-            out["timeline/device_memory_bytes"] = memory[0]
-            out["timeline/device_memory_peak_bytes"] = memory[1]
+            out["timeline/device_memory_bytes"], out["timeline/device_memory_peak_bytes"] = memory
         return out
 
     # ---- other threads ------------------------------------------------------------------------
-
-    @property
-    def memory(self) -> tuple[float, float] | None:
-        """(bytes in use, peak bytes) of the device, as last read by the background thread."""
-        return self._memory
 
     def checkpoint_committed(self) -> None:
         """Ray took the oldest checkpoint still in flight (the background reporter's thread)."""
@@ -379,17 +326,14 @@ class Timeline:
     def restored(self, tier: str, seconds: float) -> None:
         """A restore from ``tier`` (memory or storage) that took ``seconds``: a goodput event."""
         with self._lock:
-            self._lines.append(json.dumps({"kind": "restore", "t": self._clock(), "tier": tier,
-                                           "seconds": seconds}))
-            self._dirty = True
-            self._last_write = 0.0
+            self._event({"kind": "restore", "t": self._clock(), "tier": tier, "seconds": seconds},
+                        due=True)
 
     def memory_kept(self, t: float) -> None:
         """The memory tier completed the snapshot taken at ``t`` (every rank's files are in):
         a restore from memory resumes from there (goodput counts no work before it as lost)."""
         with self._lock:
-            self._lines.append(json.dumps({"kind": "memory_kept", "t": t}))
-            self._dirty = True
+            self._event({"kind": "memory_kept", "t": t})
 
     def wake(self) -> None:
         self._wake.set()
@@ -412,8 +356,7 @@ class Timeline:
             end = {"kind": "end", "t": self._last, "failed": failed, "error": error[:500]}
             if stopped:
                 end["stopped"] = True
-            self._lines.append(json.dumps(end))
-            self._dirty = True
+            self._event(end)
             self._write(force=True)
 
     def _run(self) -> None:
@@ -424,30 +367,29 @@ class Timeline:
             if self._stop:
                 return
             try:
-                now = time.monotonic()
+                options, now = self._options(), time.monotonic()
                 if now >= next_memory:
-                    self._memory = device_memory(self._xla_memory_info)
-                    next_memory = now + self._options().interval_s
+                    self.memory = device_memory(self._xla_memory_info)
+                    next_memory = now + options.interval_s
                 with self._lock:
                     window = self._drain()
                     self._write()
                 if self._export is not None:
-                    window["samples_per_step"], window["tokens_per_step"] = step_size()
-                    window["flops_per_step"] = self._options().flops_per_step
-                    window["peak_tflops"] = (self.peak_tflops() if window["flops_per_step"]
-                                             else None)
+                    flops = options.flops_per_step
+                    window.update(samples_per_step=options.samples_per_step,
+                                  tokens_per_step=options.tokens_per_step, flops_per_step=flops,
+                                  peak_tflops=self.peak_tflops() if flops else None)
                     if (self.rank == 0 and self.world > 1 and self._storage is not None
                             and now >= next_stragglers):
-                        next_stragglers = now + self._options().storage_interval_s
+                        next_stragglers = now + options.storage_interval_s
                         window["stragglers"] = self.stragglers()
                     self._export(self, window)
             except Exception as exc:  # noqa: BLE001 (never take the run down for its timeline)
                 logger.warning("rank %d: timeline: %s: %s", self.rank, type(exc).__name__, exc)
 
     def stragglers(self) -> dict[int, float]:
-        """(Rank 0) the ranks of this worker group named stragglers over the last
-        ``STRAGGLER_WINDOW_S``, from every rank's newest events in the run's storage: their
-        excess own time a step, in seconds (``goodput.stragglers``)."""
+        """(Rank 0) the ranks named stragglers over the last ``STRAGGLER_WINDOW_S``, from every
+        rank's newest events: their excess own time a step, in seconds (``goodput.stragglers``)."""
         from ray_train_xla.toolkit.observability.goodput import live_stragglers
 
         found = live_stragglers(self._storage, self.path(0).rsplit("/", 1)[0],
@@ -460,22 +402,16 @@ class Timeline:
         totals of the steps drained (for the Ray metrics)."""
         window = {"steps": 0, "step_s": 0.0, "data_s": 0.0, "stall_s": 0.0, "compile_s": 0.0}
         while self._commits:  # (lost work is counted from the checkpoints Ray took: write now)
-            self._lines.append(json.dumps({"kind": "commit", "t": self._commits.popleft()}))
-            self._dirty = True
-            self._last_write = 0.0
+            self._event({"kind": "commit", "t": self._commits.popleft()}, due=True)
         appended = self._appended
-        while True:
-            try:
-                rec = self._buf.popleft()
-            except IndexError:
-                break
+        while self._buf:  # (this thread alone takes records out)
             self._drained += 1
-            self._record(rec, window)
+            self._record(self._buf.popleft(), window)
         lost = appended - self._drained - len(self._buf)
         if lost > self._dropped:  # the deque dropped its oldest records: the timeline is behind
             logger.warning("rank %d: timeline: %d step records dropped (the background thread "
                            "fell behind)", self.rank, lost - self._dropped)
-            self._lines.append(json.dumps({"kind": "dropped", "records": lost - self._dropped}))
+            self._event({"kind": "dropped", "records": lost - self._dropped})
             self._dropped = lost
         self._close_span()
         return window
@@ -489,9 +425,10 @@ class Timeline:
             span = self._span = {"kind": "span", "t0": t0, "t1": t1, "steps": 0, "data_s": 0.0,
                                  "stall_s": 0.0, "compile_s": 0.0}
         span["t1"] = t1
-        span["data_s"] += data
-        span["stall_s"] += stall
-        span["compile_s"] += compile_s
+        for key, value in (("data_s", data), ("stall_s", stall), ("compile_s", compile_s)):
+            span[key] += value
+            if kind != END:
+                window[key] += value
         if kind == STEP:
             span["steps"] += 1
             span["last_step"] = steps
@@ -500,21 +437,16 @@ class Timeline:
                 span.setdefault("own", []).append(own)
         if kind != END:
             window["step_s"] += t1 - t0
-            window["data_s"] += data
-            window["stall_s"] += stall
-            window["compile_s"] += compile_s
         if compile_s > 0 and self._compile_events < MAX_COMPILE_EVENTS:
             self._compile_events += 1
-            self._lines.append(json.dumps({"kind": "compile", "t": t1, "compile_s": compile_s,
-                                           "step": steps}))
+            self._event({"kind": "compile", "t": t1, "compile_s": compile_s, "step": steps})
         if kind == STEP and not self._first_done:
             self._first_done = True
             span["first"] = True  # begin -> the end of the first step: start-up
             self._close_span()
         elif kind == CHECKPOINT:
             self._close_span()
-            self._lines.append(json.dumps({"kind": "checkpoint", "t": t1, "step": steps}))
-            self._last_write = 0.0
+            self._event({"kind": "checkpoint", "t": t1, "step": steps}, due=True)
         elif kind == END:
             self._close_span()
 
@@ -524,9 +456,15 @@ class Timeline:
             if own:  # the steps' own times: their sum, count and median
                 self._span.update(own_s=sum(own), own_steps=len(own),
                                   own_median_s=statistics.median(own))
-            self._lines.append(json.dumps(self._span))
+            self._event(self._span)
             self._span = None
-            self._dirty = True
+
+    def _event(self, event: dict[str, Any], due: bool = False) -> None:
+        """(Holding the lock) one goodput event; ``due``: written at the thread's next run."""
+        self._lines.append(json.dumps(event))
+        self._dirty = True
+        if due:
+            self._last_write = 0.0
 
     def _write(self, force: bool = False) -> None:
         """(Holding the lock) write this worker's current part when it changed and is due."""
@@ -537,10 +475,10 @@ class Timeline:
             return
         if self._part == 0:  # what one step processes may have been configured since
             options = self._options()
-            self._header["samples_per_step"] = options.samples_per_step
-            self._header["tokens_per_step"] = options.tokens_per_step
-            self._header["flops_per_step"] = options.flops_per_step
-            self._header["peak_tflops"] = self.peak_tflops() if options.flops_per_step else None
+            self._header.update(samples_per_step=options.samples_per_step,
+                                tokens_per_step=options.tokens_per_step,
+                                flops_per_step=options.flops_per_step,
+                                peak_tflops=self.peak_tflops() if options.flops_per_step else None)
             self._lines[0] = json.dumps(self._header)
         self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
         try:
@@ -551,9 +489,9 @@ class Timeline:
                 self._write_error_logged = True
                 logger.warning("rank %d: timeline: cannot write goodput events to the run's "
                                "storage: %s: %s", self.rank, type(exc).__name__, exc)
-            self._lines.pop()
             return
-        self._lines.pop()  # the heartbeat stays only in what was written
+        finally:
+            self._lines.pop()  # the heartbeat stays only in what was written
         self._last_write = now
         self._dirty = False
         if len(self._lines) >= PART_LINES:
@@ -573,8 +511,7 @@ def active() -> Timeline | None:
 
 
 def report_metrics(caller: Any = None) -> dict[str, float]:
-    """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()``
-    adds them, each call site of it a caller of its own)."""
+    """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()`` adds them)."""
     tl = runtime().timeline
     return tl.report_metrics(caller) if tl is not None else {}
 
@@ -592,13 +529,11 @@ def begin() -> Timeline:
     ctx = rt.ctx
     storage = RunStorage.of_worker() if ctx.planned else None
     node = ""
-    try:
+    with contextlib.suppress(Exception):  # (outside Ray)
         import ray
 
         if ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001 (outside Ray)
-        pass
     try:
         counters = Counters()
         compile_reader = counters.compiles, counters.compile_time_s
