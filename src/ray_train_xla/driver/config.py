@@ -19,13 +19,7 @@ from ray.train.torch import TorchConfig
 
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.contract import SUBMITTED_AT
-from ray_train_xla.planning.options import (
-    NEURON_OWNER,
-    TPU_OWNER,
-    NeuronOptions,
-    TPUOptions,
-    XLAOptions,
-)
+from ray_train_xla.planning.options import NeuronOptions, TPUOptions, XLAOptions
 from ray_train_xla.planning.runtimes.native_neuron import import_env
 from ray_train_xla.startup.import_env import rebuild_config
 
@@ -39,7 +33,7 @@ class _RayHooks:
     device; the Backend class (``_backend``, in ``driver/backend.py``); the training function's
     context; and pickling records when the config left the driver (``SUBMITTED_AT``)."""
 
-    _owner: ClassVar[str]
+    _owner: ClassVar[str]  # from the options class
     _backend: ClassVar[str]
     _process_group: ClassVar[str]  # why backend and init_method take no value
 
@@ -139,7 +133,6 @@ class TorchXLAConfig(_RayHooks, XLAOptions, TorchConfig):
     backend: str | None = field(default="xla", repr=False)
     init_method: str = field(default="env", repr=False)
 
-    _owner = "TorchXLAConfig"
     _backend = "XLABackend"
     _process_group = ("TorchXLAConfig chooses the process group from device and spmd (for "
                       "native TorchNeuron use ray_train_xla.TorchNeuronConfig)")
@@ -173,7 +166,6 @@ class TorchNeuronConfig(_RayHooks, NeuronOptions, TorchConfig):
     backend: str | None = field(default="neuron", repr=False)
     init_method: str = field(default="env", repr=False)
 
-    _owner = NEURON_OWNER
     _backend = "NativeNeuronBackend"
     _process_group = ("TorchNeuronConfig uses the 'neuron' process group through env:// on "
                       "Neuron and 'gloo' on CPU")
@@ -211,7 +203,6 @@ class TorchTPUConfig(_RayHooks, TPUOptions, TorchConfig):
     backend: str | None = field(default="tpu_dist", repr=False)
     init_method: str = field(default="env", repr=False)
 
-    _owner = TPU_OWNER
     _backend = "NativeTPUBackend"
     _process_group = ("TorchTPUConfig uses the 'tpu_dist' process group through env:// on TPU "
                       "and 'gloo' on CPU")
