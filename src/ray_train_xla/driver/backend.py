@@ -45,6 +45,8 @@ class XLABackend(Backend):
     share_cuda_visible_devices: bool = False
     # What every worker runs first (given timeout_s and the device option): report its facts.
     gather = staticmethod(gather_facts)
+    # What every worker runs at training start: create the process group.
+    init_group = staticmethod(init_process_group)
 
     def on_start(self, worker_group, backend_config: XLAOptions) -> None:
         started_at = time.time()  # this worker group's start: goodput's clock starts here
@@ -68,7 +70,7 @@ class XLABackend(Backend):
         worker_group.execute(apply_env, distribute(facts, plans))
 
     def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
-        worker_group.execute(init_process_group)
+        worker_group.execute(self.init_group)
         worker_group.execute(install_worker_patches)
 
     def on_shutdown(self, worker_group, backend_config: XLAOptions) -> None:
@@ -88,9 +90,7 @@ class NativeNeuronBackend(XLABackend):
     ``torch_neuronx`` is imported (or ``gloo`` on CPU). Selected by
     ``TorchNeuronConfig.backend_cls``."""
 
-    def on_training_start(self, worker_group, backend_config) -> None:
-        worker_group.execute(init_native_process_group)
-        worker_group.execute(install_worker_patches)
+    init_group = staticmethod(init_native_process_group)
 
 
 class NativeTPUBackend(XLABackend):
@@ -101,10 +101,7 @@ class NativeTPUBackend(XLABackend):
     ``TorchTPUConfig.backend_cls``."""
 
     gather = staticmethod(gather_native_tpu_facts)
-
-    def on_training_start(self, worker_group, backend_config) -> None:
-        worker_group.execute(init_native_process_group)
-        worker_group.execute(install_worker_patches)
+    init_group = staticmethod(init_native_process_group)
 
 
 def plan_workers(
