@@ -91,8 +91,7 @@ def parse_topology(text: str) -> tuple[int, ...] | None:
 def comma_topology(text: str) -> str:
     """The comma form TorchTPU copies into ``TPU_HOST_BOUNDS``: "4x4" -> "4,4,1"."""
     dims = list(parse_topology(text) or ())
-    if len(dims) < 3:
-        dims += [1] * (3 - len(dims))
+    dims += [1] * (3 - len(dims))
     return ",".join(str(d) for d in dims)
 
 
@@ -204,23 +203,33 @@ class Layout:
         and the devices per chip ("2,2,4,2"), whose product is the processes of the slice."""
         workers = sum(len(n) for n in hosts)
         where = f" (slice {name})" if name else ""
-        if per_chip > 1:
-            return Layout._device_topology(hosts, where, workers, per_chip)
+        suffix = f",{per_chip}" if per_chip > 1 else ""
         if len(hosts) == 1:
-            dims = parse_topology(hosts[0][0].tpu_topology)
-            if dims and math.prod(dims) == workers:  # v7's 4th entry (cores per chip) kept
-                return comma_topology(hosts[0][0].tpu_topology) if len(dims) <= 3 else ",".join(
-                    map(str, dims))
-            if workers not in HOST_GRIDS:
-                raise _err(f"1, 2, 4 or 8 workers (one chip each) on one TPU host{where}, "
-                           f"got {workers}")
-            return HOST_GRIDS[workers]
-        topo = Layout._reported_topology(hosts, where)
+            text = hosts[0][0].tpu_topology
+            dims = parse_topology(text) or ()
+            # A 4th entry (v7's devices per chip) is kept; with one device per chip, any length.
+            topo = ",".join(map(str, dims)) if len(dims) > 3 else comma_topology(text) + suffix
+            if dims and (per_chip == 1 or len(dims) <= 4) and chips_in(topo) == workers:
+                return topo
+            grids = HOST_GRIDS if per_chip == 1 else V7_HOST_GRIDS
+            if workers not in grids:
+                each = ("1, 2, 4 or 8 workers (one chip each" if per_chip == 1 else
+                        f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x chip")
+                raise _err(f"{each}) on one TPU host{where}, got {workers}")
+            return grids[workers]
+        grid = Layout._reported_topology(hosts, where)
+        dims = grid.split(",")
+        topo = grid if per_chip == 1 or len(dims) == 4 else ",".join(dims[:3]) + suffix
         if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            raise _err(f"every chip of the TPU slice{where} in the job: topology {topo} has "
-                       f"{len(slice_hosts(topo))} hosts of {math.prod(CHIPS_PER_HOST)} chips, "
-                       f"got {len(hosts)} hosts and {workers} workers; request "
-                       f"num_workers={chips_in(topo) * 1} with {ONE_CHIP_FIX}")
+            per_host = math.prod(CHIPS_PER_HOST)
+            raise _err(
+                f"every {'chip' if per_chip == 1 else 'device'} of the TPU slice{where} in the "
+                f"job: topology {topo} has {len(slice_hosts(topo))} hosts of {per_host} chips"
+                + (f" ({per_host * per_chip} devices)" if per_chip > 1 else "")
+                + f", got {len(hosts)} hosts and {workers} workers; request "
+                f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}"
+                + (f", one worker per device (Ray counting devices: {PER_DEVICE_SETTING})"
+                   if per_chip > 1 else ""))
         return topo
 
     @staticmethod
@@ -237,32 +246,6 @@ class Layout:
             raise _err(f"one topology for the hosts of a slice{where}, got "
                        + ", ".join(sorted(reported)))
         return reported.pop()
-
-    @staticmethod
-    def _device_topology(hosts, where: str, workers: int, per_chip: int) -> str:
-        """``_topology`` on TPU v7x: one worker per device, ``TORCH_TPU_TOPOLOGY`` 4-D."""
-        chips = [parse_topology(n[0].tpu_topology) or () for n in hosts]
-        if len(hosts) == 1:
-            dims = chips[0]
-            if len(dims) == 4 and math.prod(dims) == workers:
-                return ",".join(map(str, dims))
-            if dims and len(dims) <= 3 and math.prod(dims) * per_chip == workers:
-                return f"{comma_topology(hosts[0][0].tpu_topology)},{per_chip}"
-            if workers not in V7_HOST_GRIDS:
-                raise _err(f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x "
-                           f"chip) on one TPU host{where}, got {workers}")
-            return V7_HOST_GRIDS[workers]
-        grid = Layout._reported_topology(hosts, where)
-        dims = grid.split(",")
-        topo = grid if len(dims) == 4 else f"{','.join(dims[:3])},{per_chip}"
-        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            per_host = math.prod(CHIPS_PER_HOST)
-            raise _err(f"every device of the TPU slice{where} in the job: topology {topo} has "
-                       f"{len(slice_hosts(topo))} hosts of {per_host} chips ({per_host * per_chip}"
-                       f" devices), got {len(hosts)} hosts and {workers} workers; request "
-                       f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}, one worker per "
-                       f"device (Ray counting devices: {PER_DEVICE_SETTING})")
-        return topo
 
     @staticmethod
     def _host_order(hosts, topo: str, name: str) -> list:
