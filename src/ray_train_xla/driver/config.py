@@ -255,11 +255,15 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
             "no collectives across processes), so it cannot grow; an elastic CPU run is "
             "replicated (spmd=False)", owner="ScalingConfig")
     if scaling_config.use_tpu or device == "tpu":
-        per_slice = _tpu_workers_per_slice(scaling_config)
-        if per_slice is None:
+        if not (scaling_config.topology and scaling_config.accelerator_type):
             raise config_error(
                 "num_workers", num, "topology= and accelerator_type= with use_tpu=True, so that "
                 "Ray counts whole TPU slices when it resizes", owner="ScalingConfig")
+        from ray.util.tpu import get_tpu_worker_resources
+
+        per_slice, _ = get_tpu_worker_resources(
+            topology=scaling_config.topology, accelerator_type=scaling_config.accelerator_type,
+            resources_per_worker=scaling_config.resources_per_worker, num_slices=1)
         # TorchTPU runs multislice; Ray's ScalingConfig itself requires whole slices at both
         # ends of the range (multiples of the workers per slice).
         if isinstance(torch_config, TorchTPUConfig):
@@ -309,14 +313,3 @@ def _check_v7x_count(scaling_config: Any, torch_config: Any) -> None:
             "resources_per_worker", scaling_config.resources_per_worker,
             f"{{'TPU': 1}} with {owner} on TPU v7x: one worker per device (Ray counts "
             f"devices, {PER_DEVICE_SETTING}), got {tpus} per worker", owner="ScalingConfig")
-
-
-def _tpu_workers_per_slice(scaling_config: Any) -> int | None:
-    if not (scaling_config.topology and scaling_config.accelerator_type):
-        return None
-    from ray.util.tpu import get_tpu_worker_resources
-
-    per_slice, _ = get_tpu_worker_resources(
-        topology=scaling_config.topology, accelerator_type=scaling_config.accelerator_type,
-        resources_per_worker=scaling_config.resources_per_worker, num_slices=1)
-    return per_slice
