@@ -29,21 +29,12 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "TorchXLAConfig": "ray_train_xla.driver.config",
-    "TorchNeuronConfig": "ray_train_xla.driver.config",
-    "check_scaling_config": "ray_train_xla.driver.config",
-    "TorchTPUConfig": "ray_train_xla.driver.config",
-    "NeuronOptions": "ray_train_xla.planning.options",
-    "TPUOptions": "ray_train_xla.planning.options",
-    "XLAOptions": "ray_train_xla.planning.options",
-    "XLAConfigError": "ray_train_xla.errors",
-    "WorkerSetupError": "ray_train_xla.errors",
-    "XLAInitError": "ray_train_xla.errors",
-    "RendezvousTimeoutError": "ray_train_xla.errors",
-    "NeuronCompileError": "ray_train_xla.errors",
-    "ShardedStateError": "ray_train_xla.errors",
-    "CheckpointMismatchError": "ray_train_xla.errors",
-    "ReportError": "ray_train_xla.errors",
+    **dict.fromkeys(("TorchXLAConfig", "TorchNeuronConfig", "check_scaling_config", "TorchTPUConfig"),
+                    "ray_train_xla.driver.config"),
+    **dict.fromkeys(("NeuronOptions", "TPUOptions", "XLAOptions"), "ray_train_xla.planning.options"),
+    **dict.fromkeys(("XLAConfigError", "WorkerSetupError", "XLAInitError", "RendezvousTimeoutError",
+                     "NeuronCompileError", "ShardedStateError", "CheckpointMismatchError",
+                     "ReportError"), "ray_train_xla.errors"),
     **{name: "ray_train_xla.toolkit" for name in (
         "CompileMonitor",
         "DivergentGraphsWarning",

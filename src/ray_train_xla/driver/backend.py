@@ -154,14 +154,6 @@ def plan_memory_tier(config, facts: Sequence[WorkerFacts], plans: Sequence[Worke
         p.env[MEMORY_NODES_VAR] = ",".join(nodes)
 
 
-def envs_by_node(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> dict[str, dict]:
-    """Node id -> {worker key -> environment} for the workers on that node."""
-    out: dict[str, dict[str, dict[str, str]]] = {}
-    for f, p in zip(facts, plans):
-        out.setdefault(f.node_id, {})[f.key] = p.env
-    return out
-
-
 # How the driver puts objects into Ray's store (a benchmark counts the bytes through it).
 put = ray.put
 
@@ -170,4 +162,7 @@ def distribute(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]):
     """One object per node holding only that node's environments, and a small index (node id ->
     that object) that every worker receives: a node fetches the index and its own workers'
     environments, so what it downloads grows with its workers, not with the world."""
-    return put({node: put(envs) for node, envs in envs_by_node(facts, plans).items()})
+    by_node: dict[str, dict[str, dict[str, str]]] = {}  # node id -> {worker key -> environment}
+    for f, p in zip(facts, plans):
+        by_node.setdefault(f.node_id, {})[f.key] = p.env
+    return put({node: put(envs) for node, envs in by_node.items()})

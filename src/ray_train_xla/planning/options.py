@@ -30,10 +30,6 @@ RUNTIMES = ("pjrt", "xrt")
 MIN_TIMEOUT_S = 1
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -52,7 +48,7 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise err(f"env[{key!r}]", value, "a string (or an int)")
     check_user_env(options.env, err)
-    if options.efa is not None and not _is_bool(options.efa):
+    if options.efa is not None and not isinstance(options.efa, bool):
         raise err("efa", options.efa, "None (detect), True or False")
     steps = options.profile_steps
     if steps is not None and not (
@@ -100,7 +96,7 @@ class XLAOptions:
     def validate(self) -> None:
         """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
         err = config_error
-        if not _is_bool(self.compile_causes):
+        if not isinstance(self.compile_causes, bool):
             raise err("compile_causes", self.compile_causes, "True or False")
         if self.device not in DEVICES:
             raise err("device", self.device, DEVICES)
@@ -109,7 +105,7 @@ class XLAOptions:
         if self.runtime == "xrt" and self.device not in ("auto", "neuron"):
             raise err("runtime", self.runtime, "'pjrt' with device=" + repr(self.device)
                       + " (XRT is only supported by legacy torch-neuronx 1.x on Neuron)")
-        if not _is_bool(self.neuron_parallel_compile):
+        if not isinstance(self.neuron_parallel_compile, bool):
             raise err("neuron_parallel_compile", self.neuron_parallel_compile, "True or False")
         if self.neuron_parallel_compile and self.device not in ("auto", "neuron"):
             raise err("neuron_parallel_compile", self.neuron_parallel_compile,
@@ -124,7 +120,7 @@ class XLAOptions:
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):
             raise err("compile_cache", self.compile_cache, "a path, an s3:// URL or None")
-        if not _is_bool(self.spmd):
+        if not isinstance(self.spmd, bool):
             raise err("spmd", self.spmd, "True or False")
         if self.spmd and self.runtime == "xrt":
             raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")

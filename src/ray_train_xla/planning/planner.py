@@ -57,22 +57,18 @@ _RESOURCE_DEVICES = {"neuron_cores": "neuron", "TPU": "tpu"}
 _PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
 
 
-def _runtimes() -> dict[tuple[str, str], Runtime]:
-    return {
-        ("cpu", "pjrt"): CPURuntime(),
-        ("neuron", "pjrt"): NeuronRuntime(),
-        ("neuron", "xrt"): NeuronXRTRuntime(),
-        ("tpu", "pjrt"): TPURuntime(),
-        **{key: cls() for key, cls in NATIVE_RUNTIMES.items()},  # TorchNeuronConfig
-        **{key: cls() for key, cls in NATIVE_TPU_RUNTIMES.items()},  # TorchTPUConfig
-    }
-
-
 def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
-    """The runtime object for a resolved device and runtime kind."""
-    table = _runtimes()
+    """A new runtime object for a resolved device and runtime kind."""
+    table = {
+        ("cpu", "pjrt"): CPURuntime,
+        ("neuron", "pjrt"): NeuronRuntime,
+        ("neuron", "xrt"): NeuronXRTRuntime,
+        ("tpu", "pjrt"): TPURuntime,
+        **NATIVE_RUNTIMES,  # TorchNeuronConfig
+        **NATIVE_TPU_RUNTIMES,  # TorchTPUConfig
+    }
     try:
-        return table[(device, runtime)]
+        return table[(device, runtime)]()
     except KeyError:
         valid = sorted(f"{d}/{r}" for d, r in table)
         raise config_error("device", f"{device}/{runtime}", valid) from None

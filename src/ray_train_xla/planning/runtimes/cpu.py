@@ -30,11 +30,6 @@ SPMD_ONE_WORKER = (
     "several CPU workers with spmd=False (the CPU development mode)")
 
 
-def uses_devmode(topology, config) -> bool:
-    """The CPU development mode is on for several CPU workers, outside SPMD."""
-    return topology.world_size > 1 and not config.spmd
-
-
 class CPURuntime(Runtime):
     name = "cpu"
     pjrt_device = "CPU"
@@ -52,7 +47,7 @@ class CPURuntime(Runtime):
     def device_env(self, place, topology, rdzv, config, facts):
         # One XLA CPU device per worker process, unless SPMD asks for more.
         env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cpu_devices_per_worker or 1)}
-        if uses_devmode(topology, config):
+        if topology.world_size > 1 and not config.spmd:  # the CPU development mode
             env.update({
                 DEVMODE_VAR: "1",
                 # Read by xr.local_ordinal()/local_process_count() (and PT_XLA_DEBUG's "master"

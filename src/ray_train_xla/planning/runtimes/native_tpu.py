@@ -159,13 +159,12 @@ class Layout:
         if len(nodes) > 1 and len(per_host) > 1:
             raise _err(f"the same number of workers on every host, got {sorted(per_host)}")
         self.num_slices = len(slices)
-        self.slice_names = names
         self.topologies: list[str] = []
         self.addresses: list[str] = []
         self.by_rank: dict[int, dict] = {}
         hosts_per_slice = len(slices[0])
         slice_world = sum(len(n) for n in slices[0])
-        master_host = ""
+        self.master_host = ""
         self.devices_per_chip = slice_devices_per_chip([n[0] for n in nodes])
         for slice_id, hosts in enumerate(slices):
             topo = self._topology(hosts, names[slice_id], self.devices_per_chip)
@@ -189,12 +188,10 @@ class Layout:
                         "slice": slice_id}
                     entries.append(f"{host}:{port}")
                     if rank == 0:
-                        master_host = node[0].node_ip
+                        self.master_host = node[0].node_ip
                         self.master_worker = w.rank
             self.topologies.append(topo)
             self.addresses.append(",".join(entries))
-        self.master_host = master_host
-        self.num_nodes = len(nodes)
 
     @staticmethod
     def _topology(hosts, name: str, per_chip: int = 1) -> str:
@@ -314,7 +311,7 @@ class NativeTPURuntime(Runtime):
             "RANK": rank, "ROLE_RANK": rank,
             "LOCAL_RANK": str(mine["local_rank"]),
             "NODE_RANK": node_rank, "GROUP_RANK": node_rank,
-            "NNODES": str(layout.num_nodes),
+            "NNODES": str(topology.num_nodes),
             "MASTER_ADDR": layout.master_host,
             "TPU_VISIBLE_DEVICES": chip,
             "TPU_VISIBLE_CHIPS": chip,
