@@ -4,10 +4,8 @@
 - ``TorchNeuronConfig``: native TorchNeuron (Neuron SDK 2.30+, no XLA);
 - ``TorchTPUConfig``: native TorchTPU (``torch-tpu`` on PyPI, no XLA).
 
-Each is its options class (``planning/options.py``: the options and their validation, no Ray)
-plus Ray's ``TorchConfig`` hooks. Options are validated when the config is built, so a bad value
-fails before any worker starts, with a message that names the field and the valid choices; the
-backend validates again at start.
+Each is its options class (``planning/options.py``: the options and their validation, no Ray,
+when the config is built and again when the backend starts) plus Ray's ``TorchConfig`` hooks.
 """
 
 from __future__ import annotations

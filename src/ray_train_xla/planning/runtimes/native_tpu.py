@@ -46,6 +46,7 @@ same for every run on the node.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import re
@@ -105,9 +106,7 @@ def slice_hosts(topology: str) -> list[tuple[int, int, int]]:
     dims = list(parse_topology(topology) or (1,))[:3]
     dims += [1] * (3 - len(dims))
     bounds = [max(1, m // c) for m, c in zip(dims, CHIPS_PER_HOST)]
-    hosts = [(x, y, z) for x in range(bounds[0]) for y in range(bounds[1]) for z in range(bounds[2])]
-    hosts.sort(key=lambda h: h[::-1])
-    return hosts
+    return sorted(itertools.product(*map(range, bounds)), key=lambda h: h[::-1])
 
 
 def host_position(coords, topology: str) -> int | None:
@@ -115,8 +114,8 @@ def host_position(coords, topology: str) -> int | None:
     ``_calculate_topological_node_rank`` without a fallback); None if outside or unknown."""
     if not coords or parse_topology(topology) is None:
         return None
-    padded = list(coords) + [0] * max(0, 3 - len(coords))
-    host = tuple(padded[i] // CHIPS_PER_HOST[i] for i in range(3))
+    padded = list(coords) + [0] * (3 - len(coords))
+    host = tuple(c // k for c, k in zip(padded, CHIPS_PER_HOST))
     hosts = slice_hosts(topology)
     return hosts.index(host) if host in hosts else None
 
@@ -165,9 +164,9 @@ class Layout:
         hosts_per_slice = len(slices[0])
         slice_world = sum(len(n) for n in slices[0])
         self.master_host = ""
-        self.devices_per_chip = slice_devices_per_chip([n[0] for n in nodes])
+        per_chip = slice_devices_per_chip([n[0] for n in nodes])
         for slice_id, hosts in enumerate(slices):
-            topo = self._topology(hosts, names[slice_id], self.devices_per_chip)
+            topo = self._topology(hosts, names[slice_id], per_chip)
             ordered = self._host_order(hosts, topo, names[slice_id])
             entries = []
             for host_index, node in enumerate(ordered):
@@ -250,11 +249,8 @@ class Layout:
         else by TPU worker id."""
         if len(hosts) == 1:
             return list(hosts)
-        ranks = []
-        for node in hosts:
-            w = node[0]
-            position = host_position(w.tpu_chip_coords, topo)
-            ranks.append(position if position is not None else w.tpu_worker_id)
+        positions = [host_position(n[0].tpu_chip_coords, topo) for n in hosts]
+        ranks = [n[0].tpu_worker_id if p is None else p for n, p in zip(hosts, positions)]
         where = f" of slice {name}" if name else ""
         if any(r is None for r in ranks):
             unknown = [n[0].node_ip for n, r in zip(hosts, ranks) if r is None][:4]

@@ -201,10 +201,8 @@ def tpu_slice(accelerator_type: str = "", topology: str = "") -> TPUSlice | None
     grid = (dims[0], dims[1], 1) if len(dims) == 2 else (dims[0], dims[1], dims[2])
     total = math.prod(grid)
     eight = generation in EIGHT_CHIP_HOST_GENERATIONS or (not generation and two_d)
-    if total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1)):
-        host_chips = grid  # a single-host slice
-    else:
-        host_chips = (2, 2, 1)
+    single_host = total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1))
+    host_chips = grid if single_host else (2, 2, 1)
     if any(t % c for t, c in zip(grid, host_chips)):
         raise ValueError(f"TPU topology {'x'.join(map(str, dims))} is not a grid of hosts of "
                          f"{'x'.join(map(str, host_chips[:2]))} chips")
@@ -417,10 +415,8 @@ class TPURuntime(Runtime):
             for slot, w in enumerate(ordered):
                 first = min(_chips(w, spmd), key=_chip_key)
                 port = BASE_PORT + (int(first) if first.isdigit() else w.local_rank)
-                if len(nodes) == 1:
-                    host = "localhost"
-                else:
-                    host = f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip
+                host = ("localhost" if len(nodes) == 1
+                        else f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip)
                 addresses.append(f"{host}:{port}")
                 by_rank[w.rank] = (host_index * per_host + slot, port)
         layout = (",".join(addresses), by_rank)
