@@ -8,10 +8,8 @@ torch_xla's collectives are bridged the same way, and torch_xla sees the Ray wor
 
 SPMD on CPU: ``cpu_devices_per_worker`` sets ``CPU_NUM_DEVICES``, and torch_xla shards across
 that many virtual devices inside the one worker (``gloo`` through ``xla://``). Several SPMD
-workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own, so
-each worker's mesh would span only its own devices and nothing would cross workers (fed
-different data, they would train different models, and their sharded checkpoint would mix
-shards of both), where the same program on TPU or Neuron hosts is one global mesh.
+workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own
+(``SPMD_ONE_WORKER`` says what would follow).
 """
 
 from __future__ import annotations

@@ -91,12 +91,8 @@ class NeuronRuntime(Runtime):
         return cached[1][node_rank]
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
-        if config.spmd:
-            env = self._spmd_env(place, topology, rdzv)
-        else:
-            env = self._per_core_env(place, topology, rdzv)
-        env.update(node_env(config, facts))
-        return env
+        env = (self._spmd_env if config.spmd else self._per_core_env)(place, topology, rdzv)
+        return {**env, **node_env(config, facts)}
 
     def _spmd_env(self, place, topology, rdzv) -> dict[str, str]:
         """SPMD: one process per node owning the node's cores. torch_xla's init skips its
@@ -174,10 +170,9 @@ class NeuronXRTRuntime(NeuronRuntime):
         return "xla", "env://"
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
-        env = {
+        return {
             NEURON_VISIBLE_CORES_VAR: self._cores_for_node(topology, place.node_rank),
             "XLA_TRANSFER_SEED_ASYNC": "1",
             "NCCL_ASYNC_ERROR_HANDLING": "1",
+            **node_env(config, facts),
         }
-        env.update(node_env(config, facts))
-        return env
