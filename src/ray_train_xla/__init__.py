@@ -27,89 +27,30 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Public name -> the module that defines it.
+# Public name -> the module that defines it. The toolkit's names are public too: its
+# ``__all__``, each imported on first use by ``ray_train_xla.toolkit`` itself.
 _EXPORTS = {
-    "TorchXLAConfig": "ray_train_xla.driver.config",
-    "TorchNeuronConfig": "ray_train_xla.driver.config",
-    "check_scaling_config": "ray_train_xla.driver.config",
-    "TorchTPUConfig": "ray_train_xla.driver.config",
-    "NeuronOptions": "ray_train_xla.planning.options",
-    "TPUOptions": "ray_train_xla.planning.options",
-    "XLAOptions": "ray_train_xla.planning.options",
-    "XLAConfigError": "ray_train_xla.errors",
-    "WorkerSetupError": "ray_train_xla.errors",
-    "XLAInitError": "ray_train_xla.errors",
-    "RendezvousTimeoutError": "ray_train_xla.errors",
-    "NeuronCompileError": "ray_train_xla.errors",
-    "ShardedStateError": "ray_train_xla.errors",
-    "CheckpointMismatchError": "ray_train_xla.errors",
-    "ReportError": "ray_train_xla.errors",
-    **{name: "ray_train_xla.toolkit" for name in (
-        "CompileMonitor",
-        "DivergentGraphsWarning",
-        "RecompilationWarning",
-        "XLADataLoader",
-        "all_reduce",
-        "broadcast",
-        "check_graphs_every",
-        "checkpoint_if_preempted",
-        "clip_grad_norm_",
-        "configure_reports",
-        "configure_timeline",
-        "count_flops",
-        "export_pretrained",
-        "flush_reports",
-        "get_device",
-        "get_mesh",
-        "get_sharded_mesh",
-        "is_graph_extraction_run",
-        "is_sharded",
-        "iter_xla_batches",
-        "keep_in_memory",
-        "load_checkpoint",
-        "load_pretrained",
-        "local_rank",
-        "meta_parameters",
-        "metrics",
-        "model_flops_per_token",
-        "node_rank",
-        "optimizer_step",
-        "pad_batch",
-        "prepare_data_loader",
-        "report",
-        "prepare_model",
-        "prepare_sharded_model",
-        "pretrained_path",
-        "profile_steps",
-        "profile_windows",
-        "rank",
-        "reduce_gradients",
-        "rendezvous",
-        "save_checkpoint",
-        "shard_batch",
-        "sharding_spec",
-        "spmd_global",
-        "step_done",
-        "sync",
-        "to_cpu",
-        "uses_host_collectives",
-        "wait_for_snapshots",
-        "world_size",
-    )},
+    **dict.fromkeys(("TorchXLAConfig", "TorchNeuronConfig", "check_scaling_config", "TorchTPUConfig"),
+                    "ray_train_xla.driver.config"),
+    **dict.fromkeys(("NeuronOptions", "TPUOptions", "XLAOptions"), "ray_train_xla.planning.options"),
+    **dict.fromkeys(("XLAConfigError", "WorkerSetupError", "XLAInitError", "RendezvousTimeoutError",
+                     "NeuronCompileError", "ShardedStateError", "CheckpointMismatchError",
+                     "ReportError"), "ray_train_xla.errors"),
 }
-
-__all__ = sorted(_EXPORTS)
+_TOOLKIT = "ray_train_xla.toolkit"
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    toolkit = importlib.import_module(_TOOLKIT).__all__
+    if name == "__all__":
+        value: Any = sorted({*_EXPORTS, *toolkit})
+    elif name in _EXPORTS or name in toolkit:
+        value = getattr(importlib.import_module(_EXPORTS.get(name, _TOOLKIT)), name)
+    else:
         raise AttributeError(f"module 'ray_train_xla' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+    return sorted({*__getattr__("__all__"), *globals()})  # __all__ first: it joins the globals

@@ -1,13 +1,6 @@
 """Every error type of the package, in one module that everything may import (no Ray, no torch).
-
-- ``XLAConfigError``: a configuration mistake known in the driver, raised before any worker starts.
-- ``WorkerSetupError``: a worker could not be set up; the message names the worker and the fix.
-  Two kinds say what happened in ``init_process_group``: ``XLAInitError`` (torch_xla's
-  initialisation rejected the environment) and ``RendezvousTimeoutError`` (ranks missing).
-- ``NeuronCompileError``: the Neuron parallel compile failed on a worker.
-- ``ShardedStateError``: sharded state given to a helper for replicated state (or the reverse).
-- ``CheckpointMismatchError``: a checkpoint whose tensors do not fit what it is loaded into.
-"""
+``XLAConfigError`` is raised in the driver, before any worker starts; ``WorkerSetupError`` and its
+kinds (``XLAInitError``, ``RendezvousTimeoutError``) while a worker is set up."""
 
 from __future__ import annotations
 

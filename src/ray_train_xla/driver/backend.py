@@ -45,6 +45,8 @@ class XLABackend(Backend):
     share_cuda_visible_devices: bool = False
     # What every worker runs first (given timeout_s and the device option): report its facts.
     gather = staticmethod(gather_facts)
+    # What every worker runs at training start: create the process group.
+    init_group = staticmethod(init_process_group)
 
     def on_start(self, worker_group, backend_config: XLAOptions) -> None:
         started_at = time.time()  # this worker group's start: goodput's clock starts here
@@ -68,7 +70,7 @@ class XLABackend(Backend):
         worker_group.execute(apply_env, distribute(facts, plans))
 
     def on_training_start(self, worker_group, backend_config: XLAOptions) -> None:
-        worker_group.execute(init_process_group)
+        worker_group.execute(self.init_group)
         worker_group.execute(install_worker_patches)
 
     def on_shutdown(self, worker_group, backend_config: XLAOptions) -> None:
@@ -88,9 +90,7 @@ class NativeNeuronBackend(XLABackend):
     ``torch_neuronx`` is imported (or ``gloo`` on CPU). Selected by
     ``TorchNeuronConfig.backend_cls``."""
 
-    def on_training_start(self, worker_group, backend_config) -> None:
-        worker_group.execute(init_native_process_group)
-        worker_group.execute(install_worker_patches)
+    init_group = staticmethod(init_native_process_group)
 
 
 class NativeTPUBackend(XLABackend):
@@ -101,10 +101,7 @@ class NativeTPUBackend(XLABackend):
     ``TorchTPUConfig.backend_cls``."""
 
     gather = staticmethod(gather_native_tpu_facts)
-
-    def on_training_start(self, worker_group, backend_config) -> None:
-        worker_group.execute(init_native_process_group)
-        worker_group.execute(install_worker_patches)
+    init_group = staticmethod(init_native_process_group)
 
 
 def plan_workers(
@@ -157,14 +154,6 @@ def plan_memory_tier(config, facts: Sequence[WorkerFacts], plans: Sequence[Worke
         p.env[MEMORY_NODES_VAR] = ",".join(nodes)
 
 
-def envs_by_node(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]) -> dict[str, dict]:
-    """Node id -> {worker key -> environment} for the workers on that node."""
-    out: dict[str, dict[str, dict[str, str]]] = {}
-    for f, p in zip(facts, plans):
-        out.setdefault(f.node_id, {})[f.key] = p.env
-    return out
-
-
 # How the driver puts objects into Ray's store (a benchmark counts the bytes through it).
 put = ray.put
 
@@ -173,4 +162,7 @@ def distribute(facts: Sequence[WorkerFacts], plans: Sequence[WorkerPlan]):
     """One object per node holding only that node's environments, and a small index (node id ->
     that object) that every worker receives: a node fetches the index and its own workers'
     environments, so what it downloads grows with its workers, not with the world."""
-    return put({node: put(envs) for node, envs in envs_by_node(facts, plans).items()})
+    by_node: dict[str, dict[str, dict[str, str]]] = {}  # node id -> {worker key -> environment}
+    for f, p in zip(facts, plans):
+        by_node.setdefault(f.node_id, {})[f.key] = p.env
+    return put({node: put(envs) for node, envs in by_node.items()})

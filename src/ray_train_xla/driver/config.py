@@ -4,64 +4,77 @@
 - ``TorchNeuronConfig``: native TorchNeuron (Neuron SDK 2.30+, no XLA);
 - ``TorchTPUConfig``: native TorchTPU (``torch-tpu`` on PyPI, no XLA).
 
-Each is its options class (``planning/options.py``: the options and their validation, no Ray)
-plus Ray's ``TorchConfig`` hooks. Options are validated when the config is built, so a bad value
-fails before any worker starts, with a message that names the field and the valid choices; the
-backend validates again at start.
+Each is its options class (``planning/options.py``: the options and their validation, no Ray,
+when the config is built and again when the backend starts) plus Ray's ``TorchConfig`` hooks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ray.train.torch import TorchConfig
 
 from ray_train_xla.errors import XLAConfigError, config_error
 from ray_train_xla.planning.contract import SUBMITTED_AT
-from ray_train_xla.planning.options import (
-    NEURON_OWNER,
-    TPU_OWNER,
-    NeuronOptions,
-    TPUOptions,
-    XLAOptions,
-)
+from ray_train_xla.planning.options import NeuronOptions, TPUOptions, XLAOptions
 from ray_train_xla.planning.runtimes.native_neuron import import_env
 from ray_train_xla.startup.import_env import rebuild_config
 
 __all__ = ["TorchNeuronConfig", "TorchTPUConfig", "TorchXLAConfig", "XLAConfigError",
            "check_scaling_config"]
 
-def _submitted_state(config: Any) -> dict[str, Any]:
-    """The config's state with when fit() handed it to Ray (``SUBMITTED_AT``): set in the
-    pickled copy only (Ray pickles the config for its controller when fit() starts; the user's
-    object is unchanged), kept by later pickles of that copy. The backend passes it to the
-    workers: the run's goodput clock starts there."""
-    import time
 
-    state = dict(config.__dict__)
-    state.pop("_memory_stores", None)  # the controller's handles of the memory stores
-    state.setdefault(SUBMITTED_AT, time.time())
-    return state
+class _RayHooks:
+    """Ray's ``TorchConfig`` hooks, the same for every config: ``backend`` and ``init_method``
+    (TorchConfig's own fields) must keep their defaults, as the process group follows from the
+    device; the Backend class (``_backend``, in ``driver/backend.py``); the training function's
+    context; and pickling records when the config left the driver (``SUBMITTED_AT``)."""
 
+    _owner: ClassVar[str]  # from the options class
+    _backend: ClassVar[str]
+    _process_group: ClassVar[str]  # why backend and init_method take no value
 
-class _SubmitTime:
-    """Pickling records when the config left the driver (``SUBMITTED_AT``)."""
+    def validate(self) -> None:
+        for name in ("backend", "init_method"):
+            value = getattr(self, name)
+            if value != self.__dataclass_fields__[name].default:
+                raise config_error(name, value, f"no value: {self._process_group}",
+                                   owner=self._owner)
+        super().validate()
+
+    @property
+    def backend_cls(self):
+        from ray_train_xla.driver import backend  # the one place config names the backends
+
+        return getattr(backend, self._backend)
+
+    @property
+    def train_func_context(self):
+        """Ray Train's public hook around the training function on every worker (in place of
+        TorchConfig's, which selects a CUDA device): ``startup/train_function.py``."""
+        from ray_train_xla.startup.train_function import training_function
+
+        return training_function
 
     def __getstate__(self) -> dict[str, Any]:
-        return _submitted_state(self)
+        """The config's state with when fit() handed it to Ray (``SUBMITTED_AT``): set in the
+        pickled copy only (Ray pickles the config for its controller when fit() starts; the
+        user's object is unchanged), kept by later pickles of that copy. The backend passes it
+        to the workers: the run's goodput clock starts there."""
+        import time
+
+        state = dict(self.__dict__)
+        state.pop("_memory_stores", None)  # the controller's handles of the memory stores
+        state.setdefault(SUBMITTED_AT, time.time())
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
 
-# TorchConfig's own fields, which this config does not use: the process group follows from the
-# device and spmd. They keep these values (Ray's V2 TorchTrainer fills in an empty backend).
-_UNUSED = {"backend": "xla", "init_method": "env"}
-
-
 @dataclass(kw_only=True)
-class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
+class TorchXLAConfig(_RayHooks, XLAOptions, TorchConfig):
     """Configure every Ray Train worker for PyTorch/XLA: environment, process group, clean-up.
 
     Every argument is keyword-only:
@@ -115,46 +128,16 @@ class TorchXLAConfig(_SubmitTime, XLAOptions, TorchConfig):
     process group follows from the device and ``spmd``; setting them is an error.
     """
 
-    backend: str | None = field(default=_UNUSED["backend"], repr=False)
-    init_method: str = field(default=_UNUSED["init_method"], repr=False)
+    backend: str | None = field(default="xla", repr=False)
+    init_method: str = field(default="env", repr=False)
 
-    def validate(self) -> None:
-        for name, value in _UNUSED.items():
-            if getattr(self, name) != value:
-                raise config_error(
-                    name, getattr(self, name),
-                    "no value: TorchXLAConfig chooses the process group from device and spmd "
-                    "(for native TorchNeuron use ray_train_xla.TorchNeuronConfig)")
-        super().validate()
-
-    @property
-    def backend_cls(self):
-        from ray_train_xla.driver.backend import XLABackend  # the one place config names the backend
-
-        return XLABackend
-
-    @property
-    def train_func_context(self):
-        return _train_func_context()
-
-    def to_dict(self) -> dict[str, Any]:
-        return XLAOptions.to_dict(self)
-
-
-def _train_func_context():
-    """Ray Train's public hook around the training function on every worker (in place of
-    TorchConfig's, which selects a CUDA device): ``startup/train_function.py``."""
-    from ray_train_xla.startup.train_function import training_function
-
-    return training_function
-
-
-# TorchConfig's own fields: the process group follows from the device.
-_NEURON_UNUSED = {"backend": "neuron", "init_method": "env"}
+    _backend = "XLABackend"
+    _process_group = ("TorchXLAConfig chooses the process group from device and spmd (for "
+                      "native TorchNeuron use ray_train_xla.TorchNeuronConfig)")
 
 
 @dataclass(kw_only=True)
-class TorchNeuronConfig(NeuronOptions, TorchConfig):
+class TorchNeuronConfig(_RayHooks, NeuronOptions, TorchConfig):
     """Configure every Ray Train worker for native TorchNeuron (``torch-neuronx`` 2.13+, no XLA).
 
     Every argument is keyword-only:
@@ -172,65 +155,29 @@ class TorchNeuronConfig(NeuronOptions, TorchConfig):
         compile_cache: ``TORCH_NEURONX_NEFF_CACHE_DIR``, a directory every node shares (FSx,
             NFS) so graphs compiled once are reused by every worker and later runs. None keeps
             the native default, ``/tmp/neff_cache``, which is per node.
-        profile_steps: (start, count): every worker captures a profile of steps start ..
-            start + count - 1 (counted from 1 by ``optimizer_step``, ``step_done`` or a plain
-            ``optimizer.step()``, each step once) into the run's storage,
-            ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
-            (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
-        memory_every: the memory tier's cadence, in steps: ``rtx.keep_in_memory(state, step)``
-            keeps the state of every step that is a multiple of it in host memory, on the
-            worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
-            restores from there when every shard survived (docs/sharded-models.md, "The memory
-            tier"); None (default): no memory tier.
-        peak_tflops: the peak dense TFLOP/s of one device that MFU is taken against
-            (``rtx.configure_timeline(flops_per_step=...)``, ``ray-train-xla check``); a
-            ``configure_timeline(peak_tflops=...)`` that differs raises. None (default): the
-            device's published figure (the TPU's accelerator type, the Trainium instance type
-            and its logical NeuronCore configuration), on CPU a matmul probe.
+        profile_steps, memory_every, peak_tflops: as for ``TorchXLAConfig``.
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
     ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
     """
 
-    backend: str | None = field(default=_NEURON_UNUSED["backend"], repr=False)
-    init_method: str = field(default=_NEURON_UNUSED["init_method"], repr=False)
+    backend: str | None = field(default="neuron", repr=False)
+    init_method: str = field(default="env", repr=False)
 
-    def validate(self) -> None:
-        for name, value in _NEURON_UNUSED.items():
-            if getattr(self, name) != value:
-                raise config_error(
-                    name, getattr(self, name),
-                    "no value: TorchNeuronConfig uses the 'neuron' process group through "
-                    "env:// on Neuron and 'gloo' on CPU", owner=NEURON_OWNER)
-        super().validate()
-
-    @property
-    def backend_cls(self):
-        from ray_train_xla.driver.backend import NativeNeuronBackend
-
-        return NativeNeuronBackend
+    _backend = "NativeNeuronBackend"
+    _process_group = ("TorchNeuronConfig uses the 'neuron' process group through env:// on "
+                      "Neuron and 'gloo' on CPU")
 
     def __reduce__(self):
         # Unpickling this module imports torch, which autoloads torch-neuronx, which reads its
         # settings at import: a worker gets them in its environment first (startup/import_env.py).
         cls = type(self)
-        return rebuild_config, (cls.__module__, cls.__qualname__, _submitted_state(self),
+        return rebuild_config, (cls.__module__, cls.__qualname__, self.__getstate__(),
                                 import_env(self))
-
-    @property
-    def train_func_context(self):
-        return _train_func_context()
-
-    def to_dict(self) -> dict[str, Any]:
-        return NeuronOptions.to_dict(self)
-
-
-# TorchConfig's own fields: the process group follows from the device.
-_TPU_UNUSED = {"backend": "tpu_dist", "init_method": "env"}
 
 
 @dataclass(kw_only=True)
-class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
+class TorchTPUConfig(_RayHooks, TPUOptions, TorchConfig):
     """Configure every Ray Train worker for native TorchTPU (``torch-tpu`` 0.2+, no XLA): the
     ``tpu`` device and the ``tpu_dist`` process group, one TPU chip per worker.
 
@@ -240,27 +187,10 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
         device: "auto" (default), "tpu" or "cpu". "auto" picks "tpu" when workers are given
             ``TPU`` chips, else "cpu". "cpu" runs the same training function with ``gloo`` on
             CPU workers (development without a TPU; torch-tpu not needed).
-        timeout_s: seconds (at least 1) that process-group initialisation may wait for the
-            other workers; also the timeout of process-group operations and of its shutdown.
-        env: extra environment variables for every worker; a variable the plan owns is
-            refused, naming what controls it.
+        timeout_s, env: as for ``TorchNeuronConfig``.
         compile_cache: ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a directory every host
             shares. None keeps TorchTPU's default.
-        profile_steps: (start, count): every worker captures a profile of steps start ..
-            start + count - 1 (counted from 1 by ``optimizer_step``, ``step_done`` or a plain
-            ``optimizer.step()``, each step once) into the run's storage,
-            ``profiles/<start>/rank-<r>/``; None (default) profiles nothing
-            (see ``rtx.profile_steps`` and ``ray-train-xla profile`` for other ways).
-        memory_every: the memory tier's cadence, in steps: ``rtx.keep_in_memory(state, step)``
-            keeps the state of every step that is a multiple of it in host memory, on the
-            worker's node and on a peer node, and after a failure ``rtx.load_checkpoint``
-            restores from there when every shard survived (docs/sharded-models.md, "The memory
-            tier"); None (default): no memory tier.
-        peak_tflops: the peak dense TFLOP/s of one device that MFU is taken against
-            (``rtx.configure_timeline(flops_per_step=...)``, ``ray-train-xla check``); a
-            ``configure_timeline(peak_tflops=...)`` that differs raises. None (default): the
-            device's published figure (the TPU's accelerator type, the Trainium instance type
-            and its logical NeuronCore configuration), on CPU a matmul probe.
+        profile_steps, memory_every, peak_tflops: as for ``TorchXLAConfig``.
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker
     per chip of the slice (or slices). Ranks follow TorchTPU's order of the slice's hosts, not
@@ -268,30 +198,12 @@ class TorchTPUConfig(_SubmitTime, TPUOptions, TorchConfig):
     function. ``backend`` and ``init_method`` (inherited from TorchConfig) are not options here.
     """
 
-    backend: str | None = field(default=_TPU_UNUSED["backend"], repr=False)
-    init_method: str = field(default=_TPU_UNUSED["init_method"], repr=False)
+    backend: str | None = field(default="tpu_dist", repr=False)
+    init_method: str = field(default="env", repr=False)
 
-    def validate(self) -> None:
-        for name, value in _TPU_UNUSED.items():
-            if getattr(self, name) != value:
-                raise config_error(
-                    name, getattr(self, name),
-                    "no value: TorchTPUConfig uses the 'tpu_dist' process group through "
-                    "env:// on TPU and 'gloo' on CPU", owner=TPU_OWNER)
-        super().validate()
-
-    @property
-    def backend_cls(self):
-        from ray_train_xla.driver.backend import NativeTPUBackend
-
-        return NativeTPUBackend
-
-    @property
-    def train_func_context(self):
-        return _train_func_context()
-
-    def to_dict(self) -> dict[str, Any]:
-        return TPUOptions.to_dict(self)
+    _backend = "NativeTPUBackend"
+    _process_group = ("TorchTPUConfig uses the 'tpu_dist' process group through env:// on TPU "
+                      "and 'gloo' on CPU")
 
 
 def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple[int, int]:
@@ -341,11 +253,15 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
             "no collectives across processes), so it cannot grow; an elastic CPU run is "
             "replicated (spmd=False)", owner="ScalingConfig")
     if scaling_config.use_tpu or device == "tpu":
-        per_slice = _tpu_workers_per_slice(scaling_config)
-        if per_slice is None:
+        if not (scaling_config.topology and scaling_config.accelerator_type):
             raise config_error(
                 "num_workers", num, "topology= and accelerator_type= with use_tpu=True, so that "
                 "Ray counts whole TPU slices when it resizes", owner="ScalingConfig")
+        from ray.util.tpu import get_tpu_worker_resources
+
+        per_slice, _ = get_tpu_worker_resources(
+            topology=scaling_config.topology, accelerator_type=scaling_config.accelerator_type,
+            resources_per_worker=scaling_config.resources_per_worker, num_slices=1)
         # TorchTPU runs multislice; Ray's ScalingConfig itself requires whole slices at both
         # ends of the range (multiples of the workers per slice).
         if isinstance(torch_config, TorchTPUConfig):
@@ -395,14 +311,3 @@ def _check_v7x_count(scaling_config: Any, torch_config: Any) -> None:
             "resources_per_worker", scaling_config.resources_per_worker,
             f"{{'TPU': 1}} with {owner} on TPU v7x: one worker per device (Ray counts "
             f"devices, {PER_DEVICE_SETTING}), got {tpus} per worker", owner="ScalingConfig")
-
-
-def _tpu_workers_per_slice(scaling_config: Any) -> int | None:
-    if not (scaling_config.topology and scaling_config.accelerator_type):
-        return None
-    from ray.util.tpu import get_tpu_worker_resources
-
-    per_slice, _ = get_tpu_worker_resources(
-        topology=scaling_config.topology, accelerator_type=scaling_config.accelerator_type,
-        resources_per_worker=scaling_config.resources_per_worker, num_slices=1)
-    return per_slice

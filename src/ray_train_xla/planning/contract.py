@@ -294,10 +294,8 @@ _RAW_KEY_NAMES = tuple(os.environ.encodekey(n) for n in _KEY_NAMES) if _RAW is n
 
 def _plan_key() -> tuple:
     if _RAW is not None:
-        get = _RAW.get
-        return tuple(get(n) for n in _RAW_KEY_NAMES)
-    get = os.environ.get
-    return tuple(get(n) for n in _KEY_NAMES)
+        return tuple(map(_RAW.get, _RAW_KEY_NAMES))
+    return tuple(map(os.environ.get, _KEY_NAMES))
 
 
 def worker_context() -> WorkerContext:

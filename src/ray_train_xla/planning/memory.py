@@ -477,11 +477,9 @@ def format_memory_table(plan: MemoryPlan) -> str:
     else:
         lines.append(f"Model: {plan.parameters:,} parameters")
     hosts = math.ceil(plan.devices / plan.devices_per_host)
-    if plan.sharding == "fsdp":
-        layout = f"FSDP, each tensor sharded over all {plan.devices} devices"
-    else:
-        layout = (f"HSDP, sharded over the {plan.shards} devices of a host, replicated over "
-                  f"{plan.devices // plan.shards} hosts")
+    layout = (f"FSDP, each tensor sharded over all {plan.devices} devices" if plan.sharding == "fsdp"
+              else f"HSDP, sharded over the {plan.shards} devices of a host, replicated over "
+              f"{plan.devices // plan.shards} hosts")
     lines.append(f"Layout: {plan.devices} devices on {hosts} host{'s' if hosts > 1 else ''} "
                  f"(up to {plan.devices_per_host} a host); {layout}")
     memory = plan.device_memory
@@ -504,8 +502,7 @@ def format_memory_table(plan: MemoryPlan) -> str:
     ]
     width = max(len(r[0]) for r in rows)
     lines.append(f"{'':<{width}}  {'dtype':<5}  {'GiB':>8}")
-    for label, dtype, value in rows:
-        lines.append(f"{label:<{width}}  {dtype:<5}  {value:>8}".rstrip())
+    lines += [f"{label:<{width}}  {dtype:<5}  {value:>8}".rstrip() for label, dtype, value in rows]
     if memory is not None:
         share = d["total"] / memory.bytes
         verdict = "fits" if plan.fits else "does NOT fit"

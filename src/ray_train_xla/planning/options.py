@@ -30,10 +30,6 @@ RUNTIMES = ("pjrt", "xrt")
 MIN_TIMEOUT_S = 1
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -52,7 +48,7 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         if not isinstance(value, (str, int)) or isinstance(value, bool):
             raise err(f"env[{key!r}]", value, "a string (or an int)")
     check_user_env(options.env, err)
-    if options.efa is not None and not _is_bool(options.efa):
+    if options.efa is not None and not isinstance(options.efa, bool):
         raise err("efa", options.efa, "None (detect), True or False")
     steps = options.profile_steps
     if steps is not None and not (
@@ -92,13 +88,15 @@ class XLAOptions:
     memory_every: int | None = None
     peak_tflops: float | None = None
 
+    _owner: ClassVar[str] = "TorchXLAConfig"  # the config, as errors name it
+
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
         err = config_error
-        if not _is_bool(self.compile_causes):
+        if not isinstance(self.compile_causes, bool):
             raise err("compile_causes", self.compile_causes, "True or False")
         if self.device not in DEVICES:
             raise err("device", self.device, DEVICES)
@@ -107,7 +105,7 @@ class XLAOptions:
         if self.runtime == "xrt" and self.device not in ("auto", "neuron"):
             raise err("runtime", self.runtime, "'pjrt' with device=" + repr(self.device)
                       + " (XRT is only supported by legacy torch-neuronx 1.x on Neuron)")
-        if not _is_bool(self.neuron_parallel_compile):
+        if not isinstance(self.neuron_parallel_compile, bool):
             raise err("neuron_parallel_compile", self.neuron_parallel_compile, "True or False")
         if self.neuron_parallel_compile and self.device not in ("auto", "neuron"):
             raise err("neuron_parallel_compile", self.neuron_parallel_compile,
@@ -122,7 +120,7 @@ class XLAOptions:
             not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
         ):
             raise err("compile_cache", self.compile_cache, "a path, an s3:// URL or None")
-        if not _is_bool(self.spmd):
+        if not isinstance(self.spmd, bool):
             raise err("spmd", self.spmd, "True or False")
         if self.spmd and self.runtime == "xrt":
             raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
@@ -147,22 +145,56 @@ class XLAOptions:
                           f"None with device={self.device!r} (it sets TPU_PROCESS_BOUNDS)")
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as plain data."""
-        out = {f.name: getattr(self, f.name) for f in fields(XLAOptions)}
-        out["env"] = dict(self.env)
-        return out
+        return _plain(self, XLAOptions)
 
 
-NATIVE_DEVICES = ("auto", "neuron", "cpu")
+def _plain(options: Any, cls: type, **extra: Any) -> dict[str, Any]:
+    """The options (the fields of ``cls``) as plain data, with ``extra`` entries."""
+    out = {f.name: getattr(options, f.name) for f in fields(cls)}
+    return {**out, "env": dict(options.env), **extra}
+
+
 NEURON_OWNER = "TorchNeuronConfig"
+TPU_OWNER = "TorchTPUConfig"
+
+
+class _NativeOptions:
+    """What the options of the native configs share. Planning reuses the XLA planner with the
+    runtime kind ``"native"``: the class-level constants give it the answers it asks every
+    config (no SPMD, no parallel compile)."""
+
+    runtime: ClassVar[str] = NATIVE
+    spmd: ClassVar[bool] = False
+    neuron_parallel_compile: ClassVar[bool] = False  # XLA-only; native compiles just in time
+    compile_causes: ClassVar[bool] = False  # XLA-only; Dynamo's guard failures need no switch
+    cpu_devices_per_worker: ClassVar[None] = None
+    tpu_process_bounds: ClassVar[None] = None
+    native_device: ClassVar[str]  # what device="auto" picks when Ray gave accelerators
+    _owner: ClassVar[str]  # the config, as errors name it
+    _cache_expected: ClassVar[str]  # what compile_cache may be, as errors say it
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
+
+        def err(name: str, value: Any, expected: Any):
+            return config_error(name, value, expected, owner=self._owner)
+
+        devices = ("auto", self.native_device, "cpu")
+        if self.device not in devices:
+            raise err("device", self.device, devices)
+        check_shared_options(self, err)
+        cache = self.compile_cache
+        if cache is not None and (not isinstance(cache, str) or not cache.strip() or (
+                self.native_device == "neuron" and "://" in cache)):
+            raise err("compile_cache", cache, self._cache_expected)
 
 
 @dataclass(kw_only=True)
-class NeuronOptions:
-    """The options of ``TorchNeuronConfig`` (see its docstring for each field's meaning).
-
-    Planning reuses the XLA planner with the runtime kind ``"native"``: the class-level constants
-    below give it the answers it asks every config (no SPMD, no parallel compile)."""
+class NeuronOptions(_NativeOptions):
+    """The options of ``TorchNeuronConfig`` (see its docstring for each field's meaning)."""
 
     device: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -173,52 +205,18 @@ class NeuronOptions:
     memory_every: int | None = None
     peak_tflops: float | None = None
 
-    # What the shared planner asks every config; fixed for native TorchNeuron.
-    runtime: ClassVar[str] = NATIVE
-    native_device: ClassVar[str] = "neuron"  # what device="auto" picks when Ray gave accelerators
-    spmd: ClassVar[bool] = False
-    neuron_parallel_compile: ClassVar[bool] = False  # XLA-only; native compiles just in time
-    compile_causes: ClassVar[bool] = False  # XLA-only; Dynamo's guard failures need no switch
-    cpu_devices_per_worker: ClassVar[None] = None
-    tpu_process_bounds: ClassVar[None] = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
-
-        def err(name: str, value: Any, expected: Any):
-            return config_error(name, value, expected, owner=NEURON_OWNER)
-
-        if self.device not in NATIVE_DEVICES:
-            raise err("device", self.device, NATIVE_DEVICES)
-        check_shared_options(self, err)
-        if self.compile_cache is not None and (
-            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
-            or "://" in self.compile_cache
-        ):
-            raise err("compile_cache", self.compile_cache,
-                      "a directory path shared by every node (TORCH_NEURONX_NEFF_CACHE_DIR; "
-                      "no URLs) or None")
+    native_device: ClassVar[str] = "neuron"
+    _owner: ClassVar[str] = NEURON_OWNER
+    _cache_expected: ClassVar[str] = ("a directory path shared by every node "
+                                      "(TORCH_NEURONX_NEFF_CACHE_DIR; no URLs) or None")
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as plain data."""
-        out = {f.name: getattr(self, f.name) for f in fields(NeuronOptions)}
-        out["env"] = dict(self.env)
-        out["runtime"] = NATIVE
-        return out
-
-
-TPU_NATIVE_DEVICES = ("auto", "tpu", "cpu")
-TPU_OWNER = "TorchTPUConfig"
+        return _plain(self, NeuronOptions, runtime=NATIVE)
 
 
 @dataclass(kw_only=True)
-class TPUOptions:
-    """The options of ``TorchTPUConfig`` (see its docstring for each field's meaning).
-
-    Like ``NeuronOptions``, planned by the shared planner with the runtime kind ``"native"``."""
+class TPUOptions(_NativeOptions):
+    """The options of ``TorchTPUConfig`` (see its docstring for each field's meaning)."""
 
     device: str = "auto"
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -228,37 +226,11 @@ class TPUOptions:
     memory_every: int | None = None
     peak_tflops: float | None = None
 
-    runtime: ClassVar[str] = NATIVE
     native_device: ClassVar[str] = "tpu"
-    spmd: ClassVar[bool] = False
-    neuron_parallel_compile: ClassVar[bool] = False
-    compile_causes: ClassVar[bool] = False
-    cpu_devices_per_worker: ClassVar[None] = None
-    tpu_process_bounds: ClassVar[None] = None
     efa: ClassVar[None] = None  # no EFA on TPU hosts
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise XLAConfigError for any option that cannot work, whatever the cluster."""
-
-        def err(name: str, value: Any, expected: Any):
-            return config_error(name, value, expected, owner=TPU_OWNER)
-
-        if self.device not in TPU_NATIVE_DEVICES:
-            raise err("device", self.device, TPU_NATIVE_DEVICES)
-        check_shared_options(self, err)
-        if self.compile_cache is not None and (
-            not isinstance(self.compile_cache, str) or not self.compile_cache.strip()
-        ):
-            raise err("compile_cache", self.compile_cache,
-                      "a directory path every host shares "
-                      "(TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT) or None")
+    _owner: ClassVar[str] = TPU_OWNER
+    _cache_expected: ClassVar[str] = ("a directory path every host shares "
+                                      "(TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT) or None")
 
     def to_dict(self) -> dict[str, Any]:
-        """The options as plain data."""
-        out = {f.name: getattr(self, f.name) for f in fields(TPUOptions)}
-        out["env"] = dict(self.env)
-        out["runtime"] = NATIVE
-        return out
+        return _plain(self, TPUOptions, runtime=NATIVE)

@@ -42,7 +42,6 @@ from ray_train_xla.planning.contract import (
 from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_env
 from ray_train_xla.planning.runtimes.cpu import CPURuntime
 from ray_train_xla.planning.runtimes.native_neuron import RUNTIMES as NATIVE_RUNTIMES
-from ray_train_xla.planning.runtimes.native_neuron import resolve_native_device
 from ray_train_xla.planning.runtimes.native_tpu import RUNTIMES as NATIVE_TPU_RUNTIMES
 from ray_train_xla.planning.runtimes.neuron import NeuronRuntime, NeuronXRTRuntime
 from ray_train_xla.planning.runtimes.tpu import TPURuntime
@@ -58,22 +57,18 @@ _RESOURCE_DEVICES = {"neuron_cores": "neuron", "TPU": "tpu"}
 _PJRT_DEVICES = {"NEURON": "neuron", "TPU": "tpu", "CPU": "cpu"}
 
 
-def _runtimes() -> dict[tuple[str, str], Runtime]:
-    return {
-        ("cpu", "pjrt"): CPURuntime(),
-        ("neuron", "pjrt"): NeuronRuntime(),
-        ("neuron", "xrt"): NeuronXRTRuntime(),
-        ("tpu", "pjrt"): TPURuntime(),
-        **{key: cls() for key, cls in NATIVE_RUNTIMES.items()},  # TorchNeuronConfig
-        **{key: cls() for key, cls in NATIVE_TPU_RUNTIMES.items()},  # TorchTPUConfig
-    }
-
-
 def get_runtime(device: str, runtime: str = "pjrt") -> Runtime:
-    """The runtime object for a resolved device and runtime kind."""
-    table = _runtimes()
+    """A new runtime object for a resolved device and runtime kind."""
+    table = {
+        ("cpu", "pjrt"): CPURuntime,
+        ("neuron", "pjrt"): NeuronRuntime,
+        ("neuron", "xrt"): NeuronXRTRuntime,
+        ("tpu", "pjrt"): TPURuntime,
+        **NATIVE_RUNTIMES,  # TorchNeuronConfig
+        **NATIVE_TPU_RUNTIMES,  # TorchTPUConfig
+    }
     try:
-        return table[(device, runtime)]
+        return table[(device, runtime)]()
     except KeyError:
         valid = sorted(f"{d}/{r}" for d, r in table)
         raise config_error("device", f"{device}/{runtime}", valid) from None
@@ -86,13 +81,14 @@ def resolve_device(requested: str, facts: Sequence[WorkerFacts], runtime: str = 
     ``native_device`` or CPU. An explicit device is returned as is."""
     if requested != "auto":
         return requested
-    if runtime == NATIVE:
-        return resolve_native_device(requested, [f.accelerator_ids for f in facts], native_device)
     if runtime == "xrt":
         return "neuron"
     for resource, device in _RESOURCE_DEVICES.items():
-        if any(f.accelerator_ids.get(resource) for f in facts):
+        if (runtime != NATIVE or device == native_device) and any(
+                f.accelerator_ids.get(resource) for f in facts):
             return device
+    if runtime == NATIVE:
+        return "cpu"
     found = {f.pjrt_device.upper() for f in facts if f.pjrt_device}
     if len(found) == 1:
         value = found.pop()

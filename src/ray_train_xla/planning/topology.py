@@ -7,8 +7,9 @@ clusters, where every node shares one IP.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 # Worker variables that the planner respects when the user already set them on the workers.
@@ -102,12 +103,6 @@ class Topology:
         """Per node (index = node rank), each worker's accelerator ids in local-rank order."""
         return tuple(tuple(w.accelerator_ids for w in node) for node in self.nodes())
 
-    def node_workers(self, node_rank: int) -> list[WorkerPlace]:
-        """The workers of one node, ordered by local rank."""
-        return sorted(
-            (w for w in self.workers if w.node_rank == node_rank), key=lambda w: w.local_rank
-        )
-
     def nodes(self) -> list[list[WorkerPlace]]:
         """All nodes (index = node rank), each a list of its workers ordered by local rank."""
         out: list[list[WorkerPlace]] = [[] for _ in range(self.num_nodes)]
@@ -126,36 +121,21 @@ class Topology:
         """
         if not facts:
             raise ValueError("a topology needs at least one worker")
-        node_rank_of: dict[str, int] = {}
-        local_counts: dict[str, int] = {}
-        for f in facts:
-            node_rank_of.setdefault(f.node_id, len(node_rank_of))
-            local_counts[f.node_id] = local_counts.get(f.node_id, 0) + 1
+        node_rank_of = {node: n for n, node in enumerate(dict.fromkeys(f.node_id for f in facts))}
+        local_counts = Counter(f.node_id for f in facts)
+        # What a place copies from its worker's facts: the node and the TPU host's details.
+        copied = [f.name for f in fields(WorkerPlace) if f.name in WorkerFacts.__dataclass_fields__
+                  and f.name != "accelerator_ids"]
         seen: dict[str, int] = {}
         places = []
         for rank, f in enumerate(facts):
             local_rank = seen.get(f.node_id, 0)
             seen[f.node_id] = local_rank + 1
             ids = tuple(str(i) for i in f.accelerator_ids.get(resource, ())) if resource else ()
-            places.append(
-                WorkerPlace(
-                    rank=rank,
-                    local_rank=local_rank,
-                    node_rank=node_rank_of[f.node_id],
-                    local_world_size=local_counts[f.node_id],
-                    node_id=f.node_id,
-                    node_ip=f.node_ip,
-                    accelerator_ids=ids,
-                    tpu_worker_id=f.tpu_worker_id,
-                    tpu_name=f.tpu_name,
-                    tpu_accelerator_type=f.tpu_accelerator_type,
-                    tpu_topology=f.tpu_topology,
-                    tpu_slice_hosts=f.tpu_slice_hosts,
-                    tpu_chip_coords=f.tpu_chip_coords,
-                    free_port=f.free_port,
-                    tpu_resource_per_chip=f.tpu_resource_per_chip,
-                )
-            )
+            places.append(WorkerPlace(
+                rank=rank, local_rank=local_rank, node_rank=node_rank_of[f.node_id],
+                local_world_size=local_counts[f.node_id], accelerator_ids=ids,
+                **{name: getattr(f, name) for name in copied}))
         return cls(workers=tuple(places))
 
     @classmethod
@@ -184,14 +164,8 @@ def described_facts(
         for local in range(count):
             first = local * accelerators_per_worker
             ids = tuple(str(first + i) for i in range(accelerators_per_worker))
-            facts.append(
-                WorkerFacts(
-                    node_id=f"node{node}",
-                    node_ip=f"{ip_prefix}{node + 1}",
-                    pid=1000 + local,
-                    accelerator_ids={DESCRIBED_RESOURCE: ids},
-                    has_efa=has_efa,
-                    network_interface=network_interface,
-                )
-            )
+            facts.append(WorkerFacts(
+                node_id=f"node{node}", node_ip=f"{ip_prefix}{node + 1}", pid=1000 + local,
+                accelerator_ids={DESCRIBED_RESOURCE: ids}, has_efa=has_efa,
+                network_interface=network_interface))
     return facts

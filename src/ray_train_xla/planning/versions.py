@@ -30,10 +30,7 @@ def _major_minor(version: str) -> tuple[int, int]:
 
 def supported_range(config: str) -> tuple[str, str]:
     """(oldest, newest) torch ``config`` supports, as major.minor."""
-    for name, low, high in SUPPORTED_TORCH:
-        if name == config:
-            return low, high
-    raise KeyError(config)
+    return {name: (low, high) for name, low, high in SUPPORTED_TORCH}[config]
 
 
 def configs_supporting(torch_version: str) -> list[str]:

@@ -59,21 +59,6 @@ def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> di
     }
 
 
-def check_spmd(config: XLAOptions, topology: Topology) -> None:
-    """SPMD runs one process per host that owns all the host's devices: reject a node with
-    several workers, naming it and the fix."""
-    if not config.spmd:
-        return
-    for node in topology.nodes():
-        if len(node) > 1:
-            raise config_error(
-                "spmd", True,
-                f"one worker per node, but node {node[0].node_rank} ({node[0].node_ip}) has "
-                f"{len(node)} workers: give each worker all of its node's devices (for example "
-                "ScalingConfig(num_workers=<nodes>, resources_per_worker={<device resource>: "
-                "<devices per node>})) or set spmd=False")
-
-
 def check_one_accelerator_each(topology: Topology, owner: str, device: str, units: str, unit: str,
                                fix: str, why: str, logger) -> None:
     """The native runtimes drive one accelerator (``unit``) per process: every worker given one
@@ -109,8 +94,18 @@ class Runtime:
     # ---- driver side (pure) ----
     def check(self, config: XLAOptions, topology: Topology) -> None:
         """Raise XLAConfigError for a config that cannot work on this topology.
-        Subclasses that override it call ``super().check`` (it checks SPMD)."""
-        check_spmd(config, topology)
+        Subclasses that override it call ``super().check``: SPMD runs one process per host that
+        owns all the host's devices, so a node with several workers is refused."""
+        if not config.spmd:
+            return
+        for node in topology.nodes():
+            if len(node) > 1:
+                raise config_error(
+                    "spmd", True,
+                    f"one worker per node, but node {node[0].node_rank} ({node[0].node_ip}) has "
+                    f"{len(node)} workers: give each worker all of its node's devices (for example "
+                    "ScalingConfig(num_workers=<nodes>, resources_per_worker={<device resource>: "
+                    "<devices per node>})) or set spmd=False")
 
     def master_worker(self, topology: Topology) -> int:
         """The Ray rank of the worker that will be rank 0 of the process group: MASTER_ADDR is

@@ -8,10 +8,8 @@ torch_xla's collectives are bridged the same way, and torch_xla sees the Ray wor
 
 SPMD on CPU: ``cpu_devices_per_worker`` sets ``CPU_NUM_DEVICES``, and torch_xla shards across
 that many virtual devices inside the one worker (``gloo`` through ``xla://``). Several SPMD
-workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own, so
-each worker's mesh would span only its own devices and nothing would cross workers (fed
-different data, they would train different models, and their sharded checkpoint would mix
-shards of both), where the same program on TPU or Neuron hosts is one global mesh.
+workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own
+(``SPMD_ONE_WORKER`` says what would follow).
 """
 
 from __future__ import annotations
@@ -28,11 +26,6 @@ SPMD_ONE_WORKER = (
     "global mesh). Develop SPMD on CPU with ScalingConfig(num_workers=1) and "
     "cpu_devices_per_worker=<devices> (one mesh over that many virtual devices), or use "
     "several CPU workers with spmd=False (the CPU development mode)")
-
-
-def uses_devmode(topology, config) -> bool:
-    """The CPU development mode is on for several CPU workers, outside SPMD."""
-    return topology.world_size > 1 and not config.spmd
 
 
 class CPURuntime(Runtime):
@@ -52,7 +45,7 @@ class CPURuntime(Runtime):
     def device_env(self, place, topology, rdzv, config, facts):
         # One XLA CPU device per worker process, unless SPMD asks for more.
         env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(config.cpu_devices_per_worker or 1)}
-        if uses_devmode(topology, config):
+        if topology.world_size > 1 and not config.spmd:  # the CPU development mode
             env.update({
                 DEVMODE_VAR: "1",
                 # Read by xr.local_ordinal()/local_process_count() (and PT_XLA_DEBUG's "master"

@@ -31,26 +31,11 @@ import logging
 
 from ray_train_xla.planning.contract import NATIVE, NEURON_ROOT_COMM_VAR, NEURON_VISIBLE_CORES_VAR
 from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
-from ray_train_xla.planning.runtimes.neuron import NEURON_RESOURCE, network_env, root_comm_id
+from ray_train_xla.planning.runtimes.neuron import NEURON_RESOURCE, ONE_CORE_FIX, network_env, root_comm_id
 
 logger = logging.getLogger(__name__)
 
 NEFF_CACHE_VAR = "TORCH_NEURONX_NEFF_CACHE_DIR"
-NEFF_CACHE_DEFAULT = "/tmp/neff_cache"
-ONE_CORE_FIX = "resources_per_worker={'neuron_cores': 1}"
-
-
-# A native config's device -> the Ray resource whose ids map to it.
-NATIVE_RESOURCES = {"neuron": NEURON_RESOURCE, "tpu": "TPU"}
-
-
-def resolve_native_device(requested: str, accelerator_ids, native_device: str = "neuron") -> str:
-    """device="auto": the config's native device ("neuron" for TorchNeuronConfig, "tpu" for
-    TorchTPUConfig) when Ray gave any worker its resource, else "cpu"."""
-    if requested != "auto":
-        return requested
-    resource = NATIVE_RESOURCES[native_device]
-    return native_device if any(ids.get(resource) for ids in accelerator_ids) else "cpu"
 
 
 def import_env(config) -> dict[str, str]:

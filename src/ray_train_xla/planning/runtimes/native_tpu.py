@@ -46,6 +46,7 @@ same for every run on the node.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import re
@@ -91,8 +92,7 @@ def parse_topology(text: str) -> tuple[int, ...] | None:
 def comma_topology(text: str) -> str:
     """The comma form TorchTPU copies into ``TPU_HOST_BOUNDS``: "4x4" -> "4,4,1"."""
     dims = list(parse_topology(text) or ())
-    if len(dims) < 3:
-        dims += [1] * (3 - len(dims))
+    dims += [1] * (3 - len(dims))
     return ",".join(str(d) for d in dims)
 
 
@@ -106,9 +106,7 @@ def slice_hosts(topology: str) -> list[tuple[int, int, int]]:
     dims = list(parse_topology(topology) or (1,))[:3]
     dims += [1] * (3 - len(dims))
     bounds = [max(1, m // c) for m, c in zip(dims, CHIPS_PER_HOST)]
-    hosts = [(x, y, z) for x in range(bounds[0]) for y in range(bounds[1]) for z in range(bounds[2])]
-    hosts.sort(key=lambda h: h[::-1])
-    return hosts
+    return sorted(itertools.product(*map(range, bounds)), key=lambda h: h[::-1])
 
 
 def host_position(coords, topology: str) -> int | None:
@@ -116,8 +114,8 @@ def host_position(coords, topology: str) -> int | None:
     ``_calculate_topological_node_rank`` without a fallback); None if outside or unknown."""
     if not coords or parse_topology(topology) is None:
         return None
-    padded = list(coords) + [0] * max(0, 3 - len(coords))
-    host = tuple(padded[i] // CHIPS_PER_HOST[i] for i in range(3))
+    padded = list(coords) + [0] * (3 - len(coords))
+    host = tuple(c // k for c, k in zip(padded, CHIPS_PER_HOST))
     hosts = slice_hosts(topology)
     return hosts.index(host) if host in hosts else None
 
@@ -160,16 +158,15 @@ class Layout:
         if len(nodes) > 1 and len(per_host) > 1:
             raise _err(f"the same number of workers on every host, got {sorted(per_host)}")
         self.num_slices = len(slices)
-        self.slice_names = names
         self.topologies: list[str] = []
         self.addresses: list[str] = []
         self.by_rank: dict[int, dict] = {}
         hosts_per_slice = len(slices[0])
         slice_world = sum(len(n) for n in slices[0])
-        master_host = ""
-        self.devices_per_chip = slice_devices_per_chip([n[0] for n in nodes])
+        self.master_host = ""
+        per_chip = slice_devices_per_chip([n[0] for n in nodes])
         for slice_id, hosts in enumerate(slices):
-            topo = self._topology(hosts, names[slice_id], self.devices_per_chip)
+            topo = self._topology(hosts, names[slice_id], per_chip)
             ordered = self._host_order(hosts, topo, names[slice_id])
             entries = []
             for host_index, node in enumerate(ordered):
@@ -190,12 +187,10 @@ class Layout:
                         "slice": slice_id}
                     entries.append(f"{host}:{port}")
                     if rank == 0:
-                        master_host = node[0].node_ip
+                        self.master_host = node[0].node_ip
                         self.master_worker = w.rank
             self.topologies.append(topo)
             self.addresses.append(",".join(entries))
-        self.master_host = master_host
-        self.num_nodes = len(nodes)
 
     @staticmethod
     def _topology(hosts, name: str, per_chip: int = 1) -> str:
@@ -204,23 +199,33 @@ class Layout:
         and the devices per chip ("2,2,4,2"), whose product is the processes of the slice."""
         workers = sum(len(n) for n in hosts)
         where = f" (slice {name})" if name else ""
-        if per_chip > 1:
-            return Layout._device_topology(hosts, where, workers, per_chip)
+        suffix = f",{per_chip}" if per_chip > 1 else ""
         if len(hosts) == 1:
-            dims = parse_topology(hosts[0][0].tpu_topology)
-            if dims and math.prod(dims) == workers:  # v7's 4th entry (cores per chip) kept
-                return comma_topology(hosts[0][0].tpu_topology) if len(dims) <= 3 else ",".join(
-                    map(str, dims))
-            if workers not in HOST_GRIDS:
-                raise _err(f"1, 2, 4 or 8 workers (one chip each) on one TPU host{where}, "
-                           f"got {workers}")
-            return HOST_GRIDS[workers]
-        topo = Layout._reported_topology(hosts, where)
+            text = hosts[0][0].tpu_topology
+            dims = parse_topology(text) or ()
+            # A 4th entry (v7's devices per chip) is kept; with one device per chip, any length.
+            topo = ",".join(map(str, dims)) if len(dims) > 3 else comma_topology(text) + suffix
+            if dims and (per_chip == 1 or len(dims) <= 4) and chips_in(topo) == workers:
+                return topo
+            grids = HOST_GRIDS if per_chip == 1 else V7_HOST_GRIDS
+            if workers not in grids:
+                each = ("1, 2, 4 or 8 workers (one chip each" if per_chip == 1 else
+                        f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x chip")
+                raise _err(f"{each}) on one TPU host{where}, got {workers}")
+            return grids[workers]
+        grid = Layout._reported_topology(hosts, where)
+        dims = grid.split(",")
+        topo = grid if per_chip == 1 or len(dims) == 4 else ",".join(dims[:3]) + suffix
         if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            raise _err(f"every chip of the TPU slice{where} in the job: topology {topo} has "
-                       f"{len(slice_hosts(topo))} hosts of {math.prod(CHIPS_PER_HOST)} chips, "
-                       f"got {len(hosts)} hosts and {workers} workers; request "
-                       f"num_workers={chips_in(topo) * 1} with {ONE_CHIP_FIX}")
+            per_host = math.prod(CHIPS_PER_HOST)
+            raise _err(
+                f"every {'chip' if per_chip == 1 else 'device'} of the TPU slice{where} in the "
+                f"job: topology {topo} has {len(slice_hosts(topo))} hosts of {per_host} chips"
+                + (f" ({per_host * per_chip} devices)" if per_chip > 1 else "")
+                + f", got {len(hosts)} hosts and {workers} workers; request "
+                f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}"
+                + (f", one worker per device (Ray counting devices: {PER_DEVICE_SETTING})"
+                   if per_chip > 1 else ""))
         return topo
 
     @staticmethod
@@ -239,42 +244,13 @@ class Layout:
         return reported.pop()
 
     @staticmethod
-    def _device_topology(hosts, where: str, workers: int, per_chip: int) -> str:
-        """``_topology`` on TPU v7x: one worker per device, ``TORCH_TPU_TOPOLOGY`` 4-D."""
-        chips = [parse_topology(n[0].tpu_topology) or () for n in hosts]
-        if len(hosts) == 1:
-            dims = chips[0]
-            if len(dims) == 4 and math.prod(dims) == workers:
-                return ",".join(map(str, dims))
-            if dims and len(dims) <= 3 and math.prod(dims) * per_chip == workers:
-                return f"{comma_topology(hosts[0][0].tpu_topology)},{per_chip}"
-            if workers not in V7_HOST_GRIDS:
-                raise _err(f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x "
-                           f"chip) on one TPU host{where}, got {workers}")
-            return V7_HOST_GRIDS[workers]
-        grid = Layout._reported_topology(hosts, where)
-        dims = grid.split(",")
-        topo = grid if len(dims) == 4 else f"{','.join(dims[:3])},{per_chip}"
-        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            per_host = math.prod(CHIPS_PER_HOST)
-            raise _err(f"every device of the TPU slice{where} in the job: topology {topo} has "
-                       f"{len(slice_hosts(topo))} hosts of {per_host} chips ({per_host * per_chip}"
-                       f" devices), got {len(hosts)} hosts and {workers} workers; request "
-                       f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}, one worker per "
-                       f"device (Ray counting devices: {PER_DEVICE_SETTING})")
-        return topo
-
-    @staticmethod
     def _host_order(hosts, topo: str, name: str) -> list:
         """The slice's hosts in TorchTPU's order: by the position of their chips in the slice,
         else by TPU worker id."""
         if len(hosts) == 1:
             return list(hosts)
-        ranks = []
-        for node in hosts:
-            w = node[0]
-            position = host_position(w.tpu_chip_coords, topo)
-            ranks.append(position if position is not None else w.tpu_worker_id)
+        positions = [host_position(n[0].tpu_chip_coords, topo) for n in hosts]
+        ranks = [n[0].tpu_worker_id if p is None else p for n, p in zip(hosts, positions)]
         where = f" of slice {name}" if name else ""
         if any(r is None for r in ranks):
             unknown = [n[0].node_ip for n, r in zip(hosts, ranks) if r is None][:4]
@@ -331,7 +307,7 @@ class NativeTPURuntime(Runtime):
             "RANK": rank, "ROLE_RANK": rank,
             "LOCAL_RANK": str(mine["local_rank"]),
             "NODE_RANK": node_rank, "GROUP_RANK": node_rank,
-            "NNODES": str(layout.num_nodes),
+            "NNODES": str(topology.num_nodes),
             "MASTER_ADDR": layout.master_host,
             "TPU_VISIBLE_DEVICES": chip,
             "TPU_VISIBLE_CHIPS": chip,

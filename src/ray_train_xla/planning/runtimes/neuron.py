@@ -43,13 +43,14 @@ from ray_train_xla.planning.contract import (
     PARALLEL_COMPILE_ENV,
     PARALLEL_COMPILE_VAR,
 )
-from ray_train_xla.planning.runtimes.base import Runtime
+from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
 
 logger = logging.getLogger(__name__)
 
 NEURON_RESOURCE = "neuron_cores"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 INTERFACE_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+ONE_CORE_FIX = "resources_per_worker={'neuron_cores': 1}"
 
 
 def root_comm_id(master_addr: str, port: int) -> str:
@@ -67,29 +68,13 @@ class NeuronRuntime(Runtime):
     # ---- driver side ----
     def check(self, config, topology) -> None:
         super().check(config, topology)  # SPMD: one worker per node
-        counts = {len(w.accelerator_ids) for w in topology.workers}
-        if counts == {0}:
-            logger.warning(
-                "device='neuron' but Ray assigned no neuron_cores to the workers: each worker "
-                "will use the core numbered by its local rank. Request "
-                "resources_per_worker={'neuron_cores': 1} so Ray keeps jobs apart."
-            )
-            return
-        if 0 in counts:
-            bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
-            raise XLAConfigError(
-                f"Neuron workers {bare} were given no neuron_cores while others were: request "
-                "resources_per_worker={'neuron_cores': 1} for every worker."
-            )
-        if counts != {1} and not config.spmd:
-            many = max(counts)
-            raise XLAConfigError(
-                f"resources_per_worker asks for {many} neuron_cores per worker, but torch_xla's "
-                "Neuron runtime drives exactly one NeuronCore per process (it narrows "
-                "NEURON_RT_VISIBLE_CORES to cores[LOCAL_RANK]), so the other cores would sit "
-                "idle. Use resources_per_worker={'neuron_cores': 1} and "
-                f"num_workers={topology.world_size * many} instead."
-            )
+        # In SPMD a worker owns all of its node's cores; otherwise one core per worker.
+        if not config.spmd or 0 in {len(w.accelerator_ids) for w in topology.workers}:
+            check_one_accelerator_each(
+                topology, "TorchXLAConfig", "neuron", "neuron_cores", "core", ONE_CORE_FIX,
+                "torch_xla's Neuron runtime drives exactly one NeuronCore per process (it "
+                "narrows NEURON_RT_VISIBLE_CORES to cores[LOCAL_RANK]), so the other cores "
+                "would sit idle", logger)
 
     def ports_needed(self, config) -> int:
         return 1  # NEURON_RT_ROOT_COMM_ID
@@ -106,12 +91,8 @@ class NeuronRuntime(Runtime):
         return cached[1][node_rank]
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
-        if config.spmd:
-            env = self._spmd_env(place, topology, rdzv)
-        else:
-            env = self._per_core_env(place, topology, rdzv)
-        env.update(node_env(config, facts))
-        return env
+        env = (self._spmd_env if config.spmd else self._per_core_env)(place, topology, rdzv)
+        return {**env, **node_env(config, facts)}
 
     def _spmd_env(self, place, topology, rdzv) -> dict[str, str]:
         """SPMD: one process per node owning the node's cores. torch_xla's init skips its
@@ -189,10 +170,9 @@ class NeuronXRTRuntime(NeuronRuntime):
         return "xla", "env://"
 
     def device_env(self, place, topology, rdzv, config, facts) -> dict[str, str]:
-        env = {
+        return {
             NEURON_VISIBLE_CORES_VAR: self._cores_for_node(topology, place.node_rank),
             "XLA_TRANSFER_SEED_ASYNC": "1",
             "NCCL_ASYNC_ERROR_HANDLING": "1",
+            **node_env(config, facts),
         }
-        env.update(node_env(config, facts))
-        return env

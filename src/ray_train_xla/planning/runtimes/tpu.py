@@ -201,10 +201,8 @@ def tpu_slice(accelerator_type: str = "", topology: str = "") -> TPUSlice | None
     grid = (dims[0], dims[1], 1) if len(dims) == 2 else (dims[0], dims[1], dims[2])
     total = math.prod(grid)
     eight = generation in EIGHT_CHIP_HOST_GENERATIONS or (not generation and two_d)
-    if total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1)):
-        host_chips = grid  # a single-host slice
-    else:
-        host_chips = (2, 2, 1)
+    single_host = total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1))
+    host_chips = grid if single_host else (2, 2, 1)
     if any(t % c for t, c in zip(grid, host_chips)):
         raise ValueError(f"TPU topology {'x'.join(map(str, dims))} is not a grid of hosts of "
                          f"{'x'.join(map(str, host_chips[:2]))} chips")
@@ -344,25 +342,20 @@ class TPURuntime(Runtime):
             return layout.host_chips
         return CHIP_GRIDS[chips]
 
-    def _process_grid(self, layout: TPUSlice | None, hosts: int, per_host: int,
-                      spmd: bool) -> tuple[int, ...]:
-        """TPU_PROCESS_BOUNDS: the host grid (SPMD), or per chip the host grid times each
-        host's chip grid."""
-        host_grid = layout.host_grid if layout is not None and hosts > 1 else (1, 1, hosts)
-        if spmd:
-            return host_grid
-        return tuple(a * b for a, b in zip(self._chip_grid(layout, per_host), host_grid))
-
     def planned_bounds(self, layout: TPUSlice | None, hosts: int, per_host: int,
                        spmd: bool, per_chip: int = 1) -> str:
         """TPU_PROCESS_BOUNDS as planned without ``tpu_process_bounds``: ``per_host`` is the
-        chips of an SPMD worker, else the processes of a host. On TPU v7 (``per_chip`` 2) one
-        process per device: the grid of the host's chips (``per_host // 2``) times the host
-        grid, and torch_xla's trailing ``,2`` (``configure_topology``: ``if tpu_version == 7:
+        chips of an SPMD worker, else the processes of a host. In SPMD the host grid; else the
+        grid of each host's chips times the host grid. On TPU v7 (``per_chip`` 2) one process
+        per device: the grid of the host's chips (``per_host // 2``) times the host grid, and
+        torch_xla's trailing ``,2`` (``configure_topology``: ``if tpu_version == 7:
         process_bounds_str += ',2'``)."""
-        if spmd or per_chip == 1:
-            return _bounds(self._process_grid(layout, hosts, per_host, spmd))
-        return f"{_bounds(self._process_grid(layout, hosts, per_host // per_chip, spmd))},{per_chip}"
+        host_grid = layout.host_grid if layout is not None and hosts > 1 else (1, 1, hosts)
+        if spmd:
+            return _bounds(host_grid)
+        chip_grid = self._chip_grid(layout, per_host // per_chip)
+        grid = _bounds(tuple(a * b for a, b in zip(chip_grid, host_grid)))
+        return grid if per_chip == 1 else f"{grid},{per_chip}"
 
     @staticmethod
     def _check_hosts(nodes) -> None:
@@ -422,10 +415,8 @@ class TPURuntime(Runtime):
             for slot, w in enumerate(ordered):
                 first = min(_chips(w, spmd), key=_chip_key)
                 port = BASE_PORT + (int(first) if first.isdigit() else w.local_rank)
-                if len(nodes) == 1:
-                    host = "localhost"
-                else:
-                    host = f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip
+                host = ("localhost" if len(nodes) == 1
+                        else f"[{w.node_ip}]" if ":" in w.node_ip else w.node_ip)
                 addresses.append(f"{host}:{port}")
                 by_rank[w.rank] = (host_index * per_host + slot, port)
         layout = (",".join(addresses), by_rank)
