@@ -51,21 +51,10 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def _rows(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    if isinstance(batch, Mapping):
-        values: Iterable[Any] = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    else:
-        return None
-    for value in values:
-        rows = _rows(value)
-        if rows is not None:
-            return rows
-    return None
+    """The rows of the first tensor in ``batch`` that has a batch dimension (None: no such)."""
+    rows: list[int] = []
+    _map_tensors(batch, lambda t: rows.append(t.shape[0]) if t.dim() else None)
+    return rows[0] if rows else None
 
 
 def pad_batch(batch: Any, batch_size: int) -> tuple[Any, torch.Tensor]:
@@ -491,17 +480,10 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
     )
 
 
-class _RayDataBatches:
-    """One epoch of a Ray Data shard as CPU batches of constant shape (an iterable)."""
-
-    def __init__(self, shard: Any, batch_size: int, ragged: str, kwargs: dict) -> None:
-        self.shard, self.batch_size, self.ragged, self.kwargs = shard, batch_size, ragged, kwargs
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.shard.iter_torch_batches(
-            batch_size=self.batch_size, drop_last=self.ragged == "drop", **self.kwargs
-        ):
-            yield pad_batch(batch, self.batch_size) if self.ragged == "pad" else batch
+def _ray_data_batches(shard: Any, batch_size: int, ragged: str, kwargs: dict) -> Iterator[Any]:
+    """One epoch of a Ray Data shard as CPU batches of constant shape."""
+    for batch in shard.iter_torch_batches(batch_size=batch_size, drop_last=ragged == "drop", **kwargs):
+        yield pad_batch(batch, batch_size) if ragged == "pad" else batch
 
 
 def iter_xla_batches(
@@ -524,7 +506,7 @@ def iter_xla_batches(
     # CPU batches from Ray Data (its "auto" device follows ray.train.torch.get_device(), the XLA
     # device on our workers); they are moved here, in the background on accelerators.
     iter_torch_batches_kwargs.setdefault("device", "cpu")
-    batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
+    batches = _ray_data_batches(shard, batch_size, ragged, iter_torch_batches_kwargs)
     if not to_device:
         return _timed(batches)
     if not _use_background(background):
@@ -539,12 +521,7 @@ def _timed(batches: Iterable[Any]) -> Iterator[Any]:
     timeline's data wait (``events.py``): two clock reads a batch."""
     clock = time.perf_counter
     start = clock()  # from when the loop asks (the iterator is made at the first batch)
-    it = iter(batches)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
+    for batch in batches:
         add_data_wait(clock() - start)
         yield batch
         start = clock()

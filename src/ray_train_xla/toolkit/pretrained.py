@@ -30,6 +30,7 @@ key missing on either side, and every shape that differs, is named in one
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,10 +40,10 @@ from typing import Any
 import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
+from ray_train_xla.toolkit.device import get_device, is_native
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # Files of a model directory that are not weights, copied to an export from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -96,7 +97,7 @@ def safetensors_files(path: str) -> list[str]:
     files = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
     if files:
         return [os.path.join(path, n) for n in files]
-    if any(n in BIN_NAMES or (n.startswith("pytorch_model") and n.endswith(".bin")) for n in names):
+    if any(n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")) for n in names):
         raise CheckpointMismatchError(
             f"load_pretrained: {path} holds PyTorch .bin weights, which cannot be read by slices; "
             "convert them once to safetensors: AutoModelForCausalLM.from_pretrained(path)"
@@ -105,25 +106,21 @@ def safetensors_files(path: str) -> list[str]:
                             f"{', '.join(names[:6]) or 'nothing'})")
 
 
-# Files of a model directory: an export refuses a directory that already holds any of them
-# (stale shards of another export would stay beside the new ones).
-HF_MODEL_FILES = ("config.json", "generation_config.json")
-HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
-HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
-
-
 def held_model_files(out_dir: str) -> list[str]:
     """The model files (``config.json``, ``*.safetensors``, ...) directory ``out_dir`` already
-    holds, which an export would mix with its own; [] for a missing directory."""
+    holds, which an export would mix with its own (an export refuses such a directory: stale
+    shards of another export would stay beside the new ones); [] for a missing directory."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted(n for n in os.listdir(out_dir) if n in HF_MODEL_FILES
-                  or n.endswith(HF_MODEL_SUFFIXES) or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
+    return sorted(n for n in os.listdir(out_dir) if n in ("config.json", "generation_config.json")
+                  or n.endswith((SAFETENSORS_SUFFIX, ".safetensors.index.json"))
+                  or n.startswith("pytorch_model"))
 
 
 def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of every tensor in the model's safetensors files (headers only)."""
     from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
 
     out = {}
     for file in safetensors_files(path):
@@ -134,14 +131,8 @@ def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
                         f"load_pretrained: {key} is in more than one safetensors file of {path}: "
                         "keep the files of one model in the directory")
                 piece = f.get_slice(key)
-                out[key] = (tuple(piece.get_shape()), _st_dtype(piece.get_dtype()))
+                out[key] = (tuple(piece.get_shape()), DTYPE_MAP.get(piece.get_dtype(), torch.float32))
     return out
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
-
-    return DTYPE_MAP.get(name, torch.float32)
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -209,12 +200,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
     """(module, name, buffer, persistent) of every buffer."""
-    out = []
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                out.append((module, name, buf, name not in module._non_persistent_buffers_set))
-    return out
+    return [(module, name, buf, name not in module._non_persistent_buffers_set)
+            for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
@@ -296,12 +283,6 @@ class meta_parameters:
 # ------------------------------------------------------------------------------------ loading
 
 
-def _is_native() -> bool:
-    from ray_train_xla.toolkit.device import is_native
-
-    return is_native()
-
-
 def _dist_group():
     import torch.distributed as dist
 
@@ -354,24 +335,20 @@ def load_pretrained(
     if dtype is not None:
         cast_parameters(model, dtype)
     names = plan_names(model, saved, path)  # before anything is allocated
-    if _is_native():
-        from ray_train_xla.toolkit.device import get_device
-
-        model = prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                      mixed_precision=mixed_precision,
-                                      activation_checkpointing=activation_checkpointing)
-        materialize(model, get_device())
-        state = model.state_dict()
-        read_into({k: state[k] for k in names}, path, _dist_group())
-        return model
-    # torch_xla FSDPv2: one process per host reads the model once, on the CPU, then shards it.
-    materialize(model, "cpu")
+    shard = {"auto_wrap_policy": auto_wrap_policy, "mixed_precision": mixed_precision,
+             "activation_checkpointing": activation_checkpointing}
+    # FSDP2 shards the model first, each rank reading its slices; torch_xla FSDPv2: one process
+    # per host reads the model once, on the CPU, then shards it.
+    native = is_native()
+    if native:
+        model = prepare_sharded_model(model, mesh, **shard)
+    materialize(model, get_device() if native else "cpu")
     state = model.state_dict()
-    read_into({k: state[k] for k in names}, path)
+    read_into({k: state[k] for k in names}, path, _dist_group() if native else None)
     del state  # FSDPv2 moves the parameters to the devices: no second reference on the host
-    return prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                 shard_output=shard_output, mixed_precision=mixed_precision,
-                                 activation_checkpointing=activation_checkpointing)
+    if native:
+        return model
+    return prepare_sharded_model(model, mesh, shard_output=shard_output, **shard)
 
 
 def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float = 1800.0) -> str:
@@ -438,8 +415,6 @@ def file_plan(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], dtype: t
               max_shard_bytes: int) -> dict[str, int]:
     """{name: output file index (1-based)}: tensors in order, a new file when the next one
     would pass ``max_shard_bytes`` (as ``save_pretrained`` splits a model)."""
-    import math
-
     out, index, size = {}, 1, 0
     for name, (shape, dt) in specs.items():
         nbytes = math.prod(shape) * _export_dtype(dt, dtype).itemsize
@@ -500,7 +475,7 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
         consolidate_safetensors_files_on_every_rank,
     )
 
-    if not _is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
+    if not is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
                                 for m in model.modules()):
         raise ValueError("export_pretrained: a torch_xla FSDPv2 model's state is SPMD tensors under "
                          "_orig_module. names; save a checkpoint (rtx.save_checkpoint) and export it "
@@ -536,8 +511,10 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(
                      sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
                  planner=_casting_save_planner(dtype), process_group=group, no_dist=group is None)
-        if group is None:  # one process: its files are the whole tensors already
-            _rename_single(sharded, out_dir, plan, count)
+        if group is None:  # one process: its files are the whole tensors already, to rename
+            for index in sorted(set(plan.values())):
+                os.replace(os.path.join(sharded, _writer_file_name(index, count)),
+                           os.path.join(out_dir, file_name(index, count)))
         else:
             consolidate_safetensors_files_on_every_rank(sharded, out_dir, plan, process_group=group)
         error = None
@@ -592,13 +569,6 @@ def _on_rank0(fn, group) -> None:
     _agree(error, group, "export_pretrained")
 
 
-def _rename_single(sharded: str, out_dir: str, plan: Mapping[str, int], count: int) -> None:
-    """One process wrote whole tensors under HuggingFaceStorageWriter's names: move them."""
-    for index in sorted(set(plan.values())):
-        os.replace(os.path.join(sharded, _writer_file_name(index, count)),
-                   os.path.join(out_dir, file_name(index, count)))
-
-
 def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
     """The names of a tied group that Transformers leaves out of its files (its
     ``_tied_weights_keys``; else every name but the first)."""
@@ -615,8 +585,6 @@ def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
 def _write_index(out_dir: str, plan: Mapping[str, int],
                  specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  dtype: torch.dtype | None, count: int) -> None:
-    import math
-
     if count == 1:
         return
     total = sum(math.prod(shape) * _export_dtype(dt, dtype).itemsize for shape, dt in specs.values())
