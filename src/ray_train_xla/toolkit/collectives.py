@@ -35,10 +35,6 @@ from ray_train_xla.toolkit.runtime import runtime
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
 
-def _is_host(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "xla"
-
-
 def pg_rank(ray_rank: int) -> int:
     """The torch.distributed rank of the worker with Ray Train rank ``ray_rank``. The same with
     ``env://``; through ``xla://`` (SPMD) the group numbers processes by PJRT process index,
@@ -56,12 +52,6 @@ def pg_rank(ray_rank: int) -> int:
     return rt.group_ranks[1][ray_rank]
 
 
-def _check_op(op: str) -> str:
-    if op not in _XM_OPS:
-        raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
-    return op
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` over all workers and return the result on ``tensor``'s device.
 
@@ -73,21 +63,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     (``sum`` does not multiply it by the number of hosts). A CPU tensor there is a host-local
     value and is reduced over the workers through the gloo group.
     """
-    _check_op(op)
+    if op not in _XM_OPS:
+        raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
     n = world_size()
-    if n == 1:
-        return tensor.clone()
-    if spmd_global() and not _is_host(tensor):
+    if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
     if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist
 
-        gloo_op = {
-            "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
-        }[op]
         host = tensor.detach().to(_device.comm_device(tensor), copy=True)
-        dist.all_reduce(host, op=gloo_op)
+        dist.all_reduce(host, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
         if op == "mean":
             host = host / n
         return host.to(tensor.device)
@@ -105,7 +90,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     n = world_size()
     if not 0 <= src < n:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
-    if n == 1 or (spmd_global() and not _is_host(tensor)):
+    if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
     if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist

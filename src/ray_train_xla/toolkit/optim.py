@@ -34,7 +34,7 @@ from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.runtime import runtime
-from ray_train_xla.toolkit.sharding import refuse_sharded
+from ray_train_xla.toolkit.sharding import find_sharded, refuse_sharded
 from ray_train_xla.toolkit.steps import marks_own_step, step_done
 
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
@@ -47,24 +47,20 @@ def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) 
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
     and buffers (so workers agree even when their random initialisation differed).
 
-
     Under SPMD on an accelerator each host feeds its own copy into the global tensors, so the
     copies are made equal on the host (through the gloo group) before the move.
 
     Raises ShardedStateError for a sharded model (see ``prepare_sharded_model``)."""
     refuse_sharded(model, "prepare_model", "copies rank 0's parameters and buffers into every worker")
     many = world_size() > 1
-    if many and spmd_global():
-        model = model.cpu()
-        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
-        for bucket in buckets(tensors, bucket_mb):
-            unflatten_into(broadcast(flatten(bucket), src=0), bucket)
-        return model.to(get_device())
-    model = model.to(get_device())
+    on_host = many and spmd_global()
+    model = model.cpu() if on_host else model.to(get_device())
     if many:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
         for bucket in buckets(tensors, bucket_mb):
             unflatten_into(broadcast(flatten(bucket), src=0), bucket)
+        if on_host:
+            return model.to(get_device())
         _sync()
     return model
 
@@ -154,8 +150,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     norm is taken over every shard of every worker. Replicated models on several workers: the
     gradients are averaged over the workers first (the next ``optimizer_step`` does not average
     them again), so every worker clips the same averaged gradients by the same norm."""
-    from ray_train_xla.toolkit.sharding import find_sharded
-
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):

@@ -108,8 +108,8 @@ class Reporter:
                    wait: bool = False, after: Callable[[], None] | None = None) -> dict | None:
         """Queue a checkpoint (``write(directory, filesystem)`` writes this rank's files into
         ``directory`` on ``filesystem``, a pyarrow filesystem or None for the local file system;
-        ``after()`` runs
-        once Ray took it); ``wait``: return once reported, with what ``write`` returned."""
+        ``after()`` runs once Ray took it); ``wait``: return once reported, with what ``write``
+        returned."""
         item = _Checkpoint(dict(metrics), write, after)
         with self._cv:
             self._take_slot()
@@ -224,7 +224,8 @@ class Reporter:
     def _decide(self, step: int):
         """Rank 0: the next report (the head of the queue), published for the other ranks."""
         decision = self._next_in_queue(freeze=True)
-        self._publish(step, decision or ("stop", 0, ""))
+        if self._agreeing:
+            self._store.set(f"{self._prefix}/{step}", ":".join(map(str, decision or ("stop", 0, ""))))
         return decision
 
     def _new_name(self) -> str:
@@ -256,10 +257,6 @@ class Reporter:
         """Whether the ranks agree on the reports through the store (else every call is its own
         report, or there is one rank)."""
         return self._store is not None and self._world > 1 and self._coalesce
-
-    def _publish(self, step: int, decision: tuple[str, int]) -> None:
-        if self._agreeing:
-            self._store.set(f"{self._prefix}/{step}", ":".join(map(str, decision)))
 
     def _follow(self, step: int):
         """Other ranks: rank 0's decision for report number ``step``."""
@@ -421,16 +418,15 @@ def in_place_directory() -> Callable[[str], tuple[str, Any]] | None:
     if storage is None:
         return None
     filesystem = storage.storage_filesystem
-    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
-        def place(name: str) -> tuple[str, Any]:
-            directory = os.path.join(storage.experiment_fs_path, name)
+    local = isinstance(filesystem, pyarrow.fs.LocalFileSystem)
+
+    def place(name: str) -> tuple[str, Any]:
+        directory = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
+        if local:
             os.makedirs(directory, exist_ok=True)
             return directory, None
-    else:
-        def place(name: str) -> tuple[str, Any]:
-            directory = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
-            filesystem.create_dir(directory, recursive=True)
-            return directory, filesystem
+        filesystem.create_dir(directory, recursive=True)
+        return directory, filesystem
 
     return place
 

@@ -83,11 +83,8 @@ class RunStorage:
 
         selector = pyarrow.fs.FileSelector(self.full(relative), allow_not_found=True,
                                            recursive=recursive)
-        out = []
-        for info in self.filesystem.get_file_info(selector):
-            if info.type == pyarrow.fs.FileType.File:
-                out.append(info.path[len(self.path) + 1:])
-        return sorted(out)
+        return sorted(info.path[len(self.path) + 1:] for info in self.filesystem.get_file_info(selector)
+                      if info.type == pyarrow.fs.FileType.File)
 
     def upload_dir(self, local_dir: str, relative: str) -> list[str]:
         """Copy a local directory's files under ``relative``; returns their relative paths."""

@@ -169,7 +169,6 @@ class Runtime:
             self._options[block] = dataclasses.replace(current, **changes)
             return self._options[block]
 
-
     def close(self) -> None:
         """Stop what this runtime started that would outlive it: torch's global optimizer hooks
         (the step count's, the snapshots', the parameter names'), the watcher of profile
