@@ -7,20 +7,18 @@ Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEN
 - a ``gloo`` group (several CPU workers): torch_xla 2.9 on CPU cannot reduce across processes,
   so the tensor is copied to the host, reduced through gloo, and copied back to the XLA device.
   Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
+- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
+  on the tensor's own device; torch_xla is not imported.
 
 With several CPU workers the backend also bridges torch_xla's own collectives (the CPU
 development mode, ``startup/devmode.py``), so raw ``xm.all_reduce`` agrees with these helpers.
 
-Ranks: every helper that takes a rank takes the **Ray Train rank** (``RANK``, what
-``ray.train.get_context().get_world_rank()`` returns), on every device. XLA numbers processes
-by its own ordinals, which need not follow Ray's ranks (on TPU the task id follows chip and host
-order), so no rank is ever passed to torch_xla as an ordinal.
+Ranks are **Ray Train ranks** (``ranks.py``). XLA numbers processes by its own ordinals, which
+need not follow them (on TPU the task id follows chip and host order), so no rank is ever passed
+to torch_xla as an ordinal.
 
 SPMD on an accelerator (``spmd=True`` on TPU or Neuron): the mesh spans every worker, and an XLA
 tensor is one **global** value that all processes share; see :func:`all_reduce`.
-
-- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
-  on the tensor's own device; torch_xla is not imported.
 """
 
 from __future__ import annotations

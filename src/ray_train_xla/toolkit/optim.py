@@ -9,15 +9,7 @@ Under SPMD on an accelerator the gradients are global tensors that XLA has alrea
 the mesh: nothing is averaged again and nothing crosses to the host. A model sharded with FSDP2
 (``prepare_sharded_model`` on the native configs) has reduce-scattered its gradients in backward:
 ``optimizer_step`` steps it without reducing anything, and a plain ``optimizer.step()`` does the
-same.
-
-Steps are counted for the step timeline, the profile windows and the Ray metrics whichever way
-the loop steps: ``optimizer_step`` ends a step itself, and a plain ``optimizer.step()`` (the
-sharded paths: FSDP2, FSDPv2 with ``torch_xla.sync()``) is seen through torch's global optimizer
-step hook; each step counts once (``toolkit/steps.py`` says how).
-
-:func:`clip_grad_norm_` clips by the global norm on every path: over every shard and worker for
-sharded models, over the averaged gradients for replicated ones.
+same. How the steps are counted, whichever way the loop steps: ``toolkit/steps.py``.
 """
 
 from __future__ import annotations

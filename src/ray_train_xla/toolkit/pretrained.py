@@ -146,11 +146,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _ignored(model: torch.nn.Module) -> list[re.Pattern]:
-    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
-    return [re.compile(p) for p in patterns]
-
-
 def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
                ) -> dict[str, str]:
     """{model key: checkpoint key} of every tensor to read, after checking the checkpoint: one
@@ -162,13 +157,11 @@ def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
     state = model.state_dict(keep_vars=True)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in state.items()
                 if isinstance(v, torch.Tensor)}
-    aliases: dict[str, str] = {}
+    aliases: set[str] = set()
     for group in tied_groups(model):
-        held = [n for n in group if n in saved] or group[:1]
-        for name in group:
-            if name != held[0]:
-                aliases[name] = held[0]
-    ignore = _ignored(model)
+        held = next((n for n in group if n in saved), group[0])
+        aliases.update(n for n in group if n != held)
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     found = {k: (tuple(shape), expected[k][1] if k in expected else dtype)
              for k, (shape, dtype) in saved.items()
              if k in expected or not any(p.search(k) for p in ignore)}
@@ -226,9 +219,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
                 buf.fill_(float("nan"))  # so that a buffer nothing computes shows
         init = getattr(model, "_init_weights", None)
         for module in {id(m): m for m, _ in to_compute}.values():
-            try:
-                if not callable(init):
-                    raise TypeError("no _init_weights")
+            try:  # (no _init_weights: a TypeError)
                 init(module)  # its parameters, if any, are overwritten by the read after this
             except Exception:  # noqa: BLE001 - named below, with the fix
                 left.extend(f"{type(module).__name__}.{n}" for m, n in to_compute if m is module)
@@ -251,9 +242,7 @@ def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
         first = model.get_parameter(names[0])
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            if module._parameters[attr] is not first:
-                module._parameters[attr] = first
+            model.get_submodule(owner)._parameters[attr] = first
 
 
 class meta_parameters:
