@@ -10,6 +10,7 @@ graph (and, on Neuron, minutes of compilation). These helpers keep every batch t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -77,21 +78,15 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, torch.Tensor]:
     return _map_tensors(batch, pad), mask
 
 
-class _PaddingCollate:
-    """Collate function wrapper that pads every batch to ``batch_size`` and adds the mask.
+def _pad_collate(collate_fn: Callable, batch_size: int, samples: list) -> tuple[Any, torch.Tensor]:
+    """``collate_fn``'s batch padded to ``batch_size``, with the mask.
 
     Samples come as ``(sample, real)`` from :class:`_Flagged`: rows that the sampler repeats to
     give every worker as many rows are in the batch (constant shapes) with mask 0.0."""
-
-    def __init__(self, collate_fn: Callable, batch_size: int) -> None:
-        self.collate_fn = collate_fn
-        self.batch_size = batch_size
-
-    def __call__(self, samples: list) -> tuple[Any, torch.Tensor]:
-        reals = torch.tensor([float(real) for _, real in samples])
-        batch, mask = pad_batch(self.collate_fn([sample for sample, _ in samples]), self.batch_size)
-        mask[:len(reals)] = reals
-        return batch, mask
+    reals = torch.tensor([float(real) for _, real in samples])
+    batch, mask = pad_batch(collate_fn([sample for sample, _ in samples]), batch_size)
+    mask[:len(reals)] = reals
+    return batch, mask
 
 
 class _Flagged(torch.utils.data.Dataset):
@@ -312,8 +307,7 @@ class XLADataLoader:
             self._position = (self._position[0] + 1, 0)
         self._begun = True
         epoch, start = self._position
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
         if self._global:
             self.sampler.start = start
         if not self._to_device:
@@ -462,7 +456,7 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
              drop_last: bool) -> torch.utils.data.DataLoader:
     """``loader`` with ``sampler`` and ``batch_size``, its other settings kept. ``pad``: the
     sampler yields ``(index, real)`` and every batch is padded to ``batch_size`` and comes with
-    its mask (``_Flagged``, ``_PaddingCollate``)."""
+    its mask (``_Flagged``, ``_pad_collate``)."""
     from torch.utils.data import DataLoader
 
     return DataLoader(
@@ -470,7 +464,8 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
-        collate_fn=_PaddingCollate(loader.collate_fn, batch_size) if pad else loader.collate_fn,
+        collate_fn=functools.partial(_pad_collate, loader.collate_fn, batch_size) if pad
+        else loader.collate_fn,
         pin_memory=False,
         drop_last=drop_last,
         timeout=loader.timeout,

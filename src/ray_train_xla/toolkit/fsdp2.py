@@ -150,15 +150,14 @@ def _same_start(model: torch.nn.Module, group) -> None:
     prepare_model does for replicated models; skipped for parameters on the meta device."""
     import torch.distributed as dist
 
-    from ray_train_xla.toolkit.buckets import apply_in_buckets
+    from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, unflatten_into
 
-    def from_rank0(flat: torch.Tensor) -> torch.Tensor:
-        host = flat.cpu()
+    tensors = [t for t in (*model.parameters(), *model.buffers())
+               if t.numel() > 0 and t.device.type != "meta"]
+    for bucket in buckets(tensors, DEFAULT_BUCKET_MB):
+        host = flatten(bucket).cpu()
         dist.broadcast(host, src=0, group=group)
-        return host.to(flat.device)
-
-    apply_in_buckets([t for t in (*model.parameters(), *model.buffers())
-                      if t.numel() > 0 and t.device.type != "meta"], from_rank0)
+        unflatten_into(host, bucket)  # copied back to each tensor's device
 
 
 def prepare_fsdp2(

@@ -14,17 +14,9 @@ sends another what it read itself.
   devices (one copy a host, never one a device).
 
 :func:`export_pretrained` writes the trained model in the Hugging Face layout from every rank at
-once: each rank writes its own slices with torch's ``HuggingFaceStorageWriter`` (converted to
-the export dtype one tensor at a time), then the ranks join the slices into
-``model-0000k-of-0000N.safetensors`` with torch's safetensors consolidation, each rank its own
-files; rank 0 writes ``model.safetensors.index.json``, ``config.json``,
-``generation_config.json`` and copies the tokenizer files from the source directory.
-
-What ``from_pretrained`` does that is done here too: tied weights (``tie_word_embeddings``) stay
-tied and are read once; non-persistent buffers (rotary frequencies) are computed, not read;
-keys the model class ignores (``_keys_to_ignore_on_load_unexpected``) are skipped; every other
-key missing on either side, and every shape that differs, is named in one
-``CheckpointMismatchError`` before anything is allocated.
+once, each rank its own slices, joined by torch's safetensors consolidation.
+``docs/sharded-models.md`` says what ``from_pretrained`` does that is done here too (tied
+weights, computed buffers, ignored keys) and what is refused before anything is allocated.
 """
 
 from __future__ import annotations
@@ -611,12 +603,9 @@ def write_model_files(out_dir: str, config: Any, source: str | None,
 
 def copy_tokenizer_files(source: str, out_dir: str) -> list[str]:
     """Copy the tokenizer files of the model directory ``source`` into ``out_dir``; their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        file = os.path.join(source, name)
-        if os.path.isfile(file):
-            shutil.copyfile(file, os.path.join(out_dir, name))
-            copied.append(name)
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
     return copied
 
 

@@ -16,9 +16,7 @@ only hands the report over and goes on:
   Rank 0 decides where a coalesced report ends (through the process group's store) and every
   rank follows, so every rank makes the same sequence of ``ray.train.report`` calls (Ray's
   barrier needs it). Rank 0's metrics are exactly those of the last call of the report; the
-  other ranks send their latest. Each decision is one key of the store; every other rank counts
-  itself in once it has read it, and the last one deletes it, so the store holds only the
-  decisions some rank has yet to read, however long the run;
+  other ranks send their latest. The store holds only the decisions some rank has yet to read;
 - **errors**: an error in the background (a failed write, a failed report) is raised as
   :class:`ReportError` at this worker's next call and at the end of the training function;
   nothing after it is reported;
@@ -47,6 +45,7 @@ from typing import Any
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit import events
+from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.runtime import ReportOptions, runtime
 
 logger = logging.getLogger(__name__)
@@ -81,17 +80,12 @@ class Reporter:
                  coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None,
                  place: Callable[[str], tuple[str, Any]] | None = None) -> None:
         self._report_fn = report_fn
-        # place(name): (the directory in the run's storage a checkpoint named ``name`` is written
-        # into, in place; the pyarrow filesystem it is on, None for the local file system).
-        # None: every checkpoint goes through a temporary directory.
+        # place: in_place_directory()'s; None: every checkpoint goes through a temporary directory
         self._place = place
         self._on_checkpoint = on_checkpoint  # called once Ray took each checkpoint
         self._rank, self._world = rank, world
-        self._max = max_in_flight
-        self._timeout_s = timeout_s
-        self._store = store
-        self._prefix = key_prefix
-        self._coalesce = coalesce
+        self._max, self._timeout_s = max_in_flight, timeout_s
+        self._store, self._prefix, self._coalesce = store, key_prefix, coalesce
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()
         self._checkpoints = 0  # checkpoints queued or being written/reported
@@ -330,10 +324,7 @@ class Reporter:
                         f"make within timeout_s={self._timeout_s:g}")
                 self._cv.wait(_POLL_S)
         if item is None:
-            out = dict(latest)
-            if count > 1:
-                out[COALESCED_KEY] = count
-            self._report_fn(out, None)
+            self._report_fn({**latest, COALESCED_KEY: count} if count > 1 else dict(latest), None)
             return
         try:
             item.written = self._report_checkpoint(item, name)
@@ -408,20 +399,16 @@ def in_place_directory() -> Callable[[str], tuple[str, Any]] | None:
     other), which every rank writes through. None outside Ray Train V2 (Ray Train V1, no run)."""
     if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
         return None
-    try:
-        import pyarrow.fs
-        import ray.train
+    run = RunStorage.of_worker()
+    if run is None:
+        return None
+    import pyarrow.fs
 
-        storage = ray.train.get_context().get_storage()
-    except Exception:  # noqa: BLE001 (no Ray Train V2 context: not in place)
-        return None
-    if storage is None:
-        return None
-    filesystem = storage.storage_filesystem
+    filesystem = run.filesystem
     local = isinstance(filesystem, pyarrow.fs.LocalFileSystem)
 
     def place(name: str) -> tuple[str, Any]:
-        directory = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
+        directory = run.full(name)
         if local:
             os.makedirs(directory, exist_ok=True)
             return directory, None

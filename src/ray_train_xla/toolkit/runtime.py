@@ -68,10 +68,10 @@ class GraphCheckOptions:
 Options = TypeVar("Options")
 Part = TypeVar("Part")
 
-# Which call sets each block, for the errors.
 # The fields of a block that a config field of the same name sets (the worker reads it from its
 # planned environment, ``WorkerContext``).
 _FROM_CONFIG = {TimelineOptions: ("peak_tflops",)}
+# Which call sets each block, for the errors.
 _SETTERS = {ReportOptions: "configure_reports", TimelineOptions: "configure_timeline",
             MetricsOptions: "metrics", GraphCheckOptions: "check_graphs_every"}
 

@@ -145,14 +145,7 @@ def get_sharded_mesh(shape=None):
         return native_mesh(shape)
     from ray_train_xla.toolkit.spmd import get_mesh
 
-    if shape is None:
-        from ray_train_xla.toolkit.spmd import require_spmd
-
-        require_spmd()
-        import torch_xla.runtime as xr
-
-        shape = (xr.global_runtime_device_count(), 1)
-    return get_mesh(shape, FSDP_AXES)
+    return get_mesh(shape, FSDP_AXES)  # by default every device on "fsdp", the first axis
 
 
 def _xla_policy(policy):
