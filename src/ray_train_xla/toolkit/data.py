@@ -421,19 +421,17 @@ def prepare_data_loader(
         order, length = _sampler_order(loader, shuffle)
         sampler = _GlobalBatchSampler(order, rank(), world_size(), length, seed,
                                       global_batch_size, pad)
-        # The sampler yields whole global batches only (a short last one padded or dropped).
+        # It yields whole global batches only (a short last one padded or dropped).
         rebuilt = _rebuild(loader, sampler, sampler.per_worker, pad, drop_last=False)
+        return XLADataLoader(rebuilt, sampler, to_device, background)
+    if given is not None:
+        # Its k-th index is position rank + k * num_replicas of its padded order.
+        n, r, w = len(given.dataset), given.rank, given.num_replicas
+        sampler = _GivenDistributed(given, lambda k: r + k * w < n) if pad else given
     else:
-        if given is not None:
-            sampler = given
-            if pad:
-                # Its k-th index is position rank + k * num_replicas of its padded order.
-                n, r, w = len(given.dataset), given.rank, given.num_replicas
-                sampler = _GivenDistributed(given, lambda k: r + k * w < n)
-        else:
-            order, length = _sampler_order(loader, shuffle)
-            sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
-        rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
+        order, length = _sampler_order(loader, shuffle)
+        sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
+    rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
     return XLADataLoader(rebuilt, sampler, to_device, background)
 
 

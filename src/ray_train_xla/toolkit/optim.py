@@ -14,6 +14,7 @@ same. How the steps are counted, whichever way the loop steps: ``toolkit/steps.p
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -125,13 +126,6 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
         _reduce(optimizer, n, bucket_mb)
 
 
-class _Params:
-    """The smallest optimizer-like view of a list of parameters (what _reduce reads)."""
-
-    def __init__(self, params: list):
-        self.param_groups = [{"params": params}]
-
-
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.Tensor:
     """Clip the gradients of ``parameters`` (or a module's) in place by their global norm, as
@@ -155,7 +149,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         events.arrived()  # the norm over every shard is a collective
     if average:
         with torch.no_grad():
-            _reduce(_Params(params), world_size(), bucket_mb)
+            # the smallest optimizer-like view of the parameters (what _reduce reads)
+            _reduce(types.SimpleNamespace(param_groups=[{"params": params}]), world_size(), bucket_mb)
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     if average:
         reduced = _weak("reduced")

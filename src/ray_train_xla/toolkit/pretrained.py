@@ -463,11 +463,10 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
                          "with ray-train-xla consolidate CHECKPOINT OUT_DIR --hf")
     group = _dist_group()
     dtype = parse_dtype(dtype) or _stored_dtype(source)
-    state = model.state_dict()
-    for group_names in tied_groups(model):  # tied weights are written once, as Transformers does
-        for alias in _tied_aliases(model, group_names):
-            state.pop(alias, None)
-    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    # tied weights are written once, as Transformers does
+    aliases = {alias for names in tied_groups(model) for alias in _tied_aliases(model, names)}
+    state = {k: v for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and k not in aliases}
     whole = [k for k, v in state.items() if not v.is_floating_point()]
     if whole and group is not None:  # torch's consolidation takes floating-point tensors only
         raise ValueError(f"export_pretrained: {', '.join(whole[:4])} are not floating-point, which "

@@ -165,7 +165,6 @@ class Reporter:
                     f"rank {self._rank}: reports still in flight after {timeout_s:g} s at the end "
                     "of the training function (Ray did not take them, or rank 0 stopped "
                     "reporting)")
-                self._closing = True
             self._raise_error(again=True)
 
     def _wait_done(self, item: _Checkpoint) -> None:

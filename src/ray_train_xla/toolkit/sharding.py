@@ -43,14 +43,6 @@ SHARDED_PATH = (
 )
 
 
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
-
-
 def spmd_sharding(tensor: torch.Tensor) -> str:
     """The SPMD sharding of an XLA tensor when it is split over devices, else ""."""
     if "torch_xla" not in sys.modules or tensor.device.type != "xla":
@@ -65,8 +57,11 @@ def spmd_sharding(tensor: torch.Tensor) -> str:
 
 def describe_tensor(value: Any) -> str:
     """How ``value`` is sharded ("" for a tensor every rank holds whole, or a non-tensor)."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        DTensor = None
+    if DTensor is not None and isinstance(value, DTensor):
         return f"a DTensor with placements {tuple(value.placements)}"
     if type(value).__name__ == "XLAShardedTensor":
         return f"an XLAShardedTensor ({value.sharding_spec})"
