@@ -69,6 +69,7 @@ def safetensors_files(path: str) -> list[str]:
         raise FileNotFoundError(f"load_pretrained: {path} is not a directory (give the local "
                                 "directory save_pretrained wrote, or a URI of one)")
     names = sorted(os.listdir(path))
+    present = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         with open(index, encoding="utf-8") as f:
@@ -80,15 +81,14 @@ def safetensors_files(path: str) -> list[str]:
                                     f"are not there: {', '.join(absent[:4])}")
         # torch's reader reads every *.safetensors of the directory: one the index does not
         # list (a leftover model.safetensors, a variant) could silently replace its tensors.
-        extra = [n for n in names if n.endswith(SAFETENSORS_SUFFIX) and n not in files]
+        extra = [n for n in present if n not in files]
         if extra:
             raise CheckpointMismatchError(
                 f"load_pretrained: {path} holds safetensors files its {INDEX_FILE} does not list "
                 f"({', '.join(extra[:4])}): move them out of the directory")
         return [os.path.join(path, n) for n in files]
-    files = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
-    if files:
-        return [os.path.join(path, n) for n in files]
+    if present:
+        return [os.path.join(path, n) for n in present]
     if any(n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")) for n in names):
         raise CheckpointMismatchError(
             f"load_pretrained: {path} holds PyTorch .bin weights, which cannot be read by slices; "
@@ -445,11 +445,10 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
     ``dtype``: the export's dtype; default, the dtype ``source``'s ``config.json`` names (the
     pretrained model's), else the parameters'. ``source``: the directory the model was loaded
     from; its tokenizer files are copied. ``config``: the model's Transformers config (default
-    ``model.config``), written as ``config.json`` with ``generation_config.json``. Each rank
-    writes its slices of one output file at a time (each tensor converted as the writer asks
-    for it; the file's slices then serialised at once), then the slices are joined into files
-    of at most ``max_shard_bytes``, each rank its own files, one whole tensor at a time. An
-    error on any rank is raised on every rank. Returns a summary (on every rank)."""
+    ``model.config``), written as ``config.json`` with ``generation_config.json``. Output files
+    hold at most ``max_shard_bytes`` (``docs/sharded-models.md`` says how the slices are written
+    and joined). An error on any rank is raised on every rank. Returns a summary (on every
+    rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (

@@ -392,10 +392,10 @@ def _remove(directory: str, filesystem) -> None:
 
 
 def in_place_directory() -> Callable[[str], tuple[str, Any]] | None:
-    """``name -> (directory, filesystem)`` in the run's storage, where checkpoints are written
-    in place, on Ray Train V2: the filesystem is None for storage on a file system this process
-    can write (local or shared, e.g. NFS), else the storage's pyarrow filesystem (S3, GCS, any
-    other), which every rank writes through. None outside Ray Train V2 (Ray Train V1, no run)."""
+    """``name -> (directory, filesystem)`` of a checkpoint written in place in the run's storage
+    (the module docstring): the filesystem is None on a file system this process can write
+    (local or shared, e.g. NFS), else the storage's pyarrow filesystem. None outside Ray Train
+    V2 (Ray Train V1, no run)."""
     if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
         return None
     run = RunStorage.of_worker()

@@ -24,15 +24,13 @@ from typing import Any, TypeVar
 
 from ray_train_xla.planning.contract import WorkerContext, worker_context
 
-DEFAULT_MAX_IN_FLIGHT = 2
-
 
 @dataclasses.dataclass(frozen=True)
 class ReportOptions:
     """``configure_reports``: how many checkpoints may wait for Ray at once, whether DTensor
     snapshots are copied while the next step runs, whether writer processes write."""
 
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_in_flight: int = 2
     overlap_snapshots: bool = True
     writer_process: bool = True
 
@@ -164,8 +162,7 @@ class Runtime:
                            "is in effect already (call it before the first use)")
                     raise ValueError(f"{_SETTERS[block]}: {name}={value!r} conflicts with "
                                      f"{name}={before!r}, which {why}")
-            for name, value in changes.items():
-                self._set_by[(block, name)] = value
+            self._set_by.update({(block, name): value for name, value in changes.items()})
             self._options[block] = dataclasses.replace(current, **changes)
             return self._options[block]
 
