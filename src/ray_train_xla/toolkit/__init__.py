@@ -1,27 +1,9 @@
 """The toolkit: helpers used inside the training function (imported on workers; the backend
 imports only the memory tier's store, ``checkpoint/memory/store.py``, which loads no torch). Its
 names are imported on first use, so importing a module of it loads only what that module needs.
-Each module is one concern:
-
-- ``runtime``: one object per worker and training function, holding every other module's
-  options and components (no module holds state of its own);
-- ``device``: the worker's device and the device layer (XLA, native Neuron, CPU);
-- ``ranks``: ranks and world sizes from the planned environment;
-- ``collectives``: all_reduce, broadcast, rendezvous on every device;
-- ``data``: data loaders and Ray Data batches on the device, sharded per worker;
-- ``optim``: the replicated model and optimizer step (gradient reduction);
-- ``spmd``, ``sharding`` and ``fsdp2``: meshes, sharded batches, sharded models (FSDPv2 under
-  torch_xla, FSDP2 on the native stacks);
-- ``pretrained``: Hugging Face models loaded into a sharded model and exported, by slices;
-- ``reporting``: reports and checkpoints handed to a background thread, off the step path;
-- ``checkpoint``: one seam, two implementations (replicated, sharded) and their on-disk format;
-  ``checkpoint/memory/``: the memory tier;
-- ``preemption``: a checkpoint before a drained node goes away;
-- ``steps``: step boundaries (``optimizer_step``, ``step_done``, a plain ``optimizer.step()`` seen
-  through torch's optimizer hook; each step once) and the hooks that run at each;
-- ``observability/``: what observes the run (the step timeline, Ray metrics, goodput, compile
-  metrics and causes, profiles: its docstring lists the modules); ``events``: what the training
-  path (loaders, checkpoints, reports) tells it.
+Each module is one concern, which its docstring names; ``docs/architecture.md`` maps them all.
+No module holds state of its own: ``runtime`` holds every module's options and components, one
+object per worker and training function.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ collective per bucket instead of one per tensor)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -37,11 +37,3 @@ def unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset:offset + n].view_as(t))
         offset += n
-
-
-def apply_in_buckets(tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor],
-                     bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
-    """For each bucket of ``tensors`` (same dtype, at most ``bucket_mb``): flatten it, replace
-    the flat tensor by ``fn(flat)`` and copy the result back into the tensors."""
-    for bucket in buckets(tensors, bucket_mb):
-        unflatten_into(fn(flatten(bucket)), bucket)

@@ -7,20 +7,18 @@ Which path runs follows from what the backend planned (``RAY_TRAIN_XLA_PG_BACKEN
 - a ``gloo`` group (several CPU workers): torch_xla 2.9 on CPU cannot reduce across processes,
   so the tensor is copied to the host, reduced through gloo, and copied back to the XLA device.
   Correct everywhere; each call cuts the graph, so call it per step, not per parameter.
+- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
+  on the tensor's own device; torch_xla is not imported.
 
 With several CPU workers the backend also bridges torch_xla's own collectives (the CPU
 development mode, ``startup/devmode.py``), so raw ``xm.all_reduce`` agrees with these helpers.
 
-Ranks: every helper that takes a rank takes the **Ray Train rank** (``RANK``, what
-``ray.train.get_context().get_world_rank()`` returns), on every device. XLA numbers processes
-by its own ordinals, which need not follow Ray's ranks (on TPU the task id follows chip and host
-order), so no rank is ever passed to torch_xla as an ordinal.
+Ranks are **Ray Train ranks** (``ranks.py``). XLA numbers processes by its own ordinals, which
+need not follow them (on TPU the task id follows chip and host order), so no rank is ever passed
+to torch_xla as an ordinal.
 
 SPMD on an accelerator (``spmd=True`` on TPU or Neuron): the mesh spans every worker, and an XLA
 tensor is one **global** value that all processes share; see :func:`all_reduce`.
-
-- native (``TorchNeuronConfig``: the ``neuron`` group, or ``gloo`` on CPU): torch.distributed
-  on the tensor's own device; torch_xla is not imported.
 """
 
 from __future__ import annotations
@@ -33,10 +31,6 @@ from ray_train_xla.toolkit.ranks import rank, spmd_global, uses_host_collectives
 from ray_train_xla.toolkit.runtime import runtime
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
-
-
-def _is_host(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "xla"
 
 
 def pg_rank(ray_rank: int) -> int:
@@ -56,12 +50,6 @@ def pg_rank(ray_rank: int) -> int:
     return rt.group_ranks[1][ray_rank]
 
 
-def _check_op(op: str) -> str:
-    if op not in _XM_OPS:
-        raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
-    return op
-
-
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce ``tensor`` over all workers and return the result on ``tensor``'s device.
 
@@ -73,21 +61,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     (``sum`` does not multiply it by the number of hosts). A CPU tensor there is a host-local
     value and is reduced over the workers through the gloo group.
     """
-    _check_op(op)
+    if op not in _XM_OPS:
+        raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
     n = world_size()
-    if n == 1:
-        return tensor.clone()
-    if spmd_global() and not _is_host(tensor):
+    if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
     if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist
 
-        gloo_op = {
-            "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
-        }[op]
         host = tensor.detach().to(_device.comm_device(tensor), copy=True)
-        dist.all_reduce(host, op=gloo_op)
+        dist.all_reduce(host, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
         if op == "mean":
             host = host / n
         return host.to(tensor.device)
@@ -105,7 +88,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     n = world_size()
     if not 0 <= src < n:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
-    if n == 1 or (spmd_global() and not _is_host(tensor)):
+    if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
     if uses_host_collectives() or spmd_global() or _device.is_native():
         import torch.distributed as dist

@@ -10,6 +10,7 @@ graph (and, on Neuron, minutes of compilation). These helpers keep every batch t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -51,21 +52,10 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def _rows(batch: Any) -> int | None:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else None
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        batch = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    if isinstance(batch, Mapping):
-        values: Iterable[Any] = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    else:
-        return None
-    for value in values:
-        rows = _rows(value)
-        if rows is not None:
-            return rows
-    return None
+    """The rows of the first tensor in ``batch`` that has a batch dimension (None: no such)."""
+    rows: list[int] = []
+    _map_tensors(batch, lambda t: rows.append(t.shape[0]) if t.dim() else None)
+    return rows[0] if rows else None
 
 
 def pad_batch(batch: Any, batch_size: int) -> tuple[Any, torch.Tensor]:
@@ -88,21 +78,15 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, torch.Tensor]:
     return _map_tensors(batch, pad), mask
 
 
-class _PaddingCollate:
-    """Collate function wrapper that pads every batch to ``batch_size`` and adds the mask.
+def _pad_collate(collate_fn: Callable, batch_size: int, samples: list) -> tuple[Any, torch.Tensor]:
+    """``collate_fn``'s batch padded to ``batch_size``, with the mask.
 
     Samples come as ``(sample, real)`` from :class:`_Flagged`: rows that the sampler repeats to
     give every worker as many rows are in the batch (constant shapes) with mask 0.0."""
-
-    def __init__(self, collate_fn: Callable, batch_size: int) -> None:
-        self.collate_fn = collate_fn
-        self.batch_size = batch_size
-
-    def __call__(self, samples: list) -> tuple[Any, torch.Tensor]:
-        reals = torch.tensor([float(real) for _, real in samples])
-        batch, mask = pad_batch(self.collate_fn([sample for sample, _ in samples]), self.batch_size)
-        mask[:len(reals)] = reals
-        return batch, mask
+    reals = torch.tensor([float(real) for _, real in samples])
+    batch, mask = pad_batch(collate_fn([sample for sample, _ in samples]), batch_size)
+    mask[:len(reals)] = reals
+    return batch, mask
 
 
 class _Flagged(torch.utils.data.Dataset):
@@ -323,8 +307,7 @@ class XLADataLoader:
             self._position = (self._position[0] + 1, 0)
         self._begun = True
         epoch, start = self._position
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
         if self._global:
             self.sampler.start = start
         if not self._to_device:
@@ -438,19 +421,17 @@ def prepare_data_loader(
         order, length = _sampler_order(loader, shuffle)
         sampler = _GlobalBatchSampler(order, rank(), world_size(), length, seed,
                                       global_batch_size, pad)
-        # The sampler yields whole global batches only (a short last one padded or dropped).
+        # It yields whole global batches only (a short last one padded or dropped).
         rebuilt = _rebuild(loader, sampler, sampler.per_worker, pad, drop_last=False)
+        return XLADataLoader(rebuilt, sampler, to_device, background)
+    if given is not None:
+        # Its k-th index is position rank + k * num_replicas of its padded order.
+        n, r, w = len(given.dataset), given.rank, given.num_replicas
+        sampler = _GivenDistributed(given, lambda k: r + k * w < n) if pad else given
     else:
-        if given is not None:
-            sampler = given
-            if pad:
-                # Its k-th index is position rank + k * num_replicas of its padded order.
-                n, r, w = len(given.dataset), given.rank, given.num_replicas
-                sampler = _GivenDistributed(given, lambda k: r + k * w < n)
-        else:
-            order, length = _sampler_order(loader, shuffle)
-            sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
-        rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
+        order, length = _sampler_order(loader, shuffle)
+        sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
+    rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
     return XLADataLoader(rebuilt, sampler, to_device, background)
 
 
@@ -473,7 +454,7 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
              drop_last: bool) -> torch.utils.data.DataLoader:
     """``loader`` with ``sampler`` and ``batch_size``, its other settings kept. ``pad``: the
     sampler yields ``(index, real)`` and every batch is padded to ``batch_size`` and comes with
-    its mask (``_Flagged``, ``_PaddingCollate``)."""
+    its mask (``_Flagged``, ``_pad_collate``)."""
     from torch.utils.data import DataLoader
 
     return DataLoader(
@@ -481,7 +462,8 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=loader.num_workers,
-        collate_fn=_PaddingCollate(loader.collate_fn, batch_size) if pad else loader.collate_fn,
+        collate_fn=functools.partial(_pad_collate, loader.collate_fn, batch_size) if pad
+        else loader.collate_fn,
         pin_memory=False,
         drop_last=drop_last,
         timeout=loader.timeout,
@@ -491,17 +473,10 @@ def _rebuild(loader: Any, sampler: Any, batch_size: int, pad: bool,
     )
 
 
-class _RayDataBatches:
-    """One epoch of a Ray Data shard as CPU batches of constant shape (an iterable)."""
-
-    def __init__(self, shard: Any, batch_size: int, ragged: str, kwargs: dict) -> None:
-        self.shard, self.batch_size, self.ragged, self.kwargs = shard, batch_size, ragged, kwargs
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.shard.iter_torch_batches(
-            batch_size=self.batch_size, drop_last=self.ragged == "drop", **self.kwargs
-        ):
-            yield pad_batch(batch, self.batch_size) if self.ragged == "pad" else batch
+def _ray_data_batches(shard: Any, batch_size: int, ragged: str, kwargs: dict) -> Iterator[Any]:
+    """One epoch of a Ray Data shard as CPU batches of constant shape."""
+    for batch in shard.iter_torch_batches(batch_size=batch_size, drop_last=ragged == "drop", **kwargs):
+        yield pad_batch(batch, batch_size) if ragged == "pad" else batch
 
 
 def iter_xla_batches(
@@ -524,7 +499,7 @@ def iter_xla_batches(
     # CPU batches from Ray Data (its "auto" device follows ray.train.torch.get_device(), the XLA
     # device on our workers); they are moved here, in the background on accelerators.
     iter_torch_batches_kwargs.setdefault("device", "cpu")
-    batches = _RayDataBatches(shard, batch_size, ragged, iter_torch_batches_kwargs)
+    batches = _ray_data_batches(shard, batch_size, ragged, iter_torch_batches_kwargs)
     if not to_device:
         return _timed(batches)
     if not _use_background(background):
@@ -539,12 +514,7 @@ def _timed(batches: Iterable[Any]) -> Iterator[Any]:
     timeline's data wait (``events.py``): two clock reads a batch."""
     clock = time.perf_counter
     start = clock()  # from when the loop asks (the iterator is made at the first batch)
-    it = iter(batches)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
+    for batch in batches:
         add_data_wait(clock() - start)
         yield batch
         start = clock()

@@ -8,7 +8,6 @@ operations that differ between them.
   own device. torch_xla is never imported on this path.
 
 The family comes from the environment the backend planned (``WorkerContext.runtime``).
-
 torch_xla 1.13 (XRT, torch-neuronx 1.x) has neither ``torch_xla.device()`` nor
 ``torch_xla.sync()``: :func:`get_device` and :func:`sync` fall back to ``xm.xla_device()`` and
 ``xm.mark_step()``.

@@ -12,51 +12,44 @@ from ray_train_xla.toolkit.runtime import runtime
 
 def add_data_wait(seconds: float) -> None:
     """The training thread waited ``seconds`` for a batch of the toolkit's loaders."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.data_s += seconds
 
 
 def add_stall(seconds: float) -> None:
     """The training thread was blocked ``seconds`` in a checkpoint or report call."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.stall_s += seconds
 
 
 def arrived() -> None:
     """This rank reached the step's gradient synchronisation (its first collective): the
     timeline counts its own time of the step up to here (stragglers)."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.arrived()
 
 
 def checkpoint_saved() -> None:
     """``save_checkpoint`` returned: this step's state is on its way to storage."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.checkpoint_saved(steps.steps_done())
 
 
 def checkpoint_committed() -> None:
     """Ray took the oldest checkpoint in flight (the background reporter's thread)."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.checkpoint_committed()
 
 
 def restored(tier: str, seconds: float) -> None:
     """This worker restored its state from ``tier`` (memory or storage) in ``seconds``."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.restored(tier, seconds)
 
 
 def memory_kept(t: float) -> None:
     """The memory tier completed the snapshot this worker took at ``t``."""
-    tl = runtime().timeline
-    if tl is not None:
+    if (tl := runtime().timeline) is not None:
         tl.memory_kept(t)
 
 

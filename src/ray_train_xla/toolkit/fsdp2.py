@@ -20,15 +20,11 @@ import torch
 
 from ray_train_xla.errors import ShardedStateError
 from ray_train_xla.toolkit.checkpoint.names import remember
+from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.ranks import local_rank, node_rank, rank, world_size
 
 FSDP_AXES = ("fsdp",)
 HSDP_AXES = ("replicate", "fsdp")
-
-def _device_type() -> str:
-    from ray_train_xla.toolkit.device import get_device
-
-    return get_device().type
 
 
 def hsdp_shape() -> tuple[int, int]:
@@ -79,7 +75,7 @@ def native_mesh(shape: Any = None):
             raise RuntimeError("get_sharded_mesh: torch.distributed is not initialised on this "
                                "worker; call it inside a TorchTrainer training function")
         names = FSDP_AXES if len(shape) == 1 else HSDP_AXES
-        meshes[shape] = init_device_mesh(_device_type(), shape, mesh_dim_names=names)
+        meshes[shape] = init_device_mesh(get_device().type, shape, mesh_dim_names=names)
     return meshes[shape]
 
 
@@ -91,13 +87,12 @@ def block_classes_policy(policy: Any) -> Callable[[torch.nn.Module, int], bool] 
     as FSDP calls it, with ``recurse=False``)."""
     if policy is None:
         return None
+    classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = tuple(policy)
+        classes = policy
         if not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
             raise TypeError(f"prepare_sharded_model: auto_wrap_policy {policy!r} is a collection "
                             "but not of torch.nn.Module classes")
-        return lambda module, numel: isinstance(module, classes)
-    classes = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
     if classes is not None:
         classes = tuple(classes)
         return lambda module, numel: isinstance(module, classes)
@@ -155,15 +150,14 @@ def _same_start(model: torch.nn.Module, group) -> None:
     prepare_model does for replicated models; skipped for parameters on the meta device."""
     import torch.distributed as dist
 
-    from ray_train_xla.toolkit.buckets import apply_in_buckets
+    from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, unflatten_into
 
-    def from_rank0(flat: torch.Tensor) -> torch.Tensor:
-        host = flat.cpu()
+    tensors = [t for t in (*model.parameters(), *model.buffers())
+               if t.numel() > 0 and t.device.type != "meta"]
+    for bucket in buckets(tensors, DEFAULT_BUCKET_MB):
+        host = flatten(bucket).cpu()
         dist.broadcast(host, src=0, group=group)
-        return host.to(flat.device)
-
-    apply_in_buckets([t for t in (*model.parameters(), *model.buffers())
-                      if t.numel() > 0 and t.device.type != "meta"], from_rank0)
+        unflatten_into(host, bucket)  # copied back to each tensor's device
 
 
 def prepare_fsdp2(
@@ -179,13 +173,11 @@ def prepare_fsdp2(
     ``auto_wrap_policy`` names on its own (innermost first), then the root. Every worker starts
     from rank 0's values. Returns the model (now an FSDPModule)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from ray_train_xla.toolkit.collectives import host_group
 
     _refuse_wrapped(model)
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(model, FSDPModule):
         remember(model)
         return model

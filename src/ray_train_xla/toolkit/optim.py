@@ -9,19 +9,12 @@ Under SPMD on an accelerator the gradients are global tensors that XLA has alrea
 the mesh: nothing is averaged again and nothing crosses to the host. A model sharded with FSDP2
 (``prepare_sharded_model`` on the native configs) has reduce-scattered its gradients in backward:
 ``optimizer_step`` steps it without reducing anything, and a plain ``optimizer.step()`` does the
-same.
-
-Steps are counted for the step timeline, the profile windows and the Ray metrics whichever way
-the loop steps: ``optimizer_step`` ends a step itself, and a plain ``optimizer.step()`` (the
-sharded paths: FSDP2, FSDPv2 with ``torch_xla.sync()``) is seen through torch's global optimizer
-step hook; each step counts once (``toolkit/steps.py`` says how).
-
-:func:`clip_grad_norm_` clips by the global norm on every path: over every shard and worker for
-sharded models, over the averaged gradients for replicated ones.
+same. How the steps are counted, whichever way the loop steps: ``toolkit/steps.py``.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -34,7 +27,7 @@ from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.runtime import runtime
-from ray_train_xla.toolkit.sharding import refuse_sharded
+from ray_train_xla.toolkit.sharding import find_sharded, refuse_sharded
 from ray_train_xla.toolkit.steps import marks_own_step, step_done
 
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
@@ -47,24 +40,20 @@ def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) 
     """Move ``model`` to this worker's XLA device and give every worker rank 0's parameters
     and buffers (so workers agree even when their random initialisation differed).
 
-
     Under SPMD on an accelerator each host feeds its own copy into the global tensors, so the
     copies are made equal on the host (through the gloo group) before the move.
 
     Raises ShardedStateError for a sharded model (see ``prepare_sharded_model``)."""
     refuse_sharded(model, "prepare_model", "copies rank 0's parameters and buffers into every worker")
     many = world_size() > 1
-    if many and spmd_global():
-        model = model.cpu()
-        tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
-        for bucket in buckets(tensors, bucket_mb):
-            unflatten_into(broadcast(flatten(bucket), src=0), bucket)
-        return model.to(get_device())
-    model = model.to(get_device())
+    on_host = many and spmd_global()
+    model = model.cpu() if on_host else model.to(get_device())
     if many:
         tensors = [t for t in (*model.parameters(), *model.buffers()) if t.numel() > 0]
         for bucket in buckets(tensors, bucket_mb):
             unflatten_into(broadcast(flatten(bucket), src=0), bucket)
+        if on_host:
+            return model.to(get_device())
         _sync()
     return model
 
@@ -137,13 +126,6 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
         _reduce(optimizer, n, bucket_mb)
 
 
-class _Params:
-    """The smallest optimizer-like view of a list of parameters (what _reduce reads)."""
-
-    def __init__(self, params: list):
-        self.param_groups = [{"params": params}]
-
-
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     bucket_mb: float = DEFAULT_BUCKET_MB) -> torch.Tensor:
     """Clip the gradients of ``parameters`` (or a module's) in place by their global norm, as
@@ -154,8 +136,6 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     norm is taken over every shard of every worker. Replicated models on several workers: the
     gradients are averaged over the workers first (the next ``optimizer_step`` does not average
     them again), so every worker clips the same averaged gradients by the same norm."""
-    from ray_train_xla.toolkit.sharding import find_sharded
-
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
@@ -169,7 +149,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         events.arrived()  # the norm over every shard is a collective
     if average:
         with torch.no_grad():
-            _reduce(_Params(params), world_size(), bucket_mb)
+            # the smallest optimizer-like view of the parameters (what _reduce reads)
+            _reduce(types.SimpleNamespace(param_groups=[{"params": params}]), world_size(), bucket_mb)
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     if average:
         reduced = _weak("reduced")

@@ -14,22 +14,15 @@ sends another what it read itself.
   devices (one copy a host, never one a device).
 
 :func:`export_pretrained` writes the trained model in the Hugging Face layout from every rank at
-once: each rank writes its own slices with torch's ``HuggingFaceStorageWriter`` (converted to
-the export dtype one tensor at a time), then the ranks join the slices into
-``model-0000k-of-0000N.safetensors`` with torch's safetensors consolidation, each rank its own
-files; rank 0 writes ``model.safetensors.index.json``, ``config.json``,
-``generation_config.json`` and copies the tokenizer files from the source directory.
-
-What ``from_pretrained`` does that is done here too: tied weights (``tie_word_embeddings``) stay
-tied and are read once; non-persistent buffers (rotary frequencies) are computed, not read;
-keys the model class ignores (``_keys_to_ignore_on_load_unexpected``) are skipped; every other
-key missing on either side, and every shape that differs, is named in one
-``CheckpointMismatchError`` before anything is allocated.
+once, each rank its own slices, joined by torch's safetensors consolidation.
+``docs/sharded-models.md`` says what ``from_pretrained`` does that is done here too (tied
+weights, computed buffers, ignored keys) and what is refused before anything is allocated.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,10 +32,10 @@ from typing import Any
 import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
+from ray_train_xla.toolkit.device import get_device, is_native
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-BIN_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # Files of a model directory that are not weights, copied to an export from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -76,6 +69,7 @@ def safetensors_files(path: str) -> list[str]:
         raise FileNotFoundError(f"load_pretrained: {path} is not a directory (give the local "
                                 "directory save_pretrained wrote, or a URI of one)")
     names = sorted(os.listdir(path))
+    present = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         with open(index, encoding="utf-8") as f:
@@ -87,16 +81,15 @@ def safetensors_files(path: str) -> list[str]:
                                     f"are not there: {', '.join(absent[:4])}")
         # torch's reader reads every *.safetensors of the directory: one the index does not
         # list (a leftover model.safetensors, a variant) could silently replace its tensors.
-        extra = [n for n in names if n.endswith(SAFETENSORS_SUFFIX) and n not in files]
+        extra = [n for n in present if n not in files]
         if extra:
             raise CheckpointMismatchError(
                 f"load_pretrained: {path} holds safetensors files its {INDEX_FILE} does not list "
                 f"({', '.join(extra[:4])}): move them out of the directory")
         return [os.path.join(path, n) for n in files]
-    files = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
-    if files:
-        return [os.path.join(path, n) for n in files]
-    if any(n in BIN_NAMES or (n.startswith("pytorch_model") and n.endswith(".bin")) for n in names):
+    if present:
+        return [os.path.join(path, n) for n in present]
+    if any(n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json")) for n in names):
         raise CheckpointMismatchError(
             f"load_pretrained: {path} holds PyTorch .bin weights, which cannot be read by slices; "
             "convert them once to safetensors: AutoModelForCausalLM.from_pretrained(path)"
@@ -105,25 +98,21 @@ def safetensors_files(path: str) -> list[str]:
                             f"{', '.join(names[:6]) or 'nothing'})")
 
 
-# Files of a model directory: an export refuses a directory that already holds any of them
-# (stale shards of another export would stay beside the new ones).
-HF_MODEL_FILES = ("config.json", "generation_config.json")
-HF_MODEL_SUFFIXES = (".safetensors", ".safetensors.index.json")
-HF_TORCH_WEIGHTS_PREFIX = "pytorch_model"
-
-
 def held_model_files(out_dir: str) -> list[str]:
     """The model files (``config.json``, ``*.safetensors``, ...) directory ``out_dir`` already
-    holds, which an export would mix with its own; [] for a missing directory."""
+    holds, which an export would mix with its own (an export refuses such a directory: stale
+    shards of another export would stay beside the new ones); [] for a missing directory."""
     if not os.path.isdir(out_dir):
         return []
-    return sorted(n for n in os.listdir(out_dir) if n in HF_MODEL_FILES
-                  or n.endswith(HF_MODEL_SUFFIXES) or n.startswith(HF_TORCH_WEIGHTS_PREFIX))
+    return sorted(n for n in os.listdir(out_dir) if n in ("config.json", "generation_config.json")
+                  or n.endswith((SAFETENSORS_SUFFIX, ".safetensors.index.json"))
+                  or n.startswith("pytorch_model"))
 
 
 def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of every tensor in the model's safetensors files (headers only)."""
     from safetensors import safe_open
+    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
 
     out = {}
     for file in safetensors_files(path):
@@ -134,14 +123,8 @@ def saved_shapes(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
                         f"load_pretrained: {key} is in more than one safetensors file of {path}: "
                         "keep the files of one model in the directory")
                 piece = f.get_slice(key)
-                out[key] = (tuple(piece.get_shape()), _st_dtype(piece.get_dtype()))
+                out[key] = (tuple(piece.get_shape()), DTYPE_MAP.get(piece.get_dtype(), torch.float32))
     return out
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP
-
-    return DTYPE_MAP.get(name, torch.float32)
 
 
 # ----------------------------------------------------------------------------------- the model
@@ -155,11 +138,6 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _ignored(model: torch.nn.Module) -> list[re.Pattern]:
-    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
-    return [re.compile(p) for p in patterns]
-
-
 def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
                ) -> dict[str, str]:
     """{model key: checkpoint key} of every tensor to read, after checking the checkpoint: one
@@ -171,13 +149,11 @@ def plan_names(model: torch.nn.Module, saved: Mapping[str, Any], path: str
     state = model.state_dict(keep_vars=True)
     expected = {k: (tuple(v.shape), v.dtype) for k, v in state.items()
                 if isinstance(v, torch.Tensor)}
-    aliases: dict[str, str] = {}
+    aliases: set[str] = set()
     for group in tied_groups(model):
-        held = [n for n in group if n in saved] or group[:1]
-        for name in group:
-            if name != held[0]:
-                aliases[name] = held[0]
-    ignore = _ignored(model)
+        held = next((n for n in group if n in saved), group[0])
+        aliases.update(n for n in group if n != held)
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     found = {k: (tuple(shape), expected[k][1] if k in expected else dtype)
              for k, (shape, dtype) in saved.items()
              if k in expected or not any(p.search(k) for p in ignore)}
@@ -209,12 +185,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor, bool]]:
     """(module, name, buffer, persistent) of every buffer."""
-    out = []
-    for module in model.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                out.append((module, name, buf, name not in module._non_persistent_buffers_set))
-    return out
+    return [(module, name, buf, name not in module._non_persistent_buffers_set)
+            for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
@@ -239,9 +211,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
                 buf.fill_(float("nan"))  # so that a buffer nothing computes shows
         init = getattr(model, "_init_weights", None)
         for module in {id(m): m for m, _ in to_compute}.values():
-            try:
-                if not callable(init):
-                    raise TypeError("no _init_weights")
+            try:  # (no _init_weights: a TypeError)
                 init(module)  # its parameters, if any, are overwritten by the read after this
             except Exception:  # noqa: BLE001 - named below, with the fix
                 left.extend(f"{type(module).__name__}.{n}" for m, n in to_compute if m is module)
@@ -264,9 +234,7 @@ def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
         first = model.get_parameter(names[0])
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            if module._parameters[attr] is not first:
-                module._parameters[attr] = first
+            model.get_submodule(owner)._parameters[attr] = first
 
 
 class meta_parameters:
@@ -294,12 +262,6 @@ class meta_parameters:
 
 
 # ------------------------------------------------------------------------------------ loading
-
-
-def _is_native() -> bool:
-    from ray_train_xla.toolkit.device import is_native
-
-    return is_native()
 
 
 def _dist_group():
@@ -354,24 +316,20 @@ def load_pretrained(
     if dtype is not None:
         cast_parameters(model, dtype)
     names = plan_names(model, saved, path)  # before anything is allocated
-    if _is_native():
-        from ray_train_xla.toolkit.device import get_device
-
-        model = prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                      mixed_precision=mixed_precision,
-                                      activation_checkpointing=activation_checkpointing)
-        materialize(model, get_device())
-        state = model.state_dict()
-        read_into({k: state[k] for k in names}, path, _dist_group())
-        return model
-    # torch_xla FSDPv2: one process per host reads the model once, on the CPU, then shards it.
-    materialize(model, "cpu")
+    shard = {"auto_wrap_policy": auto_wrap_policy, "mixed_precision": mixed_precision,
+             "activation_checkpointing": activation_checkpointing}
+    # FSDP2 shards the model first, each rank reading its slices; torch_xla FSDPv2: one process
+    # per host reads the model once, on the CPU, then shards it.
+    native = is_native()
+    if native:
+        model = prepare_sharded_model(model, mesh, **shard)
+    materialize(model, get_device() if native else "cpu")
     state = model.state_dict()
-    read_into({k: state[k] for k in names}, path)
+    read_into({k: state[k] for k in names}, path, _dist_group() if native else None)
     del state  # FSDPv2 moves the parameters to the devices: no second reference on the host
-    return prepare_sharded_model(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                 shard_output=shard_output, mixed_precision=mixed_precision,
-                                 activation_checkpointing=activation_checkpointing)
+    if native:
+        return model
+    return prepare_sharded_model(model, mesh, shard_output=shard_output, **shard)
 
 
 def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float = 1800.0) -> str:
@@ -438,8 +396,6 @@ def file_plan(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], dtype: t
               max_shard_bytes: int) -> dict[str, int]:
     """{name: output file index (1-based)}: tensors in order, a new file when the next one
     would pass ``max_shard_bytes`` (as ``save_pretrained`` splits a model)."""
-    import math
-
     out, index, size = {}, 1, 0
     for name, (shape, dt) in specs.items():
         nbytes = math.prod(shape) * _export_dtype(dt, dtype).itemsize
@@ -489,29 +445,27 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
     ``dtype``: the export's dtype; default, the dtype ``source``'s ``config.json`` names (the
     pretrained model's), else the parameters'. ``source``: the directory the model was loaded
     from; its tokenizer files are copied. ``config``: the model's Transformers config (default
-    ``model.config``), written as ``config.json`` with ``generation_config.json``. Each rank
-    writes its slices of one output file at a time (each tensor converted as the writer asks
-    for it; the file's slices then serialised at once), then the slices are joined into files
-    of at most ``max_shard_bytes``, each rank its own files, one whole tensor at a time. An
-    error on any rank is raised on every rank. Returns a summary (on every rank)."""
+    ``model.config``), written as ``config.json`` with ``generation_config.json``. Output files
+    hold at most ``max_shard_bytes`` (``docs/sharded-models.md`` says how the slices are written
+    and joined). An error on any rank is raised on every rank. Returns a summary (on every
+    rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import (
         consolidate_safetensors_files_on_every_rank,
     )
 
-    if not _is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
+    if not is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
                                 for m in model.modules()):
         raise ValueError("export_pretrained: a torch_xla FSDPv2 model's state is SPMD tensors under "
                          "_orig_module. names; save a checkpoint (rtx.save_checkpoint) and export it "
                          "with ray-train-xla consolidate CHECKPOINT OUT_DIR --hf")
     group = _dist_group()
     dtype = parse_dtype(dtype) or _stored_dtype(source)
-    state = model.state_dict()
-    for group_names in tied_groups(model):  # tied weights are written once, as Transformers does
-        for alias in _tied_aliases(model, group_names):
-            state.pop(alias, None)
-    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    # tied weights are written once, as Transformers does
+    aliases = {alias for names in tied_groups(model) for alias in _tied_aliases(model, names)}
+    state = {k: v for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and k not in aliases}
     whole = [k for k, v in state.items() if not v.is_floating_point()]
     if whole and group is not None:  # torch's consolidation takes floating-point tensors only
         raise ValueError(f"export_pretrained: {', '.join(whole[:4])} are not floating-point, which "
@@ -536,8 +490,10 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(
                      sharded, fqn_to_index_mapping=plan, save_distributed=group is not None),
                  planner=_casting_save_planner(dtype), process_group=group, no_dist=group is None)
-        if group is None:  # one process: its files are the whole tensors already
-            _rename_single(sharded, out_dir, plan, count)
+        if group is None:  # one process: its files are the whole tensors already, to rename
+            for index in sorted(set(plan.values())):
+                os.replace(os.path.join(sharded, _writer_file_name(index, count)),
+                           os.path.join(out_dir, file_name(index, count)))
         else:
             consolidate_safetensors_files_on_every_rank(sharded, out_dir, plan, process_group=group)
         error = None
@@ -592,13 +548,6 @@ def _on_rank0(fn, group) -> None:
     _agree(error, group, "export_pretrained")
 
 
-def _rename_single(sharded: str, out_dir: str, plan: Mapping[str, int], count: int) -> None:
-    """One process wrote whole tensors under HuggingFaceStorageWriter's names: move them."""
-    for index in sorted(set(plan.values())):
-        os.replace(os.path.join(sharded, _writer_file_name(index, count)),
-                   os.path.join(out_dir, file_name(index, count)))
-
-
 def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
     """The names of a tied group that Transformers leaves out of its files (its
     ``_tied_weights_keys``; else every name but the first)."""
@@ -615,8 +564,6 @@ def _tied_aliases(model: torch.nn.Module, group: list[str]) -> list[str]:
 def _write_index(out_dir: str, plan: Mapping[str, int],
                  specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  dtype: torch.dtype | None, count: int) -> None:
-    import math
-
     if count == 1:
         return
     total = sum(math.prod(shape) * _export_dtype(dt, dtype).itemsize for shape, dt in specs.values())
@@ -654,12 +601,9 @@ def write_model_files(out_dir: str, config: Any, source: str | None,
 
 def copy_tokenizer_files(source: str, out_dir: str) -> list[str]:
     """Copy the tokenizer files of the model directory ``source`` into ``out_dir``; their names."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        file = os.path.join(source, name)
-        if os.path.isfile(file):
-            shutil.copyfile(file, os.path.join(out_dir, name))
-            copied.append(name)
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
     return copied
 
 

@@ -16,9 +16,7 @@ only hands the report over and goes on:
   Rank 0 decides where a coalesced report ends (through the process group's store) and every
   rank follows, so every rank makes the same sequence of ``ray.train.report`` calls (Ray's
   barrier needs it). Rank 0's metrics are exactly those of the last call of the report; the
-  other ranks send their latest. Each decision is one key of the store; every other rank counts
-  itself in once it has read it, and the last one deletes it, so the store holds only the
-  decisions some rank has yet to read, however long the run;
+  other ranks send their latest. The store holds only the decisions some rank has yet to read;
 - **errors**: an error in the background (a failed write, a failed report) is raised as
   :class:`ReportError` at this worker's next call and at the end of the training function;
   nothing after it is reported;
@@ -47,6 +45,7 @@ from typing import Any
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit import events
+from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.runtime import ReportOptions, runtime
 
 logger = logging.getLogger(__name__)
@@ -81,17 +80,12 @@ class Reporter:
                  coalesce: bool = True, on_checkpoint: Callable[[], None] | None = None,
                  place: Callable[[str], tuple[str, Any]] | None = None) -> None:
         self._report_fn = report_fn
-        # place(name): (the directory in the run's storage a checkpoint named ``name`` is written
-        # into, in place; the pyarrow filesystem it is on, None for the local file system).
-        # None: every checkpoint goes through a temporary directory.
+        # place: in_place_directory()'s; None: every checkpoint goes through a temporary directory
         self._place = place
         self._on_checkpoint = on_checkpoint  # called once Ray took each checkpoint
         self._rank, self._world = rank, world
-        self._max = max_in_flight
-        self._timeout_s = timeout_s
-        self._store = store
-        self._prefix = key_prefix
-        self._coalesce = coalesce
+        self._max, self._timeout_s = max_in_flight, timeout_s
+        self._store, self._prefix, self._coalesce = store, key_prefix, coalesce
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()
         self._checkpoints = 0  # checkpoints queued or being written/reported
@@ -108,8 +102,8 @@ class Reporter:
                    wait: bool = False, after: Callable[[], None] | None = None) -> dict | None:
         """Queue a checkpoint (``write(directory, filesystem)`` writes this rank's files into
         ``directory`` on ``filesystem``, a pyarrow filesystem or None for the local file system;
-        ``after()`` runs
-        once Ray took it); ``wait``: return once reported, with what ``write`` returned."""
+        ``after()`` runs once Ray took it); ``wait``: return once reported, with what ``write``
+        returned."""
         item = _Checkpoint(dict(metrics), write, after)
         with self._cv:
             self._take_slot()
@@ -171,7 +165,6 @@ class Reporter:
                     f"rank {self._rank}: reports still in flight after {timeout_s:g} s at the end "
                     "of the training function (Ray did not take them, or rank 0 stopped "
                     "reporting)")
-                self._closing = True
             self._raise_error(again=True)
 
     def _wait_done(self, item: _Checkpoint) -> None:
@@ -224,7 +217,8 @@ class Reporter:
     def _decide(self, step: int):
         """Rank 0: the next report (the head of the queue), published for the other ranks."""
         decision = self._next_in_queue(freeze=True)
-        self._publish(step, decision or ("stop", 0, ""))
+        if self._agreeing:
+            self._store.set(f"{self._prefix}/{step}", ":".join(map(str, decision or ("stop", 0, ""))))
         return decision
 
     def _new_name(self) -> str:
@@ -256,10 +250,6 @@ class Reporter:
         """Whether the ranks agree on the reports through the store (else every call is its own
         report, or there is one rank)."""
         return self._store is not None and self._world > 1 and self._coalesce
-
-    def _publish(self, step: int, decision: tuple[str, int]) -> None:
-        if self._agreeing:
-            self._store.set(f"{self._prefix}/{step}", ":".join(map(str, decision)))
 
     def _follow(self, step: int):
         """Other ranks: rank 0's decision for report number ``step``."""
@@ -333,10 +323,7 @@ class Reporter:
                         f"make within timeout_s={self._timeout_s:g}")
                 self._cv.wait(_POLL_S)
         if item is None:
-            out = dict(latest)
-            if count > 1:
-                out[COALESCED_KEY] = count
-            self._report_fn(out, None)
+            self._report_fn({**latest, COALESCED_KEY: count} if count > 1 else dict(latest), None)
             return
         try:
             item.written = self._report_checkpoint(item, name)
@@ -405,32 +392,27 @@ def _remove(directory: str, filesystem) -> None:
 
 
 def in_place_directory() -> Callable[[str], tuple[str, Any]] | None:
-    """``name -> (directory, filesystem)`` in the run's storage, where checkpoints are written
-    in place, on Ray Train V2: the filesystem is None for storage on a file system this process
-    can write (local or shared, e.g. NFS), else the storage's pyarrow filesystem (S3, GCS, any
-    other), which every rank writes through. None outside Ray Train V2 (Ray Train V1, no run)."""
+    """``name -> (directory, filesystem)`` of a checkpoint written in place in the run's storage
+    (the module docstring): the filesystem is None on a file system this process can write
+    (local or shared, e.g. NFS), else the storage's pyarrow filesystem. None outside Ray Train
+    V2 (Ray Train V1, no run)."""
     if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
         return None
-    try:
-        import pyarrow.fs
-        import ray.train
+    run = RunStorage.of_worker()
+    if run is None:
+        return None
+    import pyarrow.fs
 
-        storage = ray.train.get_context().get_storage()
-    except Exception:  # noqa: BLE001 (no Ray Train V2 context: not in place)
-        return None
-    if storage is None:
-        return None
-    filesystem = storage.storage_filesystem
-    if isinstance(filesystem, pyarrow.fs.LocalFileSystem):
-        def place(name: str) -> tuple[str, Any]:
-            directory = os.path.join(storage.experiment_fs_path, name)
+    filesystem = run.filesystem
+    local = isinstance(filesystem, pyarrow.fs.LocalFileSystem)
+
+    def place(name: str) -> tuple[str, Any]:
+        directory = run.full(name)
+        if local:
             os.makedirs(directory, exist_ok=True)
             return directory, None
-    else:
-        def place(name: str) -> tuple[str, Any]:
-            directory = f"{storage.experiment_fs_path.rstrip('/')}/{name}"
-            filesystem.create_dir(directory, recursive=True)
-            return directory, filesystem
+        filesystem.create_dir(directory, recursive=True)
+        return directory, filesystem
 
     return place
 

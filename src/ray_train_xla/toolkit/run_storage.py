@@ -12,17 +12,6 @@ import os
 from typing import Any
 
 
-def _worker_storage() -> Any:
-    """Ray's StorageContext of this worker (``ray.train.get_context().get_storage()``, a
-    DeveloperAPI of Train V2 and V1), or None outside a Ray Train run."""
-    try:
-        import ray.train
-
-        return ray.train.get_context().get_storage()
-    except Exception:  # noqa: BLE001 (not a Ray Train worker)
-        return None
-
-
 class RunStorage:
     """Files under one run's directory on its filesystem (a ``pyarrow.fs.FileSystem``)."""
 
@@ -32,8 +21,15 @@ class RunStorage:
 
     @classmethod
     def of_worker(cls) -> RunStorage | None:
-        """The run of this Ray Train worker; None outside one."""
-        storage = _worker_storage()
+        """The run of this Ray Train worker (from Ray's StorageContext,
+        ``ray.train.get_context().get_storage()``, a DeveloperAPI of Train V2 and V1); None
+        outside one."""
+        try:
+            import ray.train
+
+            storage = ray.train.get_context().get_storage()
+        except Exception:  # noqa: BLE001 (not a Ray Train worker)
+            return None
         if storage is None:
             return None
         return cls(storage.storage_filesystem, storage.experiment_fs_path)
@@ -83,11 +79,8 @@ class RunStorage:
 
         selector = pyarrow.fs.FileSelector(self.full(relative), allow_not_found=True,
                                            recursive=recursive)
-        out = []
-        for info in self.filesystem.get_file_info(selector):
-            if info.type == pyarrow.fs.FileType.File:
-                out.append(info.path[len(self.path) + 1:])
-        return sorted(out)
+        return sorted(info.path[len(self.path) + 1:] for info in self.filesystem.get_file_info(selector)
+                      if info.type == pyarrow.fs.FileType.File)
 
     def upload_dir(self, local_dir: str, relative: str) -> list[str]:
         """Copy a local directory's files under ``relative``; returns their relative paths."""

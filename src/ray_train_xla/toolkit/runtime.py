@@ -24,15 +24,13 @@ from typing import Any, TypeVar
 
 from ray_train_xla.planning.contract import WorkerContext, worker_context
 
-DEFAULT_MAX_IN_FLIGHT = 2
-
 
 @dataclasses.dataclass(frozen=True)
 class ReportOptions:
     """``configure_reports``: how many checkpoints may wait for Ray at once, whether DTensor
     snapshots are copied while the next step runs, whether writer processes write."""
 
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_in_flight: int = 2
     overlap_snapshots: bool = True
     writer_process: bool = True
 
@@ -68,10 +66,10 @@ class GraphCheckOptions:
 Options = TypeVar("Options")
 Part = TypeVar("Part")
 
-# Which call sets each block, for the errors.
 # The fields of a block that a config field of the same name sets (the worker reads it from its
 # planned environment, ``WorkerContext``).
 _FROM_CONFIG = {TimelineOptions: ("peak_tflops",)}
+# Which call sets each block, for the errors.
 _SETTERS = {ReportOptions: "configure_reports", TimelineOptions: "configure_timeline",
             MetricsOptions: "metrics", GraphCheckOptions: "check_graphs_every"}
 
@@ -164,11 +162,9 @@ class Runtime:
                            "is in effect already (call it before the first use)")
                     raise ValueError(f"{_SETTERS[block]}: {name}={value!r} conflicts with "
                                      f"{name}={before!r}, which {why}")
-            for name, value in changes.items():
-                self._set_by[(block, name)] = value
+            self._set_by.update({(block, name): value for name, value in changes.items()})
             self._options[block] = dataclasses.replace(current, **changes)
             return self._options[block]
-
 
     def close(self) -> None:
         """Stop what this runtime started that would outlive it: torch's global optimizer hooks

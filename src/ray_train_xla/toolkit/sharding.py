@@ -24,12 +24,15 @@ from typing import Any
 import torch
 
 from ray_train_xla.errors import ShardedStateError
+from ray_train_xla.toolkit.device import is_native
 
 # The two layouts of sharded state a checkpoint holds: torch_xla SPMD tensors, DTensors.
 SPMD, DTENSOR = "spmd", "dtensor"
 FSDP_AXES = ("fsdp", "model")
-FSDP_V2_CLASS = "SpmdFullyShardedDataParallel"
 FSDP_V1_CLASS = "XlaFullyShardedDataParallel"
+# torch_xla's FSDP module classes, as walk_sharded describes them.
+FSDP_MODULES = {"SpmdFullyShardedDataParallel": "a torch_xla FSDPv2 module (SpmdFullyShardedDataParallel)",
+                FSDP_V1_CLASS: "a torch_xla FSDP module (XlaFullyShardedDataParallel)"}
 # Keys of a torch_xla FSDP (v1) state dict: per-rank flat shards, not the model's parameters.
 FSDP_V1_KEYS = ("_fsdp_wrapped_module", "flat_param")
 
@@ -38,14 +41,6 @@ SHARDED_PATH = (
     "TorchNeuronConfig or TorchTPUConfig); save and load its state with rtx.save_checkpoint / "
     "rtx.load_checkpoint, which write every rank's own shards"
 )
-
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
 
 
 def spmd_sharding(tensor: torch.Tensor) -> str:
@@ -62,8 +57,11 @@ def spmd_sharding(tensor: torch.Tensor) -> str:
 
 def describe_tensor(value: Any) -> str:
     """How ``value`` is sharded ("" for a tensor every rank holds whole, or a non-tensor)."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        DTensor = None
+    if DTensor is not None and isinstance(value, DTensor):
         return f"a DTensor with placements {tuple(value.placements)}"
     if type(value).__name__ == "XLAShardedTensor":
         return f"an XLAShardedTensor ({value.sharding_spec})"
@@ -79,27 +77,21 @@ def walk_sharded(value: Any, path: str) -> Iterator[tuple[str, str]]:
     """(path, description) of every sharded thing in nested modules/optimizers/containers."""
     if isinstance(value, torch.nn.Module):
         for name, module in value.named_modules(prefix=path):
-            kind = type(module).__name__
-            if kind == FSDP_V2_CLASS:
-                yield name or "model", "a torch_xla FSDPv2 module (SpmdFullyShardedDataParallel)"
-            elif kind == FSDP_V1_CLASS:
-                yield name or "model", "a torch_xla FSDP module (XlaFullyShardedDataParallel)"
+            if type(module).__name__ in FSDP_MODULES:
+                yield name or "model", FSDP_MODULES[type(module).__name__]
         for name, tensor in (*value.named_parameters(prefix=path), *value.named_buffers(prefix=path)):
-            desc = describe_tensor(tensor)
-            if desc:
+            if desc := describe_tensor(tensor):
                 yield name, desc
         return
     if isinstance(value, torch.optim.Optimizer):
         for g, group in enumerate(value.param_groups):
             for i, param in enumerate(group["params"]):
-                desc = describe_tensor(param)
-                if desc:
+                if desc := describe_tensor(param):
                     yield f"{path}param_groups[{g}].params[{i}]", desc
         for s, state in enumerate(value.state.values()):
             yield from walk_sharded(state, f"{path}state[{s}].")
         return
-    desc = describe_tensor(value)
-    if desc:
+    if desc := describe_tensor(value):
         yield path.rstrip("."), desc
         return
     if isinstance(value, Mapping):
@@ -134,12 +126,6 @@ def refuse_sharded(value: Any, helper: str, why: str, use: str = SHARDED_PATH, p
         )
 
 
-def _native() -> bool:
-    from ray_train_xla.toolkit.device import is_native
-
-    return is_native()
-
-
 def get_sharded_mesh(shape=None):
     """The mesh for :func:`prepare_sharded_model` over every device of the job.
 
@@ -148,20 +134,13 @@ def get_sharded_mesh(shape=None):
     (FSDP2): a DeviceMesh over the workers, 1-D ``("fsdp",)`` by default; a 2-D ``shape``
     ``(replicas, shards)`` gives ``("replicate", "fsdp")`` for HSDP, and ``"hsdp"`` one replica
     per node (shards within a node, replicas across nodes)."""
-    if _native():
+    if is_native():
         from ray_train_xla.toolkit.fsdp2 import native_mesh
 
         return native_mesh(shape)
     from ray_train_xla.toolkit.spmd import get_mesh
 
-    if shape is None:
-        from ray_train_xla.toolkit.spmd import require_spmd
-
-        require_spmd()
-        import torch_xla.runtime as xr
-
-        shape = (xr.global_runtime_device_count(), 1)
-    return get_mesh(shape, FSDP_AXES)
+    return get_mesh(shape, FSDP_AXES)  # by default every device on "fsdp", the first axis
 
 
 def _xla_policy(policy):
@@ -229,7 +208,7 @@ def prepare_sharded_model(
       ``optimizer_step()`` is the step. ``mixed_precision="bf16"`` computes in bf16 and reduces
       gradients in fp32; ``activation_checkpointing=True`` recomputes each block in backward.
     """
-    if _native():
+    if is_native():
         from ray_train_xla.toolkit.fsdp2 import prepare_fsdp2
 
         if shard_output is not None:

@@ -64,9 +64,8 @@ def shard_batch(batch: Any, mesh=None, axis: str | None = None) -> Any:
     def one(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             t = value if value.device.type == "xla" else value.to(torch_xla.device())
-            if t.dim() == 0:
-                return t
-            xs.mark_sharding(t, mesh, (axis,) + (None,) * (t.dim() - 1))
+            if t.dim():
+                xs.mark_sharding(t, mesh, (axis,) + (None,) * (t.dim() - 1))
             return t
         if isinstance(value, Mapping):
             return type(value)((k, one(v)) for k, v in value.items())

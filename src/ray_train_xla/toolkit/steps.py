@@ -1,39 +1,25 @@
 """Step boundaries: where the toolkit learns that one training step ended.
 
-A step ends in one of three ways, and is counted once whichever the loop uses:
-
-- ``optimizer_step(opt)`` ends it (after its ``opt.step()`` and graph cut);
-- ``step_done()`` ends it, for loops that step their optimizer some other way;
-- a plain ``optimizer.step()`` ends it: while a training function runs, torch's global
-  optimizer step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) sees
-  every ``step()`` of every ``torch.optim.Optimizer`` of the process. This is how the loops of
-  the sharded paths (FSDP2 ``opt.step()``, FSDPv2 ``opt.step(); torch_xla.sync()``), Ray's
-  ``prepare_optimizer``, ``xm.optimizer_step``, Accelerate and Hugging Face loops are seen.
-
-Counting once (the rules, in order):
+A step ends at ``optimizer_step(opt)`` (after its ``opt.step()`` and graph cut), at
+``step_done()``, or at a plain ``optimizer.step()``: while a training function runs, torch's
+global optimizer step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``)
+sees every ``step()`` of the process. This is how the loops of the sharded paths (FSDP2
+``opt.step()``, FSDPv2 ``opt.step(); torch_xla.sync()``), Ray's ``prepare_optimizer``,
+``xm.optimizer_step``, Accelerate and Hugging Face loops are seen. Each step counts once; the
+rules, in order (``docs/observability.md`` gives them with examples):
 
 1. **The loop marks its own steps.** From the first ``step_done()`` or ``optimizer_step`` of a
-   training function on, the optimizer hook counts nothing more: every step is where the loop
-   marks it (``optimizer_step`` steps its optimizer with the hook silent). A ``step_done()``
-   (the one inside ``optimizer_step`` too) that comes right after a step the hook counted, with
-   no mark in between, ends that step: it marks nothing more. So ``opt.step(); step_done()``
-   counts one step per iteration (its first at ``opt.step()``, the rest at ``step_done()``).
-2. **One lead optimizer.** Otherwise the hook counts one step per ``step()`` of the lead
-   optimizer: the first one stepped in the training function. The ``step()`` of any other
-   optimizer (a GAN's second one, parameter groups split across two optimizers, or the wrapper
-   around an optimizer that is itself hooked) counts nothing. When another optimizer steps twice
-   with no step of the lead in between (the lead was frozen or replaced; also when it was freed),
-   that one becomes the lead and its step counts. Optimizers stepped at different rates (a
-   critic stepped five times per generator step) count the lead's steps: mark such loops'
-   steps with ``step_done()``.
+   training function on, the hook counts nothing (``marked``). A ``step_done()`` right after a
+   step the hook counted, with no mark in between, ends that step (``pending``), so
+   ``opt.step(); step_done()`` counts one step per iteration.
+2. **One lead optimizer.** Otherwise the hook counts the ``step()`` of the lead optimizer, the
+   first one stepped; any other optimizer's counts nothing, unless it steps twice with no step
+   of the lead in between: it becomes the lead (``others``).
 3. **Not steps.** A ``step()`` that only creates an optimizer's state before a checkpoint loads
-   into it (torch's ``_init_optim_state`` of ``get/set_optimizer_state_dict``, torch_xla's
-   ``prime_optimizer``) is not counted; nor is a step that ``GradScaler`` skips (no ``step()``).
+   into it (``PRIMING``), or one ``GradScaler`` skips (no ``step()``).
 
 A hooked step ends where ``step()`` returns: before a ``torch_xla.sync()`` that follows it, whose
-time (and a first compilation) then belongs to the next step; in steady state every step holds
-one, so step times are the same. Gradient accumulation steps the optimizer once per
-accumulated step: one step.
+time (and a first compilation) then belongs to the next step.
 
 Each end calls the hooks registered here, in order, with the number of steps this worker has
 finished; the timeline, the profile windows and the recompilation check hang off this one seam.
