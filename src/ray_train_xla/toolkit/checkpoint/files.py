@@ -17,7 +17,6 @@ import torch
 ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
 
 
-
 class LocalFiles:
     """The local file system, as the checkpoint writers below use it (DCP's own writer)."""
 
@@ -41,7 +40,32 @@ class LocalFiles:
         return FileSystemWriter(directory)
 
 
-class ArrowFileSystem:
+class _FileSystem:
+    """What :class:`ArrowFileSystem` and :class:`MemoryFiles` share of torch DCP's
+    ``FileSystemBase``."""
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def dcp_writer(self, directory: str):
+        """torch's ``FileSystemWriter`` writing into ``directory`` here (no ``fsync``: a remote
+        store makes a file durable when it is closed)."""
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        writer = FileSystemWriter(os.devnull, sync_files=False)  # a path FileSystem accepts
+        writer.fs = self
+        writer.path = directory
+        return writer
+
+
+class ArrowFileSystem(_FileSystem):
     """torch DCP's ``FileSystemBase`` over a pyarrow filesystem: what ``FileSystemReader`` needs
     to read a checkpoint where it lies (byte ranges included) and ``FileSystemWriter`` to write
     one there, straight into the run's storage (S3, GCS, any filesystem Ray Train was given)."""
@@ -63,12 +87,6 @@ class ArrowFileSystem:
             with self.filesystem.open_input_file(str(path)) as f:
                 yield f
 
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
     def rename(self, path, new_path) -> None:
         self.filesystem.move(str(path), str(new_path))
 
@@ -89,10 +107,6 @@ class ArrowFileSystem:
         return [info.path for info in self.filesystem.get_file_info(
             pyarrow.fs.FileSelector(str(path)))]
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
     def sizes(self, directory: str) -> dict[str, int]:
         """Each file of ``directory`` with its size in bytes."""
         import pyarrow.fs
@@ -101,16 +115,6 @@ class ArrowFileSystem:
                                                                       allow_not_found=True))
         return {info.base_name: info.size for info in infos
                 if info.type == pyarrow.fs.FileType.File}
-
-    def dcp_writer(self, directory: str):
-        """torch's ``FileSystemWriter`` writing into ``directory`` on this filesystem (no
-        ``fsync``: a remote store makes a file durable when it is closed)."""
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        writer = FileSystemWriter(os.devnull, sync_files=False)  # a path FileSystem accepts
-        writer.fs = self
-        writer.path = directory
-        return writer
 
 
 def by_value(obj: Any) -> bytes:
@@ -237,7 +241,7 @@ class SlotFile(SharedFile):
     says."""
 
 
-class MemoryFiles:
+class MemoryFiles(_FileSystem):
     """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory.
     ``expected_bytes``: the size of the rank's data file (DCP's ``.distcp``), when known, so
     that it is written into one buffer of that size.
@@ -307,12 +311,6 @@ class MemoryFiles:
             else:
                 yield io.BytesIO(data)
 
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
     def rename(self, path, new_path) -> None:
         self.files[str(new_path)] = self.files.pop(str(path))
 
@@ -328,10 +326,6 @@ class MemoryFiles:
     def ls(self, path) -> list[str]:
         prefix = str(path).rstrip("/") + "/"
         return [p for p in self.files if p.startswith(prefix)]
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
 
     def save(self, name: str, obj: Any) -> None:
         """A torch file ``name`` in the checkpoint's directory (by the writer process, when
@@ -349,19 +343,9 @@ class MemoryFiles:
                 for name, data in self.by_name().items()}
 
     def dcp_writer(self, directory: str):
-        return memory_writer(self)
+        return super().dcp_writer(ROOT)
 
     def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""
         prefix = ROOT + "/"
         return {p[len(prefix):]: b for p, b in self.files.items() if p.startswith(prefix)}
-
-
-def memory_writer(files: MemoryFiles):
-    """torch's ``FileSystemWriter`` writing into ``files``."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writer = FileSystemWriter(ROOT, sync_files=False)
-    writer.fs = files
-    writer.path = ROOT
-    return writer

@@ -15,7 +15,6 @@ from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import events, reporting
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
-    GROUPS_FILE,
     check_fits,
     flat_specs,
     is_sharded_checkpoint,
@@ -23,6 +22,7 @@ from ray_train_xla.toolkit.checkpoint.format import (
 )
 from ray_train_xla.toolkit.checkpoint.memory import tier as _memory
 from ray_train_xla.toolkit.checkpoint.names import (
+    FORMAT_VERSION,
     index_optimizer_state,
     module_name,
     named_model_state,
@@ -213,10 +213,7 @@ def _read_sharded_whole(path: str, model, optimizer,
                         filesystem=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the model's and the optimizer's state as whole CPU tensors, in the replicated form of
     ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
-    import io
-
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-    from ray_train_xla.toolkit.checkpoint.sharded import read_extra
+    from ray_train_xla.toolkit.checkpoint.sharded import read_extra, read_groups
 
     keys = ("model", "optimizer") if optimizer is not None else ("model",)
     full = read_full_state(path, keys, filesystem=filesystem)
@@ -227,18 +224,16 @@ def _read_sharded_whole(path: str, model, optimizer,
             if model is not None and set(map(module_name, model.state_dict())) == set(named) else named
     if optimizer is not None and "optimizer" in full:
         saved = full["optimizer"]
-        if format_version(path, filesystem) >= 2:
-            data = read_file(path, GROUPS_FILE, filesystem)
-            groups = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) \
-                if data is not None else None
-            osd = optimizer.state_dict()
+        if format_version(path, filesystem) >= FORMAT_VERSION:
+            groups = read_groups(path, filesystem)
             names = optimizer_param_names(model, optimizer, "load_checkpoint") if model is not None \
                 else None
             if names is None or groups is None:
                 raise KeyError(f"load_checkpoint: {path}: a sharded checkpoint's optimizer state "
                                "is named; give the model with the optimizer")
             named = {"state": saved.get("state", {}), "param_groups": groups}
-            state["optimizer"] = index_optimizer_state(named, osd, names, f"load_checkpoint: {path}")
+            state["optimizer"] = index_optimizer_state(named, optimizer.state_dict(), names,
+                                                       f"load_checkpoint: {path}")
         else:
             state["optimizer"] = saved
     return state, read_extra(path, filesystem)

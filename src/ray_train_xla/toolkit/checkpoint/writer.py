@@ -2,39 +2,20 @@
 
 Sharded state: every rank writes its shards with ``torch.distributed.checkpoint``
 (:func:`write_staged`), in the reporter's thread or, for DTensors in a process group, through
-torch's writer process; rank 0 adds the checkpoint's small files (:func:`write_small_files`).
-Replicated state: rank 0 writes ``checkpoint.pt`` with ``torch.save``
-(:func:`write_replicated`), in the reporter's thread or through its save process.
+torch's writer process (``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS``: one spawned
+Python per worker, started at its first save, joining a gloo group of every rank's writers; the
+snapshot's host buffers move into shared memory once, the staging pool reuses them, and the
+snapshot is taken as it is: ``AsIs``). Rank 0 adds the checkpoint's small files
+(:func:`write_small_files`). Replicated state: rank 0 writes ``checkpoint.pt`` with
+``torch.save`` (:func:`write_replicated`), in the reporter's thread or through its
+:class:`SaveProcess`, a spawned Python handed the snapshot through a pipe, its tensors in shared
+memory. The memory tier has a :class:`SaveProcess` of its own per worker (``memory/tier.py``).
 
-**Sharded checkpoints: torch's own writer process.**
-
-``torch.distributed.checkpoint.async_save(..., async_checkpointer_type=AsyncCheckpointerType.
-PROCESS)`` starts one writer process per worker at its first save (a spawned Python that joins a
-gloo group of the writers of every rank, a second or two in the background), and from then on
-hands it each snapshot: the snapshot's host buffers move into shared memory once (the staging
-pool reuses them, ``staging.py``), so later saves pass only their handles, and the writer runs
-DCP's planning and writes the files. The training process keeps only the waiting, in the
-background reporter's thread: the write no longer shares the training thread's interpreter
-lock. The snapshot is taken as it is (no second staging: ``AsIs``).
-
-Used for DTensor state (FSDP2) in a process group.
-
-**Replicated checkpoints: a save process** (:class:`SaveProcess`). Rank 0's ``checkpoint.pt`` is
-written by one spawned Python of rank 0's own (started at its first replicated save): it is
-handed the snapshot through a pipe, its tensors as shared memory (the snapshot is staged into
-shared host buffers reused from save to save, ``staging.py``; torch_xla's tensors, copied off
-the device as before, move into shared memory in the reporter's thread), and writes it into
-the file with ``torch.save``, locally or through the run's storage filesystem.
-
-Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state is
-written in the reporter's thread. **The memory tier** has a :class:`SaveProcess` of its own per
-worker for replicated state, which formats each generation's ``checkpoint.pt`` into the node's
-shared memory (``memory/tier.py``; DTensor state is written in place there, ``rank_files.py``).
-
-A writer process that dies is reported (its pipe closes) and a write that does not end within
-``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the
-training function as ``ReportError``, naming ``configure_reports(writer_process=False)``, which
-writes in the reporter's thread instead.
+Writer processes are used when ``configure_reports(writer_process=True)`` (the default);
+torch_xla SPMD state is written in the reporter's thread. A writer process that dies (its pipe
+closes) or a write that does not end within ``timeout_s`` reaches the training function as
+``ReportError``, naming ``configure_reports(writer_process=False)``, which writes in the
+reporter's thread instead (docs/sharded-models.md, "Asynchronous save").
 """
 
 from __future__ import annotations
@@ -58,6 +39,8 @@ from ray_train_xla.toolkit.runtime import runtime
 # parent's environment would give it one per core, which the steps it overlaps pay for:
 # benchmarks/results/stall.md).
 WRITER_THREADS = 1
+PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package starts
+_FIX = "configure_reports(writer_process=False) writes in the training process instead"
 
 
 # ---- the save's third step: the writers of a staged save (``staging.stage``)
@@ -117,14 +100,6 @@ def _save_planner(layout: str):
     return BalancedSPMDSavePlanner()
 
 
-def _device_count(layout: str, world: int) -> int:
-    if layout == SPMD:
-        import torch_xla.runtime as xr
-
-        return xr.global_runtime_device_count()
-    return world
-
-
 def write_staged(staged: dict[str, Any], directory: str, process_group=None,
                  filesystem=None, writer_process: bool = False) -> dict[str, Any]:
     """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
@@ -179,13 +154,18 @@ def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[
     param groups, and the marker that says how the shards were written."""
     from ray_train_xla.toolkit.checkpoint.files import save_file
 
+    devices = world
+    if staged["layout"] == SPMD:
+        import torch_xla.runtime as xr
+
+        devices = xr.global_runtime_device_count()
     marker = json.dumps({
         "format": "torch.distributed.checkpoint",
         "format_version": FORMAT_VERSION,
         "names": "module",
         "layout": staged["layout"],
         "workers": world,
-        "devices": _device_count(staged["layout"], world),
+        "devices": devices,
         "keys": keys,
     })
     save_file(files, directory, EXTRA_FILE, staged["extra"])
@@ -245,7 +225,6 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
 
     tracker = _torch_writer()
     tracker.before_save()  # torch starts its writer process at the first save
-    fix = "configure_reports(writer_process=False) writes in the training process instead"
     try:
         with _writer_threads(starting=tracker.process is None):
             future = dcp.async_save(state, storage_writer=storage_writer,
@@ -255,13 +234,13 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
             future.result(timeout=timeout_s)
     except FutureTimeout:
         raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
-                          f"{directory} within timeout_s={timeout_s:g}; {fix}") from None
+                          f"{directory} within timeout_s={timeout_s:g}; {_FIX}") from None
     except Exception as exc:
         process = tracker.find()
         dead = "" if process is None or process.is_alive() else \
             f" (it is dead: pid {process.pid}, exit code {process.exitcode})"
         raise ReportError(f"rank {rank}: the checkpoint writer process failed on {directory}"
-                          f"{dead}: {type(exc).__name__}: {exc}; {fix}") from exc
+                          f"{dead}: {type(exc).__name__}: {exc}; {_FIX}") from exc
     tracker.find()
 
 
@@ -299,8 +278,10 @@ class _TorchWriterProcess:
         self.process: Any = None
 
     def before_save(self) -> None:
+        import multiprocessing
+
         if self.process is None and self.before is None:
-            self.before = _children()
+            self.before = {p.pid for p in multiprocessing.active_children()}
 
     def find(self) -> Any:
         """The process (a ``multiprocessing.Process``), or None until it is told apart."""
@@ -318,12 +299,6 @@ def _torch_writer() -> _TorchWriterProcess:
     return runtime().part("torch_writer", _TorchWriterProcess)
 
 
-def _children() -> set[int]:
-    import multiprocessing
-
-    return {p.pid for p in multiprocessing.active_children()}
-
-
 def writer_process_pid() -> int | None:
     """The pid of this worker's writer process of sharded checkpoints, None before the first
     save through it."""
@@ -336,9 +311,6 @@ def writer_process_pids() -> list[int]:
     save = runtime().save_process
     pids = [writer_process_pid(), None if save is None else save.process.pid]
     return [pid for pid in pids if pid is not None]
-
-
-PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package starts
 
 
 class SaveProcess:
@@ -383,21 +355,16 @@ class SaveProcess:
         another)."""
         from ray_train_xla.toolkit.checkpoint.files import files_at
 
-        # The run's filesystem as Ray's workers got it (files.ArrowFileSystem pickles it by
-        # value when its class cannot be imported: a handler of the driver script).
-        return self._call(("replicated", state, directory, filename, files_at(filesystem)),
-                          directory, timeout_s, rank)
-
-    def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
-        fix = "configure_reports(writer_process=False) writes in the training process instead"
         try:
             if not self._ready and self.conn.poll(timeout_s):  # its first message: ready
                 self._ready = self.conn.recv() == "ready"
-            self.conn.send(request)
+            # The run's filesystem as Ray's workers got it (files.ArrowFileSystem pickles it by
+            # value when its class cannot be imported: a handler of the driver script).
+            self.conn.send((state, directory, filename, files_at(filesystem)))
             if not self.conn.poll(timeout_s):
                 self.end()
                 raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
-                                  f"{directory} within timeout_s={timeout_s:g}; {fix}")
+                                  f"{directory} within timeout_s={timeout_s:g}; {_FIX}")
             ok, result = self.conn.recv()
         except (EOFError, OSError) as exc:
             self.process.join(1)
@@ -405,10 +372,10 @@ class SaveProcess:
             raise ReportError(
                 f"rank {rank}: the checkpoint writer process failed on {directory} (it is dead: "
                 f"pid {self.process.pid}, exit code {self.process.exitcode}): "
-                f"{type(exc).__name__}: {exc}; {fix}") from exc
+                f"{type(exc).__name__}: {exc}; {_FIX}") from exc
         if not ok:
             raise ReportError(f"rank {rank}: the checkpoint writer process failed on "
-                              f"{directory}: {result}; {fix}")
+                              f"{directory}: {result}; {_FIX}")
         return result
 
     def end(self) -> None:
@@ -438,13 +405,9 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
     return writer.save(state, directory, filename, filesystem, timeout_s, rank)
 
 
-def _handle(request: tuple):
-    _, state, directory, filename, filesystem = request
-    return write_replicated(state, directory, filename, filesystem)
-
-
 def _serve(conn, checksums: bool = True) -> None:
-    """The writer process: each request (a replicated file) until the pipe closes."""
+    """The writer process: each request (``write_replicated``'s arguments) until the pipe
+    closes."""
     import torch.utils.serialization
 
     import ray_train_xla.toolkit.checkpoint.files  # noqa: F401 (imported before "ready")
@@ -458,7 +421,7 @@ def _serve(conn, checksums: bool = True) -> None:
         except (EOFError, OSError):
             return
         try:
-            result = (True, _handle(request))
+            result = (True, write_replicated(*request))
         except Exception as exc:  # noqa: BLE001 (sent to the worker, raised there)
             result = (False, f"{type(exc).__name__}: {exc}")
         del request  # the shared buffers go back before the worker reuses them
