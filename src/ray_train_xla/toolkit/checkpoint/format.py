@@ -73,9 +73,9 @@ def _shape(spec: Spec) -> str:
     return f"{list(shape)} {str(dtype).replace('torch.', '')}"
 
 
-def _listed(items: list[str]) -> str:
-    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
-    return ", ".join(items[:SHOWN]) + more
+def _listed(items: list[str], shown: int = SHOWN) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def check_fits(saved: Mapping[str, Spec], target: Mapping[str, Spec], what: str,
@@ -197,15 +197,12 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
     return {k: state[k] for k in keys if k in state}
 
 
-def _found(path: str, shown: int = 8) -> str:
-    """What directory ``path`` holds, shortened to ``shown`` names (for error messages)."""
+def _found(path: str) -> str:
+    """What directory ``path`` holds, shortened to 8 names (for error messages)."""
     if not os.path.isdir(path):
         return "no directory"
     names = sorted(os.listdir(path))
-    if not names:
-        return "an empty directory"
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
+    return _listed(names, 8) if names else "an empty directory"
 
 
 def reader_for(path: str, filesystem=None):
@@ -214,26 +211,17 @@ def reader_for(path: str, filesystem=None):
     for one written rank by rank (``rank_files.py``), its ranks' own metadata merged once."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ray_train_xla.toolkit.checkpoint.files import has_file
+    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem, has_file
     from ray_train_xla.toolkit.checkpoint.rank_files import SlotReader, rank_metadata_file
 
-    if not has_file(path, ".metadata", filesystem) and \
+    if not has_file(path, METADATA_FILE, filesystem) and \
             has_file(path, rank_metadata_file(0), filesystem):
         reader = SlotReader(path, filesystem)
+    elif filesystem is None:
+        reader = FileSystemReader(path)
     else:
-        reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
+        reader = FileSystemReader(os.devnull)  # a path FileSystem accepts; replaced here
+        reader.fs, reader.path = ArrowFileSystem(filesystem), str(path)
     metadata = reader.read_metadata()
     reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
     return reader, metadata
-
-
-def _arrow_reader(path: str, filesystem):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem
-
-    reader = FileSystemReader.__new__(FileSystemReader)
-    FileSystemReader.__init__(reader, os.devnull)  # a path FileSystem accepts; replaced below
-    reader.fs = ArrowFileSystem(filesystem)
-    reader.path = str(path)
-    return reader

@@ -31,7 +31,6 @@ FORMAT_VERSION = 2
 WRAPPER_PREFIXES = ("_orig_module.", "_checkpoint_wrapped_module.")
 
 
-
 def module_name(key: str) -> str:
     """``key`` without the wrappers' prefixes: the plain module's name."""
     for prefix in WRAPPER_PREFIXES:
@@ -77,10 +76,7 @@ def prepared_models() -> list:
 
 
 def _names_by_id() -> dict[int, str]:
-    out: dict[int, str] = {}
-    for model in prepared_models():
-        out.update({id(p): module_name(n) for n, p in model.named_parameters()})
-    return out
+    return {id(p): module_name(n) for model in prepared_models() for n, p in model.named_parameters()}
 
 
 def _on_step(optimizer, args, kwargs) -> None:

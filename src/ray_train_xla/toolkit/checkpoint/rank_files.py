@@ -1,40 +1,32 @@
 """DCP checkpoints written rank by rank, in place, with no collective: the memory tier's format
-for DTensor state.
+for DTensor state, where the node has shared memory (torch_xla SPMD state goes through
+``dcp.save``, ``memory/tier.py``; docs/sharded-models.md, "The memory tier").
 
-torch's ``dcp.save`` plans every checkpoint collectively (every rank's plan gathered on the
-coordinator, the global plan scattered back, the write results gathered for the one
-``.metadata``) and then formats each shard with ``torch.save``: Python work, collectives and
-copies at each save. The memory tier saves the same structure again and again, so each rank
-lays its shards out once per structure and then only copies them into place, through DCP's
-public extension points (a ``StorageWriter`` and a ``StorageReader`` of its own):
+``dcp.save`` plans every checkpoint collectively and formats each shard with ``torch.save`` at
+each save. The memory tier saves the same structure again and again, so each rank lays its
+shards out once per structure and then only copies them into place, through DCP's public
+extension points (a ``StorageWriter`` and a ``StorageReader`` of its own):
 
 - **Slots.** Each rank keeps two files in the node's shared memory (:class:`RankSlots`), used in
-  turn: the generation being written, and the newest complete one. A slot is the rank's data
-  file (``__{rank}_0.distcp``): each shard's bytes as they lie in memory, at an offset laid out
-  once per structure. The snapshot copies the shards straight there: that copy is the only
-  work that grows with the state. The slot's memory is allocated once. The slot of the newest
-  complete generation serves until the generation after the next one starts (a rank starts a
-  generation only once every rank completed the one before).
-- **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``) and
-  :class:`SlotWriter`, driven as ``dcp.save`` drives them without a process group
-  (``create_local_plan``, then ``create_global_plan`` over that one plan), once per structure.
-  The writer's storage data says where each chunk lies (:class:`SlotChunk`: a file, an offset,
-  a length). Each generation gets the rank's metadata (``__{rank}.metadata``: DCP's ``Metadata``
-  of its chunks) and, when the state has non-tensor values, a small file of their bytes
+  turn: the generation being written, and the newest complete one (a rank starts a generation
+  only once every rank completed the one before). A slot is the rank's data file
+  (``__{rank}_0.distcp``): each shard's bytes as they lie in memory, at an offset laid out once
+  per structure, allocated once; the snapshot copies the shards straight there.
+- **Plan.** DCP's own planner over the rank's own shards and :class:`SlotWriter`, driven as
+  ``dcp.save`` drives them without a process group, once per structure; the writer's storage
+  data says where each chunk lies (:class:`SlotChunk`). Each generation gets the rank's
+  metadata (``__{rank}.metadata``) and, for non-tensor values, a small file of their bytes
   (``__{rank}_1.distcp``, as the planner pickles them). An empty shard has no bytes.
 - **Stamp.** A slot's first 8 bytes say which generation it holds (-1 while the snapshot
   copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
 
-:class:`SlotReader` merges the ranks' metadata into the checkpoint's (:func:`merge_metadata`)
-and reads their files (``format.reader_for`` picks it for a checkpoint with ranks' own metadata):
-``dcp.load`` like any DCP checkpoint, resharding included.
-
-DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
-``dcp.save`` (``memory/tier.py``).
+:class:`SlotReader` merges the ranks' metadata (:func:`merge_metadata`) and reads their files
+(``format.reader_for`` picks it): ``dcp.load`` like any DCP checkpoint, resharding included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -353,12 +345,9 @@ class RankSlots:
     def remove(self) -> None:
         """Remove the slot files still on the file system (the store unlinks them once it maps
         them: these are the ones it never took)."""
-        for slot in self.slots:
-            try:
-                if slot is not None:
-                    os.remove(slot.path)
-            except FileNotFoundError:
-                pass
+        for slot in filter(None, self.slots):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(slot.path)
 
 
 def merge_metadata(parts: list[Any]):

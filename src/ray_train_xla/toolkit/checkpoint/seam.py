@@ -4,6 +4,7 @@ package's docstring)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -97,12 +98,9 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
         return reporter().checkpoint(metrics, None, wait=wait)
 
     tier = _memory.memory_tier()
-    after = None
-    if tier is not None:  # storage and memory number their saves together (memory/tier.py)
-        gen = tier.next_generation()
-        if rank() == 0:
-            def after() -> None:
-                tier.note_storage(gen)
+    # storage and memory number their saves together (memory/tier.py)
+    gen = tier.next_generation() if tier is not None else None
+    after = functools.partial(tier.note_storage, gen) if gen is not None and rank() == 0 else None
     write = None
     if desc["layout"] is not None or rank() == 0:  # replicated state: rank 0 writes it
         options = reporting.report_options()
@@ -253,12 +251,10 @@ def _fill_sharded(state: dict[str, Any], model, optimizer, layout: str, where: s
         named_optim = positional_names(state["optimizer"], names)
         params = {n: p for group in names for n in group
                   for n2, p in model.named_parameters() if module_name(n2) == n}
-        want = {f"optimizer.state.{n}.{k}": (tuple(params[n].shape), v.dtype)
-                for n, s in named_optim["state"].items() if n in params
-                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        have = {f"optimizer.state.{n}.{k}": (tuple(v.shape), v.dtype)
-                for n, s in named_optim["state"].items()
-                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        saved = [(f"optimizer.state.{n}.{k}", n, v) for n, s in named_optim["state"].items()
+                 for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        want = {key: (tuple(params[n].shape), v.dtype) for key, n, v in saved if n in params}
+        have = {key: (tuple(v.shape), v.dtype) for key, n, v in saved}
         check_fits(have, want, f"load_checkpoint: {where}", "the optimizer")
     if layout == DTENSOR:
         from torch.distributed.checkpoint.state_dict import (

@@ -18,7 +18,6 @@ a DTensor dispatch), and made DTensors again when the snapshot is written
 (:func:`join_dtensors`), off the training thread: the blocking call costs little more than the
 copy.
 
-``allocated_bytes`` counts the host buffers the pool allocated, for tests and benchmarks.
 Replicated state that a writer process writes is staged the same way into shared-memory
 buffers (:func:`shared_pool`), which the writer process maps instead of receiving a copy.
 
@@ -72,8 +71,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free: list[dict[int, torch.UntypedStorage]] = []
         self._sets = 0
-        self.allocated_bytes = 0
-        self.snapshots = 0
+        self.allocated_bytes = 0  # the host buffers allocated, for tests and benchmarks
 
     @property
     def stagers(self) -> int:
@@ -120,8 +118,6 @@ class StagingPool:
         return {}
 
     def _giving_back(self, buffers: dict[int, torch.UntypedStorage]) -> Callable[[], None]:
-        with self._lock:
-            self.snapshots += 1
         returned = threading.Event()
 
         def give_back() -> None:
@@ -143,9 +139,7 @@ class _Shard:
 def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
     """(``tree`` with each tensor replaced by a marker; the tensors, a DTensor by its local
     shard; what makes each a DTensor again: mesh, placements, shape, stride, or None for a
-    plain tensor). The stager copies plain local tensors, which costs a fraction of copying
-    DTensors (each new DTensor is a DTensor dispatch): the DTensors are made again by
-    :func:`join_dtensors` when the snapshot is written, off the training thread."""
+    plain tensor), made DTensors again by :func:`join_dtensors` (see the module docstring)."""
     from torch.distributed.tensor import DTensor
 
     shards: list[torch.Tensor] = []
@@ -248,9 +242,6 @@ def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
         # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
         return {"layout": layout, "state": _sharded_cpu_state_dict(desc["named"]),
                 "groups": desc["groups"], "extra": extra, "release": None}
-    # DTensors stay DTensors (same mesh and placements, local shard on the CPU): their local
-    # shards are staged as plain tensors into buffers reused from save to save, and made
-    # DTensors again when written.
     tree, shards, specs = split_dtensors(desc["named"])
     stager = stager or pool().stage_tensors
     if overlap:  # a future of (staged, release): the writer waits for it
@@ -270,7 +261,6 @@ class Snapshots:
         self._pending: set[Future] = set()
         self._hook = None
         self.waits = 0  # optimizer steps that waited for a snapshot
-        self.waited_s = 0.0
 
     def submit(self, stage: Callable[[Any], tuple[Any, Callable[[], None]]], state: Any) -> Future:
         """Copy ``state`` with ``stage`` (a pool's ``stage`` or ``stage_tensors``) in the
@@ -298,10 +288,8 @@ class Snapshots:
         timeout_s = worker_context().timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
         _, left = wait_all(pending, timeout=timeout_s)
-        waited = time.perf_counter() - start
         self.waits += 1
-        self.waited_s += waited
-        events.add_stall(waited)
+        events.add_stall(time.perf_counter() - start)
         if left:
             from ray_train_xla.errors import ReportError
 
@@ -311,7 +299,6 @@ class Snapshots:
     def _install(self) -> None:
         if self._hook is not None:
             return
-        import torch
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def before_step(optimizer, args, kwargs) -> None:

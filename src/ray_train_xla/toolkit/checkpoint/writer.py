@@ -102,15 +102,10 @@ def _save_planner(layout: str):
 
 def write_staged(staged: dict[str, Any], directory: str, process_group=None,
                  filesystem=None, writer_process: bool = False) -> dict[str, Any]:
-    """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
-    every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
-    (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
-    ``writer_process``: DTensor shards in a process group are written by this worker's writer
-    process (:func:`save_in_writer_process`). Returns what this rank wrote: ``{"files": [...],
-    "bytes": n}``.
-    The snapshot's host buffers go back to the staging pool once the shards are written (or the
-    write failed)."""
+    """Write staged sharded state into ``directory`` with ``torch.distributed.checkpoint``
+    (collective: every rank calls it, in the same order; the arguments as :func:`writer_for`'s).
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers
+    go back to the staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
     from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
@@ -177,10 +172,7 @@ def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[
 def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
     (and, on rank 0, the rest of ``state`` and the metadata), in this thread: the three steps
-    at once. Call it on every rank.
-
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
-    """
+    at once. Call it on every rank. Returns what this rank wrote, as :func:`write_staged`."""
     from ray_train_xla.toolkit.checkpoint.staging import stage
 
     return write_staged(stage(describe(state)), directory)
@@ -335,10 +327,8 @@ class SaveProcess:
     def ready(self) -> bool:
         """Whether the process has started (imported torch) and takes saves; never waits."""
         if not self._ready and self.process.is_alive() and self.conn.poll(0):
-            try:
+            with contextlib.suppress(EOFError, OSError):
                 self._ready = self.conn.recv() == "ready"
-            except (EOFError, OSError):
-                pass
         return self._ready
 
     def wait_ready(self, timeout_s: float) -> bool:

@@ -68,16 +68,13 @@ class StoreFiles:
     def get_file_info(self, paths):
         import pyarrow.fs as pafs
 
-        out = []
-        for path in paths:
-            name = path.rstrip("/").rsplit("/", 1)[-1]
+        def kind(path: str):
             if path.rstrip("/") == ROOT:
-                out.append(pafs.FileInfo(path, pafs.FileType.Directory))
-            elif name in self.holders:
-                out.append(pafs.FileInfo(path, pafs.FileType.File))
-            else:
-                out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
-        return out
+                return pafs.FileType.Directory
+            found = path.rstrip("/").rsplit("/", 1)[-1] in self.holders
+            return pafs.FileType.File if found else pafs.FileType.NotFound
+
+        return [pafs.FileInfo(path, kind(path)) for path in paths]
 
     def get_file_info_selector(self, selector):
         import pyarrow.fs as pafs

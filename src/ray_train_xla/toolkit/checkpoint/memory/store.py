@@ -9,6 +9,7 @@ names and stamps (``slot_owner``, ``slot_stamp``) are defined here, where the st
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -17,7 +18,6 @@ from typing import Any
 NAMESPACE = "ray_train_xla"
 STORE_PREFIX = "ray_train_xla-memory"
 SLOT_PREFIX = "slot-"  # a writer process's slot file: slot-<pid>-<rank>-<series>-<turn>.distcp
-
 
 
 def slot_owner(path: str) -> tuple[int, int, int] | None:
@@ -34,6 +34,7 @@ def slot_owner(path: str) -> tuple[int, int, int] | None:
 def slot_stamp(data) -> int:
     """The generation a slot holds (its first 8 bytes), -1 while it is being written."""
     return int.from_bytes(bytes(data[:8]), "little", signed=True)
+
 
 def store_name(tier: str, node_id: str) -> str:
     return f"{STORE_PREFIX}-{tier}-{node_id}"
@@ -83,15 +84,11 @@ def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
         for entry in entries:
             owner = slot_owner(entry)
             if owner is not None and not _alive(owner[0]):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(directory, entry))
-                except FileNotFoundError:
-                    pass
         if directory != tier_dir:
-            try:
+            with contextlib.suppress(OSError):  # not empty: a live tier's
                 os.rmdir(directory)
-            except OSError:  # not empty: a live tier's
-                pass
 
 
 class MemoryStore:
@@ -171,11 +168,8 @@ class MemoryStore:
         files = {name: data if isinstance(data, mmap.mmap) else bytes(data)
                  for name, data in files.items()}
         with self._lock:
-            older = [g for g in self._gens if g < gen]
-            keep = {gen, max(older)} if older else {gen}
-            for g in list(self._gens):
-                if g not in keep:
-                    del self._gens[g]
+            keep = {gen, max((g for g in self._gens if g < gen), default=gen)}
+            self._gens = {g: e for g, e in self._gens.items() if g in keep}
             entry = self._gens.setdefault(gen, {"world": world, "ranks": {}, "slots": {}})
             entry["ranks"][rank] = files
             entry["slots"][rank] = set(slots)

@@ -4,6 +4,7 @@ read back at a restore), ``memory_tier``, ``flush_memory``, ``broadcast_from_ran
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -253,10 +254,8 @@ class MemoryTier:
         error was the training function's to see)."""
         pending = self._pending
         if pending is not None:
-            try:
+            with contextlib.suppress(Exception):  # see above
                 pending.result(timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 (see above)
-                pass
         if self._writer is not None:
             self._writer.end()
             self._writer = None
@@ -280,10 +279,8 @@ class MemoryTier:
         rank's files are there); the next DTensor generation makes new slots."""
         if self._slots is not None:
             self._slots.remove()
-            try:
+            with contextlib.suppress(OSError):  # another rank's files are there
                 os.rmdir(self._slots.directory)
-            except OSError:  # another rank's files are there
-                pass
             self._slots = None
 
     def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
