@@ -36,6 +36,8 @@ from ray_train_xla.toolkit.checkpoint.sharded import (
     describe,
     format_version,
     load_sharded,
+    read_extra,
+    read_groups,
     sharded_layout,
 )
 from ray_train_xla.toolkit.checkpoint.staging import stage
@@ -211,8 +213,6 @@ def _read_sharded_whole(path: str, model, optimizer,
                         filesystem=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the model's and the optimizer's state as whole CPU tensors, in the replicated form of
     ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
-    from ray_train_xla.toolkit.checkpoint.sharded import read_extra, read_groups
-
     keys = ("model", "optimizer") if optimizer is not None else ("model",)
     full = read_full_state(path, keys, filesystem=filesystem)
     state: dict[str, Any] = {}

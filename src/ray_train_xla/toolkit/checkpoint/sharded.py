@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.toolkit.checkpoint.files import load_small, read_file
 from ray_train_xla.toolkit.checkpoint.format import (
     EXTRA_FILE,
     GROUPS_FILE,
     SHARDED_KEYS,
     SHARDED_MARKER,
     check_fits,
+    reader_for,
     saved_specs,
     spec_of,
 )
@@ -124,8 +126,6 @@ def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[
 
 def format_version(directory: str, filesystem=None) -> int:
     """The format version of a sharded checkpoint (1: written before names, see names.py)."""
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-
     marker = read_file(directory, SHARDED_MARKER, filesystem)
     return 1 if marker is None else int(json.loads(marker).get("format_version", 1))
 
@@ -185,8 +185,6 @@ def read_groups(directory: str, filesystem=None) -> list | None:
     2 and later), None when it has none."""
     import io
 
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-
     data = read_file(directory, GROUPS_FILE, filesystem)
     return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
                                                 weights_only=True)
@@ -210,8 +208,6 @@ def load_sharded(
     model's or optimizer's, and every key missing on either side, before anything is read.
     """
     import torch.distributed.checkpoint as dcp
-
-    from ray_train_xla.toolkit.checkpoint.format import reader_for
 
     layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
     reader, metadata = reader_for(directory, filesystem)
@@ -250,8 +246,6 @@ def load_sharded(
 
 def read_extra(directory: str, filesystem=None) -> dict[str, Any]:
     """The rest of the state a sharded checkpoint holds (``extra.pt``: step, epoch, ...)."""
-    from ray_train_xla.toolkit.checkpoint.files import load_small
-
     extra = load_small(directory, EXTRA_FILE, filesystem)
     return {} if extra is None else extra
 

@@ -30,9 +30,11 @@ from typing import Any
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
 from ray_train_xla.toolkit.checkpoint.format import EXTRA_FILE, GROUPS_FILE, SHARDED_MARKER
 from ray_train_xla.toolkit.checkpoint.names import FORMAT_VERSION
 from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, SPMD, describe, process_info
+from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, stage
 from ray_train_xla.toolkit.runtime import runtime
 
 # A writer process starts with this many threads in its thread pools (OMP_NUM_THREADS; its
@@ -108,14 +110,10 @@ def write_staged(staged: dict[str, Any], directory: str, process_group=None,
     go back to the staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
-
     distributed, rank, world = process_info()
     if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
         staged["state"], staged["release"] = staged["state"].result()
     if staged.get("specs") is not None:  # DTensors again, over their staged local shards
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
-
         if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
             filesystem.expected_bytes = sum(t.numel() * t.element_size()
                                             for t in staged["state"]) + (1 << 20)
@@ -147,8 +145,6 @@ def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[
                       world: int) -> None:
     """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
     param groups, and the marker that says how the shards were written."""
-    from ray_train_xla.toolkit.checkpoint.files import save_file
-
     devices = world
     if staged["layout"] == SPMD:
         import torch_xla.runtime as xr
@@ -173,8 +169,6 @@ def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
     (and, on rank 0, the rest of ``state`` and the metadata), in this thread: the three steps
     at once. Call it on every rank. Returns what this rank wrote, as :func:`write_staged`."""
-    from ray_train_xla.toolkit.checkpoint.staging import stage
-
     return write_staged(stage(describe(state)), directory)
 
 
@@ -182,8 +176,6 @@ def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
                      filesystem=None) -> dict[str, Any]:
     """Write the staged state to ``directory/filename`` (on ``filesystem``, a pyarrow filesystem,
     when given: the run's storage); returns ``{"files", "bytes"}``."""
-    from ray_train_xla.toolkit.checkpoint.files import files_at, save_file
-
     files = files_at(filesystem)
     files.mkdir(directory)
     save_file(files, directory, filename, cpu_state)
@@ -343,8 +335,6 @@ class SaveProcess:
         """``write_replicated`` in the writer process; raises ``ReportError`` when it fails,
         dies or takes longer than ``timeout_s`` (then it is ended: the next save starts
         another)."""
-        from ray_train_xla.toolkit.checkpoint.files import files_at
-
         try:
             if not self._ready and self.conn.poll(timeout_s):  # its first message: ready
                 self._ready = self.conn.recv() == "ready"
@@ -399,8 +389,6 @@ def _serve(conn, checksums: bool = True) -> None:
     """The writer process: each request (``write_replicated``'s arguments) until the pipe
     closes."""
     import torch.utils.serialization
-
-    import ray_train_xla.toolkit.checkpoint.files  # noqa: F401 (imported before "ready")
 
     torch.utils.serialization.config.save.compute_crc32 = checksums
 

@@ -16,9 +16,16 @@ from typing import Any, NoReturn
 import torch
 
 from ray_train_xla.errors import ReportError
-from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
+from ray_train_xla.toolkit import events, reporting
+from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles, SlotFile
 from ray_train_xla.toolkit.checkpoint.memory.restore import StoreFiles
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE, STORE_PREFIX, store_name
+from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
+from ray_train_xla.toolkit.checkpoint.staging import stage
+from ray_train_xla.toolkit.checkpoint.writer import SaveProcess, write_small_files, write_staged
+from ray_train_xla.toolkit.collectives import host_group
+from ray_train_xla.toolkit.device import sync
+from ray_train_xla.toolkit.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +141,6 @@ class MemoryTier:
         if self.world > 1:
             import torch.distributed as dist
 
-            from ray_train_xla.toolkit.collectives import host_group
-
             flags = torch.tensor([int(busy), int(not ready)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
             busy, ready = bool(flags[0].item()), not flags[1].item()
@@ -144,13 +149,6 @@ class MemoryTier:
     def keep(self, state: Mapping[str, Any]) -> bool:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
         is still being kept somewhere: the loop never waits for the memory tier."""
-        from ray_train_xla.toolkit import reporting
-        from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
-        from ray_train_xla.toolkit.checkpoint.staging import stage
-        from ray_train_xla.toolkit.checkpoint.writer import write_small_files, write_staged
-        from ray_train_xla.toolkit.collectives import host_group
-        from ray_train_xla.toolkit.device import sync
-
         desc = describe(state, "keep_in_memory")
         layout = desc["layout"]
         if self._shared is None:
@@ -226,15 +224,11 @@ class MemoryTier:
         """This worker's writer process of the tier when it takes work, else None (it is started
         at the first call, and again after one ended; until it has started, and without
         writer processes or shared memory, a generation is formatted in this process)."""
-        from ray_train_xla.toolkit import reporting
-
         if self._shared is None:
             self._shared = _shared_root()  # once: it stays
         if not reporting.report_options().writer_process or not self._shared:
             return None
         if self._writer is None or not self._writer.process.is_alive():
-            from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
-
             self._writer = SaveProcess(checksums=False)  # generations live in memory only
         return self._writer if self._writer.ready() else None
 
@@ -287,8 +281,6 @@ class MemoryTier:
         import numpy as np
         import ray
 
-        from ray_train_xla.toolkit.checkpoint.files import SlotFile
-
         try:
             write()
             shared = files.shared_files()
@@ -325,8 +317,6 @@ class MemoryTier:
 
             dist.barrier(group=group)
         self.kept += 1
-        from ray_train_xla.toolkit import events
-
         events.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
 
     def note_storage(self, gen: int) -> None:
@@ -391,7 +381,6 @@ def broadcast_from_rank0(value_of):
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value_of()
-    from ray_train_xla.toolkit.collectives import host_group
 
     box = [value_of() if rank() == 0 else None]
     # The training thread's group ("memory" is the background thread's: never both at once).
@@ -402,8 +391,6 @@ def broadcast_from_rank0(value_of):
 def memory_tier(required: str | None = None) -> MemoryTier | None:
     """This worker's memory tier (held by the runtime), None when the config has no
     ``memory_every`` (``required``: raise instead, naming the helper)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
     rt = runtime()
     ctx = rt.ctx
     if not ctx.memory_every or not ctx.memory_tier:
@@ -435,8 +422,6 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     (every rank alike): the loop never waits for the tier. An error of the previous generation
     is raised here as ``ReportError``.
     """
-    from ray_train_xla.toolkit import events
-
     tier = memory_tier(required="keep_in_memory")
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"keep_in_memory: step must be an int, got {step!r}")
@@ -451,8 +436,6 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
 
 def flush_memory() -> None:
     """Wait for the generation in flight (the backend calls it when the training function ends)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
     tier = runtime().memory_tier
     if tier is not None:
         tier.wait()
