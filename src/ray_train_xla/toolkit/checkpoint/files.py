@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
+
+from ray_train_xla.toolkit.runtime import runtime
 
 ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
 
@@ -121,8 +124,6 @@ def by_value(obj: Any) -> bytes:
     """``obj`` pickled so that any process with this package can load it: with the standard
     pickler when it can, else with Ray's cloudpickle, as Ray pickled it to its workers (a class
     that is not importable, one of the driver script, goes by value)."""
-    import pickle
-
     try:
         return pickle.dumps(obj)
     except (pickle.PicklingError, AttributeError, TypeError):
@@ -132,8 +133,6 @@ def by_value(obj: Any) -> bytes:
 
 
 def _arrow_file_system(data: bytes) -> ArrowFileSystem:
-    import pickle
-
     return ArrowFileSystem(pickle.loads(data))
 
 
@@ -183,8 +182,6 @@ def load_small(path: str, name: str, filesystem=None) -> Any:
 
 def _spare() -> list[Any]:
     """Data buffers given back by MemoryFiles.release, for the next ones (held by the runtime)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
     return runtime().spare_buffers
 
 

@@ -21,6 +21,8 @@ and ``load_state_dict`` casts to the model's dtype.
 
 from __future__ import annotations
 
+import io
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -116,8 +118,6 @@ def check_chunks(metadata: Any, keys: tuple[str, ...], what: str) -> None:
     """Raise ``CheckpointMismatchError`` when the shards a sharded checkpoint's ``.metadata``
     lists for a tensor under ``keys`` lie outside it or leave part of it unwritten (read into
     an empty tensor, that part would hold whatever the memory held)."""
-    import math
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     mappings = metadata.planner_data or {}
@@ -165,8 +165,6 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
     """The ``keys`` entries of the checkpoint in directory ``path`` (on ``filesystem``, a
     pyarrow filesystem, when given), as full CPU tensors (every shard of a sharded checkpoint
     joined into one tensor per entry)."""
-    import io
-
     import torch
 
     from ray_train_xla.toolkit.checkpoint.files import read_file

@@ -32,15 +32,20 @@ import io
 import itertools
 import mmap
 import os
+import pickle
 import secrets
 from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile, files_at, read_file
 from ray_train_xla.toolkit.checkpoint.memory.store import SLOT_PREFIX
+from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
 
 ALIGN = 64  # each shard's offset in a slot
 HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
@@ -114,8 +119,6 @@ class SlotWriter(_Storage, StorageWriter):
         pass
 
     def write_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import WriteItemType
-
         results, self.small = [], io.BytesIO()
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -147,10 +150,6 @@ class SlotReader(_Storage, StorageReader):
         self.path, self.filesystem, self.metadata = path, filesystem, None
 
     def read_metadata(self, *args, **kwargs):
-        import pickle
-
-        from ray_train_xla.toolkit.checkpoint.files import files_at, read_file
-
         names = [n for n in files_at(self.filesystem).sizes(self.path) if is_rank_metadata(n)]
         return merge_metadata([pickle.loads(read_file(self.path, name, self.filesystem))
                                for name in sorted(names, key=lambda n: int(n[2:-9]))])
@@ -159,17 +158,10 @@ class SlotReader(_Storage, StorageReader):
         self.metadata = metadata
 
     def read_data(self, plan, planner):
-        from contextlib import ExitStack
-
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-        from torch.distributed.checkpoint.planner import LoadItemType
-
-        from ray_train_xla.toolkit.checkpoint.files import files_at
-
         entries, files = self.metadata.state_dict_metadata, files_at(self.filesystem)
         sizes = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, entry in entries.items()
                  for c in getattr(entry, "chunks", ())}
-        with ExitStack() as streams:
+        with contextlib.ExitStack() as streams:
             opened: dict[str, Any] = {}
             for item in plan.items:
                 where = self.metadata.storage_data[item.storage_index]
@@ -293,14 +285,6 @@ class RankSlots:
         copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
         as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
         checkpoint's own small files are the caller's (``writer.write_small_files``)."""
-        import pickle
-
-        from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
-
         if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
             try:
                 staged["state"], staged["release"] = staged["state"].result(timeout=timeout_s)
@@ -353,8 +337,6 @@ class RankSlots:
 def merge_metadata(parts: list[Any]):
     """One DCP ``Metadata`` from the ranks' own: every rank's chunks of each tensor (a chunk
     two ranks both wrote, a replicated one, once), where each lies, the planner's mappings."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     tensors: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     mappings: dict[str, Any] = {}

@@ -23,6 +23,7 @@ torch_xla is imported only for the ``spmd`` layout: native workers never import 
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -183,8 +184,6 @@ def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: 
 def read_groups(directory: str, filesystem=None) -> list | None:
     """The optimizer's parameter groups a sharded checkpoint holds (``param_groups.pt``, format
     2 and later), None when it has none."""
-    import io
-
     data = read_file(directory, GROUPS_FILE, filesystem)
     return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
                                                 weights_only=True)

@@ -45,7 +45,12 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.errors import ReportError
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit import events
+from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.runtime import runtime
+from ray_train_xla.toolkit.sharding import DTENSOR
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -221,9 +226,6 @@ def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
     (:class:`Snapshots`). ``shared``: replicated state in shared memory, for a writer process.
     ``stager``: what copies DTensor state's local shards (default: the pool's
     ``stage_tensors``)."""
-    from ray_train_xla.toolkit.device import to_cpu
-    from ray_train_xla.toolkit.sharding import DTENSOR
-
     layout = desc["layout"]
     if layout is None:
         state = desc["state"]
@@ -282,17 +284,12 @@ class Snapshots:
             pending = list(self._pending)
         if not pending:
             return
-        from ray_train_xla.planning.contract import worker_context
-        from ray_train_xla.toolkit import events
-
         timeout_s = worker_context().timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
         _, left = wait_all(pending, timeout=timeout_s)
         self.waits += 1
         events.add_stall(time.perf_counter() - start)
         if left:
-            from ray_train_xla.errors import ReportError
-
             raise ReportError(f"a checkpoint snapshot was not copied to host memory within "
                               f"timeout_s={timeout_s:g}")
 

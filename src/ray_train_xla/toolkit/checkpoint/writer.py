@@ -21,8 +21,12 @@ reporter's thread instead (docs/sharded-models.md, "Asynchronous save").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import multiprocessing
+import os
 import time
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -89,9 +93,6 @@ def _save_planner(layout: str):
         (torch_xla's own keeps every duplicate on the lowest rank)."""
 
         def create_global_plan(self, all_plans):
-            import dataclasses
-            from collections import ChainMap
-
             from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
             all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
@@ -237,8 +238,6 @@ def _writer_threads(starting: bool) -> Iterator[None]:
     if not starting:
         yield
         return
-    import os
-
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(dict.fromkeys(names, str(WRITER_THREADS)))
@@ -262,15 +261,11 @@ class _TorchWriterProcess:
         self.process: Any = None
 
     def before_save(self) -> None:
-        import multiprocessing
-
         if self.process is None and self.before is None:
             self.before = {p.pid for p in multiprocessing.active_children()}
 
     def find(self) -> Any:
         """The process (a ``multiprocessing.Process``), or None until it is told apart."""
-        import multiprocessing
-
         if self.process is None and self.before is not None:
             new = [p for p in multiprocessing.active_children() if p.pid not in self.before and
                    not p.name.startswith(PROCESS_PREFIX) and type(p).__name__ == "SpawnProcess"]

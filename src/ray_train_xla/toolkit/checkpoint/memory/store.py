@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 import threading
 from typing import Any
 
@@ -68,8 +69,6 @@ def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
     store's take): generation directories (``<gen>-<rank>``) older than ``gen - 1``, slot files
     of workers that are gone; with ``every_tier``, the same slot files in every tier's
     directory of the node (an earlier run's too), and directories left empty."""
-    import shutil
-
     for entry in os.listdir(tier_dir):
         older = entry.split("-")[0]
         if slot_owner(entry) is None and older.isdigit() and int(older) < gen - 1:

@@ -4,6 +4,7 @@ read back at a restore), ``memory_tier``, ``flush_memory``, ``broadcast_from_ran
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import logging
@@ -65,8 +66,6 @@ class MemoryTier:
         self.by_rank = 0  # DTensor generations written rank by rank, in place (rank_files)
         self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
-        import atexit
-
         atexit.register(self.end)  # when the process ends normally (else the stores sweep)
 
     # -- where
