@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ray_train_xla.toolkit.runtime import runtime
@@ -180,21 +181,14 @@ def load_small(path: str, name: str, filesystem=None) -> Any:
                                                 weights_only=False)
 
 
-def _spare() -> list[Any]:
-    """Data buffers given back by MemoryFiles.release, for the next ones (held by the runtime)."""
-    return runtime().spare_buffers
-
-
 class _Buffer(io.RawIOBase):
     """A file written into one buffer of its expected size, reused from a generation to the
     next once released (no copy as it grows, unlike ``io.BytesIO``, and no allocation a
     generation; past that size it grows by doubling)."""
 
     def __init__(self, capacity: int) -> None:
-        import numpy as np
-
         capacity = max(capacity, 1 << 16)
-        spares = _spare()
+        spares = runtime().spare_buffers  # given back by MemoryFiles.release
         spare = next((b for b in spares if b.nbytes >= capacity), None)
         if spare is not None:
             spares.remove(spare)
@@ -206,8 +200,6 @@ class _Buffer(io.RawIOBase):
         return True
 
     def write(self, data) -> int:
-        import numpy as np
-
         view = memoryview(data).cast("B")
         end = self._n + view.nbytes
         if end > self.array.nbytes:
@@ -253,10 +245,7 @@ class MemoryFiles(_FileSystem):
         self.files: dict[str, Any] = {}  # path -> bytes, a memoryview of them, or a SharedFile
         self.expected_bytes = 0
         self._arrays: list[Any] = []
-        self.writer = None
-        self.shared_dir = ""
-        self.timeout_s = 0.0
-        self.rank = 0
+        self.writer, self.shared_dir, self.timeout_s, self.rank = None, "", 0.0, 0  # write_by's
 
     def write_by(self, writer, shared_dir: str, timeout_s: float, rank: int) -> None:
         """Have ``writer`` (a ready ``writer.SaveProcess``) format the files of :meth:`save`
@@ -284,7 +273,7 @@ class MemoryFiles(_FileSystem):
                 except OSError:  # not empty: another rank's files, not ours to remove
                     break
         self.files.clear()
-        spares = _spare()
+        spares = runtime().spare_buffers
         spares.extend(self._arrays)
         del spares[:-2]
         self._arrays = []

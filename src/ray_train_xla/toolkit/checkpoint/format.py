@@ -99,15 +99,10 @@ def check_fits(saved: Mapping[str, Spec], target: Mapping[str, Spec], what: str,
             wrong.append(f"{key}: saved {_shape(s)}, into {_shape(t)}")
     missing = sorted(set(target) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(target) if saved[k] is not None)
-    problems = []
-    if wrong:
-        problems.append("tensors of another shape or dtype: " + _listed(wrong))
-    if kinds:
-        problems.append("values of another kind: " + _listed(kinds))
-    if missing:
-        problems.append(f"missing from the checkpoint: {_listed(missing)}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in {target_name}: {_listed(unexpected)}")
+    problems = [label + _listed(items) for label, items in (
+        ("tensors of another shape or dtype: ", wrong), ("values of another kind: ", kinds),
+        ("missing from the checkpoint: ", missing),
+        (f"in the checkpoint but not in {target_name}: ", unexpected)) if items]
     if problems:
         raise CheckpointMismatchError(
             f"{what} does not fit {target_name} (loading it would leave wrong or stale values): "

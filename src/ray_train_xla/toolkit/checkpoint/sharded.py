@@ -2,7 +2,8 @@
 Here: what a state is (:func:`describe`, a save's first step, for every layout) and the loading
 of both layouts; the writing is ``writer.py``'s.
 
-Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
+Two layouts of sharded state, one format (``format.py``, names in ``names.py``, so that either
+restores onto another mesh, device count, worker count or layout):
 
 - ``spmd``: torch_xla SPMD tensors (FSDPv2, ``TorchXLAConfig(spmd=True)``), through torch_xla's
   ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the shards its devices hold and reads
@@ -10,13 +11,6 @@ Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
 - ``dtensor``: DTensors (FSDP2 on the native stacks, ``TorchNeuronConfig`` / ``TorchTPUConfig``
   and their CPU twins), through DCP's default planners, and on loading torch's own
   ``get_state_dict`` / ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
-
-Both store the model under the plain module's names and the optimizer state under those names,
-so a checkpoint restores onto another mesh shape, device count, worker count or layout (an SPMD
-checkpoint into an FSDP2 model and the other way round). Shards held by several ranks are
-written once. Under Ray Train V2 with storage on a file system, every worker writes straight
-into the checkpoint's directory in the run's storage (``reporting.py``); elsewhere into its own
-temporary directory, which Ray merges into the one checkpoint of that step.
 
 torch_xla is imported only for the ``spmd`` layout: native workers never import it.
 """
@@ -29,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ray_train_xla.toolkit.checkpoint.files import load_small, read_file
 from ray_train_xla.toolkit.checkpoint.format import (
@@ -88,8 +83,6 @@ def sharded_layout(state: Any, helper: str, found: list | None = None) -> str | 
 
 def process_info() -> tuple[bool, int, int]:
     """(whether a process group is initialised, this rank, the world size)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return True, dist.get_rank(), dist.get_world_size()
     return False, 0, 1
@@ -134,10 +127,6 @@ def format_version(directory: str, filesystem=None) -> int:
 def _top_key(metadata, key: str) -> str:
     mappings = metadata.planner_data or {}
     return str(mappings[key][0]) if key in mappings else key.split(".")[0]
-
-
-def _saved_keys(metadata) -> set[str]:
-    return {_top_key(metadata, k) for k in metadata.state_dict_metadata}
 
 
 def _flatten(target: dict[str, Any], layout: str) -> dict[str, Any]:
@@ -211,7 +200,7 @@ def load_sharded(
     layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
     reader, metadata = reader_for(directory, filesystem)
     version = format_version(directory, filesystem)
-    saved = _saved_keys(metadata)
+    saved = {_top_key(metadata, k) for k in metadata.state_dict_metadata}
     wanted = [k for k, v in (("model", model), ("optimizer", optimizer)) if v is not None]
     missing = sorted(set(wanted) - saved)
     if missing:

@@ -57,11 +57,8 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors of ``value``'s dicts, lists and tuples, in order."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from tensors_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
+    elif isinstance(value, (Mapping, list, tuple)):
+        for v in value.values() if isinstance(value, Mapping) else value:
             yield from tensors_in(v)
 
 

@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
@@ -281,8 +283,7 @@ def _torch_writer() -> _TorchWriterProcess:
 def writer_process_pid() -> int | None:
     """The pid of this worker's writer process of sharded checkpoints, None before the first
     save through it."""
-    process = _torch_writer().find()
-    return None if process is None else process.pid
+    return getattr(_torch_writer().find(), "pid", None)
 
 
 def writer_process_pids() -> list[int]:
@@ -300,8 +301,6 @@ class SaveProcess:
         """``checksums``: whether the files' zip records carry their CRC-32 (torch's
         ``torch.utils.serialization.config.save.compute_crc32``; torch.load reads them either
         way). The memory tier's generations, which live in memory only, go without."""
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, checksums), daemon=True,

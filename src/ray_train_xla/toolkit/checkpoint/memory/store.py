@@ -16,6 +16,10 @@ import shutil
 import threading
 from typing import Any
 
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 NAMESPACE = "ray_train_xla"
 STORE_PREFIX = "ray_train_xla-memory"
 SLOT_PREFIX = "slot-"  # a writer process's slot file: slot-<pid>-<rank>-<series>-<turn>.distcp
@@ -109,8 +113,6 @@ class MemoryStore:
 
     def ready(self) -> str:
         """This store's actor id (a store found again by name is the same actor)."""
-        import ray
-
         return ray.get_runtime_context().get_actor_id()
 
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
@@ -123,12 +125,8 @@ class MemoryStore:
         ``peers`` (within ``timeout_s`` each). ``pid``: the worker's (a take without slots says
         that its earlier slots are no longer used). Returns the bytes held and, per peer that
         did not take them, why."""
-        import numpy as np
-        import ray
-
         files = {name: bytes(data) for name, data in files.items()}
-        for name, path in shared.items():
-            files[name] = _hold(path)
+        files.update({name: _hold(path) for name, path in shared.items()})
         slots = slots or {}
         with self._lock:
             self._series[pid, rank] = -1  # no slots, unless this take has some
@@ -216,8 +214,6 @@ class MemoryStore:
             }
 
     def get(self, gen: int, rank: int, name: str):
-        import numpy as np
-
         with self._lock:
             data = self._gens[gen]["ranks"][rank][name]
             if not self._valid(gen, rank):
@@ -239,9 +235,6 @@ def start_stores(tier: str, node_ids: list[str], timeout_s: float,
     backend for every worker group, in the process that outlives them (Ray Train's controller).
     ``held``: store name -> (its handle, its actor id), kept by the caller: a store lives as
     long as its first handle (the backend keeps them on the run's config object)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     actor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(MemoryStore)
     names = [store_name(tier, node) for node in node_ids]
     handles = [actor.options(

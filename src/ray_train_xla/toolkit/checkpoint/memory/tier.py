@@ -14,7 +14,12 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
+import numpy as np
+import pyarrow.fs as pafs
+import ray
 import torch
+import torch.distributed as dist
+from ray.util import list_named_actors
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit import events, reporting
@@ -48,8 +53,6 @@ class MemoryTier:
     """This worker's side of the memory tier (see the package's docstring)."""
 
     def __init__(self, ctx) -> None:
-        import ray
-
         self.tier, self.every, self.nodes = ctx.memory_tier, ctx.memory_every, ctx.memory_nodes
         self.rank, self.world, self.timeout_s = ctx.rank, ctx.world_size, ctx.timeout_s
         self.key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)  # the plan it serves
@@ -79,22 +82,16 @@ class MemoryTier:
 
     def inventories(self) -> list[dict[str, Any]]:
         """Every live store of this tier (this group's nodes and earlier groups')."""
-        import ray
-        from ray.util import list_named_actors
-
         names = [a["name"] for a in list_named_actors(all_namespaces=True)
                  if a.get("namespace") == NAMESPACE
                  and a["name"].startswith(f"{STORE_PREFIX}-{self.tier}-")]
         out = []
         for name in sorted(names):
             try:
-                inv = ray.get(ray.get_actor(name, namespace=NAMESPACE).inventory.remote(),
-                              timeout=self.timeout_s)
+                out.append({**ray.get(ray.get_actor(name, namespace=NAMESPACE).inventory.remote(),
+                                      timeout=self.timeout_s), "name": name})
             except Exception as exc:  # noqa: BLE001 (a store on a lost node: not there)
                 logger.info("memory tier: store %s did not answer: %s", name, exc)
-                continue
-            inv["name"] = name
-            out.append(inv)
         return out
 
     # -- generations: the same numbers on every rank
@@ -138,8 +135,6 @@ class MemoryTier:
         of two numbers on a host group of its own."""
         busy = self._pending is not None and not self._pending.done()
         if self.world > 1:
-            import torch.distributed as dist
-
             flags = torch.tensor([int(busy), int(not ready)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
             busy, ready = bool(flags[0].item()), not flags[1].item()
@@ -206,15 +201,12 @@ class MemoryTier:
         if self._slots is None:
             from ray_train_xla.toolkit.checkpoint.rank_files import RankSlots
 
-            directory = os.path.join(self._shared, self.tier)
-            os.makedirs(directory, exist_ok=True)
-            self._slots = RankSlots(directory, self.rank)
+            # its directory is made with its first slot file (RankSlots.stager)
+            self._slots = RankSlots(os.path.join(self._shared, self.tier), self.rank)
         return self._slots
 
     def _store(self, name: str):
         """The handle of the store ``name``, found once."""
-        import ray
-
         if name not in self._handles:
             self._handles[name] = ray.get_actor(name, namespace=NAMESPACE)
         return self._handles[name]
@@ -277,9 +269,6 @@ class MemoryTier:
             self._slots = None
 
     def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
-        import numpy as np
-        import ray
-
         try:
             write()
             shared = files.shared_files()
@@ -312,8 +301,6 @@ class MemoryTier:
             logger.warning("rank %d: memory tier: the peer store %s did not take generation %d "
                            "(%s): this node holds the only copy", self.rank, name, gen, error)
         if group is not None:  # every rank's files are in: the generation is complete
-            import torch.distributed as dist
-
             dist.barrier(group=group)
         self.kept += 1
         events.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
@@ -321,8 +308,6 @@ class MemoryTier:
     def note_storage(self, gen: int) -> None:
         """(rank 0, once Ray took checkpoint ``gen`` into storage) tell this node's and its
         peer's store: memory older than ``gen`` no longer serves a restore."""
-        import ray
-
         for name in self.my_stores():
             try:
                 ray.get(ray.get_actor(name, namespace=NAMESPACE).note_storage.remote(gen),
@@ -365,8 +350,6 @@ class MemoryTier:
         return {"tier": "storage", "why": why, "next": newest + 1}
 
     def filesystem(self, choice: dict[str, Any]):
-        import pyarrow.fs as pafs
-
         handler_class = type("StoreFiles", (StoreFiles, pafs.FileSystemHandler), {})
         handler = handler_class(choice["gen"], choice["holders"], self.timeout_s)
         return pafs.PyFileSystem(handler), handler
@@ -374,8 +357,6 @@ class MemoryTier:
 
 def broadcast_from_rank0(value_of):
     """``value_of()`` on rank 0, given to every rank (the host group, on the training thread)."""
-    import torch.distributed as dist
-
     from ray_train_xla.toolkit.ranks import rank
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
