@@ -62,10 +62,8 @@ def flat_specs(state: Any, prefix: str = "") -> dict[str, Spec]:
     """``{"a.b.c": spec}`` for every leaf of nested mappings (keys joined with dots, as
     ``torch.distributed.checkpoint`` flattens them)."""
     if isinstance(state, Mapping) and spec_of(state) is None:
-        out: dict[str, Spec] = {}
-        for key, value in state.items():
-            out.update(flat_specs(value, f"{prefix}{key}."))
-        return out
+        return {flat: spec for key, value in state.items()
+                for flat, spec in flat_specs(value, f"{prefix}{key}.").items()}
     return {prefix[:-1]: spec_of(state)}
 
 

@@ -247,9 +247,8 @@ def _writer_threads(starting: bool) -> Iterator[None]:
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
+            os.environ.pop(name, None)
+            if value is not None:
                 os.environ[name] = value
 
 
