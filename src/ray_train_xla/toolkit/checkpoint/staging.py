@@ -72,13 +72,8 @@ class StagingPool:
         self.pin_memory = pin_memory is not False and torch.cuda.is_available() and not share_memory
         self._lock = threading.Lock()
         self._free: list[dict[int, torch.UntypedStorage]] = []
-        self._sets = 0
+        self.stagers = 0  # how many sets of buffers the pool holds (each lent or free)
         self.allocated_bytes = 0  # the host buffers allocated, for tests and benchmarks
-
-    @property
-    def stagers(self) -> int:
-        """How many sets of buffers the pool holds (each lent or free)."""
-        return self._sets
 
     def stage(self, state: Any) -> tuple[Any, Callable[[], None]]:
         """(a host copy of ``state``, DTensors kept DTensors on the CPU; the function that gives
@@ -116,7 +111,7 @@ class StagingPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-            self._sets += 1
+            self.stagers += 1
         return {}
 
     def _giving_back(self, buffers: dict[int, torch.UntypedStorage]) -> Callable[[], None]:
