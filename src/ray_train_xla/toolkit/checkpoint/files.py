@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
+from ray_train_xla.toolkit.runtime import runtime
 
+ROOT = "memory"  # a checkpoint's directory name inside a MemoryFiles
 
 
 class LocalFiles:
@@ -41,7 +44,32 @@ class LocalFiles:
         return FileSystemWriter(directory)
 
 
-class ArrowFileSystem:
+class _FileSystem:
+    """What :class:`ArrowFileSystem` and :class:`MemoryFiles` share of torch DCP's
+    ``FileSystemBase``."""
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def dcp_writer(self, directory: str):
+        """torch's ``FileSystemWriter`` writing into ``directory`` here (no ``fsync``: a remote
+        store makes a file durable when it is closed)."""
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        writer = FileSystemWriter(os.devnull, sync_files=False)  # a path FileSystem accepts
+        writer.fs = self
+        writer.path = directory
+        return writer
+
+
+class ArrowFileSystem(_FileSystem):
     """torch DCP's ``FileSystemBase`` over a pyarrow filesystem: what ``FileSystemReader`` needs
     to read a checkpoint where it lies (byte ranges included) and ``FileSystemWriter`` to write
     one there, straight into the run's storage (S3, GCS, any filesystem Ray Train was given)."""
@@ -63,12 +91,6 @@ class ArrowFileSystem:
             with self.filesystem.open_input_file(str(path)) as f:
                 yield f
 
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
     def rename(self, path, new_path) -> None:
         self.filesystem.move(str(path), str(new_path))
 
@@ -89,10 +111,6 @@ class ArrowFileSystem:
         return [info.path for info in self.filesystem.get_file_info(
             pyarrow.fs.FileSelector(str(path)))]
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
     def sizes(self, directory: str) -> dict[str, int]:
         """Each file of ``directory`` with its size in bytes."""
         import pyarrow.fs
@@ -102,23 +120,11 @@ class ArrowFileSystem:
         return {info.base_name: info.size for info in infos
                 if info.type == pyarrow.fs.FileType.File}
 
-    def dcp_writer(self, directory: str):
-        """torch's ``FileSystemWriter`` writing into ``directory`` on this filesystem (no
-        ``fsync``: a remote store makes a file durable when it is closed)."""
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        writer = FileSystemWriter(os.devnull, sync_files=False)  # a path FileSystem accepts
-        writer.fs = self
-        writer.path = directory
-        return writer
-
 
 def by_value(obj: Any) -> bytes:
     """``obj`` pickled so that any process with this package can load it: with the standard
     pickler when it can, else with Ray's cloudpickle, as Ray pickled it to its workers (a class
     that is not importable, one of the driver script, goes by value)."""
-    import pickle
-
     try:
         return pickle.dumps(obj)
     except (pickle.PicklingError, AttributeError, TypeError):
@@ -128,8 +134,6 @@ def by_value(obj: Any) -> bytes:
 
 
 def _arrow_file_system(data: bytes) -> ArrowFileSystem:
-    import pickle
-
     return ArrowFileSystem(pickle.loads(data))
 
 
@@ -177,23 +181,14 @@ def load_small(path: str, name: str, filesystem=None) -> Any:
                                                 weights_only=False)
 
 
-def _spare() -> list[Any]:
-    """Data buffers given back by MemoryFiles.release, for the next ones (held by the runtime)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
-    return runtime().spare_buffers
-
-
 class _Buffer(io.RawIOBase):
     """A file written into one buffer of its expected size, reused from a generation to the
     next once released (no copy as it grows, unlike ``io.BytesIO``, and no allocation a
     generation; past that size it grows by doubling)."""
 
     def __init__(self, capacity: int) -> None:
-        import numpy as np
-
         capacity = max(capacity, 1 << 16)
-        spares = _spare()
+        spares = runtime().spare_buffers  # given back by MemoryFiles.release
         spare = next((b for b in spares if b.nbytes >= capacity), None)
         if spare is not None:
             spares.remove(spare)
@@ -205,8 +200,6 @@ class _Buffer(io.RawIOBase):
         return True
 
     def write(self, data) -> int:
-        import numpy as np
-
         view = memoryview(data).cast("B")
         end = self._n + view.nbytes
         if end > self.array.nbytes:
@@ -237,7 +230,7 @@ class SlotFile(SharedFile):
     says."""
 
 
-class MemoryFiles:
+class MemoryFiles(_FileSystem):
     """torch DCP's ``FileSystemBase`` over a dict: a checkpoint written into host memory.
     ``expected_bytes``: the size of the rank's data file (DCP's ``.distcp``), when known, so
     that it is written into one buffer of that size.
@@ -252,10 +245,7 @@ class MemoryFiles:
         self.files: dict[str, Any] = {}  # path -> bytes, a memoryview of them, or a SharedFile
         self.expected_bytes = 0
         self._arrays: list[Any] = []
-        self.writer = None
-        self.shared_dir = ""
-        self.timeout_s = 0.0
-        self.rank = 0
+        self.writer, self.shared_dir, self.timeout_s, self.rank = None, "", 0.0, 0  # write_by's
 
     def write_by(self, writer, shared_dir: str, timeout_s: float, rank: int) -> None:
         """Have ``writer`` (a ready ``writer.SaveProcess``) format the files of :meth:`save`
@@ -283,7 +273,7 @@ class MemoryFiles:
                 except OSError:  # not empty: another rank's files, not ours to remove
                     break
         self.files.clear()
-        spares = _spare()
+        spares = runtime().spare_buffers
         spares.extend(self._arrays)
         del spares[:-2]
         self._arrays = []
@@ -307,12 +297,6 @@ class MemoryFiles:
             else:
                 yield io.BytesIO(data)
 
-    def concat_path(self, path, suffix: str) -> str:
-        return f"{str(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path) -> str:
-        return str(path)
-
     def rename(self, path, new_path) -> None:
         self.files[str(new_path)] = self.files.pop(str(path))
 
@@ -328,10 +312,6 @@ class MemoryFiles:
     def ls(self, path) -> list[str]:
         prefix = str(path).rstrip("/") + "/"
         return [p for p in self.files if p.startswith(prefix)]
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
 
     def save(self, name: str, obj: Any) -> None:
         """A torch file ``name`` in the checkpoint's directory (by the writer process, when
@@ -349,19 +329,9 @@ class MemoryFiles:
                 for name, data in self.by_name().items()}
 
     def dcp_writer(self, directory: str):
-        return memory_writer(self)
+        return super().dcp_writer(ROOT)
 
     def by_name(self) -> dict[str, Any]:
         """The checkpoint's files under their names in its directory."""
         prefix = ROOT + "/"
         return {p[len(prefix):]: b for p, b in self.files.items() if p.startswith(prefix)}
-
-
-def memory_writer(files: MemoryFiles):
-    """torch's ``FileSystemWriter`` writing into ``files``."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writer = FileSystemWriter(ROOT, sync_files=False)
-    writer.fs = files
-    writer.path = ROOT
-    return writer

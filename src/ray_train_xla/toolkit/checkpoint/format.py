@@ -21,6 +21,8 @@ and ``load_state_dict`` casts to the model's dtype.
 
 from __future__ import annotations
 
+import io
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -60,10 +62,8 @@ def flat_specs(state: Any, prefix: str = "") -> dict[str, Spec]:
     """``{"a.b.c": spec}`` for every leaf of nested mappings (keys joined with dots, as
     ``torch.distributed.checkpoint`` flattens them)."""
     if isinstance(state, Mapping) and spec_of(state) is None:
-        out: dict[str, Spec] = {}
-        for key, value in state.items():
-            out.update(flat_specs(value, f"{prefix}{key}."))
-        return out
+        return {flat: spec for key, value in state.items()
+                for flat, spec in flat_specs(value, f"{prefix}{key}.").items()}
     return {prefix[:-1]: spec_of(state)}
 
 
@@ -73,9 +73,9 @@ def _shape(spec: Spec) -> str:
     return f"{list(shape)} {str(dtype).replace('torch.', '')}"
 
 
-def _listed(items: list[str]) -> str:
-    more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
-    return ", ".join(items[:SHOWN]) + more
+def _listed(items: list[str], shown: int = SHOWN) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def check_fits(saved: Mapping[str, Spec], target: Mapping[str, Spec], what: str,
@@ -97,15 +97,10 @@ def check_fits(saved: Mapping[str, Spec], target: Mapping[str, Spec], what: str,
             wrong.append(f"{key}: saved {_shape(s)}, into {_shape(t)}")
     missing = sorted(set(target) - set(saved))
     unexpected = sorted(k for k in set(saved) - set(target) if saved[k] is not None)
-    problems = []
-    if wrong:
-        problems.append("tensors of another shape or dtype: " + _listed(wrong))
-    if kinds:
-        problems.append("values of another kind: " + _listed(kinds))
-    if missing:
-        problems.append(f"missing from the checkpoint: {_listed(missing)}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in {target_name}: {_listed(unexpected)}")
+    problems = [label + _listed(items) for label, items in (
+        ("tensors of another shape or dtype: ", wrong), ("values of another kind: ", kinds),
+        ("missing from the checkpoint: ", missing),
+        (f"in the checkpoint but not in {target_name}: ", unexpected)) if items]
     if problems:
         raise CheckpointMismatchError(
             f"{what} does not fit {target_name} (loading it would leave wrong or stale values): "
@@ -116,8 +111,6 @@ def check_chunks(metadata: Any, keys: tuple[str, ...], what: str) -> None:
     """Raise ``CheckpointMismatchError`` when the shards a sharded checkpoint's ``.metadata``
     lists for a tensor under ``keys`` lie outside it or leave part of it unwritten (read into
     an empty tensor, that part would hold whatever the memory held)."""
-    import math
-
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     mappings = metadata.planner_data or {}
@@ -165,8 +158,6 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
     """The ``keys`` entries of the checkpoint in directory ``path`` (on ``filesystem``, a
     pyarrow filesystem, when given), as full CPU tensors (every shard of a sharded checkpoint
     joined into one tensor per entry)."""
-    import io
-
     import torch
 
     from ray_train_xla.toolkit.checkpoint.files import read_file
@@ -197,15 +188,12 @@ def read_full_state(path: str, keys: tuple[str, ...] = ("model",),
     return {k: state[k] for k in keys if k in state}
 
 
-def _found(path: str, shown: int = 8) -> str:
-    """What directory ``path`` holds, shortened to ``shown`` names (for error messages)."""
+def _found(path: str) -> str:
+    """What directory ``path`` holds, shortened to 8 names (for error messages)."""
     if not os.path.isdir(path):
         return "no directory"
     names = sorted(os.listdir(path))
-    if not names:
-        return "an empty directory"
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
+    return _listed(names, 8) if names else "an empty directory"
 
 
 def reader_for(path: str, filesystem=None):
@@ -214,26 +202,17 @@ def reader_for(path: str, filesystem=None):
     for one written rank by rank (``rank_files.py``), its ranks' own metadata merged once."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ray_train_xla.toolkit.checkpoint.files import has_file
+    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem, has_file
     from ray_train_xla.toolkit.checkpoint.rank_files import SlotReader, rank_metadata_file
 
-    if not has_file(path, ".metadata", filesystem) and \
+    if not has_file(path, METADATA_FILE, filesystem) and \
             has_file(path, rank_metadata_file(0), filesystem):
         reader = SlotReader(path, filesystem)
+    elif filesystem is None:
+        reader = FileSystemReader(path)
     else:
-        reader = FileSystemReader(path) if filesystem is None else _arrow_reader(path, filesystem)
+        reader = FileSystemReader(os.devnull)  # a path FileSystem accepts; replaced here
+        reader.fs, reader.path = ArrowFileSystem(filesystem), str(path)
     metadata = reader.read_metadata()
     reader.read_metadata = lambda *args, **kwargs: metadata  # one read per export, not per tensor
     return reader, metadata
-
-
-def _arrow_reader(path: str, filesystem):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem
-
-    reader = FileSystemReader.__new__(FileSystemReader)
-    FileSystemReader.__init__(reader, os.devnull)  # a path FileSystem accepts; replaced below
-    reader.fs = ArrowFileSystem(filesystem)
-    reader.path = str(path)
-    return reader

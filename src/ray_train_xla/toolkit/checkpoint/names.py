@@ -25,11 +25,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from ray_train_xla.errors import ShardedStateError
+from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
+from ray_train_xla.toolkit.runtime import runtime
 
 FORMAT_VERSION = 2
 WRAPPER_PREFIXES = ("_orig_module.", "_checkpoint_wrapped_module.")
-
 
 
 def module_name(key: str) -> str:
@@ -55,8 +55,6 @@ class PreparedModels:
 
 
 def _prepared() -> PreparedModels:
-    from ray_train_xla.toolkit.runtime import runtime
-
     return runtime().part("prepared", PreparedModels)
 
 
@@ -77,10 +75,7 @@ def prepared_models() -> list:
 
 
 def _names_by_id() -> dict[int, str]:
-    out: dict[int, str] = {}
-    for model in prepared_models():
-        out.update({id(p): module_name(n) for n, p in model.named_parameters()})
-    return out
+    return {id(p): module_name(n) for model in prepared_models() for n, p in model.named_parameters()}
 
 
 def _on_step(optimizer, args, kwargs) -> None:
@@ -162,8 +157,6 @@ def index_optimizer_state(named: Mapping[str, Any], osd: Mapping[str, Any],
     optimizer's own state dict, whose parameters are ``names``), for ``load_state_dict``: the
     saved hyperparameters of each group, the target's parameters. Raises
     ``CheckpointMismatchError`` when the groups differ."""
-    from ray_train_xla.errors import CheckpointMismatchError
-
     saved_groups = list(named.get("param_groups", []))
     if len(saved_groups) != len(osd["param_groups"]) or any(
             sorted(map(str, s["params"])) != sorted(t) for s, t in zip(saved_groups, names)):

@@ -1,54 +1,51 @@
 """DCP checkpoints written rank by rank, in place, with no collective: the memory tier's format
-for DTensor state.
+for DTensor state, where the node has shared memory (torch_xla SPMD state goes through
+``dcp.save``, ``memory/tier.py``; docs/sharded-models.md, "The memory tier").
 
-torch's ``dcp.save`` plans every checkpoint collectively (every rank's plan gathered on the
-coordinator, the global plan scattered back, the write results gathered for the one
-``.metadata``) and then formats each shard with ``torch.save``: Python work, collectives and
-copies at each save. The memory tier saves the same structure again and again, so each rank
-lays its shards out once per structure and then only copies them into place, through DCP's
-public extension points (a ``StorageWriter`` and a ``StorageReader`` of its own):
+``dcp.save`` plans every checkpoint collectively and formats each shard with ``torch.save`` at
+each save. The memory tier saves the same structure again and again, so each rank lays its
+shards out once per structure and then only copies them into place, through DCP's public
+extension points (a ``StorageWriter`` and a ``StorageReader`` of its own):
 
 - **Slots.** Each rank keeps two files in the node's shared memory (:class:`RankSlots`), used in
-  turn: the generation being written, and the newest complete one. A slot is the rank's data
-  file (``__{rank}_0.distcp``): each shard's bytes as they lie in memory, at an offset laid out
-  once per structure. The snapshot copies the shards straight there: that copy is the only
-  work that grows with the state. The slot's memory is allocated once. The slot of the newest
-  complete generation serves until the generation after the next one starts (a rank starts a
-  generation only once every rank completed the one before).
-- **Plan.** DCP's own planner over the rank's own shards (``DefaultSavePlanner``) and
-  :class:`SlotWriter`, driven as ``dcp.save`` drives them without a process group
-  (``create_local_plan``, then ``create_global_plan`` over that one plan), once per structure.
-  The writer's storage data says where each chunk lies (:class:`SlotChunk`: a file, an offset,
-  a length). Each generation gets the rank's metadata (``__{rank}.metadata``: DCP's ``Metadata``
-  of its chunks) and, when the state has non-tensor values, a small file of their bytes
+  turn: the generation being written, and the newest complete one (a rank starts a generation
+  only once every rank completed the one before). A slot is the rank's data file
+  (``__{rank}_0.distcp``): each shard's bytes as they lie in memory, at an offset laid out once
+  per structure, allocated once; the snapshot copies the shards straight there.
+- **Plan.** DCP's own planner over the rank's own shards and :class:`SlotWriter`, driven as
+  ``dcp.save`` drives them without a process group, once per structure; the writer's storage
+  data says where each chunk lies (:class:`SlotChunk`). Each generation gets the rank's
+  metadata (``__{rank}.metadata``) and, for non-tensor values, a small file of their bytes
   (``__{rank}_1.distcp``, as the planner pickles them). An empty shard has no bytes.
 - **Stamp.** A slot's first 8 bytes say which generation it holds (-1 while the snapshot
   copies into it): the store serves a slot only as the generation it says (``slot_stamp``).
 
-:class:`SlotReader` merges the ranks' metadata into the checkpoint's (:func:`merge_metadata`)
-and reads their files (``format.reader_for`` picks it for a checkpoint with ranks' own metadata):
-``dcp.load`` like any DCP checkpoint, resharding included.
-
-DTensor state (FSDP2), where the node has shared memory; torch_xla SPMD state goes through
-``dcp.save`` (``memory/tier.py``).
+:class:`SlotReader` merges the ranks' metadata (:func:`merge_metadata`) and reads their files
+(``format.reader_for`` picks it): ``dcp.load`` like any DCP checkpoint, resharding included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
 import mmap
 import os
+import pickle
 import secrets
 from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile, files_at, read_file
 from ray_train_xla.toolkit.checkpoint.memory.store import SLOT_PREFIX
+from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
 
 ALIGN = 64  # each shard's offset in a slot
 HEADER = 64  # a slot's first bytes: the generation it holds (int64), then nothing
@@ -122,8 +119,6 @@ class SlotWriter(_Storage, StorageWriter):
         pass
 
     def write_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import WriteItemType
-
         results, self.small = [], io.BytesIO()
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -155,10 +150,6 @@ class SlotReader(_Storage, StorageReader):
         self.path, self.filesystem, self.metadata = path, filesystem, None
 
     def read_metadata(self, *args, **kwargs):
-        import pickle
-
-        from ray_train_xla.toolkit.checkpoint.files import files_at, read_file
-
         names = [n for n in files_at(self.filesystem).sizes(self.path) if is_rank_metadata(n)]
         return merge_metadata([pickle.loads(read_file(self.path, name, self.filesystem))
                                for name in sorted(names, key=lambda n: int(n[2:-9]))])
@@ -167,17 +158,10 @@ class SlotReader(_Storage, StorageReader):
         self.metadata = metadata
 
     def read_data(self, plan, planner):
-        from contextlib import ExitStack
-
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-        from torch.distributed.checkpoint.planner import LoadItemType
-
-        from ray_train_xla.toolkit.checkpoint.files import files_at
-
         entries, files = self.metadata.state_dict_metadata, files_at(self.filesystem)
         sizes = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, entry in entries.items()
                  for c in getattr(entry, "chunks", ())}
-        with ExitStack() as streams:
+        with contextlib.ExitStack() as streams:
             opened: dict[str, Any] = {}
             for item in plan.items:
                 where = self.metadata.storage_data[item.storage_index]
@@ -301,14 +285,6 @@ class RankSlots:
         copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
         as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
         checkpoint's own small files are the caller's (``writer.write_small_files``)."""
-        import pickle
-
-        from torch.distributed.checkpoint import DefaultSavePlanner
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        from ray_train_xla.toolkit.checkpoint.files import ROOT, SlotFile
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, structure
-
         if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
             try:
                 staged["state"], staged["release"] = staged["state"].result(timeout=timeout_s)
@@ -353,19 +329,14 @@ class RankSlots:
     def remove(self) -> None:
         """Remove the slot files still on the file system (the store unlinks them once it maps
         them: these are the ones it never took)."""
-        for slot in self.slots:
-            try:
-                if slot is not None:
-                    os.remove(slot.path)
-            except FileNotFoundError:
-                pass
+        for slot in filter(None, self.slots):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(slot.path)
 
 
 def merge_metadata(parts: list[Any]):
     """One DCP ``Metadata`` from the ranks' own: every rank's chunks of each tensor (a chunk
     two ranks both wrote, a replicated one, once), where each lies, the planner's mappings."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     tensors: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     mappings: dict[str, Any] = {}

@@ -9,6 +9,7 @@ file needs neither torch_xla nor this package to load. Here: its loading and che
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -23,8 +24,6 @@ def load_replicated(path: str, filename: str, where: str, filesystem=None) -> di
     """The state in ``path/filename`` (CPU tensors; ``filesystem``: a pyarrow filesystem the
     directory is on, default the local one). ``where`` names the checkpoint and worker in the
     error when the file is missing."""
-    import io
-
     from ray_train_xla.toolkit.checkpoint.files import read_file
 
     file = os.path.join(path, filename)

@@ -4,6 +4,7 @@ package's docstring)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -15,7 +16,6 @@ from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import events, reporting
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
-    GROUPS_FILE,
     check_fits,
     flat_specs,
     is_sharded_checkpoint,
@@ -23,6 +23,7 @@ from ray_train_xla.toolkit.checkpoint.format import (
 )
 from ray_train_xla.toolkit.checkpoint.memory import tier as _memory
 from ray_train_xla.toolkit.checkpoint.names import (
+    FORMAT_VERSION,
     index_optimizer_state,
     module_name,
     named_model_state,
@@ -35,6 +36,8 @@ from ray_train_xla.toolkit.checkpoint.sharded import (
     describe,
     format_version,
     load_sharded,
+    read_extra,
+    read_groups,
     sharded_layout,
 )
 from ray_train_xla.toolkit.checkpoint.staging import stage
@@ -97,12 +100,9 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
         return reporter().checkpoint(metrics, None, wait=wait)
 
     tier = _memory.memory_tier()
-    after = None
-    if tier is not None:  # storage and memory number their saves together (memory/tier.py)
-        gen = tier.next_generation()
-        if rank() == 0:
-            def after() -> None:
-                tier.note_storage(gen)
+    # storage and memory number their saves together (memory/tier.py)
+    gen = tier.next_generation() if tier is not None else None
+    after = functools.partial(tier.note_storage, gen) if gen is not None and rank() == 0 else None
     write = None
     if desc["layout"] is not None or rank() == 0:  # replicated state: rank 0 writes it
         options = reporting.report_options()
@@ -213,11 +213,6 @@ def _read_sharded_whole(path: str, model, optimizer,
                         filesystem=None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the model's and the optimizer's state as whole CPU tensors, in the replicated form of
     ``model`` and ``optimizer``; the rest of the saved state) of a sharded checkpoint."""
-    import io
-
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-    from ray_train_xla.toolkit.checkpoint.sharded import read_extra
-
     keys = ("model", "optimizer") if optimizer is not None else ("model",)
     full = read_full_state(path, keys, filesystem=filesystem)
     state: dict[str, Any] = {}
@@ -227,18 +222,16 @@ def _read_sharded_whole(path: str, model, optimizer,
             if model is not None and set(map(module_name, model.state_dict())) == set(named) else named
     if optimizer is not None and "optimizer" in full:
         saved = full["optimizer"]
-        if format_version(path, filesystem) >= 2:
-            data = read_file(path, GROUPS_FILE, filesystem)
-            groups = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) \
-                if data is not None else None
-            osd = optimizer.state_dict()
+        if format_version(path, filesystem) >= FORMAT_VERSION:
+            groups = read_groups(path, filesystem)
             names = optimizer_param_names(model, optimizer, "load_checkpoint") if model is not None \
                 else None
             if names is None or groups is None:
                 raise KeyError(f"load_checkpoint: {path}: a sharded checkpoint's optimizer state "
                                "is named; give the model with the optimizer")
             named = {"state": saved.get("state", {}), "param_groups": groups}
-            state["optimizer"] = index_optimizer_state(named, osd, names, f"load_checkpoint: {path}")
+            state["optimizer"] = index_optimizer_state(named, optimizer.state_dict(), names,
+                                                       f"load_checkpoint: {path}")
         else:
             state["optimizer"] = saved
     return state, read_extra(path, filesystem)
@@ -258,12 +251,10 @@ def _fill_sharded(state: dict[str, Any], model, optimizer, layout: str, where: s
         named_optim = positional_names(state["optimizer"], names)
         params = {n: p for group in names for n in group
                   for n2, p in model.named_parameters() if module_name(n2) == n}
-        want = {f"optimizer.state.{n}.{k}": (tuple(params[n].shape), v.dtype)
-                for n, s in named_optim["state"].items() if n in params
-                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        have = {f"optimizer.state.{n}.{k}": (tuple(v.shape), v.dtype)
-                for n, s in named_optim["state"].items()
-                for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        saved = [(f"optimizer.state.{n}.{k}", n, v) for n, s in named_optim["state"].items()
+                 for k, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        want = {key: (tuple(params[n].shape), v.dtype) for key, n, v in saved if n in params}
+        have = {key: (tuple(v.shape), v.dtype) for key, n, v in saved}
         check_fits(have, want, f"load_checkpoint: {where}", "the optimizer")
     if layout == DTENSOR:
         from torch.distributed.checkpoint.state_dict import (

@@ -2,7 +2,8 @@
 Here: what a state is (:func:`describe`, a save's first step, for every layout) and the loading
 of both layouts; the writing is ``writer.py``'s.
 
-Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
+Two layouts of sharded state, one format (``format.py``, names in ``names.py``, so that either
+restores onto another mesh, device count, worker count or layout):
 
 - ``spmd``: torch_xla SPMD tensors (FSDPv2, ``TorchXLAConfig(spmd=True)``), through torch_xla's
   ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the shards its devices hold and reads
@@ -11,30 +12,27 @@ Two layouts of sharded state, one format (``format.py``, names in ``names.py``):
   and their CPU twins), through DCP's default planners, and on loading torch's own
   ``get_state_dict`` / ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
 
-Both store the model under the plain module's names and the optimizer state under those names,
-so a checkpoint restores onto another mesh shape, device count, worker count or layout (an SPMD
-checkpoint into an FSDP2 model and the other way round). Shards held by several ranks are
-written once. Under Ray Train V2 with storage on a file system, every worker writes straight
-into the checkpoint's directory in the run's storage (``reporting.py``); elsewhere into its own
-temporary directory, which Ray merges into the one checkpoint of that step.
-
 torch_xla is imported only for the ``spmd`` layout: native workers never import it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ray_train_xla.toolkit.checkpoint.files import load_small, read_file
 from ray_train_xla.toolkit.checkpoint.format import (
     EXTRA_FILE,
     GROUPS_FILE,
     SHARDED_KEYS,
     SHARDED_MARKER,
     check_fits,
+    reader_for,
     saved_specs,
     spec_of,
 )
@@ -85,25 +83,9 @@ def sharded_layout(state: Any, helper: str, found: list | None = None) -> str | 
 
 def process_info() -> tuple[bool, int, int]:
     """(whether a process group is initialised, this rank, the world size)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return True, dist.get_rank(), dist.get_world_size()
     return False, 0, 1
-
-
-def _named(dist_state: dict[str, Any]) -> tuple[dict[str, Any], list | None]:
-    """The model and the optimizer's state under the module's names; the optimizer's
-    parameter groups (hyperparameters, names) apart: rank 0 writes them as one small file."""
-    out: dict[str, Any] = {}
-    groups = None
-    if "model" in dist_state:
-        out["model"] = named_model_state(dist_state["model"])
-    if "optimizer" in dist_state:
-        named = named_optimizer_state(dist_state["optimizer"])
-        out["optimizer"] = {"state": named["state"]}
-        groups = named["param_groups"]
-    return out, groups
 
 
 def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[str, Any]:
@@ -123,7 +105,13 @@ def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[
                 f"{helper}: state entry {path} is {what}; sharded tensors must be under "
                 f"{' or '.join(repr(k) for k in SHARDED_KEYS)} (the model's and optimizer's "
                 "state dicts)")
-    named, groups = _named({k: v for k, v in state.items() if k in SHARDED_KEYS})
+    named: dict[str, Any] = {}
+    groups = None
+    if "model" in state:
+        named["model"] = named_model_state(state["model"])
+    if "optimizer" in state:
+        optim = named_optimizer_state(state["optimizer"])
+        named["optimizer"], groups = {"state": optim["state"]}, optim["param_groups"]
     return {"layout": layout, "named": named, "groups": groups,
             "extra": {k: v for k, v in state.items() if k not in SHARDED_KEYS}}
 
@@ -132,21 +120,13 @@ def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[
 
 def format_version(directory: str, filesystem=None) -> int:
     """The format version of a sharded checkpoint (1: written before names, see names.py)."""
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-
     marker = read_file(directory, SHARDED_MARKER, filesystem)
-    if marker is None:
-        return 1
-    return int(json.loads(marker).get("format_version", 1))
+    return 1 if marker is None else int(json.loads(marker).get("format_version", 1))
 
 
 def _top_key(metadata, key: str) -> str:
     mappings = metadata.planner_data or {}
     return str(mappings[key][0]) if key in mappings else key.split(".")[0]
-
-
-def _saved_keys(metadata) -> set[str]:
-    return {_top_key(metadata, k) for k in metadata.state_dict_metadata}
 
 
 def _flatten(target: dict[str, Any], layout: str) -> dict[str, Any]:
@@ -179,11 +159,9 @@ def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: 
         return target
     out: dict[str, Any] = {}
     if "model" in target:
-        saved = {}
-        for key in metadata.state_dict_metadata:
-            if _top_key(metadata, key) == "model":
-                name = key[len("model."):]
-                saved[module_name(name)] = name
+        keys = [k[len("model."):] for k in metadata.state_dict_metadata
+                if _top_key(metadata, k) == "model"]
+        saved = {module_name(k): k for k in keys}
         out["model"] = {saved.get(n, n): v for n, v in target["model"].items()}
     if "optimizer" in target:
         position = {n: i for i, n in enumerate(order)}
@@ -192,15 +170,12 @@ def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: 
     return out
 
 
-def _read_groups(directory: str, version: int, filesystem=None) -> list | None:
-    import io
-
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-
-    data = read_file(directory, GROUPS_FILE, filesystem) if version >= FORMAT_VERSION else None
-    if data is not None:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    return None
+def read_groups(directory: str, filesystem=None) -> list | None:
+    """The optimizer's parameter groups a sharded checkpoint holds (``param_groups.pt``, format
+    2 and later), None when it has none."""
+    data = read_file(directory, GROUPS_FILE, filesystem)
+    return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
+                                                weights_only=True)
 
 
 def load_sharded(
@@ -222,12 +197,10 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    from ray_train_xla.toolkit.checkpoint.format import reader_for
-
     layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
     reader, metadata = reader_for(directory, filesystem)
     version = format_version(directory, filesystem)
-    saved = _saved_keys(metadata)
+    saved = {_top_key(metadata, k) for k in metadata.state_dict_metadata}
     wanted = [k for k, v in (("model", model), ("optimizer", optimizer)) if v is not None]
     missing = sorted(set(wanted) - saved)
     if missing:
@@ -246,21 +219,21 @@ def load_sharded(
         target["optimizer"] = _optimizer_target(model, optimizer, names, layout)
     loaded = _in_saved_keys(target, order, metadata, version)
     _check_target(metadata, loaded, layout, directory)
+    planner = None
     if layout == SPMD:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
-        dcp.load(loaded, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not process_info()[0])
-    else:
-        dcp.load(loaded, storage_reader=reader, process_group=process_group, no_dist=not process_info()[0])
-    _apply(model, optimizer, target, _read_groups(directory, version, filesystem), names, layout,
+        planner, process_group = SPMDLoadPlanner(), None
+    dcp.load(loaded, storage_reader=reader, planner=planner, process_group=process_group,
+             no_dist=not process_info()[0])
+    groups = read_groups(directory, filesystem) if version >= FORMAT_VERSION else None
+    _apply(model, optimizer, target, groups, names, layout,
            f"load_checkpoint: the sharded checkpoint {directory}")
     return read_extra(directory, filesystem)
 
 
 def read_extra(directory: str, filesystem=None) -> dict[str, Any]:
     """The rest of the state a sharded checkpoint holds (``extra.pt``: step, epoch, ...)."""
-    from ray_train_xla.toolkit.checkpoint.files import load_small
-
     extra = load_small(directory, EXTRA_FILE, filesystem)
     return {} if extra is None else extra
 
@@ -291,33 +264,24 @@ def _optimizer_target(model, optimizer, names, layout: str) -> dict[str, Any]:
 def _apply(model, optimizer, target, groups, names, layout: str, where: str) -> None:
     """Put what DCP read into ``target`` into the model and optimizer: DCP filled the
     tensors in place; the saved parameter groups (learning rates, ...) are set here."""
+    if model is not None:
+        by_name = target["model"]
+        if layout == SPMD:
+            model.load_state_dict({k: by_name[module_name(k)] for k in model.state_dict()})
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(model, {k: by_name[module_name(k)]
+                                         for k in get_model_state_dict(model)})
+    if optimizer is not None:
+        osd = optimizer.state_dict()
+        named = {"state": target["optimizer"]["state"],
+                 "param_groups": groups or name_optimizer_state(osd, names)["param_groups"]}
+        optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
     if layout == SPMD:
         import torch_xla
 
-        if model is not None:
-            by_name = target["model"]
-            model.load_state_dict({k: by_name[module_name(k)] for k in model.state_dict()})
-        if optimizer is not None:
-            osd = optimizer.state_dict()
-            named = {"state": target["optimizer"]["state"],
-                     "param_groups": groups or name_optimizer_state(osd, names)["param_groups"]}
-            optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
         torch_xla.sync()
-        return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    if model is not None:
-        set_model_state_dict(model, _model_keys(model, target["model"]))
-    if optimizer is not None:
-        osd = optimizer.state_dict()
-        current = name_optimizer_state(osd, names)
-        named = {"state": target["optimizer"]["state"],
-                 "param_groups": groups or current["param_groups"]}
-        optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
-
-
-def _model_keys(model, named: dict[str, Any]) -> dict[str, Any]:
-    """The named state under the keys ``get_model_state_dict`` gives ``model``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return {k: named[module_name(k)] for k in get_model_state_dict(model)}

@@ -18,7 +18,6 @@ a DTensor dispatch), and made DTensors again when the snapshot is written
 (:func:`join_dtensors`), off the training thread: the blocking call costs little more than the
 copy.
 
-``allocated_bytes`` counts the host buffers the pool allocated, for tests and benchmarks.
 Replicated state that a writer process writes is staged the same way into shared-memory
 buffers (:func:`shared_pool`), which the writer process maps instead of receiving a copy.
 
@@ -46,18 +45,20 @@ from typing import Any
 
 import torch
 
+from ray_train_xla.errors import ReportError
+from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit import events
+from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.runtime import runtime
+from ray_train_xla.toolkit.sharding import DTENSOR
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors of ``value``'s dicts, lists and tuples, in order."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from tensors_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
+    elif isinstance(value, (Mapping, list, tuple)):
+        for v in value.values() if isinstance(value, Mapping) else value:
             yield from tensors_in(v)
 
 
@@ -71,14 +72,8 @@ class StagingPool:
         self.pin_memory = pin_memory is not False and torch.cuda.is_available() and not share_memory
         self._lock = threading.Lock()
         self._free: list[dict[int, torch.UntypedStorage]] = []
-        self._sets = 0
-        self.allocated_bytes = 0
-        self.snapshots = 0
-
-    @property
-    def stagers(self) -> int:
-        """How many sets of buffers the pool holds (each lent or free)."""
-        return self._sets
+        self.stagers = 0  # how many sets of buffers the pool holds (each lent or free)
+        self.allocated_bytes = 0  # the host buffers allocated, for tests and benchmarks
 
     def stage(self, state: Any) -> tuple[Any, Callable[[], None]]:
         """(a host copy of ``state``, DTensors kept DTensors on the CPU; the function that gives
@@ -116,12 +111,10 @@ class StagingPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-            self._sets += 1
+            self.stagers += 1
         return {}
 
     def _giving_back(self, buffers: dict[int, torch.UntypedStorage]) -> Callable[[], None]:
-        with self._lock:
-            self.snapshots += 1
         returned = threading.Event()
 
         def give_back() -> None:
@@ -143,9 +136,7 @@ class _Shard:
 def split_dtensors(tree: Any) -> tuple[Any, list[torch.Tensor], list[tuple]]:
     """(``tree`` with each tensor replaced by a marker; the tensors, a DTensor by its local
     shard; what makes each a DTensor again: mesh, placements, shape, stride, or None for a
-    plain tensor). The stager copies plain local tensors, which costs a fraction of copying
-    DTensors (each new DTensor is a DTensor dispatch): the DTensors are made again by
-    :func:`join_dtensors` when the snapshot is written, off the training thread."""
+    plain tensor), made DTensors again by :func:`join_dtensors` (see the module docstring)."""
     from torch.distributed.tensor import DTensor
 
     shards: list[torch.Tensor] = []
@@ -227,9 +218,6 @@ def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
     (:class:`Snapshots`). ``shared``: replicated state in shared memory, for a writer process.
     ``stager``: what copies DTensor state's local shards (default: the pool's
     ``stage_tensors``)."""
-    from ray_train_xla.toolkit.device import to_cpu
-    from ray_train_xla.toolkit.sharding import DTENSOR
-
     layout = desc["layout"]
     if layout is None:
         state = desc["state"]
@@ -248,9 +236,6 @@ def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
         # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
         return {"layout": layout, "state": _sharded_cpu_state_dict(desc["named"]),
                 "groups": desc["groups"], "extra": extra, "release": None}
-    # DTensors stay DTensors (same mesh and placements, local shard on the CPU): their local
-    # shards are staged as plain tensors into buffers reused from save to save, and made
-    # DTensors again when written.
     tree, shards, specs = split_dtensors(desc["named"])
     stager = stager or pool().stage_tensors
     if overlap:  # a future of (staged, release): the writer waits for it
@@ -270,7 +255,6 @@ class Snapshots:
         self._pending: set[Future] = set()
         self._hook = None
         self.waits = 0  # optimizer steps that waited for a snapshot
-        self.waited_s = 0.0
 
     def submit(self, stage: Callable[[Any], tuple[Any, Callable[[], None]]], state: Any) -> Future:
         """Copy ``state`` with ``stage`` (a pool's ``stage`` or ``stage_tensors``) in the
@@ -292,26 +276,18 @@ class Snapshots:
             pending = list(self._pending)
         if not pending:
             return
-        from ray_train_xla.planning.contract import worker_context
-        from ray_train_xla.toolkit import events
-
         timeout_s = worker_context().timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
         _, left = wait_all(pending, timeout=timeout_s)
-        waited = time.perf_counter() - start
         self.waits += 1
-        self.waited_s += waited
-        events.add_stall(waited)
+        events.add_stall(time.perf_counter() - start)
         if left:
-            from ray_train_xla.errors import ReportError
-
             raise ReportError(f"a checkpoint snapshot was not copied to host memory within "
                               f"timeout_s={timeout_s:g}")
 
     def _install(self) -> None:
         if self._hook is not None:
             return
-        import torch
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         def before_step(optimizer, args, kwargs) -> None:

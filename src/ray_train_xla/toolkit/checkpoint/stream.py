@@ -24,7 +24,7 @@ from ray_train_xla.toolkit.checkpoint.files import (  # noqa: F401 (read here an
     load_small,
     read_file,
 )
-from ray_train_xla.toolkit.checkpoint.format import reader_for
+from ray_train_xla.toolkit.checkpoint.format import check_chunks, reader_for
 
 # The safetensors names of torch dtypes (safetensors' own table).
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -39,8 +39,6 @@ class ModelTensors:
     def __init__(self, path: str, filesystem=None, top: str = "model",
                  rename: Callable[[str], str] = lambda name: name) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from ray_train_xla.toolkit.checkpoint.format import check_chunks
 
         self.reader, metadata = reader_for(path, filesystem)
         check_chunks(metadata, (top,), f"checkpoint {path}")

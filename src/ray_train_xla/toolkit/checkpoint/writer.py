@@ -2,62 +2,53 @@
 
 Sharded state: every rank writes its shards with ``torch.distributed.checkpoint``
 (:func:`write_staged`), in the reporter's thread or, for DTensors in a process group, through
-torch's writer process; rank 0 adds the checkpoint's small files (:func:`write_small_files`).
-Replicated state: rank 0 writes ``checkpoint.pt`` with ``torch.save``
-(:func:`write_replicated`), in the reporter's thread or through its save process.
+torch's writer process (``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS``: one spawned
+Python per worker, started at its first save, joining a gloo group of every rank's writers; the
+snapshot's host buffers move into shared memory once, the staging pool reuses them, and the
+snapshot is taken as it is: ``AsIs``). Rank 0 adds the checkpoint's small files
+(:func:`write_small_files`). Replicated state: rank 0 writes ``checkpoint.pt`` with
+``torch.save`` (:func:`write_replicated`), in the reporter's thread or through its
+:class:`SaveProcess`, a spawned Python handed the snapshot through a pipe, its tensors in shared
+memory. The memory tier has a :class:`SaveProcess` of its own per worker (``memory/tier.py``).
 
-**Sharded checkpoints: torch's own writer process.**
-
-``torch.distributed.checkpoint.async_save(..., async_checkpointer_type=AsyncCheckpointerType.
-PROCESS)`` starts one writer process per worker at its first save (a spawned Python that joins a
-gloo group of the writers of every rank, a second or two in the background), and from then on
-hands it each snapshot: the snapshot's host buffers move into shared memory once (the staging
-pool reuses them, ``staging.py``), so later saves pass only their handles, and the writer runs
-DCP's planning and writes the files. The training process keeps only the waiting, in the
-background reporter's thread: the write no longer shares the training thread's interpreter
-lock. The snapshot is taken as it is (no second staging: ``AsIs``).
-
-Used for DTensor state (FSDP2) in a process group.
-
-**Replicated checkpoints: a save process** (:class:`SaveProcess`). Rank 0's ``checkpoint.pt`` is
-written by one spawned Python of rank 0's own (started at its first replicated save): it is
-handed the snapshot through a pipe, its tensors as shared memory (the snapshot is staged into
-shared host buffers reused from save to save, ``staging.py``; torch_xla's tensors, copied off
-the device as before, move into shared memory in the reporter's thread), and writes it into
-the file with ``torch.save``, locally or through the run's storage filesystem.
-
-Both when ``configure_reports(writer_process=True)`` (the default); torch_xla SPMD state is
-written in the reporter's thread. **The memory tier** has a :class:`SaveProcess` of its own per
-worker for replicated state, which formats each generation's ``checkpoint.pt`` into the node's
-shared memory (``memory/tier.py``; DTensor state is written in place there, ``rank_files.py``).
-
-A writer process that dies is reported (its pipe closes) and a write that does not end within
-``timeout_s`` is an error: neither is waited for without end. Either way the error reaches the
-training function as ``ReportError``, naming ``configure_reports(writer_process=False)``, which
-writes in the reporter's thread instead.
+Writer processes are used when ``configure_reports(writer_process=True)`` (the default);
+torch_xla SPMD state is written in the reporter's thread. A writer process that dies (its pipe
+closes) or a write that does not end within ``timeout_s`` reaches the training function as
+``ReportError``, naming ``configure_reports(writer_process=False)``, which writes in the
+reporter's thread instead (docs/sharded-models.md, "Asynchronous save").
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import multiprocessing
+import os
 import time
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
+from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
 from ray_train_xla.toolkit.checkpoint.format import EXTRA_FILE, GROUPS_FILE, SHARDED_MARKER
 from ray_train_xla.toolkit.checkpoint.names import FORMAT_VERSION
 from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, SPMD, describe, process_info
+from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, stage
 from ray_train_xla.toolkit.runtime import runtime
 
 # A writer process starts with this many threads in its thread pools (OMP_NUM_THREADS; its
 # parent's environment would give it one per core, which the steps it overlaps pay for:
 # benchmarks/results/stall.md).
 WRITER_THREADS = 1
+PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package starts
+_FIX = "configure_reports(writer_process=False) writes in the training process instead"
 
 
 # ---- the save's third step: the writers of a staged save (``staging.stage``)
@@ -104,9 +95,6 @@ def _save_planner(layout: str):
         (torch_xla's own keeps every duplicate on the lowest rank)."""
 
         def create_global_plan(self, all_plans):
-            import dataclasses
-            from collections import ChainMap
-
             from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
             all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
@@ -117,35 +105,18 @@ def _save_planner(layout: str):
     return BalancedSPMDSavePlanner()
 
 
-def _device_count(layout: str, world: int) -> int:
-    if layout == SPMD:
-        import torch_xla.runtime as xr
-
-        return xr.global_runtime_device_count()
-    return world
-
-
 def write_staged(staged: dict[str, Any], directory: str, process_group=None,
                  filesystem=None, writer_process: bool = False) -> dict[str, Any]:
-    """Write staged state into ``directory`` with ``torch.distributed.checkpoint`` (collective:
-    every rank calls it, in the same order; ``process_group`` defaults to the default group).
-    ``filesystem``: where ``directory`` is: None for the local file system, a pyarrow filesystem
-    (the run's storage: S3, GCS, any other) or a ``files.MemoryFiles`` (host memory).
-    ``writer_process``: DTensor shards in a process group are written by this worker's writer
-    process (:func:`save_in_writer_process`). Returns what this rank wrote: ``{"files": [...],
-    "bytes": n}``.
-    The snapshot's host buffers go back to the staging pool once the shards are written (or the
-    write failed)."""
+    """Write staged sharded state into ``directory`` with ``torch.distributed.checkpoint``
+    (collective: every rank calls it, in the same order; the arguments as :func:`writer_for`'s).
+    Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers
+    go back to the staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
-
-    from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at
 
     distributed, rank, world = process_info()
     if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
         staged["state"], staged["release"] = staged["state"].result()
     if staged.get("specs") is not None:  # DTensors again, over their staged local shards
-        from ray_train_xla.toolkit.checkpoint.staging import join_dtensors
-
         if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
             filesystem.expected_bytes = sum(t.numel() * t.element_size()
                                             for t in staged["state"]) + (1 << 20)
@@ -177,15 +148,18 @@ def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[
                       world: int) -> None:
     """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
     param groups, and the marker that says how the shards were written."""
-    from ray_train_xla.toolkit.checkpoint.files import save_file
+    devices = world
+    if staged["layout"] == SPMD:
+        import torch_xla.runtime as xr
 
+        devices = xr.global_runtime_device_count()
     marker = json.dumps({
         "format": "torch.distributed.checkpoint",
         "format_version": FORMAT_VERSION,
         "names": "module",
         "layout": staged["layout"],
         "workers": world,
-        "devices": _device_count(staged["layout"], world),
+        "devices": devices,
         "keys": keys,
     })
     save_file(files, directory, EXTRA_FILE, staged["extra"])
@@ -197,12 +171,7 @@ def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[
 def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
     """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
     (and, on rank 0, the rest of ``state`` and the metadata), in this thread: the three steps
-    at once. Call it on every rank.
-
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``.
-    """
-    from ray_train_xla.toolkit.checkpoint.staging import stage
-
+    at once. Call it on every rank. Returns what this rank wrote, as :func:`write_staged`."""
     return write_staged(stage(describe(state)), directory)
 
 
@@ -210,8 +179,6 @@ def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
                      filesystem=None) -> dict[str, Any]:
     """Write the staged state to ``directory/filename`` (on ``filesystem``, a pyarrow filesystem,
     when given: the run's storage); returns ``{"files", "bytes"}``."""
-    from ray_train_xla.toolkit.checkpoint.files import files_at, save_file
-
     files = files_at(filesystem)
     files.mkdir(directory)
     save_file(files, directory, filename, cpu_state)
@@ -245,7 +212,6 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
 
     tracker = _torch_writer()
     tracker.before_save()  # torch starts its writer process at the first save
-    fix = "configure_reports(writer_process=False) writes in the training process instead"
     try:
         with _writer_threads(starting=tracker.process is None):
             future = dcp.async_save(state, storage_writer=storage_writer,
@@ -255,13 +221,13 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
             future.result(timeout=timeout_s)
     except FutureTimeout:
         raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
-                          f"{directory} within timeout_s={timeout_s:g}; {fix}") from None
+                          f"{directory} within timeout_s={timeout_s:g}; {_FIX}") from None
     except Exception as exc:
         process = tracker.find()
         dead = "" if process is None or process.is_alive() else \
             f" (it is dead: pid {process.pid}, exit code {process.exitcode})"
         raise ReportError(f"rank {rank}: the checkpoint writer process failed on {directory}"
-                          f"{dead}: {type(exc).__name__}: {exc}; {fix}") from exc
+                          f"{dead}: {type(exc).__name__}: {exc}; {_FIX}") from exc
     tracker.find()
 
 
@@ -274,8 +240,6 @@ def _writer_threads(starting: bool) -> Iterator[None]:
     if not starting:
         yield
         return
-    import os
-
     names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(dict.fromkeys(names, str(WRITER_THREADS)))
@@ -283,9 +247,8 @@ def _writer_threads(starting: bool) -> Iterator[None]:
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
+            os.environ.pop(name, None)
+            if value is not None:
                 os.environ[name] = value
 
 
@@ -300,12 +263,10 @@ class _TorchWriterProcess:
 
     def before_save(self) -> None:
         if self.process is None and self.before is None:
-            self.before = _children()
+            self.before = {p.pid for p in multiprocessing.active_children()}
 
     def find(self) -> Any:
         """The process (a ``multiprocessing.Process``), or None until it is told apart."""
-        import multiprocessing
-
         if self.process is None and self.before is not None:
             new = [p for p in multiprocessing.active_children() if p.pid not in self.before and
                    not p.name.startswith(PROCESS_PREFIX) and type(p).__name__ == "SpawnProcess"]
@@ -318,17 +279,10 @@ def _torch_writer() -> _TorchWriterProcess:
     return runtime().part("torch_writer", _TorchWriterProcess)
 
 
-def _children() -> set[int]:
-    import multiprocessing
-
-    return {p.pid for p in multiprocessing.active_children()}
-
-
 def writer_process_pid() -> int | None:
     """The pid of this worker's writer process of sharded checkpoints, None before the first
     save through it."""
-    process = _torch_writer().find()
-    return None if process is None else process.pid
+    return getattr(_torch_writer().find(), "pid", None)
 
 
 def writer_process_pids() -> list[int]:
@@ -336,9 +290,6 @@ def writer_process_pids() -> list[int]:
     save = runtime().save_process
     pids = [writer_process_pid(), None if save is None else save.process.pid]
     return [pid for pid in pids if pid is not None]
-
-
-PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package starts
 
 
 class SaveProcess:
@@ -349,8 +300,6 @@ class SaveProcess:
         """``checksums``: whether the files' zip records carry their CRC-32 (torch's
         ``torch.utils.serialization.config.save.compute_crc32``; torch.load reads them either
         way). The memory tier's generations, which live in memory only, go without."""
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child, checksums), daemon=True,
@@ -363,10 +312,8 @@ class SaveProcess:
     def ready(self) -> bool:
         """Whether the process has started (imported torch) and takes saves; never waits."""
         if not self._ready and self.process.is_alive() and self.conn.poll(0):
-            try:
+            with contextlib.suppress(EOFError, OSError):
                 self._ready = self.conn.recv() == "ready"
-            except (EOFError, OSError):
-                pass
         return self._ready
 
     def wait_ready(self, timeout_s: float) -> bool:
@@ -381,23 +328,16 @@ class SaveProcess:
         """``write_replicated`` in the writer process; raises ``ReportError`` when it fails,
         dies or takes longer than ``timeout_s`` (then it is ended: the next save starts
         another)."""
-        from ray_train_xla.toolkit.checkpoint.files import files_at
-
-        # The run's filesystem as Ray's workers got it (files.ArrowFileSystem pickles it by
-        # value when its class cannot be imported: a handler of the driver script).
-        return self._call(("replicated", state, directory, filename, files_at(filesystem)),
-                          directory, timeout_s, rank)
-
-    def _call(self, request: tuple, directory: str, timeout_s: float, rank: int):
-        fix = "configure_reports(writer_process=False) writes in the training process instead"
         try:
             if not self._ready and self.conn.poll(timeout_s):  # its first message: ready
                 self._ready = self.conn.recv() == "ready"
-            self.conn.send(request)
+            # The run's filesystem as Ray's workers got it (files.ArrowFileSystem pickles it by
+            # value when its class cannot be imported: a handler of the driver script).
+            self.conn.send((state, directory, filename, files_at(filesystem)))
             if not self.conn.poll(timeout_s):
                 self.end()
                 raise ReportError(f"rank {rank}: the checkpoint writer process did not write "
-                                  f"{directory} within timeout_s={timeout_s:g}; {fix}")
+                                  f"{directory} within timeout_s={timeout_s:g}; {_FIX}")
             ok, result = self.conn.recv()
         except (EOFError, OSError) as exc:
             self.process.join(1)
@@ -405,10 +345,10 @@ class SaveProcess:
             raise ReportError(
                 f"rank {rank}: the checkpoint writer process failed on {directory} (it is dead: "
                 f"pid {self.process.pid}, exit code {self.process.exitcode}): "
-                f"{type(exc).__name__}: {exc}; {fix}") from exc
+                f"{type(exc).__name__}: {exc}; {_FIX}") from exc
         if not ok:
             raise ReportError(f"rank {rank}: the checkpoint writer process failed on "
-                              f"{directory}: {result}; {fix}")
+                              f"{directory}: {result}; {_FIX}")
         return result
 
     def end(self) -> None:
@@ -438,16 +378,10 @@ def save_replicated(writer: SaveProcess, state: dict[str, Any], directory: str, 
     return writer.save(state, directory, filename, filesystem, timeout_s, rank)
 
 
-def _handle(request: tuple):
-    _, state, directory, filename, filesystem = request
-    return write_replicated(state, directory, filename, filesystem)
-
-
 def _serve(conn, checksums: bool = True) -> None:
-    """The writer process: each request (a replicated file) until the pipe closes."""
+    """The writer process: each request (``write_replicated``'s arguments) until the pipe
+    closes."""
     import torch.utils.serialization
-
-    import ray_train_xla.toolkit.checkpoint.files  # noqa: F401 (imported before "ready")
 
     torch.utils.serialization.config.save.compute_crc32 = checksums
 
@@ -458,7 +392,7 @@ def _serve(conn, checksums: bool = True) -> None:
         except (EOFError, OSError):
             return
         try:
-            result = (True, _handle(request))
+            result = (True, write_replicated(*request))
         except Exception as exc:  # noqa: BLE001 (sent to the worker, raised there)
             result = (False, f"{type(exc).__name__}: {exc}")
         del request  # the shared buffers go back before the worker reuses them

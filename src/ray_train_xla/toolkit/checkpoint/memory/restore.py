@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import threading
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+import ray
+
 from ray_train_xla.toolkit.checkpoint.files import ROOT
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE
 
@@ -21,8 +25,6 @@ class StoreFiles:
         self._lock = threading.Lock()
 
     def _fetch(self, path: str):
-        import ray
-
         from ray_train_xla.toolkit.checkpoint.rank_files import rank_data_file
 
         name = path.rsplit("/", 1)[-1]
@@ -51,8 +53,6 @@ class StoreFiles:
                       f"store ({'; '.join(errors)})")
 
     def _read(self, handle, rank: int, name: str):
-        import ray
-
         return ray.get(handle.get.remote(self.gen, rank, name), timeout=self.timeout_s)
 
     # pyarrow's FileSystemHandler
@@ -66,27 +66,18 @@ class StoreFiles:
         return other is self
 
     def get_file_info(self, paths):
-        import pyarrow.fs as pafs
-
-        out = []
-        for path in paths:
-            name = path.rstrip("/").rsplit("/", 1)[-1]
+        def kind(path: str):
             if path.rstrip("/") == ROOT:
-                out.append(pafs.FileInfo(path, pafs.FileType.Directory))
-            elif name in self.holders:
-                out.append(pafs.FileInfo(path, pafs.FileType.File))
-            else:
-                out.append(pafs.FileInfo(path, pafs.FileType.NotFound))
-        return out
+                return pafs.FileType.Directory
+            found = path.rstrip("/").rsplit("/", 1)[-1] in self.holders
+            return pafs.FileType.File if found else pafs.FileType.NotFound
+
+        return [pafs.FileInfo(path, kind(path)) for path in paths]
 
     def get_file_info_selector(self, selector):
-        import pyarrow.fs as pafs
-
         return [pafs.FileInfo(f"{ROOT}/{n}", pafs.FileType.File) for n in sorted(self.holders)]
 
     def open_input_file(self, path: str):
-        import pyarrow as pa
-
         return pa.BufferReader(pa.py_buffer(self._fetch(path)))
 
     open_input_stream = open_input_file

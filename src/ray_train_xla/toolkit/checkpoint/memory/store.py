@@ -9,15 +9,20 @@ names and stamps (``slot_owner``, ``slot_stamp``) are defined here, where the st
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import shutil
 import threading
 from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 NAMESPACE = "ray_train_xla"
 STORE_PREFIX = "ray_train_xla-memory"
 SLOT_PREFIX = "slot-"  # a writer process's slot file: slot-<pid>-<rank>-<series>-<turn>.distcp
-
 
 
 def slot_owner(path: str) -> tuple[int, int, int] | None:
@@ -34,6 +39,7 @@ def slot_owner(path: str) -> tuple[int, int, int] | None:
 def slot_stamp(data) -> int:
     """The generation a slot holds (its first 8 bytes), -1 while it is being written."""
     return int.from_bytes(bytes(data[:8]), "little", signed=True)
+
 
 def store_name(tier: str, node_id: str) -> str:
     return f"{STORE_PREFIX}-{tier}-{node_id}"
@@ -67,8 +73,6 @@ def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
     store's take): generation directories (``<gen>-<rank>``) older than ``gen - 1``, slot files
     of workers that are gone; with ``every_tier``, the same slot files in every tier's
     directory of the node (an earlier run's too), and directories left empty."""
-    import shutil
-
     for entry in os.listdir(tier_dir):
         older = entry.split("-")[0]
         if slot_owner(entry) is None and older.isdigit() and int(older) < gen - 1:
@@ -83,15 +87,11 @@ def _remove_stale(tier_dir: str, gen: int, every_tier: bool) -> None:
         for entry in entries:
             owner = slot_owner(entry)
             if owner is not None and not _alive(owner[0]):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(directory, entry))
-                except FileNotFoundError:
-                    pass
         if directory != tier_dir:
-            try:
+            with contextlib.suppress(OSError):  # not empty: a live tier's
                 os.rmdir(directory)
-            except OSError:  # not empty: a live tier's
-                pass
 
 
 class MemoryStore:
@@ -113,8 +113,6 @@ class MemoryStore:
 
     def ready(self) -> str:
         """This store's actor id (a store found again by name is the same actor)."""
-        import ray
-
         return ray.get_runtime_context().get_actor_id()
 
     def take(self, gen: int, world: int, rank: int, files: dict[str, Any],
@@ -127,12 +125,8 @@ class MemoryStore:
         ``peers`` (within ``timeout_s`` each). ``pid``: the worker's (a take without slots says
         that its earlier slots are no longer used). Returns the bytes held and, per peer that
         did not take them, why."""
-        import numpy as np
-        import ray
-
         files = {name: bytes(data) for name, data in files.items()}
-        for name, path in shared.items():
-            files[name] = _hold(path)
+        files.update({name: _hold(path) for name, path in shared.items()})
         slots = slots or {}
         with self._lock:
             self._series[pid, rank] = -1  # no slots, unless this take has some
@@ -171,11 +165,8 @@ class MemoryStore:
         files = {name: data if isinstance(data, mmap.mmap) else bytes(data)
                  for name, data in files.items()}
         with self._lock:
-            older = [g for g in self._gens if g < gen]
-            keep = {gen, max(older)} if older else {gen}
-            for g in list(self._gens):
-                if g not in keep:
-                    del self._gens[g]
+            keep = {gen, max((g for g in self._gens if g < gen), default=gen)}
+            self._gens = {g: e for g, e in self._gens.items() if g in keep}
             entry = self._gens.setdefault(gen, {"world": world, "ranks": {}, "slots": {}})
             entry["ranks"][rank] = files
             entry["slots"][rank] = set(slots)
@@ -223,8 +214,6 @@ class MemoryStore:
             }
 
     def get(self, gen: int, rank: int, name: str):
-        import numpy as np
-
         with self._lock:
             data = self._gens[gen]["ranks"][rank][name]
             if not self._valid(gen, rank):
@@ -246,9 +235,6 @@ def start_stores(tier: str, node_ids: list[str], timeout_s: float,
     backend for every worker group, in the process that outlives them (Ray Train's controller).
     ``held``: store name -> (its handle, its actor id), kept by the caller: a store lives as
     long as its first handle (the backend keeps them on the run's config object)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     actor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(MemoryStore)
     names = [store_name(tier, node) for node in node_ids]
     handles = [actor.options(

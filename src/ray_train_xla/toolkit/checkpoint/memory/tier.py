@@ -4,6 +4,8 @@ read back at a restore), ``memory_tier``, ``flush_memory``, ``broadcast_from_ran
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import logging
 import os
@@ -12,12 +14,24 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
+import numpy as np
+import pyarrow.fs as pafs
+import ray
 import torch
+import torch.distributed as dist
+from ray.util import list_named_actors
 
 from ray_train_xla.errors import ReportError
-from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles
+from ray_train_xla.toolkit import events, reporting
+from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles, SlotFile
 from ray_train_xla.toolkit.checkpoint.memory.restore import StoreFiles
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE, STORE_PREFIX, store_name
+from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
+from ray_train_xla.toolkit.checkpoint.staging import stage
+from ray_train_xla.toolkit.checkpoint.writer import SaveProcess, write_small_files, write_staged
+from ray_train_xla.toolkit.collectives import host_group
+from ray_train_xla.toolkit.device import sync
+from ray_train_xla.toolkit.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +53,6 @@ class MemoryTier:
     """This worker's side of the memory tier (see the package's docstring)."""
 
     def __init__(self, ctx) -> None:
-        import ray
-
         self.tier, self.every, self.nodes = ctx.memory_tier, ctx.memory_every, ctx.memory_nodes
         self.rank, self.world, self.timeout_s = ctx.rank, ctx.world_size, ctx.timeout_s
         self.key = (ctx.memory_tier, ctx.run_id, ctx.rank, ctx.world_size)  # the plan it serves
@@ -57,8 +69,6 @@ class MemoryTier:
         self.by_rank = 0  # DTensor generations written rank by rank, in place (rank_files)
         self.skipped = 0  # calls that kept nothing: the previous generation was still going
         self.restored: dict[str, Any] | None = None
-        import atexit
-
         atexit.register(self.end)  # when the process ends normally (else the stores sweep)
 
     # -- where
@@ -72,22 +82,16 @@ class MemoryTier:
 
     def inventories(self) -> list[dict[str, Any]]:
         """Every live store of this tier (this group's nodes and earlier groups')."""
-        import ray
-        from ray.util import list_named_actors
-
         names = [a["name"] for a in list_named_actors(all_namespaces=True)
                  if a.get("namespace") == NAMESPACE
                  and a["name"].startswith(f"{STORE_PREFIX}-{self.tier}-")]
         out = []
         for name in sorted(names):
             try:
-                inv = ray.get(ray.get_actor(name, namespace=NAMESPACE).inventory.remote(),
-                              timeout=self.timeout_s)
+                out.append({**ray.get(ray.get_actor(name, namespace=NAMESPACE).inventory.remote(),
+                                      timeout=self.timeout_s), "name": name})
             except Exception as exc:  # noqa: BLE001 (a store on a lost node: not there)
                 logger.info("memory tier: store %s did not answer: %s", name, exc)
-                continue
-            inv["name"] = name
-            out.append(inv)
         return out
 
     # -- generations: the same numbers on every rank
@@ -131,10 +135,6 @@ class MemoryTier:
         of two numbers on a host group of its own."""
         busy = self._pending is not None and not self._pending.done()
         if self.world > 1:
-            import torch.distributed as dist
-
-            from ray_train_xla.toolkit.collectives import host_group
-
             flags = torch.tensor([int(busy), int(not ready)])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host_group("memory-poll"))
             busy, ready = bool(flags[0].item()), not flags[1].item()
@@ -143,13 +143,6 @@ class MemoryTier:
     def keep(self, state: Mapping[str, Any]) -> bool:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
         is still being kept somewhere: the loop never waits for the memory tier."""
-        from ray_train_xla.toolkit import reporting
-        from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
-        from ray_train_xla.toolkit.checkpoint.staging import stage
-        from ray_train_xla.toolkit.checkpoint.writer import write_small_files, write_staged
-        from ray_train_xla.toolkit.collectives import host_group
-        from ray_train_xla.toolkit.device import sync
-
         desc = describe(state, "keep_in_memory")
         layout = desc["layout"]
         if self._shared is None:
@@ -208,15 +201,12 @@ class MemoryTier:
         if self._slots is None:
             from ray_train_xla.toolkit.checkpoint.rank_files import RankSlots
 
-            directory = os.path.join(self._shared, self.tier)
-            os.makedirs(directory, exist_ok=True)
-            self._slots = RankSlots(directory, self.rank)
+            # its directory is made with its first slot file (RankSlots.stager)
+            self._slots = RankSlots(os.path.join(self._shared, self.tier), self.rank)
         return self._slots
 
     def _store(self, name: str):
         """The handle of the store ``name``, found once."""
-        import ray
-
         if name not in self._handles:
             self._handles[name] = ray.get_actor(name, namespace=NAMESPACE)
         return self._handles[name]
@@ -225,15 +215,11 @@ class MemoryTier:
         """This worker's writer process of the tier when it takes work, else None (it is started
         at the first call, and again after one ended; until it has started, and without
         writer processes or shared memory, a generation is formatted in this process)."""
-        from ray_train_xla.toolkit import reporting
-
         if self._shared is None:
             self._shared = _shared_root()  # once: it stays
         if not reporting.report_options().writer_process or not self._shared:
             return None
         if self._writer is None or not self._writer.process.is_alive():
-            from ray_train_xla.toolkit.checkpoint.writer import SaveProcess
-
             self._writer = SaveProcess(checksums=False)  # generations live in memory only
         return self._writer if self._writer.ready() else None
 
@@ -253,10 +239,8 @@ class MemoryTier:
         error was the training function's to see)."""
         pending = self._pending
         if pending is not None:
-            try:
+            with contextlib.suppress(Exception):  # see above
                 pending.result(timeout=self.timeout_s)
-            except Exception:  # noqa: BLE001 (see above)
-                pass
         if self._writer is not None:
             self._writer.end()
             self._writer = None
@@ -280,18 +264,11 @@ class MemoryTier:
         rank's files are there); the next DTensor generation makes new slots."""
         if self._slots is not None:
             self._slots.remove()
-            try:
+            with contextlib.suppress(OSError):  # another rank's files are there
                 os.rmdir(self._slots.directory)
-            except OSError:  # another rank's files are there
-                pass
             self._slots = None
 
     def _put(self, gen: int, write, files: MemoryFiles, group, taken: float) -> None:
-        import numpy as np
-        import ray
-
-        from ray_train_xla.toolkit.checkpoint.files import SlotFile
-
         try:
             write()
             shared = files.shared_files()
@@ -324,19 +301,13 @@ class MemoryTier:
             logger.warning("rank %d: memory tier: the peer store %s did not take generation %d "
                            "(%s): this node holds the only copy", self.rank, name, gen, error)
         if group is not None:  # every rank's files are in: the generation is complete
-            import torch.distributed as dist
-
             dist.barrier(group=group)
         self.kept += 1
-        from ray_train_xla.toolkit import events
-
         events.memory_kept(taken)  # goodput: a restore from memory loses nothing before it
 
     def note_storage(self, gen: int) -> None:
         """(rank 0, once Ray took checkpoint ``gen`` into storage) tell this node's and its
         peer's store: memory older than ``gen`` no longer serves a restore."""
-        import ray
-
         for name in self.my_stores():
             try:
                 ray.get(ray.get_actor(name, namespace=NAMESPACE).note_storage.remote(gen),
@@ -379,8 +350,6 @@ class MemoryTier:
         return {"tier": "storage", "why": why, "next": newest + 1}
 
     def filesystem(self, choice: dict[str, Any]):
-        import pyarrow.fs as pafs
-
         handler_class = type("StoreFiles", (StoreFiles, pafs.FileSystemHandler), {})
         handler = handler_class(choice["gen"], choice["holders"], self.timeout_s)
         return pafs.PyFileSystem(handler), handler
@@ -388,13 +357,10 @@ class MemoryTier:
 
 def broadcast_from_rank0(value_of):
     """``value_of()`` on rank 0, given to every rank (the host group, on the training thread)."""
-    import torch.distributed as dist
-
     from ray_train_xla.toolkit.ranks import rank
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value_of()
-    from ray_train_xla.toolkit.collectives import host_group
 
     box = [value_of() if rank() == 0 else None]
     # The training thread's group ("memory" is the background thread's: never both at once).
@@ -405,8 +371,6 @@ def broadcast_from_rank0(value_of):
 def memory_tier(required: str | None = None) -> MemoryTier | None:
     """This worker's memory tier (held by the runtime), None when the config has no
     ``memory_every`` (``required``: raise instead, naming the helper)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
     rt = runtime()
     ctx = rt.ctx
     if not ctx.memory_every or not ctx.memory_tier:
@@ -438,8 +402,6 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     (every rank alike): the loop never waits for the tier. An error of the previous generation
     is raised here as ``ReportError``.
     """
-    from ray_train_xla.toolkit import events
-
     tier = memory_tier(required="keep_in_memory")
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"keep_in_memory: step must be an int, got {step!r}")
@@ -454,8 +416,6 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
 
 def flush_memory() -> None:
     """Wait for the generation in flight (the backend calls it when the training function ends)."""
-    from ray_train_xla.toolkit.runtime import runtime
-
     tier = runtime().memory_tier
     if tier is not None:
         tier.wait()
