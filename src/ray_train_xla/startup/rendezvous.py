@@ -98,16 +98,13 @@ def _serve(addr: str, port: int, world: int, timeout: timedelta, deadline: float
             if taken and time.monotonic() < retry_until:
                 time.sleep(0.2)
                 continue
-            if taken:
-                raise WorkerSetupError(
-                    f"rank 0 cannot serve the rendezvous store at {addr}:{port}: another "
-                    "process took that port (EADDRINUSE) after it was reserved for this run. "
-                    "The other ranks cannot start either. Start the run again (it reserves a "
-                    "new port); if it happens again, look for a process on that node that "
-                    f"binds ports it did not reserve ({_first_line(exc)})") from exc
+            why = (("another process took that port (EADDRINUSE) after it was reserved for this "
+                    "run. The other ranks cannot start either. Start the run again (it reserves "
+                    "a new port); if it happens again, look for a process on that node that "
+                    f"binds ports it did not reserve ({_first_line(exc)})") if taken
+                   else f"{type(exc).__name__}: {_first_line(exc)}")
             raise WorkerSetupError(
-                f"rank 0 cannot serve the rendezvous store at {addr}:{port}: "
-                f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                f"rank 0 cannot serve the rendezvous store at {addr}:{port}: {why}") from exc
 
 
 def _connect(addr: str, port: int, world: int, timeout: timedelta, deadline: float) -> Any:

@@ -17,6 +17,7 @@ Linux only (reads /proc).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,9 +66,7 @@ def cmdline(pid: int) -> str:
 def descendants(root: int) -> list[int]:
     """Every live descendant of ``root`` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{name}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -130,30 +129,25 @@ def watch_for_servers(timeout_s: float, interval_s: float = 1.0) -> threading.Th
 def terminate(pids: list[int], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s`` for those still alive."""
     started = {pid: start_time(pid) for pid in pids}
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _signal(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
         alive = [p for p in alive if start_time(p) is not None and start_time(p) == started[p]]
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal(alive, signal.SIGKILL)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _records() -> list[tuple[str, dict]]:
     out = []
     directory = state_dir()
-    for name in os.listdir(directory):
-        if not name.endswith(".json"):
-            continue
-        path = os.path.join(directory, name)
+    for path in (os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".json")):
         try:
             with open(path) as f:
                 out.append((path, json.load(f)))
@@ -182,8 +176,7 @@ def clean_stale_servers() -> list[int]:
     """At start: stop recorded servers whose recording worker has exited; returns their pids."""
     stale = []
     for path, r in _records():
-        owner_alive = start_time(r.get("owner", -1)) == r.get("owner_start")
-        if owner_alive:
+        if start_time(r.get("owner", -1)) == r.get("owner_start"):  # its worker still runs
             continue
         server = r.get("server", -1)
         if start_time(server) == r.get("server_start") and SERVER_MARK in cmdline(server):
@@ -196,7 +189,5 @@ def clean_stale_servers() -> list[int]:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass
