@@ -36,6 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ray_train_xla.planning.contract import DEVMODE_BACKEND
 from ray_train_xla.startup.patching import Patches
@@ -94,12 +95,10 @@ def _new_group(*args: Any, **kwargs: Any) -> Any:
     # torch's own new_group: importing torch_xla.distributed.xla_backend replaces
     # torch.distributed.new_group with a version that lacks use_local_synchronization.
     # Bounded by timeout_s, as every group of the package (torch's default: 30 minutes).
-    from torch.distributed import distributed_c10d
-
     from ray_train_xla.toolkit.collectives import group_timeout
 
     kwargs.setdefault("timeout", group_timeout())
-    return distributed_c10d.new_group(*args, **kwargs)
+    return dist.distributed_c10d.new_group(*args, **kwargs)
 
 
 def _in_listed_order(values: list, members: list[int]) -> list:
@@ -140,8 +139,6 @@ def _unpack(flat: torch.Tensor, idxs: list[int], like: Sequence[torch.Tensor]) -
 
 
 def _gloo_reduce(reduce_type: str, host: torch.Tensor, group: Any) -> torch.Tensor:
-    import torch.distributed as dist
-
     if reduce_type not in _REDUCE_OPS:
         raise ValueError(f"reduce_type={reduce_type!r} is not valid: expected one of {list(_REDUCE_OPS)}")
     is_bool = host.dtype == torch.bool
@@ -177,8 +174,6 @@ def _reduce(reduce_type: str, tensors: Sequence[torch.Tensor], scale: float,
 def _gather(tensors: Sequence[torch.Tensor], dim: int,
             groups: Sequence[Sequence[int]] | None) -> list[torch.Tensor]:
     """Every member's ``tensors`` concatenated along ``dim``, in the order the group lists them."""
-    import torch.distributed as dist
-
     members, group = _members(groups)
     packs = _pack(tensors)
     hosts = _to_host([flat for flat, _ in packs])
@@ -402,7 +397,6 @@ def xla_rendezvous(payload: bytes = b"", ordinals: list[int] | None = None,
                    tag: str | None = None) -> list[bytes]:
     """``xm.xla_rendezvous``: every worker's payload, ordinal i's at position i (torch_xla
     accepts only the global rendezvous). Bounded by the process group's timeout."""
-    import torch.distributed as dist
     import torch_xla
 
     st = _require()
@@ -439,7 +433,6 @@ _FUNCTIONAL_REDUCE = {"sum": "sum", "avg": "sum", "product": "mul", "min": "min"
 
 
 def _functional_group(group_name: str) -> list[list[int]] | None:
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     if not group_name:
@@ -522,7 +515,6 @@ def _done(result: Any) -> Any:
 
 
 def _make_group_class() -> type:
-    import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup
 
     class HostBridgeGroup(ProcessGroup):
@@ -617,11 +609,10 @@ def _make_group_class() -> type:
 
         def reduce_scatter(self, outputs, input_lists, opts):
             for inputs in input_lists:  # torch_xla's backend checks them all first
-                first_shape = inputs[0].shape
-                for i, t in enumerate(inputs[1:]):
-                    if first_shape != t.shape:
-                        raise ValueError(f"Input {i+1}'s shape is different from input 0: "
-                                         f"{t.shape} vs {first_shape}")
+                for i, t in enumerate(inputs[1:], 1):
+                    if t.shape != inputs[0].shape:
+                        raise ValueError(f"Input {i}'s shape is different from input 0: "
+                                         f"{t.shape} vs {inputs[0].shape}")
             for output, inputs in zip(outputs, input_lists):
                 stacked = torch.stack([t.detach() for t in inputs])
                 self._reduce_scatter_base(output, stacked, opts)
@@ -644,8 +635,6 @@ def _make_group_class() -> type:
 
 def register_backend() -> None:
     """Register the ``xla_host`` torch.distributed backend (idempotent)."""
-    import torch.distributed as dist
-
     if not hasattr(dist.Backend, DEVMODE_BACKEND.upper()):
         # Every tensor, CPU or XLA: a Python ProcessGroup backend is the whole group anyway.
         dist.Backend.register_backend(DEVMODE_BACKEND, _make_group_class(), devices=["cpu", "xla"])
@@ -699,6 +688,5 @@ def uninstall() -> None:
     st, _state = _state, None
     if st is None:
         return
-    if st.functional_kernels is not None:
-        st.functional_kernels._destroy()  # torch_xla's kernels are in force again
+    st.functional_kernels._destroy()  # torch_xla's kernels are in force again
     st.patches.undo()

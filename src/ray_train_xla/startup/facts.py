@@ -44,11 +44,8 @@ def gather_facts(timeout_s: float | None = None, device: str | None = None) -> W
     config's, unused here; every wait below has its own bound)."""
     ctx = ray.get_runtime_context()
     ip = ray.util.get_node_ip_address()
-    accelerators = {
-        name: tuple(str(i) for i in ids)
-        for name, ids in ctx.get_accelerator_ids().items()
-        if ids
-    }
+    accelerators = {name: tuple(str(i) for i in ids)
+                    for name, ids in ctx.get_accelerator_ids().items() if ids}
     tpu: dict = {}
     if accelerators.get("TPU"):
         tpu = dict(zip(("tpu_worker_id", "tpu_name", "tpu_accelerator_type", "tpu_topology",

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ray_train_xla.startup.patching import Patches
 from ray_train_xla.toolkit.data import move_to_device
@@ -48,10 +49,10 @@ def get_devices() -> list[torch.device]:
     return [get_device()]
 
 
-def _spmd_refusal(name: str, ours: str) -> RuntimeError:
+def _spmd_refusal(name: str) -> RuntimeError:
     return RuntimeError(
         f"ray.train.torch.{name} does not apply under TorchXLAConfig(spmd=True): one process "
-        f"drives all of its node's devices and XLA shards the work. Use rtx.{ours} (import "
+        f"drives all of its node's devices and XLA shards the work. Use rtx.{name} (import "
         "ray_train_xla as rtx) and rtx.shard_batch instead.")
 
 
@@ -160,7 +161,7 @@ def _prepare_data_loader_moving_here(original, spmd: bool = False):
     def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
                             auto_transfer=True):
         if spmd:
-            raise _spmd_refusal("prepare_data_loader", "prepare_data_loader")
+            raise _spmd_refusal("prepare_data_loader")
         loader = original(data_loader, add_dist_sampler=add_dist_sampler,
                           move_to_device=False, auto_transfer=False)
         return _OnXLADevice(loader) if move_to_device else loader
@@ -201,16 +202,12 @@ def install(spmd: bool) -> None:
         return
     patch_transformers_trainer()
     _patch = functools.partial(_patches.set, only_if_present=True)
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     modules, v2 = _train_modules()
 
     def make_prepare_model(original):
         def prepare_model(model, *args, **kwargs):
             if spmd:
-                raise _spmd_refusal("prepare_model", "prepare_model")
+                raise _spmd_refusal("prepare_model")
             return original(model, *args, **kwargs)
 
         prepare_model.__doc__ = original.__doc__
@@ -253,7 +250,7 @@ def install(spmd: bool) -> None:
 
     init_process_group.__doc__ = original_init.__doc__
     _patch(dist, "init_process_group", init_process_group)
-    _patch(c10d, "init_process_group", init_process_group)
+    _patch(dist.distributed_c10d, "init_process_group", init_process_group)
 
 
 def uninstall() -> None:

@@ -22,6 +22,7 @@ Worker side only (imports torch).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -118,12 +119,10 @@ def _connect(addr: str, port: int, world: int, timeout: timedelta, deadline: flo
             f"timeout_s={timeout.total_seconds():g}: nothing accepted a connection there, so "
             f"rank 0 did not arrive, or {addr} is not reachable from this node")
 
-    def connect():
-        return dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
-
     try:
         return call_within(
-            connect, deadline, timeout.total_seconds(),
+            functools.partial(dist.TCPStore, addr, port, world_size=world, is_master=False,
+                              timeout=timeout), deadline, timeout.total_seconds(),
             f"connecting to the rendezvous store that rank 0 serves at {addr}:{port}",
             hint=("the connection was accepted but no store answered there: another process "
                   "listens on that port (rank 0 could not serve its store on it; its error says "

@@ -1,13 +1,8 @@
 """What each runtime does on the worker itself, beyond its environment: at start-up (after the
-plan is applied) and at shutdown (after the process group is destroyed).
-
-- legacy XRT (``runtime='xrt'``): record the XRT servers this worker starts, stop the ones a
-  crashed worker left, and stop our own at shutdown (``xrt``);
-- Neuron with ``neuron_parallel_compile=True``: check that something can compile at start, and
-  compile the extracted graphs at shutdown (``neuron_compile``);
-- native TorchNeuron on Neuron: check the worker and point Ray's device helpers at its
-  NeuronCore (``native_neuron``);
-- native TorchTPU on TPU: the same for its chip (``native_tpu``).
+plan is applied) and at shutdown (after the process group is destroyed). Legacy XRT
+(``runtime='xrt'``) keeps its servers in check (``xrt``), ``neuron_parallel_compile=True``
+compiles the extracted graphs (``neuron_compile``), and native TorchNeuron and TorchTPU check
+the worker and point Ray's device helpers at its device (``native_neuron``, ``native_tpu``).
 """
 
 from __future__ import annotations

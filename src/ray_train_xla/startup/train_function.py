@@ -40,8 +40,6 @@ def training_function() -> Iterator[None]:
     _optional("torch_xla's analysis of compilations is off", compile_causes.analyse_this_process)
     _optional("plain optimizer.step() calls will not be counted as steps",
               steps.install_optimizer_hook)
-    # The profile windows (and the watcher of requests from outside), and the comparison of
-    # the ranks' compiled graphs.
     _optional("profiles and graph checks are off", profiling.install, compile_causes.install)
     _optional("the step timeline did not start", timeline.begin)
     try:
