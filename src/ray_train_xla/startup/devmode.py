@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -485,8 +486,6 @@ def _refusal(name: str, message: str) -> Callable[..., Any]:
 
 
 def _register_functional_kernels() -> Any:
-    import warnings
-
     lib = torch.library.Library("_c10d_functional", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")

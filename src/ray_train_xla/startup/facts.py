@@ -4,6 +4,7 @@ take free ports on rank 0's node."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -157,7 +158,6 @@ def tpu_chip_coords(node_id: str, deadline: float) -> list[int] | None:
     not query chips another job may hold. None when torch_tpu is missing, the query fails or
     ``deadline`` (``time.monotonic()``) passes."""
     import fcntl
-    import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:
         return None

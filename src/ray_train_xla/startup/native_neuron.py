@@ -7,6 +7,7 @@ Runs on the workers only; torch, Ray and torch_neuronx are imported inside the f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -85,8 +86,6 @@ class NeuronTorchDeviceManager:
         return None
 
     def get_stream_context(self, stream):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def get_current_stream(self):

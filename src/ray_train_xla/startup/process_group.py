@@ -14,12 +14,15 @@ import functools
 import logging
 import os
 import re
+import socket
+import struct
 import time
+import warnings
 from datetime import timedelta
 
 from ray_train_xla.errors import WorkerSetupError, XLAInitError
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.startup import rendezvous
+from ray_train_xla.startup import native_neuron, native_tpu, rendezvous
 from ray_train_xla.startup.facts import who
 from ray_train_xla.startup.watchdog import call_within
 
@@ -168,9 +171,6 @@ def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> 
     """Where each rank's gloo listener of the default group said it listens (read back from the
     store, as gloo's ``connectFullMesh`` published it): for a failed connection, whether the
     address a rank connected to is the one its peer published."""
-    import socket
-    import struct
-
     found = []
     for r in range(world):
         key = f"{group}//{device}//0/{r}"  # torch's group/device prefixes, then gloo's device 0
@@ -197,12 +197,8 @@ def init_native_process_group() -> None:
     planned group (``neuron`` or ``tpu_dist``; ``gloo`` on CPU)."""
     device = worker_context().device
     if device == "neuron":
-        from ray_train_xla.startup import native_neuron
-
         native_neuron.before_process_group()
     elif device == "tpu":
-        from ray_train_xla.startup import native_tpu
-
         native_tpu.before_process_group()
     init_process_group()
 
@@ -213,8 +209,6 @@ def _init_torch_xla(xla_pg: bool, spmd: bool) -> None:
     import torch_xla  # noqa: F401
 
     if spmd:
-        import warnings
-
         import torch_xla.runtime as xr
 
         # The plan sets XLA_USE_SPMD (read at import); use_spmd() still does what the running

@@ -8,26 +8,19 @@ the worker and point Ray's device helpers at its device (``native_neuron``, ``na
 from __future__ import annotations
 
 from ray_train_xla.planning.contract import NATIVE, WorkerContext
+from ray_train_xla.startup import native_neuron, native_tpu, neuron_compile, xrt
 
 
 def prepare(ctx: WorkerContext) -> None:
     """Start-up steps of this worker's runtime."""
     if ctx.runtime == "xrt":
-        from ray_train_xla.startup import xrt
-
         xrt.clean_stale_servers()
         xrt.watch_for_servers(timeout_s=ctx.timeout_s)
     if ctx.parallel_compile:
-        from ray_train_xla.startup import neuron_compile
-
         neuron_compile.on_worker_start()
     if ctx.runtime == NATIVE and ctx.device == "neuron":
-        from ray_train_xla.startup import native_neuron
-
         native_neuron.prepare_neuron_worker()
     if ctx.runtime == NATIVE and ctx.device == "tpu":
-        from ray_train_xla.startup import native_tpu
-
         native_tpu.prepare_tpu_worker()
 
 
@@ -36,11 +29,7 @@ def cleanup(ctx: WorkerContext) -> None:
     the point of a precompile run)."""
     try:
         if ctx.runtime == "xrt":
-            from ray_train_xla.startup import xrt
-
             xrt.stop_own_servers()
     finally:
         if ctx.parallel_compile:
-            from ray_train_xla.startup import neuron_compile
-
             neuron_compile.compile_extracted_graphs()
