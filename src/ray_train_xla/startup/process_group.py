@@ -102,7 +102,8 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
         if attempt:
             # A failed attempt leaves torch's group counter one up on its rank: every rank must
             # name the new default group alike (its keys in the store start with the name).
-            distributed_c10d._world.group_count = 0
+            world = distributed_c10d._world  # torch's record of its groups
+            world.group_count = 0
         try:
             call_within(
                 functools.partial(dist.init_process_group, backend, store=attempt_store,
