@@ -29,36 +29,36 @@ Not bridged (they raise ``NotImplementedError`` instead of silently returning lo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ray_train_xla.planning.contract import DEVMODE_BACKEND
 from ray_train_xla.startup.patching import Patches
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME = DEVMODE_BACKEND  # "xla_host"
-PROCESS_GROUP_BACKEND = DEVMODE_BACKEND
-
 REDUCE_SUM = "sum"
 _REDUCE_OPS = ("sum", "mul", "and", "or", "min", "max")
 _NOT_BRIDGED = ("all_to_all", "collective_permute", "send", "recv")
 
 
+@dataclasses.dataclass
 class _State:
     """What install() changed, to undo it at shutdown; the host groups it created."""
 
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank = rank
-        self.world = world
-        self.patches = Patches()
-        self.subgroups: dict[tuple[int, ...], Any] = {}
-        self.host_group: Any = None
-        self.functional_kernels: Any = None
+    rank: int
+    world: int
+    patches: Patches = dataclasses.field(default_factory=Patches)
+    subgroups: dict[tuple[int, ...], Any] = dataclasses.field(default_factory=dict)
+    host_group: Any = None
+    functional_kernels: Any = None
 
 
 _state: _State | None = None
@@ -80,11 +80,8 @@ def _members(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], Any]:
     st = _require()
     if not groups:
         return list(range(st.world)), st.host_group
-    for group in groups:
-        if st.rank in group:
-            members = [int(r) for r in group]
-            break
-    else:
+    members = next(([int(r) for r in group] for group in groups if st.rank in group), None)
+    if members is None:
         raise ValueError(f"replica groups {groups} do not contain this worker's ordinal {st.rank}")
     key = tuple(sorted(members))
     if key == tuple(range(st.world)):
@@ -99,12 +96,10 @@ def _new_group(*args: Any, **kwargs: Any) -> Any:
     # torch's own new_group: importing torch_xla.distributed.xla_backend replaces
     # torch.distributed.new_group with a version that lacks use_local_synchronization.
     # Bounded by timeout_s, as every group of the package (torch's default: 30 minutes).
-    from torch.distributed import distributed_c10d
-
     from ray_train_xla.toolkit.collectives import group_timeout
 
     kwargs.setdefault("timeout", group_timeout())
-    return distributed_c10d.new_group(*args, **kwargs)
+    return dist.distributed_c10d.new_group(*args, **kwargs)
 
 
 def _in_listed_order(values: list, members: list[int]) -> list:
@@ -113,24 +108,17 @@ def _in_listed_order(values: list, members: list[int]) -> list:
     return [values[ordered.index(m)] for m in members]
 
 
-def _sync_without_closures() -> None:
-    """``torch_xla.sync()`` less its step closures: one execution of the pending graph (the
-    step so far, and the tensors a collective needs), so the host copies are plain transfers.
-
-    ``torch_xla.sync()`` also runs the step closures (``xm._run_step_closures``); a bridged
-    collective stands for one op of the graph, so the closures must wait for the user's next
-    ``torch_xla.sync()``/``xm.mark_step()``, as they do on hardware.
-    """
-    import torch_xla
-
-    torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [],
-                                     wait=False, reset_scope=True)
-
-
 def _to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of ``tensors`` after one graph execution (the step so far, and these)."""
+    """CPU copies of ``tensors`` after one execution of the pending graph (the step so far, and
+    these), so that the copies are plain transfers. The execution is ``torch_xla.sync()`` less
+    its step closures (``xm._run_step_closures``): a bridged collective stands for one op of the
+    graph, so the closures wait for the user's next ``torch_xla.sync()``/``xm.mark_step()``, as
+    they do on hardware."""
     if any(t.device.type == "xla" for t in tensors):
-        _sync_without_closures()  # one execution computes them all; the copies are transfers
+        import torch_xla
+
+        torch_xla._XLAC._xla_step_marker(torch_xla._XLAC._xla_get_default_device(), [],
+                                         wait=False, reset_scope=True)
     return [t.detach().to("cpu", copy=True) for t in tensors]
 
 
@@ -147,30 +135,21 @@ def _pack(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[int]
 
 
 def _unpack(flat: torch.Tensor, idxs: list[int], like: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
-    out, offset = {}, 0
-    for i in idxs:
-        n = like[i].numel()
-        out[i] = flat[offset:offset + n].view(like[i].shape)
-        offset += n
-    return out
+    parts = flat.split([like[i].numel() for i in idxs])
+    return {i: part.view(like[i].shape) for i, part in zip(idxs, parts)}
 
 
 def _gloo_reduce(reduce_type: str, host: torch.Tensor, group: Any) -> torch.Tensor:
-    import torch.distributed as dist
-
     if reduce_type not in _REDUCE_OPS:
         raise ValueError(f"reduce_type={reduce_type!r} is not valid: expected one of {list(_REDUCE_OPS)}")
     is_bool = host.dtype == torch.bool
     if is_bool:
         host = host.to(torch.uint8)
-    if reduce_type in ("and", "or"):
-        if host.is_floating_point():
-            raise ValueError(f"reduce_type={reduce_type!r} needs an integer or bool tensor, got {host.dtype}")
-        op = {"and": dist.ReduceOp.MIN if is_bool else dist.ReduceOp.BAND,
-              "or": dist.ReduceOp.MAX if is_bool else dist.ReduceOp.BOR}[reduce_type]
-    else:
-        op = {"sum": dist.ReduceOp.SUM, "mul": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
-              "max": dist.ReduceOp.MAX}[reduce_type]
+    if reduce_type in ("and", "or") and host.is_floating_point():
+        raise ValueError(f"reduce_type={reduce_type!r} needs an integer or bool tensor, got {host.dtype}")
+    ops = dist.ReduceOp
+    op = {"sum": ops.SUM, "mul": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,
+          "and": ops.MIN if is_bool else ops.BAND, "or": ops.MAX if is_bool else ops.BOR}[reduce_type]
     dist.all_reduce(host, op=op, group=group)
     return host.to(torch.bool) if is_bool else host
 
@@ -196,8 +175,6 @@ def _reduce(reduce_type: str, tensors: Sequence[torch.Tensor], scale: float,
 def _gather(tensors: Sequence[torch.Tensor], dim: int,
             groups: Sequence[Sequence[int]] | None) -> list[torch.Tensor]:
     """Every member's ``tensors`` concatenated along ``dim``, in the order the group lists them."""
-    import torch.distributed as dist
-
     members, group = _members(groups)
     packs = _pack(tensors)
     hosts = _to_host([flat for flat, _ in packs])
@@ -207,8 +184,7 @@ def _gather(tensors: Sequence[torch.Tensor], dim: int,
         dist.all_gather(parts, host, group=group)
         per_rank = [_unpack(p, idxs, tensors) for p in _in_listed_order(parts, members)]
         for i in idxs:
-            d = dim if dim >= 0 else tensors[i].dim() + dim
-            gathered[i] = torch.cat([r[i] for r in per_rank], dim=d).to(tensors[i].device)
+            gathered[i] = torch.cat([r[i] for r in per_rank], dim=dim).to(tensors[i].device)
     return [gathered[i] for i in range(len(tensors))]
 
 
@@ -251,17 +227,13 @@ def _write_out(outputs: Sequence[torch.Tensor], values: Sequence[torch.Tensor], 
 # ---------------------------------------------------------------------------------------------
 
 
-def _flat_groups(groups: Sequence[Sequence[int]] | None) -> tuple[list[int], list[int]]:
-    groups = groups or []
-    return [int(r) for g in groups for r in g], [len(g) for g in groups]
-
-
-def _unflat_groups(ranks: Sequence[int], sizes: Sequence[int]) -> list[list[int]] | None:
+def _split(flat: Sequence[Any], sizes: Sequence[int]) -> list[list[Any]]:
+    """``flat`` cut into consecutive lists of ``sizes``."""
     out, k = [], 0
     for n in sizes:
-        out.append(list(ranks[k:k + n]))
+        out.append(list(flat[k:k + n]))
         k += n
-    return out or None
+    return out
 
 
 @torch.library.custom_op("ray_train_xla::host_collective", mutates_args=())
@@ -275,13 +247,8 @@ def _host_collective_op(tensors: list[torch.Tensor], op: str, reduce_type: str, 
     must run eagerly (compiled, its result would be a constant), so this op runs one tiny
     fallback op (``histc``) to be classified as such.
     """
-    groups = _unflat_groups(group_ranks, group_sizes)
-    if op == "all_reduce":
-        out = _reduce(reduce_type, tensors, scale, groups)
-    elif op == "all_gather":
-        out = _gather(tensors, dim, groups)
-    else:
-        out = _reduce_scatter(reduce_type, tensors, scale, dim, shard_count, groups)
+    groups = _split(group_ranks, group_sizes) or None
+    out = _run_eagerly(op, tensors, reduce_type, scale, dim, shard_count, groups)
     if any(t.device.type == "xla" for t in tensors):
         torch.histc(torch.zeros(1, device=tensors[0].device), bins=1)
     return [t.clone() for t in out]  # an operator's outputs alias nothing
@@ -294,8 +261,7 @@ def _(tensors, op, reduce_type, scale, dim, shard_count, group_ranks, group_size
     for t in tensors:
         shape = list(t.shape)
         if op != "all_reduce":
-            d = dim if dim >= 0 else t.dim() + dim
-            shape[d] = shape[d] * size if op == "all_gather" else shape[d] // shard_count
+            shape[dim] = shape[dim] * size if op == "all_gather" else shape[dim] // shard_count
         out.append(t.new_empty(shape))
     return out
 
@@ -313,9 +279,14 @@ def _run_collective(op: str, tensors: list[torch.Tensor], *, reduce_type: str = 
     """Eager: run it now over the host. Being compiled: one ``host_collective`` node, run
     eagerly where the compiled graph reaches it."""
     if torch.compiler.is_compiling():
-        ranks, sizes = _flat_groups(groups)
+        ranks, sizes = [int(r) for g in groups or [] for r in g], [len(g) for g in groups or []]
         return list(_host_collective_op(tensors, op, reduce_type, float(scale), dim, shard_count,
                                         ranks, sizes))
+    return _run_eagerly(op, tensors, reduce_type, scale, dim, shard_count, groups)
+
+
+def _run_eagerly(op: str, tensors: list[torch.Tensor], reduce_type: str, scale: float, dim: int,
+                 shard_count: int, groups: Sequence[Sequence[int]] | None) -> list[torch.Tensor]:
     if op == "all_reduce":
         return _reduce(reduce_type, tensors, scale, groups)
     if op == "all_gather":
@@ -337,12 +308,18 @@ def all_reduce(reduce_type: str, inputs: torch.Tensor | list[torch.Tensor], scal
                                groups=groups)[0]
     tensors = list(inputs)
     if tensors:
-        results = _run_collective("all_reduce", tensors, reduce_type=reduce_type, scale=scale,
-                                  groups=groups)
-        if torch.compiler.is_compiling():
-            results = [_computed(r) for r in results]
-        _copy_into(tensors, results)
+        _write_out(tensors, _run_collective("all_reduce", tensors, reduce_type=reduce_type,
+                                            scale=scale, groups=groups), "all_reduce")
     return inputs
+
+
+def _tensor_list(value: Any, name: str) -> list[torch.Tensor]:
+    """A tensor's or a list of tensors' tensors; anything else is refused as torch_xla does."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    raise TypeError(f"`{name}` needs to be a Tensor or a list of Tensors, but given {type(value)}.")
 
 
 def _check_output_list(output: Any, inputs: list) -> None:
@@ -357,33 +334,24 @@ def all_gather(value: torch.Tensor | list[torch.Tensor], dim: int = 0,
                groups: list[list[int]] | None = None, output: Any = None, pin_layout: bool = True,
                channel_id: Any = None, use_global_device_ids: Any = None):
     """``xm.all_gather``: concatenation along ``dim`` of every group member's value."""
-    if pin_layout and output is None and isinstance(value, torch.Tensor):
-        # torch_xla gathers a pinned tensor through a padded all_reduce within each group:
-        # groups of any sizes, each in the order it lists its members.
-        return _run_collective("all_gather", [value], dim=dim, groups=groups)[0]
-    if groups:
-        shard_count = len(groups[0])
-        if not all(len(group) == shard_count for group in groups):
+    single = isinstance(value, torch.Tensor)
+    # torch_xla gathers a pinned tensor through a padded all_reduce within each group: groups
+    # of any sizes, each in the order it lists its members.
+    if groups and not (pin_layout and output is None and single):
+        if len({len(group) for group in groups}) > 1:
             raise AssertionError("Replica groups must have the same number of replicas/shards.")
-    if isinstance(value, torch.Tensor):
-        result = _run_collective("all_gather", [value], dim=dim, groups=groups)[0]
-        if output is not None:
-            _write_out([output], [result], "all_gather")
-            return output
-        return result
-    if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+    tensors = _tensor_list(value, "value")
+    if not single:
         if pin_layout:
             raise RuntimeError("For xm.all_gather with list of tensors input, pin_layout=True is "
                                "not yet supported.")
         if output is not None:
             _check_output_list(output, value)
-        results = _run_collective("all_gather", list(value), dim=dim, groups=groups) if value else []
-        if output is not None:
-            _write_out(output, results, "all_gather")
-            return output
-        return results
-    raise TypeError("`value` needs to be a Tensor or a list of Tensors, but "
-                    f"given {type(value)}.")
+    results = _run_collective("all_gather", tensors, dim=dim, groups=groups) if tensors else []
+    if output is not None:
+        _write_out([output] if single else output, results, "all_gather")
+        return output
+    return results[0] if single else results
 
 
 def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], scale: float,
@@ -392,11 +360,7 @@ def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], s
                    use_global_device_ids: Any = None):
     """``xm.reduce_scatter``: the reduction, split along ``scatter_dim``; this member's shard."""
     single = isinstance(input, torch.Tensor)
-    if not single and not (isinstance(input, list)
-                           and all(isinstance(v, torch.Tensor) for v in input)):
-        raise TypeError("`input` needs to be a Tensor or a list of Tensors, but "
-                        f"given {type(input)}.")
-    tensors = [input] if single else list(input)
+    tensors = _tensor_list(input, "input")
     if output is not None and not single:
         _check_output_list(output, tensors)
     for t in tensors:  # XLA's shape check (RuntimeError when the op is built)
@@ -412,8 +376,7 @@ def reduce_scatter(reduce_type: str, input: torch.Tensor | list[torch.Tensor], s
                                dim=scatter_dim, shard_count=shard_count, groups=groups)
                if tensors else [])
     if output is not None:
-        outputs = [output] if single else list(output)
-        _write_out(outputs, results, "reduce_scatter")
+        _write_out([output] if single else list(output), results, "reduce_scatter")
         return output
     return results[0] if single else results
 
@@ -435,7 +398,6 @@ def xla_rendezvous(payload: bytes = b"", ordinals: list[int] | None = None,
                    tag: str | None = None) -> list[bytes]:
     """``xm.xla_rendezvous``: every worker's payload, ordinal i's at position i (torch_xla
     accepts only the global rendezvous). Bounded by the process group's timeout."""
-    import torch.distributed as dist
     import torch_xla
 
     st = _require()
@@ -457,8 +419,6 @@ def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None
 def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` runs outside any graph ``torch.compile`` builds (a graph break); with
     ``fullgraph=True`` compiling fails, and the error gives this reason."""
-    import torch.compiler
-
     return torch.compiler.disable(fn, reason=(
         f"xm.{name} exchanges Python objects between workers and cannot be part of a compiled "
         f"graph in ray_train_xla's CPU development mode: call xm.{name} outside the compiled "
@@ -474,7 +434,6 @@ _FUNCTIONAL_REDUCE = {"sum": "sum", "avg": "sum", "product": "mul", "min": "min"
 
 
 def _functional_group(group_name: str) -> list[list[int]] | None:
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     if not group_name:
@@ -517,40 +476,30 @@ def _functional_reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: 
     return _as_fallback(out.clone(), input)
 
 
-def _functional_not_bridged(name: str) -> Callable[..., Any]:
+def _refusal(name: str, message: str) -> Callable[..., Any]:
+    """A function named ``name`` that raises NotImplementedError(``message``)."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"torch.distributed's {name} on XLA tensors in a compiled function is not available "
-            "in ray_train_xla's CPU development mode (it would return this worker's local "
-            "value): call it outside the compiled function")
+        raise NotImplementedError(message)
 
+    refuse.__name__ = name
     return refuse
 
 
 def _register_functional_kernels() -> Any:
-    import warnings
-
     lib = torch.library.Library("_c10d_functional", "IMPL")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
         lib.impl("all_reduce", _functional_all_reduce, "XLA")
         lib.impl("all_gather_into_tensor", _functional_all_gather, "XLA")
         lib.impl("reduce_scatter_tensor", _functional_reduce_scatter, "XLA")
-        lib.impl("all_to_all_single", _functional_not_bridged("all_to_all_single"), "XLA")
+        lib.impl("all_to_all_single", _refusal("all_to_all_single", (
+            "torch.distributed's all_to_all_single on XLA tensors in a compiled function is not "
+            "available in ray_train_xla's CPU development mode (it would return this worker's "
+            "local value): call it outside the compiled function")), "XLA")
         # The wait after each: a computed copy, so that the openxla bridge never returns a
         # fallback node's output unchanged as the new value of an input (see _computed).
         lib.impl("wait_tensor", _computed, "XLA")
     return lib
-
-
-def _not_bridged(name: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"xm.{name} is not available in ray_train_xla's CPU development mode (several CPU "
-            "workers): it would return this worker's local value. It runs on Neuron and TPU.")
-
-    refuse.__name__ = name
-    return refuse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,7 +527,7 @@ def _make_group_class() -> type:
             self._group_name = ""
 
         def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-            return BACKEND_NAME
+            return DEVMODE_BACKEND
 
         def _set_group_name(self, name: str) -> None:
             self._group_name = name
@@ -590,8 +539,6 @@ def _make_group_class() -> type:
         def _gloo(self) -> Any:
             # Created on first use: every member reaches the same first collective.
             if self._gloo_pg is None:
-                import torch.distributed as dist
-
                 self._gloo_pg = dist.ProcessGroupGloo(self._store, self.rank(), self.size(),
                                                       self._timeout)
             return self._gloo_pg
@@ -624,17 +571,9 @@ def _make_group_class() -> type:
             return _done([])
 
         def allgather(self, output_lists, inputs, opts=None):
-            flat = [t for outs in output_lists for t in outs]
             sizes = [len(outs) for outs in output_lists]
-
-            def op(out, inp):
-                lists, k = [], 0
-                for n in sizes:
-                    lists.append(out[k:k + n])
-                    k += n
-                return self._gloo().allgather(lists, inp)
-
-            return self._run(flat, inputs, op)
+            return self._run([t for outs in output_lists for t in outs], inputs,
+                             lambda out, inp: self._gloo().allgather(_split(out, sizes), inp))
 
         def _allgather_base(self, output, input, opts=None):
             # torch_xla's backend: the output is the concatenation along dim 0 or the stack of
@@ -660,18 +599,19 @@ def _make_group_class() -> type:
         def _reduce_scatter_base(self, output, input, opts):
             # gloo reduce-scatter support varies by version: reduce everything, keep our chunk.
             host = _to_host([input])[0]
-            self._gloo().allreduce([host], _allreduce_opts(opts.reduceOp)).wait()
+            allreduce_opts = dist.AllreduceOptions()
+            allreduce_opts.reduceOp = opts.reduceOp
+            self._gloo().allreduce([host], allreduce_opts).wait()
             _copy_into([output], [host.reshape(self.size(), -1)[self.rank()]
                                   .view(output.shape).to(output.device)])
             return _done([output])
 
         def reduce_scatter(self, outputs, input_lists, opts):
             for inputs in input_lists:  # torch_xla's backend checks them all first
-                first_shape = inputs[0].shape
-                for i, t in enumerate(inputs[1:]):
-                    if first_shape != t.shape:
-                        raise ValueError(f"Input {i+1}'s shape is different from input 0: "
-                                         f"{t.shape} vs {first_shape}")
+                for i, t in enumerate(inputs[1:], 1):
+                    if t.shape != inputs[0].shape:
+                        raise ValueError(f"Input {i}'s shape is different from input 0: "
+                                         f"{t.shape} vs {inputs[0].shape}")
             for output, inputs in zip(outputs, input_lists):
                 stacked = torch.stack([t.detach() for t in inputs])
                 self._reduce_scatter_base(output, stacked, opts)
@@ -692,25 +632,11 @@ def _make_group_class() -> type:
     return HostBridgeGroup
 
 
-def _allreduce_opts(reduce_op: Any) -> Any:
-    import torch.distributed as dist
-
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = reduce_op
-    return opts
-
-
-def _create_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    return _make_group_class()(store, rank, size, timeout)
-
-
 def register_backend() -> None:
     """Register the ``xla_host`` torch.distributed backend (idempotent)."""
-    import torch.distributed as dist
-
-    if not hasattr(dist.Backend, BACKEND_NAME.upper()):
+    if not hasattr(dist.Backend, DEVMODE_BACKEND.upper()):
         # Every tensor, CPU or XLA: a Python ProcessGroup backend is the whole group anyway.
-        dist.Backend.register_backend(BACKEND_NAME, _create_group, devices=["cpu", "xla"])
+        dist.Backend.register_backend(DEVMODE_BACKEND, _make_group_class(), devices=["cpu", "xla"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,7 +646,7 @@ def register_backend() -> None:
 
 def install(rank: int, world: int) -> None:
     """Make this worker's torch_xla see the Ray world and reduce across it. Call after the
-    default process group (``PROCESS_GROUP_BACKEND``) is initialised, on every worker."""
+    default process group (``xla_host``) is initialised, on every worker."""
     global _state
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -746,7 +672,9 @@ def install(rank: int, world: int) -> None:
                      ("xla_rendezvous", _outside_graph(xla_rendezvous, "xla_rendezvous"))):
         st.patches.set(xm, name, fn)
     for name in _NOT_BRIDGED:
-        st.patches.set(xm, name, _not_bridged(name))
+        st.patches.set(xm, name, _refusal(name, (
+            f"xm.{name} is not available in ray_train_xla's CPU development mode (several CPU "
+            "workers): it would return this worker's local value. It runs on Neuron and TPU.")))
     st.functional_kernels = _register_functional_kernels()
     _state = st
     logger.info("ray_train_xla: CPU development mode on (rank %d of %d): torch_xla collectives "
@@ -759,6 +687,5 @@ def uninstall() -> None:
     st, _state = _state, None
     if st is None:
         return
-    if st.functional_kernels is not None:
-        st.functional_kernels._destroy()  # torch_xla's kernels are in force again
+    st.functional_kernels._destroy()  # torch_xla's kernels are in force again
     st.patches.undo()

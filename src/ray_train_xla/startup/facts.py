@@ -4,6 +4,7 @@ take free ports on rank 0's node."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -44,13 +45,13 @@ def gather_facts(timeout_s: float | None = None, device: str | None = None) -> W
     config's, unused here; every wait below has its own bound)."""
     ctx = ray.get_runtime_context()
     ip = ray.util.get_node_ip_address()
-    accelerators = {
-        name: tuple(str(i) for i in ids)
-        for name, ids in ctx.get_accelerator_ids().items()
-        if ids
-    }
-    tpu_worker_id, tpu_name, tpu_type, tpu_topology, tpu_slice_hosts = (
-        tpu_host_identity() if accelerators.get("TPU") else (None, "", "", "", None))
+    accelerators = {name: tuple(str(i) for i in ids)
+                    for name, ids in ctx.get_accelerator_ids().items() if ids}
+    tpu: dict = {}
+    if accelerators.get("TPU"):
+        tpu = dict(zip(("tpu_worker_id", "tpu_name", "tpu_accelerator_type", "tpu_topology",
+                        "tpu_slice_hosts"), tpu_host_identity()),
+                   tpu_resource_per_chip=tpu_resource_per_chip())
     return WorkerFacts(
         node_id=ctx.get_node_id(),
         node_ip=ip,
@@ -61,12 +62,7 @@ def gather_facts(timeout_s: float | None = None, device: str | None = None) -> W
         has_efa=netinfo.has_efa(),
         network_interface=netinfo.interface_for_ip(ip) or "",
         preset_env={k: os.environ[k] for k in PRESET_VARS if os.environ.get(k)},
-        tpu_worker_id=tpu_worker_id,
-        tpu_name=tpu_name,
-        tpu_accelerator_type=tpu_type,
-        tpu_topology=tpu_topology,
-        tpu_slice_hosts=tpu_slice_hosts,
-        tpu_resource_per_chip=tpu_resource_per_chip() if accelerators.get("TPU") else None,
+        **tpu,
     )
 
 
@@ -92,25 +88,17 @@ def tpu_host_identity() -> tuple[int | None, str, str, str, int | None]:
     Everything within TPU_METADATA_TIMEOUT_S, else unknown (None, "", "", "", None)."""
     from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
 
-    found: list = []
-
-    def read() -> None:
-        found.append((tpu.get_current_node_tpu_worker_id(), tpu.get_current_node_tpu_name() or "",
-                      tpu.get_current_node_tpu_pod_type() or "",
-                      tpu.get_current_node_tpu_topology() or "",
-                      tpu.get_num_workers_in_current_tpu_pod()))
-
     # Ray's metadata requests have no timeout; off GCE and GKE they must not hold up the start.
-    thread = threading.Thread(target=read, name="ray_train_xla-tpu-metadata", daemon=True)
-    thread.start()
-    thread.join(TPU_METADATA_TIMEOUT_S)
-    if not found:
-        logger.warning("pid %d: no TPU worker id, accelerator type or topology within %.0f s "
-                       "(TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY or GCE metadata); hosts "
-                       "are ordered as Ray orders nodes and laid out as a TPU v4 slice",
-                       os.getpid(), TPU_METADATA_TIMEOUT_S)
-        return None, "", "", "", None
-    return found[0]
+    found = _bounded(lambda: (tpu.get_current_node_tpu_worker_id(),
+                              tpu.get_current_node_tpu_name() or "",
+                              tpu.get_current_node_tpu_pod_type() or "",
+                              tpu.get_current_node_tpu_topology() or "",
+                              tpu.get_num_workers_in_current_tpu_pod()),
+                     TPU_METADATA_TIMEOUT_S,
+                     "the TPU worker id, accelerator type and topology (TPU_WORKER_ID, "
+                     "TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY or GCE metadata)",
+                     "; hosts are ordered as Ray orders nodes and laid out as a TPU v4 slice")
+    return found or (None, "", "", "", None)
 
 
 # Native TorchTPU: how long the query of a host's chip coordinates may take at most (TorchTPU's
@@ -129,8 +117,14 @@ def gather_native_tpu_facts(timeout_s: float, device: str = "auto") -> WorkerFac
     port = netinfo.free_ports(1, ipv6=":" in facts.node_ip)[0]
     if not facts.accelerator_ids.get("TPU") and device != "tpu":
         return dataclasses.replace(facts, free_port=port)
+    from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
+
     deadline = time.monotonic() + min(float(timeout_s), TPU_COORDS_TIMEOUT_S)
-    slice_facts = _bounded(_read_tpu_slice_facts, TPU_METADATA_TIMEOUT_S, "the TPU slice facts")
+    slice_facts = _bounded(lambda: (tpu.get_current_node_tpu_worker_id(),
+                                    tpu.get_current_node_tpu_name() or "",
+                                    tpu.get_current_node_tpu_topology() or "",
+                                    tpu.get_current_node_accelerator_type() or ""),
+                           TPU_METADATA_TIMEOUT_S, "the TPU slice facts")
     worker_id, name, topology, accelerator_type = slice_facts or (None, "", "", "")
     coords = tpu_chip_coords(facts.node_id, deadline)
     return dataclasses.replace(
@@ -140,23 +134,17 @@ def gather_native_tpu_facts(timeout_s: float, device: str = "auto") -> WorkerFac
         tpu_resource_per_chip=tpu_resource_per_chip())
 
 
-def _read_tpu_slice_facts():
-    from ray._private.accelerators.tpu import TPUAcceleratorManager as tpu
-
-    return (tpu.get_current_node_tpu_worker_id(), tpu.get_current_node_tpu_name() or "",
-            tpu.get_current_node_tpu_topology() or "",
-            tpu.get_current_node_accelerator_type() or "")
-
-
-def _bounded(read, timeout_s: float, what: str):
-    """``read()`` in a daemon thread, given up after ``timeout_s`` (None then)."""
+def _bounded(read, timeout_s: float, what: str, then: str = ""):
+    """``read()`` in a daemon thread, given up after ``timeout_s``: None then, and a warning
+    that names ``what`` was not read (and ``then``, what follows)."""
     found: list = []
     thread = threading.Thread(target=lambda: found.append(read()), daemon=True,
                               name="ray_train_xla-tpu-facts")
     thread.start()
     thread.join(timeout_s)
     if not found:
-        logger.warning("pid %d: no answer for %s within %.0f s", os.getpid(), what, timeout_s)
+        logger.warning("pid %d: no answer for %s within %.0f s%s", os.getpid(), what, timeout_s,
+                       then)
         return None
     return found[0]
 
@@ -170,7 +158,6 @@ def tpu_chip_coords(node_id: str, deadline: float) -> list[int] | None:
     not query chips another job may hold. None when torch_tpu is missing, the query fails or
     ``deadline`` (``time.monotonic()``) passes."""
     import fcntl
-    import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:
         return None

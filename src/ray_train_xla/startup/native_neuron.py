@@ -7,6 +7,7 @@ Runs on the workers only; torch, Ray and torch_neuronx are imported inside the f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -34,8 +35,7 @@ def parse_cores(text: str) -> list[str]:
 def check_runtime_untouched() -> None:
     """The native process group sets the Neuron runtime up at init and asserts it is not
     initialised yet; fail first, with the fix, if something in this process already did."""
-    module = sys.modules.get("torch_neuronx")
-    initialized = getattr(module, "is_neuron_runtime_initialized", None) if module else None
+    initialized = getattr(sys.modules.get("torch_neuronx"), "is_neuron_runtime_initialized", None)
     if initialized is not None and initialized():
         raise WorkerSetupError(
             f"{who()}: the Neuron runtime was already initialised in this process before "
@@ -86,8 +86,6 @@ class NeuronTorchDeviceManager:
         return None
 
     def get_stream_context(self, stream):
-        import contextlib
-
         return contextlib.nullcontext()
 
     def get_current_stream(self):

@@ -28,8 +28,7 @@ DEVICES_PER_HOST_VAR = "TORCH_TPU_DEVICES_PER_HOST"
 def check_device_untouched() -> None:
     """TorchTPU's environment is read once, at the first device use: fail first, with the fix,
     if something in this process already used the ``tpu`` device."""
-    torch = sys.modules.get("torch")
-    tpu = getattr(torch, "tpu", None) if torch is not None else None
+    tpu = getattr(sys.modules.get("torch"), "tpu", None)
     initialized = getattr(tpu, "is_initialized", None)
     if initialized is not None and initialized():
         raise WorkerSetupError(

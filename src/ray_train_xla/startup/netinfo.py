@@ -20,12 +20,9 @@ def has_efa(sysfs: str = INFINIBAND_SYSFS) -> bool:
     except OSError:
         return False
     for name in names:
-        driver = os.path.join(sysfs, name, "device", "driver")
-        try:
-            if os.path.basename(os.path.realpath(driver)) == "efa" or name.startswith("efa"):
-                return True
-        except OSError:
-            continue
+        driver = os.path.realpath(os.path.join(sysfs, name, "device", "driver"))
+        if name.startswith("efa") or os.path.basename(driver) == "efa":
+            return True
     return False
 
 
@@ -47,10 +44,7 @@ def interface_for_ip(ip: str) -> str | None:
         names = [name for _, name in socket.if_nameindex()]
     except (OSError, AttributeError):
         return None
-    for name in names:
-        if _ipv4_of(name) == ip:
-            return name
-    return None
+    return next((name for name in names if _ipv4_of(name) == ip), None)
 
 
 def free_ports(count: int, ipv6: bool = False, hold: int = 0) -> list[int]:
@@ -100,9 +94,7 @@ def take_held(port: int) -> int | None:
 def release_held(port: int | None = None) -> None:
     """Close the socket held for ``port`` (every held socket when None), if any."""
     with _held_lock:
-        socks = list(_held.values()) if port is None else [_held.get(port)]
-        for key in list(_held) if port is None else [port]:
-            _held.pop(key, None)
+        socks = [_held.pop(p, None) for p in (list(_held) if port is None else [port])]
     for sock in socks:
         if sock is not None:
             sock.close()

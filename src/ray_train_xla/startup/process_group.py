@@ -9,15 +9,20 @@ process group itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import re
+import socket
+import struct
 import time
+import warnings
 from datetime import timedelta
 
 from ray_train_xla.errors import WorkerSetupError, XLAInitError
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.startup import rendezvous
+from ray_train_xla.startup import native_neuron, native_tpu, rendezvous
 from ray_train_xla.startup.facts import who
 from ray_train_xla.startup.watchdog import call_within
 
@@ -26,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 def init_process_group() -> None:
     """Initialise the default process group as planned (``TorchXLAConfig``)."""
-    import os
-
     import torch.distributed as dist
 
     ctx = worker_context()
@@ -40,7 +43,7 @@ def init_process_group() -> None:
         if xla_pg or ctx.spmd:
             _init_torch_xla(xla_pg, ctx.spmd)
     except Exception as exc:
-        raise XLAInitError(f"{who()}: {describe_xla_init_error(exc, os.environ)}") from exc
+        raise XLAInitError(f"{who()}: {describe_xla_init_error(exc)}") from exc
     try:
         store = rendezvous.join(ctx, timeout)
     except WorkerSetupError as exc:  # RendezvousTimeoutError, or rank 0's port taken
@@ -90,6 +93,7 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
     and tries again together (at most ``GLOO_START_ATTEMPTS`` times, within ``timeout``);
     any other error ends it on every rank. Returns the store the group uses."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     deadline = time.monotonic() + timeout.total_seconds()
     for attempt in range(GLOO_START_ATTEMPTS):
@@ -98,7 +102,8 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
         if attempt:
             # A failed attempt leaves torch's group counter one up on its rank: every rank must
             # name the new default group alike (its keys in the store start with the name).
-            _c10d_world().group_count = 0
+            world = distributed_c10d._world  # torch's record of its groups
+            world.group_count = 0
         try:
             call_within(
                 functools.partial(dist.init_process_group, backend, store=attempt_store,
@@ -113,10 +118,10 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
         outcome = "ok" if error is None else "retry" if is_gloo_connect_error(error) else "fail"
         prefix = f"ray_train_xla/{ctx.run_id or 'run'}/pg{attempt}/outcome"
         if error is not None and (outcome == "fail" or attempt == GLOO_START_ATTEMPTS - 1):
-            try:  # tell the others not to wait, then fail with this rank's own error
+            # Tell the others not to wait (the store may be gone with rank 0), then fail with
+            # this rank's own error.
+            with contextlib.suppress(Exception):
                 store.set(f"{prefix}/{ctx.rank}", "fail")
-            except Exception:  # noqa: BLE001 (the store may be gone with rank 0)
-                pass
             error.attempt_store = attempt_store  # where its gloo listeners were published
             raise error
         outcomes = _exchange(store, prefix, ctx.rank, ctx.world_size, outcome, deadline)
@@ -132,7 +137,6 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
         logger.warning("%s: gloo could not connect rank(s) %s at process-group start (attempt "
                        "%d of %d): every rank starts the group again", who(), failed,
                        attempt + 1, GLOO_START_ATTEMPTS)
-    raise AssertionError("unreachable")
 
 
 def _what_starts(backend: str) -> tuple[str, str]:
@@ -145,12 +149,6 @@ def _what_starts(backend: str) -> tuple[str, str]:
                 "the Neuron runtime could not connect the ranks through NEURON_RT_ROOT_COMM_ID")
     return (f"init_process_group({backend!r})",
             "a rank did not finish starting the group (its worker failed or is stuck)")
-
-
-def _c10d_world():
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._world
 
 
 def _exchange(store, prefix: str, rank: int, world: int, value: str, deadline: float) -> list[str]:
@@ -174,9 +172,6 @@ def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> 
     """Where each rank's gloo listener of the default group said it listens (read back from the
     store, as gloo's ``connectFullMesh`` published it): for a failed connection, whether the
     address a rank connected to is the one its peer published."""
-    import socket
-    import struct
-
     found = []
     for r in range(world):
         key = f"{group}//{device}//0/{r}"  # torch's group/device prefixes, then gloo's device 0
@@ -203,12 +198,8 @@ def init_native_process_group() -> None:
     planned group (``neuron`` or ``tpu_dist``; ``gloo`` on CPU)."""
     device = worker_context().device
     if device == "neuron":
-        from ray_train_xla.startup import native_neuron
-
         native_neuron.before_process_group()
     elif device == "tpu":
-        from ray_train_xla.startup import native_tpu
-
         native_tpu.before_process_group()
     init_process_group()
 
@@ -219,8 +210,6 @@ def _init_torch_xla(xla_pg: bool, spmd: bool) -> None:
     import torch_xla  # noqa: F401
 
     if spmd:
-        import warnings
-
         import torch_xla.runtime as xr
 
         # The plan sets XLA_USE_SPMD (read at import); use_spmd() still does what the running
@@ -238,8 +227,6 @@ _VAR_NAME = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b")
 def describe_xla_init_error(exc: BaseException, environ=None) -> str:
     """Say that torch_xla's initialisation rejected this worker's environment, with the value of
     every variable the error names (the one at fault is among them)."""
-    import os
-
     environ = os.environ if environ is None else environ
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch_xla":

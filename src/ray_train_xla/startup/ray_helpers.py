@@ -24,6 +24,7 @@ Installed by the backend on every XLA worker (all devices), after the process gr
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import logging
 import os
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ray_train_xla.startup.patching import Patches
 from ray_train_xla.toolkit.data import move_to_device
@@ -47,10 +49,10 @@ def get_devices() -> list[torch.device]:
     return [get_device()]
 
 
-def _spmd_refusal(name: str, ours: str) -> RuntimeError:
+def _spmd_refusal(name: str) -> RuntimeError:
     return RuntimeError(
         f"ray.train.torch.{name} does not apply under TorchXLAConfig(spmd=True): one process "
-        f"drives all of its node's devices and XLA shards the work. Use rtx.{ours} (import "
+        f"drives all of its node's devices and XLA shards the work. Use rtx.{name} (import "
         "ray_train_xla as rtx) and rtx.shard_batch instead.")
 
 
@@ -124,9 +126,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                    return spec
-                self._loader, spec.loader = spec.loader, self
+                if hasattr(spec.loader, "exec_module"):
+                    self._loader, spec.loader = spec.loader, self
                 return spec
         return None
 
@@ -160,7 +161,7 @@ def _prepare_data_loader_moving_here(original, spmd: bool = False):
     def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
                             auto_transfer=True):
         if spmd:
-            raise _spmd_refusal("prepare_data_loader", "prepare_data_loader")
+            raise _spmd_refusal("prepare_data_loader")
         loader = original(data_loader, add_dist_sampler=add_dist_sampler,
                           move_to_device=False, auto_transfer=False)
         return _OnXLADevice(loader) if move_to_device else loader
@@ -169,27 +170,28 @@ def _prepare_data_loader_moving_here(original, spmd: bool = False):
     return prepare_data_loader
 
 
+def _train_modules() -> tuple[list[Any], Any]:
+    """The modules of Ray Train that hold its torch helpers, and Train V2's (None without it)."""
+    import ray.train.torch as rtt
+    import ray.train.torch.train_loop_utils as v1
+
+    try:
+        import ray.train.v2.torch.train_loop_utils as v2
+    except ImportError:  # pragma: no cover - Ray without Train V2
+        return [rtt, v1], None
+    return [rtt, v1, v2], v2
+
+
 def install_native() -> None:
     """Native TorchNeuron on Neuron: Ray's ``prepare_data_loader`` shards as Ray does and moves
     batches to the worker's ``neuron`` device (Ray's ``get_device`` and ``prepare_model`` use
     the device manager that ``native_neuron.py`` installs)."""
     if _patches:
         return
-    import ray.train.torch as rtt
-    import ray.train.torch.train_loop_utils as v1
-
-    modules = [rtt, v1]
-    try:
-        import ray.train.v2.torch.train_loop_utils as v2
-
-        modules.append(v2)
-    except ImportError:  # pragma: no cover - Ray without Train V2
-        pass
-    for m in modules:
+    for m in _train_modules()[0]:
         original = getattr(m, "prepare_data_loader", None)
         if original is not None:
-            _patches.set(m, "prepare_data_loader", _prepare_data_loader_moving_here(original),
-                         only_if_present=True)
+            _patches.set(m, "prepare_data_loader", _prepare_data_loader_moving_here(original))
 
 
 def install(spmd: bool) -> None:
@@ -199,45 +201,27 @@ def install(spmd: bool) -> None:
     if _patches:
         return
     patch_transformers_trainer()
-
-    def _patch(owner: Any, name: str, value: Any) -> None:
-        _patches.set(owner, name, value, only_if_present=True)
-
-    import ray.train.torch as rtt
-    import ray.train.torch.train_loop_utils as v1
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    modules = [rtt, v1]
-    try:
-        import ray.train.v2.torch.train_loop_utils as v2
-
-        modules.append(v2)
-    except ImportError:  # pragma: no cover - Ray without Train V2
-        v2 = None
-    originals = {m: (getattr(m, "prepare_model", None), getattr(m, "prepare_data_loader", None))
-                 for m in modules}
+    _patch = functools.partial(_patches.set, only_if_present=True)
+    modules, v2 = _train_modules()
 
     def make_prepare_model(original):
         def prepare_model(model, *args, **kwargs):
             if spmd:
-                raise _spmd_refusal("prepare_model", "prepare_model")
+                raise _spmd_refusal("prepare_model")
             return original(model, *args, **kwargs)
 
         prepare_model.__doc__ = original.__doc__
         return prepare_model
 
-    def make_prepare_data_loader(original):
-        return _prepare_data_loader_moving_here(original, spmd)
-
     for m in modules:
+        model_fn = getattr(m, "prepare_model", None)
+        loader_fn = getattr(m, "prepare_data_loader", None)
         _patch(m, "get_device", get_device)
         _patch(m, "get_devices", get_devices)
-        model_fn, loader_fn = originals[m]
         if model_fn is not None:
             _patch(m, "prepare_model", make_prepare_model(model_fn))
         if loader_fn is not None:
-            _patch(m, "prepare_data_loader", make_prepare_data_loader(loader_fn))
+            _patch(m, "prepare_data_loader", _prepare_data_loader_moving_here(loader_fn, spmd))
     # Where Ray's originals resolve the device (V1: air's torch_utils; V2: this module global),
     # so that functions imported by name before the backend ran agree too.
     from ray.air._internal import torch_utils
@@ -266,7 +250,7 @@ def install(spmd: bool) -> None:
 
     init_process_group.__doc__ = original_init.__doc__
     _patch(dist, "init_process_group", init_process_group)
-    _patch(c10d, "init_process_group", init_process_group)
+    _patch(dist.distributed_c10d, "init_process_group", init_process_group)
 
 
 def uninstall() -> None:

@@ -22,6 +22,7 @@ Worker side only (imports torch).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -98,16 +99,13 @@ def _serve(addr: str, port: int, world: int, timeout: timedelta, deadline: float
             if taken and time.monotonic() < retry_until:
                 time.sleep(0.2)
                 continue
-            if taken:
-                raise WorkerSetupError(
-                    f"rank 0 cannot serve the rendezvous store at {addr}:{port}: another "
-                    "process took that port (EADDRINUSE) after it was reserved for this run. "
-                    "The other ranks cannot start either. Start the run again (it reserves a "
-                    "new port); if it happens again, look for a process on that node that "
-                    f"binds ports it did not reserve ({_first_line(exc)})") from exc
+            why = (("another process took that port (EADDRINUSE) after it was reserved for this "
+                    "run. The other ranks cannot start either. Start the run again (it reserves "
+                    "a new port); if it happens again, look for a process on that node that "
+                    f"binds ports it did not reserve ({_first_line(exc)})") if taken
+                   else f"{type(exc).__name__}: {_first_line(exc)}")
             raise WorkerSetupError(
-                f"rank 0 cannot serve the rendezvous store at {addr}:{port}: "
-                f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                f"rank 0 cannot serve the rendezvous store at {addr}:{port}: {why}") from exc
 
 
 def _connect(addr: str, port: int, world: int, timeout: timedelta, deadline: float) -> Any:
@@ -121,12 +119,10 @@ def _connect(addr: str, port: int, world: int, timeout: timedelta, deadline: flo
             f"timeout_s={timeout.total_seconds():g}: nothing accepted a connection there, so "
             f"rank 0 did not arrive, or {addr} is not reachable from this node")
 
-    def connect():
-        return dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
-
     try:
         return call_within(
-            connect, deadline, timeout.total_seconds(),
+            functools.partial(dist.TCPStore, addr, port, world_size=world, is_master=False,
+                              timeout=timeout), deadline, timeout.total_seconds(),
             f"connecting to the rendezvous store that rank 0 serves at {addr}:{port}",
             hint=("the connection was accepted but no store answered there: another process "
                   "listens on that port (rank 0 could not serve its store on it; its error says "

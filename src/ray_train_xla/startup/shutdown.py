@@ -43,13 +43,9 @@ def shutdown_worker() -> None:
         logger.warning("%s: destroy_process_group did not finish within %.0f s; leaving it",
                        who(), ctx.timeout_s)
     netinfo.release_held()  # a port reserved for a store that never started (rank 0's worker)
-    if "ray_train_xla.startup.ray_helpers" in sys.modules:
-        from ray_train_xla.startup import ray_helpers
-
-        ray_helpers.uninstall()
-    if "ray_train_xla.startup.devmode" in sys.modules:
-        from ray_train_xla.startup import devmode
-
-        devmode.uninstall()
+    for patches in ("ray_helpers", "devmode"):  # those this worker installed
+        module = sys.modules.get(f"ray_train_xla.startup.{patches}")
+        if module is not None:
+            module.uninstall()
     if ctx.planned:
         runtime_steps.cleanup(ctx)

@@ -32,14 +32,15 @@ logger = logging.getLogger(__name__)
 def training_function() -> Iterator[None]:
     """Ray Train's ``train_func_context`` under TorchXLAConfig, TorchNeuronConfig and
     TorchTPUConfig (see the module docstring)."""
-    from ray_train_xla.toolkit import reporting, runtime
+    from ray_train_xla.toolkit import reporting, runtime, steps
     from ray_train_xla.toolkit.checkpoint.memory.tier import flush_memory
     from ray_train_xla.toolkit.observability import compile_causes, profiling, timeline
 
     runtime.begin()
     _optional("torch_xla's analysis of compilations is off", compile_causes.analyse_this_process)
-    _optional("plain optimizer.step() calls will not be counted as steps", _hook_optimizers)
-    _optional("profiles and graph checks are off", _watch_steps)
+    _optional("plain optimizer.step() calls will not be counted as steps",
+              steps.install_optimizer_hook)
+    _optional("profiles and graph checks are off", profiling.install, compile_causes.install)
     _optional("the step timeline did not start", timeline.begin)
     try:
         profiling.training_starts()  # a profile window of the first step starts here
@@ -55,25 +56,10 @@ def training_function() -> Iterator[None]:
     runtime.end()
 
 
-def _hook_optimizers() -> None:
-    """See plain ``optimizer.step()`` calls as step ends (the rules: ``toolkit/steps.py``)."""
-    from ray_train_xla.toolkit import steps
-
-    steps.install_optimizer_hook()
-
-
-def _watch_steps() -> None:
-    """The profile windows (and the watcher of requests from outside), and the comparison of
-    the ranks' compiled graphs."""
-    from ray_train_xla.toolkit.observability import compile_causes, profiling
-
-    profiling.install()
-    compile_causes.install()
-
-
-def _optional(what: str, start) -> None:
-    """Start something the run can go on without (observation): a failure is warned."""
+def _optional(what: str, *starts) -> None:
+    """Start something the run can go on without (observation), in steps: a failure is warned."""
     try:
-        start()
+        for start in starts:
+            start()
     except Exception as exc:  # noqa: BLE001 (the run goes on without it)
         logger.warning("%s: %s: %s", what, type(exc).__name__, exc)

@@ -40,29 +40,24 @@ def call_within(fn: Callable[[], T], deadline: float, timeout_s: float, what: st
     ``deadline`` (``time.monotonic()``) and ``grace_s`` have passed without it returning.
     ``fn``'s own exception is raised as is."""
     outcome: dict = {}
-    done = threading.Event()
 
     def run() -> None:
         try:
             outcome["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
             outcome["error"] = exc
-        finally:
-            done.set()
 
     start = time.monotonic()
     wait = max(0.0, deadline - time.monotonic()) + grace_s
     thread = threading.Thread(target=run, name=f"ray_train_xla-{what[:40]}", daemon=True)
-    # The backstop, for a call that keeps Python's global lock (this thread could not wake up):
-    # faulthandler's own thread (C, no Python lock) dumps every thread's stack, the stuck call
-    # among them, and ends the process.
+    # The backstop (see the module docstring): faulthandler's own thread takes no Python lock.
     faulthandler.dump_traceback_later(wait + BACKSTOP_S, exit=True)
     try:
         thread.start()
-        finished = done.wait(wait)
+        thread.join(wait)
     finally:
         faulthandler.cancel_dump_traceback_later()
-    if not finished:
+    if thread.is_alive():
         raise error(f"{what} did not finish within timeout_s={timeout_s:g} (waited "
                     f"{time.monotonic() - start:.1f} s); the call cannot be interrupted, so it "
                     f"is left running and this worker fails{': ' + hint if hint else ''}")

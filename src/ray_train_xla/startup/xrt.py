@@ -17,6 +17,7 @@ Linux only (reads /proc).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,23 +36,27 @@ _watcher_stop = threading.Event()
 
 def state_dir() -> str:
     """Where server records live: per user, overridable with RAY_TRAIN_XLA_STATE_DIR."""
-    base = os.environ.get(STATE_DIR_VAR) or os.path.join(
-        tempfile.gettempdir(), f"ray_train_xla-{os.getuid()}"
-    )
+    base = os.environ.get(STATE_DIR_VAR) or os.path.join(tempfile.gettempdir(),
+                                                         f"ray_train_xla-{os.getuid()}")
     path = os.path.join(base, "xrt")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks (from /proc/PID/stat); None if it is gone or a
     zombie. With the pid, it identifies one process even after pids are reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
+    fields = _stat(pid)
+    return None if fields is None or fields[0] == "Z" else fields[19]
 
 
 def cmdline(pid: int) -> str:
@@ -65,15 +70,10 @@ def cmdline(pid: int) -> str:
 def descendants(root: int) -> list[int]:
     """Every live descendant of ``root`` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        fields = _stat(pid)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(pid)
     out, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -88,12 +88,8 @@ def own_servers() -> list[int]:
 
 
 def _record(server: int) -> None:
-    record = {
-        "server": server,
-        "server_start": start_time(server),
-        "owner": os.getpid(),
-        "owner_start": start_time(os.getpid()),
-    }
+    record = {"server": server, "server_start": start_time(server),
+              "owner": os.getpid(), "owner_start": start_time(os.getpid())}
     if record["server_start"] is None:
         return
     path = os.path.join(state_dir(), f"{server}.json")
@@ -130,30 +126,25 @@ def watch_for_servers(timeout_s: float, interval_s: float = 1.0) -> threading.Th
 def terminate(pids: list[int], grace_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s`` for those still alive."""
     started = {pid: start_time(pid) for pid in pids}
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _signal(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
         alive = [p for p in alive if start_time(p) is not None and start_time(p) == started[p]]
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _signal(alive, signal.SIGKILL)
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _records() -> list[tuple[str, dict]]:
     out = []
     directory = state_dir()
-    for name in os.listdir(directory):
-        if not name.endswith(".json"):
-            continue
-        path = os.path.join(directory, name)
+    for path in (os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".json")):
         try:
             with open(path) as f:
                 out.append((path, json.load(f)))
@@ -169,9 +160,7 @@ def stop_own_servers() -> list[int]:
     me, my_start = os.getpid(), start_time(os.getpid())
     mine = [(path, r) for path, r in _records()
             if r.get("owner") == me and r.get("owner_start") == my_start]
-    for _, r in mine:
-        if start_time(r["server"]) == r["server_start"]:
-            servers.add(r["server"])
+    servers.update(r["server"] for _, r in mine if start_time(r["server"]) == r["server_start"])
     terminate(sorted(servers))
     for path, _ in mine:
         _remove(path)
@@ -182,8 +171,7 @@ def clean_stale_servers() -> list[int]:
     """At start: stop recorded servers whose recording worker has exited; returns their pids."""
     stale = []
     for path, r in _records():
-        owner_alive = start_time(r.get("owner", -1)) == r.get("owner_start")
-        if owner_alive:
+        if start_time(r.get("owner", -1)) == r.get("owner_start"):  # its worker still runs
             continue
         server = r.get("server", -1)
         if start_time(server) == r.get("server_start") and SERVER_MARK in cmdline(server):
@@ -196,7 +184,5 @@ def clean_stale_servers() -> list[int]:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.remove(path)
-    except OSError:
-        pass
