@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.ray]
 SAMPLES, GLOBAL_BATCH, FEATURES = 32, 16, 4
 STEPS, CKPT_EVERY = 6, 2  # 2 steps per epoch: checkpoints at epoch ends, 3 epochs
 FAIL_AT = 5  # on the first attempt, rank 1 dies after step 5 (checkpoint at 4 is the latest)
+CLIP = 0.1  # from the second step on, gradients are clipped to this global norm
 
 
 def train_regression(config):
@@ -47,16 +48,20 @@ def train_regression(config):
     state = rtx.load_checkpoint(model, opt)
     step = start_step = state["step"] if state else 0
     loader.set_epoch(step // (SAMPLES // GLOBAL_BATCH))
-    losses, transfers = [], []
+    losses, transfers, norms = [], [], []
     while step < STEPS:
         for xb, yb in loader:
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             loss.backward()
             before = transfers_to_host()
+            # From step 2, clip_grad_norm_ averages the gradients (the step then does not).
+            norm = rtx.clip_grad_norm_(model, CLIP) if step > 0 else None
             # Step 1 with one bucket per parameter, then the default buckets (numerically equal).
             rtx.optimizer_step(opt, **({"bucket_mb": 1e-9} if step == 0 else {}))
             transfers.append(transfers_to_host() - before)
+            if norm is not None:
+                norms.append(norm.item())
             step += 1
             marker = os.path.join(config["out_dir"], "failed_once.json")
             if config.get("fail") and step == FAIL_AT and r == 1 and not os.path.exists(marker):
@@ -75,7 +80,7 @@ def train_regression(config):
                 )
     record = {
         "rank": r, "resumed": resumed, "start_step": start_step, "step": step, "losses": losses,
-        "transfers": transfers, "metrics": m,
+        "transfers": transfers, "metrics": m, "norms": norms,
         "params": [p.detach().cpu().reshape(-1).tolist() for p in model.parameters()],
     }
     if config.get("ray_data"):
@@ -107,7 +112,8 @@ def assert_params_close(a, b, atol=1e-5):
 
 def one_process_run():
     """train_regression's steps in this process with plain torch on the CPU: one replica over
-    each whole global batch (the rows the two workers' halves make up), rank 0's start."""
+    each whole global batch (the rows the two workers' halves make up), rank 0's start, torch's
+    own clip_grad_norm_: (the parameters, the norms clipped)."""
     import torch
 
     # torch's autograd engine sizes its per-device queues at a process's first backward, from
@@ -130,14 +136,16 @@ def one_process_run():
         torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader.set_epoch(0)
-    step = 0
+    step, norms = 0, []
     while step < STEPS:
         for xb, yb in loader:
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(xb), yb).backward()
+            if step > 0:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
             opt.step()
             step += 1
-    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()], norms
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +163,16 @@ def test_two_workers_on_half_batches_match_one_worker_on_the_whole_batch(uninter
     two = finals(records)
     assert [r["rank"] for r in two] == [0, 1]
     assert_params_close(two[0]["params"], two[1]["params"], atol=0)  # same start, same grads
-    # Plain torch in one process over the whole global batches ends where the two workers did.
-    assert_params_close(two[0]["params"], one_process_run())
+    # Plain torch in one process over the whole global batches ends where the two workers did,
+    # and clips by the same norms: those of the averaged gradients, on every worker.
+    params, norms = one_process_run()
+    assert_params_close(two[0]["params"], params)
+    assert min(norms) > CLIP  # every clip clipped
+    for rec in two:
+        assert rec["norms"] == pytest.approx(norms, rel=1e-5)
     assert two[0]["step"] == STEPS
-    # Gradients cross to the host once per bucket: 4 parameters, one float32 bucket.
+    # Gradients cross to the host once per bucket: 4 parameters, one float32 bucket; once a
+    # step, clip_grad_norm_ or optimizer_step.
     assert two[0]["transfers"][:2] == [4, 1] and set(two[0]["transfers"][1:]) == {1}
     # Loss goes down and the step graphs stopped compiling after warm-up.
     for rec in two:

@@ -65,12 +65,22 @@ def _gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     ]
 
 
-def _weak(name: str) -> weakref.WeakKeyDictionary:
-    """The runtime's weak map ``name``: ``checked``, optimizers whose parameters were checked
-    for sharding, with their parameter count then (the check walks every parameter, so it runs
-    again only when the parameters change, not every step); ``reduced``, gradients
-    clip_grad_norm_ averaged for the next step: param -> (its grad, the grad's version then)."""
-    return runtime().part(name, weakref.WeakKeyDictionary)
+def _checked() -> weakref.WeakKeyDictionary:
+    """The optimizers whose parameters were checked for sharding, with their parameter count
+    then (the check walks every parameter, so it runs again only when the parameters change,
+    not every step)."""
+    return runtime().part("checked", weakref.WeakKeyDictionary)
+
+
+def _reduced() -> dict:
+    """The gradients clip_grad_norm_ averaged for the next step: id(param) -> (a weak reference
+    to the param, its grad's id and version then). Keyed by id: a weak-keyed dict compares
+    parameters with ``==``, which is elementwise for tensors."""
+    return runtime().part("reduced", dict)
+
+
+def _grad_mark(p: torch.Tensor) -> tuple:
+    return id(p.grad), p.grad._version
 
 
 def _fsdp2_params(params: list) -> bool:
@@ -90,7 +100,7 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
     """True when the optimizer steps an FSDP2 model (nothing to reduce); raises
     ShardedStateError for other sharded parameters."""
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    checked = _weak("checked")
+    checked = _checked()
     if count and checked.get(optimizer, (None,))[0] == count:
         return checked[optimizer][1]
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -116,9 +126,9 @@ def reduce_gradients(optimizer: torch.optim.Optimizer, bucket_mb: float = DEFAUL
     if n == 1 or spmd_global():  # one worker, or XLA reduces over the mesh: nothing to average
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    reduced = _weak("reduced")
-    done = bool(params) and all(reduced.get(p) == (id(p.grad), p.grad._version)
-                                for p in params)
+    reduced = _reduced()
+    done = bool(params) and all(id(p) in reduced and reduced[id(p)][0]() is p
+                                and reduced[id(p)][1] == _grad_mark(p) for p in params)
     reduced.clear()  # a mark serves one step: a new backward changes the gradients' version
     if done:
         return  # clip_grad_norm_ averaged exactly these gradients, untouched since
@@ -153,9 +163,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
             _reduce(types.SimpleNamespace(param_groups=[{"params": params}]), world_size(), bucket_mb)
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     if average:
-        reduced = _weak("reduced")
+        reduced = _reduced()
         for p in params:  # these exact gradients, as they are now, are averaged
-            reduced[p] = (id(p.grad), p.grad._version)
+            reduced[id(p)] = (weakref.ref(p), _grad_mark(p))
     full = getattr(total, "full_tensor", None)
     return full() if full is not None else total
 

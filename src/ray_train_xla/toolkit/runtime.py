@@ -104,7 +104,7 @@ class Runtime:
         self.host_groups_of: Any = None  # the default group they were made in
         self.group_ranks: Any = None  # collectives: (group, {global rank: group rank})
         self.preempt_saved: set[tuple] = set()  # preemption: drains a checkpoint was made for
-        self.reduced: Any = None  # optim: gradients reduced since (weak, by parameter)
+        self.reduced: Any = None  # optim: gradients clip_grad_norm_ averaged (by parameter id)
         self.checked: Any = None  # optim: optimizers checked for sharding (weak)
         self.prepared: Any = None  # checkpoint.names.PreparedModels
         self.meshes: dict[tuple[int, ...], Any] = {}  # fsdp2: the device mesh of each shape
