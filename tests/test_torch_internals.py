@@ -51,14 +51,19 @@ def _named_attribute(node: ast.AST) -> tuple[ast.AST, str] | None:
 
 
 def _ours(trees: dict[str, ast.AST]) -> set[str]:
-    """Attribute names our own code defines: the methods of our classes, what it sets on
-    ``self`` or ``cls``, or on another object by name (``setattr``, ``object.__setattr__``)."""
+    """Attribute names our own code defines: the methods and class attributes of our classes,
+    what it sets on ``self`` or ``cls``, or on another object by name (``setattr``,
+    ``object.__setattr__``)."""
     names = set()
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                names.update(n.name for n in node.body
-                             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                for n in node.body:
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(n.name)
+                    targets = n.targets if isinstance(n, ast.Assign) else \
+                        [n.target] if isinstance(n, ast.AnnAssign) else []
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
                     node.value.id in ("self", "cls") and isinstance(node.ctx, ast.Store):
                 names.add(node.attr)
