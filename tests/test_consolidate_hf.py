@@ -373,3 +373,25 @@ def test_streams_only_the_models_tensors_from_a_filesystem_object(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert loaded.dtype == torch.bfloat16
     assert all(torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16)) for k, v in state.items())
+
+
+def test_max_shard_size_is_parsed_as_huggingface_hub_parses_it():
+    """``--max-shard-size`` reads a size as save_pretrained does (huggingface_hub's parser, whose
+    name is private there): the same bytes for every spelling it takes; what it refuses, and
+    zero, are refused here with the fix named."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    from ray_train_xla.tools.consolidate import NotConsolidatableError, _shard_size
+
+    for size in ["5GB", "500MB", "1.5GB", "10kb", " 2 TB ", "0.25 mb", "7KB"]:
+        assert _shard_size(size) == parse_size_to_int(size), size
+    assert _shard_size(12345) == _shard_size("12345") == 12345  # bytes, as an int is there
+    for bad in ["5 potatoes", "GB", "5B", "MB5"]:
+        with pytest.raises(ValueError):
+            parse_size_to_int(bad)
+        with pytest.raises(NotConsolidatableError, match="is not a size"):
+            _shard_size(bad)
+    for empty in ["0MB", "-1MB"]:  # sizes there, but no shard holds a tensor
+        assert parse_size_to_int(empty) <= 0
+        with pytest.raises(NotConsolidatableError, match="is not a size"):
+            _shard_size(empty)

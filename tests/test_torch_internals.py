@@ -26,7 +26,7 @@ pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src", "ray_train_xla")
 LIBRARIES = ("torch", "torch_xla", "torch_tpu", "torch_neuronx", "ray", "transformers",
-             "safetensors", "pyarrow", "libneuronxla")
+             "huggingface_hub", "accelerate", "safetensors", "pyarrow", "libneuronxla")
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 

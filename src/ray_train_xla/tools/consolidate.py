@@ -241,17 +241,19 @@ def _transformers() -> Iterator[Any]:
                 os.environ["USE_TORCH_XLA"] = before
 
 
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
 def _shard_size(size: int | str) -> int:
     """``size`` in bytes, parsed as Transformers' save_pretrained parses ``max_shard_size``
     (huggingface_hub: digits and TB, GB, MB or KB, powers of 10), or plain bytes."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
+    text = str(size).strip()
     try:
-        if isinstance(size, int) or str(size).strip().isdigit():
+        if isinstance(size, int) or text.isdigit():
             value = int(size)
         else:
-            value = parse_size_to_int(str(size))
-    except ValueError:
+            value = int(float(text[:-2]) * SIZE_UNITS[text[-2:].upper()])
+    except (KeyError, ValueError):
         value = 0
     if value < 1:
         raise NotConsolidatableError(

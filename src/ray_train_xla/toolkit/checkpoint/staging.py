@@ -117,10 +117,10 @@ class StagingPool:
     def _giving_back(self, buffers: dict[int, torch.UntypedStorage]) -> Callable[[], None]:
         returned = threading.Event()
 
-        def give_back() -> None:
-            if not returned.is_set():
-                returned.set()
-                with self._lock:
+        def give_back() -> None:  # once, whichever thread calls it first
+            with self._lock:
+                if not returned.is_set():
+                    returned.set()
                     self._free.append(buffers)
 
         return give_back

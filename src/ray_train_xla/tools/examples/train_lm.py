@@ -159,9 +159,9 @@ def train_loop(config: dict) -> None:
                         f.write(str(written["bytes"]))
             if config["crash_at"] and step == config["crash_at"] and not os.path.exists(crash_marker):
                 open(crash_marker, "w").close()
-                # Ray Train V2 registers a reported checkpoint when its controller next polls the
-                # workers (every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default): let it see the last one
-                # before failing.
+                rtx.flush_reports()  # the checkpoints so far reach Ray ...
+                # ... and Ray Train V2 registers them when its controller next polls the workers
+                # (every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default).
                 time.sleep(2.5 * float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")))
                 raise RuntimeError(f"train_lm: simulated crash after step {step}")
             if step >= config["steps"]:
