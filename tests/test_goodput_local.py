@@ -315,7 +315,7 @@ def test_a_group_shut_down_while_running_ends_when_it_was_told(tmp_path):
     assert sum(result.buckets.values()) == pytest.approx(result.wall) == pytest.approx(3.5)
 
 
-def test_files_are_parts_and_a_torn_line_is_skipped(tmp_path, monkeypatch):
+def test_files_are_parts_and_a_torn_or_foreign_line_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(tl_mod, "PART_LINES", 3)
     storage = RunStorage.at(str(tmp_path))
     tl, clock, _ = _worker(storage, "A", 0, 0.0, 0.0)
@@ -330,6 +330,8 @@ def test_files_are_parts_and_a_torn_line_is_skipped(tmp_path, monkeypatch):
     assert len(files) > 2 and all(f.startswith("goodput/attempt-A/rank-0.") for f in files)
     with open(tmp_path / files[0], "a") as f:
         f.write('{"kind": "span", "t0": ')  # torn
+    with open(tmp_path / files[1], "a") as f:
+        f.write('\n[1, 2]\n7\n')  # JSON, but no event
     result = goodput.goodput_of(str(tmp_path))
     assert result.attempts[0].workers[0].steps == 7
     assert result.buckets["productive"] == pytest.approx(6.0)

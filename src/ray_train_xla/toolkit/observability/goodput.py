@@ -195,6 +195,8 @@ def parse_worker(attempt: str, rank: int, lines: list[str]) -> Worker:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line of a part being written, or an empty one
+        if not isinstance(event, dict):
+            continue  # JSON, but not an event
         kind = event.get("kind")
         t = event.get("t", event.get("t1"))
         if isinstance(t, (int, float)):
