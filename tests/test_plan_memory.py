@@ -527,7 +527,7 @@ def test_the_precision_call_is_in_the_table_and_the_help(tmp_path, capsys):
     for says in ("fp32 (default): load_pretrained(model, path, dtype=torch.float32, "
                  "mixed_precision='bf16')", "bf16: load_pretrained(model, path, "
                  "dtype=torch.bfloat16)", "default: --param-dtype's, as torch.optim.AdamW "
-                 "keeps them"):
+                 "keeps them", "gemma2 or gemma3_text"):
         assert "".join(says.split()) in text, says
 
 

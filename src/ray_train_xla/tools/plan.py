@@ -161,7 +161,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--model", default=None, metavar="PATH_OR_CONFIG_JSON",
         help="plan memory for this Hugging Face decoder instead of the environment: a model "
         "directory holding config.json, or a config.json (model_type llama, mistral, qwen2, "
-        "qwen3, gemma or gemma2)",
+        "qwen3, gemma, gemma2 or gemma3_text); with --runtime native, or --spmd (a config that "
+        "shards)",
     )
     plan.add_argument(
         "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
