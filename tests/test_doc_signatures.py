@@ -274,8 +274,9 @@ def _literal(text: str) -> bool:
 def as_declaration(w: Written) -> list[str] | None:
     """The items of ``w`` when it is written as a signature, else None (a call): no ``rtx.``
     prefix, parameters only (``name``, ``name=<literal>``, ``*``, ``/``, ``...``, ``**name``),
-    and a bare ``*`` or ``/``, or two or more parameters of which one has a literal default.
-    ``name=...`` is a call that leaves the value out; a config is always called."""
+    and a bare ``*`` or ``/``, or a parameter written with its own default (``src=0``): a call
+    passes other values (``mixed_precision="bf16"``). ``name=...`` is a call that leaves the
+    value out; a config is always called."""
     if w.prefixed or w.name in CONFIGS:
         return None
     items = split_args(w.args)
@@ -286,9 +287,13 @@ def as_declaration(w: Written) -> list[str] | None:
     params = [PARAM.match(i) for i in items if i != "..."]
     if any(p.group(3) == "..." for p in params):
         return None
-    literal = [p for p in params
-               if p.group(3) is not None and all(_literal(a) for a in p.group(3).split("|"))]
-    return items if literal and len(params) >= 2 else None
+    sig = signature(w.name)
+    real = sig.parameters if sig is not None else {}
+    own = [p for p in params if p.group(3) is not None and p.group(2) in real
+           and real[p.group(2)].default is not inspect.Parameter.empty
+           and all(_literal(a) for a in p.group(3).split("|"))
+           and _same_default(p.group(3), real[p.group(2)].default)]
+    return items if own else None
 
 
 def _same_default(written: str, real: Any) -> bool:
@@ -548,12 +553,14 @@ def test_the_checks_find_what_they_are_for():
     assert "leaves out flops_per_step, peak_tflops, straggler_threshold" in declared(
         "configure_timeline", "samples_per_step=None, tokens_per_step=None, interval_s=None, "
         "storage_interval_s=None")[0]
-    assert declared("broadcast", "tensor, src=1") == ["'src' defaults to 0, written 1"]
+    assert declared("save_checkpoint", 'state, metrics=None, filename="c.pt", wait=False') == [
+        "'filename' defaults to 'checkpoint.pt', written \"c.pt\""]
     assert "keyword-only" in declared("load_pretrained", "model, path, dtype=None, ...")[0]
     assert "out of order" in declared("save_checkpoint", "state, wait=False, metrics=None, ...")[0]
     assert declared("get_sharded_mesh", "shape=None, ...") == []
-    assert as_declaration(Written("x", "metrics", "step, execute_time=True", False)) is not None
-    assert as_declaration(Written("x", "metrics", "step, execute_time=True", True)) is None
+    assert as_declaration(Written("x", "metrics", "step=None, execute_time=True", False)) is not None
+    assert as_declaration(Written("x", "metrics", "step=None, execute_time=True", True)) is None
+    assert as_declaration(Written("x", "metrics", "step, execute_time=True", False)) is None
     assert as_declaration(Written("x", "configure_reports", "writer_process=False", False)) is None
     assert "unexpected keyword argument 'flops'" in check_call(
         "configure_timeline", 0, ["flops"], False, signature("configure_timeline"))
