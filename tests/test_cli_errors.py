@@ -102,6 +102,10 @@ def assert_one_line(proc, code):
     (["plan", "--nodes", "99999999999"], ["99999999999 workers", "at most 100000"]),
     (["plan", "--workers-per-node", "99999999999,1"], ["at most 100000"]),
     (["plan", "--device", "neuron", "--accelerators-per-worker", "99999999"], ["at most 1000000"]),
+    # check: refused before Ray starts (check --help says so: exit status 2)
+    (["check", "--config", "neuron", "--device", "tpu"], ["--config neuron runs on --device"]),
+    (["check", "--device", "tpu", "--workers", "2"], ["--device tpu with 2 workers needs --tpu-topology"]),
+    (["check", "--max-bytes", "4"], ["--max-bytes", "at least 8 bytes"]),
     # unknown commands and options name the parser they belong to
     (["doctor", "--bogus"], ["ray-train-xla doctor: error: unrecognized arguments: --bogus"]),
     (["bogus"], ["ray-train-xla: error:", "invalid choice: 'bogus'"]),

@@ -105,6 +105,9 @@ TORCHRUN_VARS = (
     "TORCHELASTIC_USE_AGENT_STORE",
 )
 
+# Neuron's EFA variables (libfabric): planned where the node has EFA devices, or with efa=True.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
 _RANKS = "Ray's ScalingConfig (ranks and world sizes follow the worker group Ray starts)"
 _PORTS = "the backend (it reserves free ports on rank 0's node at every start)"
 # Planned variable -> what controls it (the message of a refused ``env`` entry).

@@ -564,7 +564,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "compared bit for bit) and restart (the "
         "graphs the restarted group compiles, cold and warm time to first step). Prints a "
         "table and writes report.md, report.json and bandwidth.png under --out. Exits 0 only "
-        "when every step passes, 1 when one fails.",
+        "when every step passes, 1 when one fails, 2 when the check cannot run as asked, "
+        "refused before any worker starts (a wrong option, --config and --device that do not "
+        "go together, a TPU slice without its topology, more workers than the cluster has).",
     )
     add_config_arg(check)
     check.add_argument("--workers", type=positive_int, default=2,

@@ -110,8 +110,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--compile-cache", default=None, metavar="URL",
-        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL; with "
-        "--runtime native, TorchNeuronConfig.compile_cache (TORCH_NEURONX_NEFF_CACHE_DIR)",
+        help="the config's compile_cache, a directory every node shares: TorchXLAConfig's "
+        "(Neuron: or an s3:// URL); with --runtime native, TorchNeuronConfig's "
+        "(TORCH_NEURONX_NEFF_CACHE_DIR) or TorchTPUConfig's (TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT, "
+        "or a gs:// URL)",
     )
     plan.add_argument(
         "--parallel-compile", action="store_true",

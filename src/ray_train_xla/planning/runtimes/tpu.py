@@ -57,6 +57,7 @@ import re
 from dataclasses import dataclass
 
 from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.planning.options import check_compile_cache
 from ray_train_xla.planning.runtimes.base import Runtime
 from ray_train_xla.planning.topology import WorkerPlace
 
@@ -240,10 +241,7 @@ class TPURuntime(Runtime):
 
     def check(self, config, topology) -> None:
         super().check(config, topology)
-        if config.compile_cache and "://" in config.compile_cache:
-            raise config_error("compile_cache", config.compile_cache,
-                               "a directory path with device='tpu' (torch_xla's persistent "
-                               "cache is a local or mounted directory, not a URL)")
+        check_compile_cache(config, "tpu")  # device "auto" was checked as Neuron or TPU
         nodes = topology.nodes()
         for node in nodes:
             for w in node:
