@@ -34,6 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(("TorchXLAConfig", "TorchNeuronConfig", "check_scaling_config", "TorchTPUConfig"),
                     "ray_train_xla.driver.config"),
     **dict.fromkeys(("NeuronOptions", "TPUOptions", "XLAOptions"), "ray_train_xla.planning.options"),
+    **dict.fromkeys(("Layout", "Parallelism"), "ray_train_xla.planning.layout"),
     **dict.fromkeys(("XLAConfigError", "WorkerSetupError", "XLAInitError", "RendezvousTimeoutError",
                      "NeuronCompileError", "ShardedStateError", "CheckpointMismatchError",
                      "ReportError"), "ray_train_xla.errors"),

@@ -28,6 +28,7 @@ from ray_train_xla.planning.contract import (
     XLA_DEBUG_VARS,
     check_user_env,
 )
+from ray_train_xla.planning.layout import Parallelism
 
 DEVICES = ("auto", "neuron", "tpu", "cpu")
 RUNTIMES = ("pjrt", "xrt")
@@ -175,6 +176,7 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         raise err("peak_tflops", peak,
                   "None (the device's published peak, or on CPU a matmul probe) or a number > 0: "
                   "the peak dense TFLOP/s of one device, which MFU is taken against")
+    Parallelism.of(options.parallelism, f"{options._owner}: parallelism")
 
 
 @dataclass(kw_only=True)
@@ -195,6 +197,7 @@ class XLAOptions:
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
     peak_tflops: float | None = None
+    parallelism: Parallelism | Mapping[str, int] | None = None
 
     _owner: ClassVar[str] = XLA_OWNER  # the config, as errors name it
 
@@ -230,6 +233,12 @@ class XLAOptions:
                           "worker (a file of its own)")
         if not isinstance(self.spmd, bool):
             raise err("spmd", self.spmd, "True or False")
+        wanted = Parallelism.of(self.parallelism)
+        if wanted is not None and not self.spmd and (wanted.tp > 1 or wanted.dp_replicate > 1):
+            raise err("parallelism", wanted.to_dict(),
+                      "None without spmd=True: under torch_xla the layout is the SPMD mesh's axes "
+                      "(FSDPv2 x TP); pass spmd=True, or use TorchNeuronConfig / TorchTPUConfig "
+                      "(FSDP2 x TP)")
         if self.spmd and self.runtime == "xrt":
             raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
         n = self.cpu_devices_per_worker
@@ -259,7 +268,9 @@ class XLAOptions:
 def _plain(options: Any, cls: type, **extra: Any) -> dict[str, Any]:
     """The options (the fields of ``cls``) as plain data, with ``extra`` entries."""
     out = {f.name: getattr(options, f.name) for f in fields(cls)}
-    return {**out, "env": dict(options.env), **extra}
+    wanted = Parallelism.of(options.parallelism)
+    return {**out, "env": dict(options.env),
+            "parallelism": None if wanted is None else wanted.to_dict(), **extra}
 
 
 class _NativeOptions:
@@ -307,6 +318,7 @@ class NeuronOptions(_NativeOptions):
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
     peak_tflops: float | None = None
+    parallelism: Parallelism | Mapping[str, int] | None = None
 
     native_device: ClassVar[str] = "neuron"
     _owner: ClassVar[str] = NEURON_OWNER
@@ -326,6 +338,7 @@ class TPUOptions(_NativeOptions):
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
     peak_tflops: float | None = None
+    parallelism: Parallelism | Mapping[str, int] | None = None
 
     native_device: ClassVar[str] = "tpu"
     efa: ClassVar[None] = None  # no EFA on TPU hosts
