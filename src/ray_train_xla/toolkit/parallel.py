@@ -28,14 +28,16 @@ GROUP_DIMS = (*DIMS, "dp")
 
 def get_layout() -> Layout:
     """This job's layout (see the module docstring); FSDP over every device unless the config
-    or a call asked for another."""
+    or a call asked for another. Read from the plan each time, so a worker group of another
+    size (an elastic resize) gets its own."""
     rt = runtime()
+    planned = rt.ctx.layout
+    if planned:
+        return Layout.from_text(planned)
     with rt.lock:
-        if rt.layout is None:
-            planned = rt.ctx.layout
-            rt.layout = Layout.from_text(planned) if planned else Layout(dp_shard=_devices())
-            rt.layout_source = "the config's parallelism" if planned else "the default"
-        return rt.layout
+        if rt.layout is not None and rt.layout.world == _devices():
+            return rt.layout
+    return Layout(dp_shard=_devices())
 
 
 def configure_parallelism(parallelism: Any) -> Layout:
@@ -49,15 +51,19 @@ def configure_parallelism(parallelism: Any) -> Layout:
     layout = wanted.resolve(_devices(), "configure_parallelism")
     rt = runtime()
     with rt.lock:
-        if rt.layout is None and not rt.ctx.layout:
-            rt.layout, rt.layout_source = layout, "configure_parallelism"
-            return layout
         current = get_layout()
-        if current != layout:
-            raise ValueError(f"parallelism {layout.to_text()} conflicts with "
-                             f"{current.to_text()}, which {rt.layout_source} set: ask for one "
-                             "layout, in the config or before the first helper that uses it")
-        return current
+        if layout == current:
+            rt.layout = layout
+            return layout
+        if rt.ctx.layout or rt.layout is not None or rt.layout_used:
+            which = ("the config's parallelism" if rt.ctx.layout else
+                     "configure_parallelism" if rt.layout is not None else
+                     "the default, which a helper used already")
+            raise ValueError(f"configure_parallelism: {layout.to_text()} conflicts with "
+                             f"{current.to_text()}, set by {which}: ask for one layout, in the "
+                             "config or before the first helper that uses it")
+        rt.layout = layout
+        return layout
 
 
 def _devices() -> int:
@@ -73,10 +79,11 @@ def data_parallel() -> tuple[int, int]:
     """(this worker's data-parallel rank, the data-parallel degree): which of the step's
     batches this worker trains on. Tensor-parallel peers share one. Under SPMD, the process's
     rank and the processes (its devices split its batch through the mesh)."""
-    ctx = runtime().ctx
-    if ctx.spmd:
+    rt = runtime()
+    if rt.ctx.spmd:
         return rank(), world_size()
     layout = get_layout()
+    rt.layout_used = True
     return layout.dp_rank(rank()), layout.dp
 
 
@@ -89,12 +96,14 @@ def device_mesh():
     from ray_train_xla.toolkit.device import get_device
 
     rt = runtime()
+    layout = get_layout()
     with rt.lock:
-        if rt.layout_mesh is None:
+        rt.layout_used = True
+        if rt.layout_mesh is None or rt.layout_mesh[0] != layout:
             _require_distributed("the layout's device mesh")
-            layout = get_layout()
-            rt.layout_mesh = init_device_mesh(get_device().type, layout.shape, mesh_dim_names=DIMS)
-        return rt.layout_mesh
+            mesh = init_device_mesh(get_device().type, layout.shape, mesh_dim_names=DIMS)
+            rt.layout_mesh = (layout, mesh)
+        return rt.layout_mesh[1]
 
 
 def group(dim: str, host: bool = False):
@@ -111,11 +120,13 @@ def group(dim: str, host: bool = False):
     import torch.distributed as dist
 
     rt = runtime()
-    key = (dim, host)
+    layout = get_layout()
+    key = (layout, dim, host)
     with rt.lock:
+        rt.layout_used = True
         if key not in rt.layout_groups:
             _require_distributed(f"the {dim} group")
-            members = _members(get_layout(), dim)
+            members = _members(layout, dim)
             rt.layout_groups[key] = dist.new_subgroups_by_enumeration(
                 members, timeout=group_timeout(), backend="gloo" if host else None)[0]
         return rt.layout_groups[key]
