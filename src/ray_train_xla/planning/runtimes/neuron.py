@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 NEURON_RESOURCE = "neuron_cores"
 EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 INTERFACE_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-ONE_CORE_FIX = "resources_per_worker={'neuron_cores': 1}"
 
 
 def root_comm_id(master_addr: str, port: int) -> str:
@@ -71,7 +70,7 @@ class NeuronRuntime(Runtime):
         # In SPMD a worker owns all of its node's cores; otherwise one core per worker.
         if not config.spmd or 0 in {len(w.accelerator_ids) for w in topology.workers}:
             check_one_accelerator_each(
-                topology, "TorchXLAConfig", "neuron", "neuron_cores", "core", ONE_CORE_FIX,
+                topology, "TorchXLAConfig", "neuron", "neuron_cores", "core", NEURON_RESOURCE,
                 "torch_xla's Neuron runtime drives exactly one NeuronCore per process (it "
                 "narrows NEURON_RT_VISIBLE_CORES to cores[LOCAL_RANK]), so the other cores "
                 "would sit idle", logger)
