@@ -351,3 +351,28 @@ def test_chip_coordinate_query_is_torchtpus_once_per_node_and_bounded(tmp_path, 
     start = time.monotonic()
     assert tpu_chip_coords(uuid.uuid4().hex, time.monotonic() + 2) is None
     assert time.monotonic() - start < 10
+
+
+def test_the_hosts_accelerator_type_gives_the_slice():
+    """TorchTPUConfig reads the slice by the rules TorchXLAConfig uses: the hosts' accelerator
+    type alone gives its standard topology, a topology must fit the type's generation, and a
+    generation this package does not know is refused naming the known ones."""
+    typed = [f.__class__(**{**f.__dict__, "tpu_topology": "", "tpu_accelerator_type": "v6e-16"})
+             for f in host_facts("4x4", SHUFFLED)]
+    plans = tpu_plan(typed)
+    assert {p.env["TORCH_TPU_TOPOLOGY"] for p in plans} == {"4,4,1"}
+    assert [p.env["NODE_RANK"] for p in plans][::4] == [str(s) for s in SHUFFLED]
+    # Ray's TPU-V6E names the generation only: the topology gives the size.
+    ray_named = host_facts("4x4", SHUFFLED, accelerator_type="TPU-V6E")
+    assert tpu_plan(ray_named)[0].env["TORCH_TPU_TOPOLOGY"] == "4,4,1"
+    for accelerator_type, topology, match in (
+            ("TPU-V6E", "2x2x4", "'2x2x4' is 3-D but v6e slices are 2-D"),
+            ("v6e-24", "", "not a v6e slice size"),
+            ("TPU-V9Z", "4x4", r"not of a generation this package knows \(v2, v3, v4, v5p, "
+                               r"v5litepod, v6e, v7x\)")):
+        facts = [f.__class__(**{**f.__dict__, "tpu_topology": topology,
+                                "tpu_accelerator_type": accelerator_type})
+                 for f in host_facts("4x4", SHUFFLED)]
+        with pytest.raises(XLAConfigError, match=match) as info:
+            tpu_plan(facts)
+        assert str(info.value).startswith("the TPU slice the hosts report (accelerator type")
