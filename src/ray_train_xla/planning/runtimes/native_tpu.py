@@ -21,8 +21,10 @@ set, identically on every rank where TorchTPU requires it:
   ``RANK % len``); each port was found free on its host at start (``WorkerFacts.free_port``,
   else ``8070 + local rank``, TorchTPU's default); ``localhost`` on one host, as TorchTPU;
 - ``TORCH_TPU_TOPOLOGY``: the whole slice in comma form (TorchTPU copies it verbatim into the
-  libtpu bounds variables): what the hosts report for several hosts, the chip grid of the
-  workers on one host;
+  libtpu bounds variables): the slice the hosts report (their topology, else their accelerator
+  type's standard one), read by the rules ``TorchXLAConfig`` uses (``tpu.tpu_slice``: a known
+  generation and size, 2-D on v5e/v6e, every host and chip of a multi-host slice); the chip
+  grid of the workers on one host that holds part of its chips;
 - ``TPU_VISIBLE_DEVICES`` and ``TPU_VISIBLE_CHIPS``: the one chip Ray assigned (TorchTPU
   overwrites ``TPU_VISIBLE_CHIPS`` from ``TPU_VISIBLE_DEVICES``, else from ``LOCAL_RANK``);
 - ``TORCH_TPU_XPROF_SESSION_ID``: one id for the run; ``ACCELERATE_TORCH_DEVICE=tpu:0`` (every

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 
-from ray_train_xla.errors import XLAConfigError
+from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.contract import (
     NEURON_ROOT_COMM_VAR,
     NEURON_VISIBLE_CORES_VAR,
@@ -158,9 +158,11 @@ class NeuronXRTRuntime(NeuronRuntime):
         sizes = [len(node) for node in topology.nodes()]
         if len(set(sizes)) > 1:
             raise XLAConfigError(
-                f"runtime='xrt' needs the same number of workers on every node (torch_xla's XRT "
-                f"init counts nodes as WORLD_SIZE // LOCAL_WORLD_SIZE), got {sizes} per node: "
-                "use the same neuron_cores on every node, or runtime='pjrt'.")
+                Term("runtime='xrt'", "--runtime xrt"), " needs the same number of workers on "
+                "every node (torch_xla's XRT init counts nodes as WORLD_SIZE // "
+                f"LOCAL_WORLD_SIZE), got {sizes} per node: use ",
+                Term("the same neuron_cores on every node", "one --workers-per-node count"),
+                ", or ", Term("runtime='pjrt'", "--runtime pjrt"), ".")
 
     def ports_needed(self, config) -> int:
         return 0  # XRT takes its own root-comm port through the store

@@ -10,9 +10,11 @@ topology variable itself, from the chips Ray assigned each worker:
 - ``TPU_CHIPS_PER_PROCESS_BOUNDS``: ``1,1,1`` per chip, or the host's chip grid in SPMD;
 - ``TPU_PROCESS_BOUNDS``: the grid of processes: chips-per-host grid x host grid (per chip), or
   the host grid (SPMD). The host grid is the slice's chip topology divided by its hosts' chip
-  grid (:class:`TPUSlice`), the topology as the workers report it (the accelerator type and
-  topology Ray reads from GKE's ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY`` or the GCE metadata,
-  gathered with the worker facts): a v4-64 (2x4x4) has hosts ``1,2,4``, so ``2,4,4`` per chip,
+  grid (:class:`TPUSlice`, by the rules of :func:`tpu_slice`, which the native TorchTPU runtime
+  shares; ``planning/hardware.py`` has each generation), the topology as the workers report it
+  (the accelerator type and topology Ray reads from GKE's ``TPU_ACCELERATOR_TYPE``/
+  ``TPU_TOPOLOGY`` or the GCE metadata, gathered with the worker facts; a type alone gives its
+  standard topology): a v4-64 (2x4x4) has hosts ``1,2,4``, so ``2,4,4`` per chip,
   as torch_xla's ``configure_topology`` derives from the metadata's ``TPU_PROCESS_BOUNDS``.
   A multi-host job must then use every host of the slice with all its chips. Without a known
   topology, 2 or 4 hosts are laid out as a TPU v4 slice (``1,1,<hosts>``, as v4-16 and v4-32
