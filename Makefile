@@ -4,9 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
-# The native path again on the torch the native stacks ship (TorchNeuron: torch 2.13/2.14;
-# torch-tpu 0.2: 2.11 to 2.15), without torch_xla: a second environment.
-NATIVE_TORCH ?= 2.13.0
+# The native path again on the torch the native stacks ship (TorchNeuron, Neuron SDK 2.34: torch
+# 2.13/2.14; torch-tpu 0.2: 2.11 to 2.15), without torch_xla: a second environment, on the newest
+# TorchNeuron's torch.
+NATIVE_TORCH ?= 2.14.1
 NATIVE_VENV ?= .venv-native
 NATIVE_PY := $(NATIVE_VENV)/bin/python
 NATIVE_STAMP := $(NATIVE_VENV)/.installed-torch-$(NATIVE_TORCH)

@@ -167,3 +167,12 @@ def test_examples_ask_ray_for_each_workers_accelerators():
         scaling_config("tpu", 8, 1, "4x4", "TPU-V6E")
     with pytest.raises(ExampleUsageError, match="needs --tpu-topology and --accelerator-type"):
         scaling_config("tpu", 2)
+
+
+def test_check_help_names_every_exit_status_it_returns(capsys):
+    """check returns 0 (every step passed), 1 (a step failed) and 2 (refused before any worker
+    starts: tests/test_cli_errors.py), and its --help says all three."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exits 0 only when every step passes, 1 when one fails, 2 when the check cannot run" in text

@@ -127,3 +127,101 @@ def test_a_field_changed_after_construction_is_rejected_when_the_backend_starts(
     with pytest.raises(XLAConfigError, match="TorchXLAConfig.efa='yes' is not valid"):
         XLABackend().on_start(group, config)
     assert group.calls == []
+
+
+@pytest.mark.parametrize("cls,kwargs,words", [
+    ("TorchTPUConfig", {"efa": True}, ["TorchTPUConfig.efa=True is not valid",
+                                       "efa is an option of TorchXLAConfig and TorchNeuronConfig",
+                                       "its options are device, timeout_s, env, compile_cache"]),
+    ("TorchNeuronConfig", {"spmd": True}, ["TorchNeuronConfig.spmd=True",
+                                           "spmd is an option of TorchXLAConfig, not of "
+                                           "TorchNeuronConfig"]),
+    ("TorchXLAConfig", {"compile_cahce": "/c"}, ["TorchXLAConfig has no option compile_cahce "
+                                                 "(did you mean compile_cache?)"]),
+    ("TorchNeuronConfig", {"bogus": 1}, ["TorchNeuronConfig has no option bogus;"]),
+])
+def test_an_unknown_keyword_names_the_fields_and_the_config_it_belongs_to(cls, kwargs, words):
+    """Not the dataclass's bare TypeError: the same XLAConfigError as any other bad option."""
+    import ray_train_xla
+    from ray_train_xla.planning import options
+
+    for config in (getattr(ray_train_xla, cls), getattr(options, {
+            "TorchXLAConfig": "XLAOptions", "TorchNeuronConfig": "NeuronOptions",
+            "TorchTPUConfig": "TPUOptions"}[cls])):
+        with pytest.raises(XLAConfigError) as info:
+            config(device="cpu", **kwargs)
+        for word in words:
+            assert word in str(info.value), str(info.value)
+
+
+# compile_cache, one rule: (config, device) -> (accepted, refused).
+CACHES = {
+    ("TorchXLAConfig", "neuron"): (["/fsx/c", "s3://b/c"], ["gs://b/c", "hdfs://n/c"]),
+    ("TorchXLAConfig", "tpu"): (["/fsx/c"], ["s3://b/c", "gs://b/c"]),
+    ("TorchXLAConfig", "auto"): (["/fsx/c", "s3://b/c"], ["gs://b/c"]),
+    ("TorchNeuronConfig", "neuron"): (["/fsx/c"], ["s3://b/c", "gs://b/c"]),
+    ("TorchNeuronConfig", "cpu"): (["/fsx/c"], ["s3://b/c"]),
+    ("TorchTPUConfig", "tpu"): (["/fsx/c", "gs://b/c"], ["s3://b/c", "az://c/d"]),
+    ("TorchTPUConfig", "auto"): (["gs://b/c"], ["s3://b/c"]),
+}
+
+
+@pytest.mark.parametrize("owner,device", list(CACHES), ids=[f"{o}-{d}" for o, d in CACHES])
+def test_compile_cache_takes_what_its_runtime_reads(owner, device):
+    import ray_train_xla
+
+    cls = getattr(ray_train_xla, owner)
+    accepted, refused = CACHES[(owner, device)]
+    for cache in accepted:
+        assert cls(device=device, compile_cache=cache).compile_cache == cache
+    for cache in [*refused, "", "  "]:
+        with pytest.raises(XLAConfigError) as info:
+            cls(device=device, compile_cache=cache)
+        assert f"{owner}.compile_cache={cache!r} is not valid" in str(info.value)
+        assert "a directory path every node shares" in str(info.value)
+
+
+def test_each_compile_cache_is_planned_as_the_rule_says_and_checked_again_at_start():
+    """The variable of COMPILE_CACHES is what the plan sets; TorchXLAConfig(device="auto")
+    with an s3:// cache is refused when the backend resolves the device to TPU."""
+    import ray_train_xla
+    from ray_train_xla.planning import Rendezvous, plan
+    from ray_train_xla.planning.options import COMPILE_CACHES
+    from ray_train_xla.planning.topology import Topology, WorkerFacts
+
+    rdzv = Rendezvous(master_addr="10.0.0.1", master_port=29500, run_id="r", extra_ports=(1, 2))
+    for (owner, device), cache in COMPILE_CACHES.items():
+        resource = {"neuron": "neuron_cores", "tpu": "TPU"}[device]
+        facts = [WorkerFacts(node_id="n", node_ip="10.0.0.1", pid=1, accelerator_ids={resource: ("0",)},
+                             tpu_topology="1x1" if device == "tpu" else "")]
+        config = getattr(ray_train_xla, owner)(device=device, compile_cache="/fsx/c")
+        (p,) = plan(Topology.from_facts(facts, resource), config, rdzv, device, facts)
+        assert p.env[cache.variable] == "/fsx/c", (owner, device)
+    facts = [WorkerFacts(node_id="n", node_ip="10.0.0.1", pid=1, accelerator_ids={"TPU": ("0",)})]
+    with pytest.raises(XLAConfigError, match=r"compile_cache='s3://b' is not valid.*device='tpu'"):
+        plan(Topology.from_facts(facts, "TPU"), TorchXLAConfig(compile_cache="s3://b"), rdzv, "tpu",
+             facts)
+
+
+@pytest.mark.parametrize("owner,fields,env", [
+    ("TorchNeuronConfig", {"compile_cache": "/fsx/neff"}, {"TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/x"}),
+    ("TorchXLAConfig", {"compile_cache": "s3://b/c"}, {"NEURON_COMPILE_CACHE_URL": "/tmp/x"}),
+    ("TorchTPUConfig", {"compile_cache": "gs://b/c"},
+     {"TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "/tmp/x"}),
+    ("TorchXLAConfig", {"efa": True}, {"FI_PROVIDER": "tcp"}),
+    ("TorchNeuronConfig", {"efa": True}, {"FI_EFA_FORK_SAFE": "0"}),
+])
+def test_an_env_entry_a_field_also_sets_is_refused_naming_both(owner, fields, env):
+    """env is applied last: beside the field it would silently win. Without the field, the
+    entry is the documented way to set the variable."""
+    import ray_train_xla
+
+    cls = getattr(ray_train_xla, owner)
+    (var, value), = env.items()
+    (field, given), = fields.items()
+    with pytest.raises(XLAConfigError) as info:
+        cls(**fields, env=env)
+    message = str(info.value)
+    assert f"{owner}.env[{var!r}]={value!r} is not valid" in message
+    assert f"beside {field}={given!r}, which sets {var} too" in message
+    assert cls(env=env).env == env

@@ -96,7 +96,7 @@ def rows_of(stdout: str) -> dict[str, list[str]]:
     return out
 
 
-CHECK_NAMES = ("torch/torch_xla", "torch_xla loads", "torch-neuronx", "libneuronxla", "device",
+CHECK_NAMES = ("python", "torch/torch_xla", "torch_xla loads", "torch-neuronx", "libneuronxla", "device",
                "neuron devices", "NEURON_RT_VISIBLE_CORES", "EFA", "TPU chips", "compile cache",
                "free ports", "CPU collectives")
 
@@ -127,7 +127,7 @@ def test_a_torch_outside_every_configs_range_fails_and_the_range_is_named(runs):
         rows[name] = {r["check"]: r for r in json.loads(out)["checks"]}["torch"]
     old, native, here = rows["torch-2.7"], rows["torch-2.14"], rows["json"]
     assert old["status"] == "FAIL" and "torch 2.7.0: no config supports it" in old["detail"], old
-    assert "TorchXLAConfig 2.9; TorchNeuronConfig 2.9-2.14; TorchTPUConfig 2.9-2.15" in old["detail"]
+    assert "TorchXLAConfig 2.9; TorchNeuronConfig 2.9-2.14; TorchTPUConfig 2.9-2.14" in old["detail"]
     assert "torch-xla 2.9.0 for TorchXLAConfig" in old["fix"]
     assert native["status"] == "OK", native
     assert native["detail"].startswith("torch 2.14.1: TorchNeuronConfig, TorchTPUConfig ("), native
@@ -308,3 +308,37 @@ def test_check_node_runs_the_table_in_order(monkeypatch):
     assert rows == [doctor.Check("first", "n1", "OK", "fine", ""),
                     doctor.Check("second", "n1", "WARN", "hm", "do x"),
                     doctor.Check("last", "n1", "FAIL", "bad", "do y")]
+
+
+def _facts(**versions):
+    base = {"torch": "2.14.1", "torch_xla": None, "torch-neuronx": None, "libneuronxla": None}
+    torch_tpu = versions.pop("torch_tpu", None)
+    native = versions.pop("native_neuronx", False)
+    return doctor.NodeFacts(versions={**base, **versions}, torch_tpu=torch_tpu,
+                            native_neuronx=native, nc_devices=(), chips=(), ray_cores=None,
+                            ray_tpus=None)
+
+
+@pytest.mark.parametrize("facts, python, status, words", [
+    # Native TorchNeuron (Neuron SDK 2.34) has wheels for Python 3.12 to 3.14 only.
+    (dict(native_neuronx=True, **{"torch-neuronx": "2.14.3.1"}), "3.11.7", "FAIL",
+     ["native TorchNeuron", "3.12 to 3.14", "not 3.11.7"]),
+    (dict(native_neuronx=True, **{"torch-neuronx": "2.14.3.1"}), "3.12.1", "OK", ["3.12-3.14"]),
+    # The XLA SDK's torch-neuronx 2.9: 3.10 to 3.12.
+    (dict(torch="2.9.0", torch_xla="2.9.0", **{"torch-neuronx": "2.9.0.2.11"}), "3.13.0", "FAIL",
+     ["Trainium XLA SDK", "3.10 to 3.12"]),
+    (dict(torch_tpu="0.2.0"), "3.10.14", "FAIL", ["native TorchTPU", "3.11 to 3.14"]),
+    (dict(torch_tpu="0.2.0"), "3.14.0", "OK", ["native TorchTPU"]),
+    (dict(torch="2.9.0", torch_xla="2.9.0"), "3.14.0", "FAIL", ["torch_xla", "3.10 to 3.13"]),
+    ({}, "3.14.0", "OK", ["no device stack"]),
+    ({}, "3.9.18", "FAIL", ["older than 3.10"]),
+])
+def test_python_is_checked_against_the_stack_the_node_has(facts, python, status, words):
+    """doctor's python row: the node's Python against the stack its packages make
+    (planning/versions.py STACKS), with a fix on a failure."""
+    [(name, got, detail, fix)] = doctor.check_python(doctor.NodeContext(node="n"), _facts(**facts),
+                                                     python=python)
+    assert name == "python" and got == status, detail
+    for word in words:
+        assert word in detail, detail
+    assert bool(fix) == (status == "FAIL")

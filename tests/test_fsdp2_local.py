@@ -1,6 +1,7 @@
 """FSDP2's pieces that need no process group: the block policies every form of which the
 torch_xla path accepts, mixed precision, the HSDP grid, and the names optimizer state is kept
-under in sharded checkpoints."""
+under in sharded checkpoints; and, on a one-rank gloo group, a model the user sharded with
+``fully_shard`` itself."""
 
 from __future__ import annotations
 
@@ -120,3 +121,62 @@ def test_optimizer_state_goes_under_parameter_names_and_back():
         n for n, _ in model.named_parameters()]
     assert names.module_name("_orig_module.blocks.0._checkpoint_wrapped_module.fc.weight") == \
         "blocks.0.fc.weight"
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.fixture
+def one_native_cpu_rank(monkeypatch, tmp_path):
+    """A one-rank gloo process group on the native CPU twin (the environment the plan gives a
+    TorchNeuronConfig(device="cpu") worker), without Ray."""
+    import torch.distributed as dist
+
+    from ray_train_xla.planning import contract
+
+    monkeypatch.setenv(contract.RUNTIME_VAR, "native")
+    monkeypatch.setenv(contract.DEVICE_VAR, "cpu")
+    contract.reload()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    monkeypatch.undo()
+    contract.reload()
+
+
+def test_a_model_sharded_with_fully_shard_is_taken_as_is_then_stepped(one_native_cpu_rank):
+    """The path for a model the user sharded with FSDP2 (docs/api.md, docs/sharded-models.md):
+    optimizer_step refuses its DTensors until prepare_sharded_model has taken the model (as is:
+    the same object, its own mesh and blocks), then steps it and counts the step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.steps import steps_done
+
+    torch.manual_seed(0)
+    model = Stack()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))  # the user's own axis name
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ShardedStateError) as info:
+        rtx.optimizer_step(opt)
+    message = str(info.value)
+    assert "a DTensor" in message and "rtx.prepare_sharded_model(model)" in message
+    assert "torch_xla.sync()" not in message  # the native path's fix, not FSDPv2's
+    assert rtx.prepare_sharded_model(model) is model
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    rtx.optimizer_step(opt)
+    assert all(not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+    assert steps_done() == 1  # the refused call counted none

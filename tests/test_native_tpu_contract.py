@@ -451,3 +451,26 @@ def test_the_private_names_of_torch_tpu_are_there():
     out = subprocess.run([torch_tpu_python(), "-c", code], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_spec_states_the_wheel_s_requirements_and_the_libtpu_installed():
+    """docs/native-tpu-spec.md's torch and libtpu requirements are the wheel's Requires-Dist,
+    and every libtpu version it names is the one pip installed with it."""
+    code = ("import importlib.metadata as m, json; print(json.dumps({'requires': "
+            "m.requires('torch-tpu'), 'python': m.metadata('torch-tpu')['Requires-Python'], "
+            "'libtpu': m.version('libtpu')}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    out = subprocess.run([torch_tpu_python(), "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = json.loads(out.stdout)
+    with open(os.path.join(os.path.dirname(HERE), "docs", "native-tpu-spec.md"), encoding="utf-8") as f:
+        spec = " ".join(f.read().split())
+    import re
+
+    for name in ("torch", "libtpu"):
+        (requirement,) = [r.replace(" ", "") for r in wheel["requires"]
+                          if re.match(rf"{name}\s*[<>=]", r)]
+        assert f"`{requirement}`" in spec, requirement
+    assert f"Requires Python {wheel['python'].replace('>=', '>= ')}" in spec
+    assert set(re.findall(r"libtpu (\d+\.\d+\.\d+)", spec)) == {wheel["libtpu"]}

@@ -1,9 +1,13 @@
 """``ray-train-xla plan --model``: parameter counts equal what transformers builds, the memory per
-device and per host, the published device memory, and the refusal of a layout that does not fit.
-No Ray; transformers and torch only to build models on the meta device."""
+device and per host (the staging pool's sets and the memory tier's copies), the published device
+and host memory, warnings for a tight fit, the refusal of a plan that does not fit with only
+remedies that were planned again, the precision a documented call produces, and the keys taken
+from defaults. No Ray; transformers and torch only to build models on the meta device (and one
+FSDP2 step in a process group of one)."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -11,9 +15,13 @@ import pytest
 
 from ray_train_xla.errors import XLAConfigError
 from ray_train_xla.planning.memory import (
+    DEFAULT_MAX_IN_FLIGHT,
     FAMILIES,
     GIB,
+    Layout,
     device_memory,
+    host_memory,
+    larger_clusters,
     load_model_config,
     model_shape,
     parse_size,
@@ -41,11 +49,14 @@ def _small_configs():
         "gemma": transformers.GemmaConfig(**SMALL, head_dim=16),
         "gemma2": transformers.Gemma2Config(**SMALL, head_dim=16),
         "qwen3-bias": transformers.Qwen3Config(**SMALL, head_dim=16, attention_bias=True),
+        "gemma3_text": transformers.Gemma3TextConfig(**SMALL, head_dim=16),
+        "gemma3_text-untied-bias": transformers.Gemma3TextConfig(
+            **SMALL, head_dim=24, tie_word_embeddings=False, attention_bias=True),
     }
 
 
 CASES = ["llama", "llama-biases-head_dim", "qwen2-tied", "mistral-head_dim", "gemma", "gemma2",
-         "qwen3-bias"]
+         "qwen3-bias", "gemma3_text", "gemma3_text-untied-bias"]
 
 
 def _meta_model(config):
@@ -94,7 +105,8 @@ def test_known_sizes():
 
 def test_unknown_model_type_names_the_supported_ones(tmp_path):
     with pytest.raises(XLAConfigError, match=r"model_type='bert' is not supported: expected one "
-                       r"of 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2'"):
+                       r"of 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', "
+                       r"'gemma3_text'"):
         model_shape({"model_type": "bert"})
     with pytest.raises(XLAConfigError, match="hidden_size=0 is not valid"):
         model_shape(dict(LLAMA3_8B, hidden_size=0))
@@ -112,23 +124,27 @@ def test_memory_per_device_and_per_host():
     plan = plan_memory(shape, devices=256, devices_per_host=64, memory=device_memory("trn2"))
     shard = math.ceil(8_030_261_248 / 256)
     d, h = plan.per_device, plan.per_host
-    assert (d["parameters"], d["gradients"], d["optimizer"]) == (2 * shard, 2 * shard, 8 * shard)
+    # The default: fp32 parameters, gradients and AdamW state, computing in bf16.
+    assert (d["parameters"], d["gradients"], d["optimizer"]) == (4 * shard, 4 * shard, 8 * shard)
     assert d["gathered_root"] == 2 * shape.root_parameters  # embedding, norm and head, in bf16
     assert d["gathered_layers"] == 2 * 2 * shape.layer_parameters  # two layers, in bf16
     assert d["total"] == sum(v for k, v in d.items() if k != "total")
-    assert h == {"at_load": 64 * 2 * shard, "at_step": 0, "at_checkpoint": 64 * 10 * shard}
+    one_set = 64 * 12 * shard  # a host's parameter and optimizer shards
+    assert (h["at_load"], h["at_step"], h["checkpoint_set"]) == (64 * 4 * shard, 0, one_set)
     assert plan.fits
+    # bf16: parameters, gradients and (as torch.optim.AdamW keeps it) the state alike.
+    bf16 = plan_memory(shape, devices=256, devices_per_host=64, param_dtype="bf16")
+    assert (bf16.per_device["parameters"], bf16.per_device["optimizer"]) == (2 * shard, 4 * shard)
     # HSDP shards within a host only: each host's devices hold the whole model between them.
     hsdp = plan_memory(shape, devices=256, devices_per_host=64, sharding="hsdp")
-    assert hsdp.shards == 64 and hsdp.per_device["parameters"] == 2 * math.ceil(8_030_261_248 / 64)
+    assert hsdp.layout.shards == 64 and hsdp.per_device["parameters"] == \
+        4 * math.ceil(8_030_261_248 / 64)
     assert hsdp.fits is None  # memory unknown: nothing to refuse
-    # fp32 master weights: parameters and gradients at 4 bytes.
-    fp32 = plan_memory(shape, devices=256, devices_per_host=64, param_dtype="fp32")
-    assert fp32.per_device["gradients"] == 4 * shard and fp32.dtypes["compute"] == "bf16"
     with pytest.raises(XLAConfigError, match="param_dtype='fp16' is not valid"):
         plan_memory(shape, devices=8, devices_per_host=8, param_dtype="fp16")
     with pytest.raises(XLAConfigError, match="every host must hold the same"):
         plan_memory(shape, devices=10, devices_per_host=4, sharding="hsdp")
+    assert Layout(8, 64).devices_per_host == 8 and Layout(256, 64, "hsdp").replicas == 4
 
 
 def test_70b_on_8_trn2_cores_is_refused_with_the_numbers():
@@ -138,14 +154,14 @@ def test_70b_on_8_trn2_cores_is_refused_with_the_numbers():
     with pytest.raises(XLAConfigError) as info:
         plan.check()
     message = str(info.value)
-    assert "llama (70,553,706,496 parameters) needs 105.66 GiB per device" in message
+    assert "llama (70,553,706,496 parameters) needs 138.52 GiB per device" in message
     assert "FSDP over 8 devices" in message
     assert "Trainium2 logical NeuronCore (LNC=2) has 24.00 GiB" in message
-    assert "at least 47 devices" in message and "--device-memory" in message
+    assert "--device-memory" in message
     # HSDP over hosts of 32 cores does not fit; FSDP over the same 256 does, and the error says so.
     hsdp = plan_memory(model_shape(LLAMA3_70B), devices=256, devices_per_host=32, sharding="hsdp",
                        memory=device_memory("trn2"))
-    with pytest.raises(XLAConfigError, match=r"HSDP off \(FSDP over all 256 devices"):
+    with pytest.raises(XLAConfigError, match=r"FSDP over all 256 devices \(--sharding fsdp"):
         hsdp.check()
 
 
@@ -161,12 +177,24 @@ def test_published_device_memory():
     assert all(m.source for m in (device_memory("trn2"), device_memory("v6e")))
 
 
-def test_parse_size():
-    assert parse_size("24GiB") == parse_size("24G") == parse_size("24gb") == 24 * GIB
-    assert parse_size("1.5T") == 1536 * GIB and parse_size("4096") == 4096
-    for bad in ("", "GiB", "-1G", "1X", "0"):
+def test_parse_size_reads_gib_as_2_30_and_gb_as_10_9():
+    assert parse_size("24GiB") == parse_size("24G") == parse_size("24gib") == 24 * GIB
+    assert parse_size("16GB") == parse_size("16gb") == 16 * 10**9  # as consolidate reads it
+    assert parse_size("1.5T") == parse_size("1.5TiB") == 1536 * GIB
+    assert parse_size("2TB") == 2 * 10**12 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("4096") == 4096
+    for bad in ("", "GiB", "-1G", "1X", "0", "1GIBB"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_help_texts_say_what_a_gb_is(capsys):
+    assert main(["plan", "--help"]) == 0
+    plan_help = "".join(capsys.readouterr().out.split())  # wrapped at spaces and hyphens
+    assert "GiB(andG)are2^30bytes,GB10^9" in plan_help
+    assert main(["consolidate", "--help"]) == 0
+    consolidate_help = "".join(capsys.readouterr().out.split())
+    assert "powersof10,theHuggingFaceconvention:5GBis5x10^9bytes" in consolidate_help
 
 
 def _write(tmp_path, config) -> str:
@@ -177,54 +205,60 @@ def _write(tmp_path, config) -> str:
 
 def test_cli_prints_the_table_and_json(tmp_path, capsys):
     model = _write(tmp_path, LLAMA3_8B)
-    args = ["plan", "--device", "neuron", "--accelerator-type", "trn2.48xlarge",
-            "--workers-per-node", "64", "--model", model]
+    args = ["plan", "--device", "neuron", "--runtime", "native", "--accelerator-type",
+            "trn2.48xlarge", "--workers-per-node", "64", "--model", model]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "8,030,261,248 parameters" in out and "Trainium2 logical NeuronCore" in out
     rows = {line.strip().split("  ")[0]: line.split()[-1] for line in out.splitlines()
             if line.startswith("  ")}
-    assert rows["total"] == "4.17" and rows["at a step"] == "0.00"
-    assert "fits, before activations" in out and "Not counted: activations" in out
+    assert rows["total"] == "4.64" and rows["at a step"] == "0.00"
+    assert "Device: 4.64 of 24.00 GiB (19%): fits" in out and "Not counted: activations" in out
     assert main(args + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["parameters"] == 8_030_261_248 and plan["fits"] is True
     assert plan["layout"] == {"devices": 64, "devices_per_host": 64, "hosts": 1,
                               "sharding": "fsdp", "shards": 64, "replicas": 1}
     assert plan["device_memory"]["bytes"] == 24 * GIB
+    assert plan["host_memory"]["bytes"] == 2048 * GIB
     # TPU: the slice's hosts of chips; SPMD workers count every device of their host.
-    assert main(["plan", "--device", "tpu", "--accelerator-type", "v5p-128", "--nodes", "16",
-                 "--workers-per-node", "4", "--model", model, "--json"]) == 0
+    assert main(["plan", "--device", "tpu", "--runtime", "native", "--accelerator-type",
+                 "v5p-128", "--nodes", "16", "--workers-per-node", "4", "--model", model,
+                 "--json"]) == 0
     per_chip = json.loads(capsys.readouterr().out)
     assert main(["plan", "--device", "tpu", "--accelerator-type", "v5p-128", "--nodes", "16",
                  "--spmd", "--accelerators-per-worker", "4", "--model", model, "--json"]) == 0
     spmd = json.loads(capsys.readouterr().out)
     assert per_chip["layout"] == spmd["layout"] and spmd["layout"]["devices"] == 64
     assert spmd["device_memory"]["bytes"] == 95 * GIB
+    # FSDPv2 has no mixed precision: an fp32 model computes (and gathers) in fp32.
+    assert (per_chip["dtypes"]["compute"], spmd["dtypes"]["compute"]) == ("bf16", "fp32")
 
 
 def test_cli_refuses_what_does_not_fit_with_exit_status_2(tmp_path, capsys):
     model = _write(tmp_path, LLAMA3_70B)
-    assert main(["plan", "--device", "neuron", "--accelerator-type", "trn2", "--workers-per-node",
-                 "8", "--model", model]) == 2
+    assert main(["plan", "--device", "neuron", "--runtime", "native", "--accelerator-type",
+                 "trn2", "--workers-per-node", "8", "--model", model]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("ray-train-xla plan: error: memory plan: llama")
-    assert "105.66 GiB per device" in err and "24.00 GiB" in err
+    assert "138.52 GiB per device" in err and "24.00 GiB" in err
     # --device-memory supplies the figure where none is published (CPU) or overrides it.
-    assert main(["plan", "--workers-per-node", "8", "--model", model, "--device-memory",
-                 "2TiB"]) == 0
+    native = ["plan", "--runtime", "native", "--workers-per-node", "8", "--model", model]
+    assert main(native + ["--device-memory", "2TiB"]) == 0
     capsys.readouterr()
-    assert main(["plan", "--workers-per-node", "8", "--model", model, "--device-memory",
-                 "100GiB"]) == 2
+    assert main(native + ["--device-memory", "100GiB"]) == 2
     assert "has 100.00 GiB" in capsys.readouterr().err
     # Memory flags without --model, a Neuron type without it, a bad path: usage errors.
     for args, says in ((["--sharding", "hsdp"], "--sharding plans memory"),
+                       (["--max-in-flight", "1"], "--max-in-flight plans memory"),
+                       (["--host-memory", "1TiB"], "--host-memory plans memory"),
                        (["--accelerator-type", "trn2"], "use it with --device neuron"),
-                       (["--model", str(tmp_path / "nope")], "does not exist"),
-                       (["--model", model, "--device-memory", "lots"], "is not a size"),
-                       (["--model", model, "--workers-per-node", "2,1", "--sharding", "hsdp"],
-                        "same number of workers")):
+                       (["--runtime", "native", "--model", str(tmp_path / "nope")],
+                        "does not exist"),
+                       (native[1:] + ["--device-memory", "lots"], "is not a size"),
+                       (["--runtime", "native", "--model", model, "--workers-per-node", "2,1",
+                         "--sharding", "hsdp"], "same number of workers")):
         assert main(["plan", *args]) == 2, args
         assert says in capsys.readouterr().err, args
 
@@ -248,8 +282,297 @@ sys.exit(code)
 
 
 def test_plan_model_needs_neither_torch_ray_nor_transformers(tmp_path):
-    out = subprocess.run([sys.executable, "-c", BLOCKED, "plan", "--model",
+    out = subprocess.run([sys.executable, "-c", BLOCKED, "plan", "--runtime", "native", "--model",
                           _write(tmp_path, LLAMA3_8B), "--workers-per-node", "4"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "8,030,261,248 parameters" in out.stdout and "loaded []" in out.stdout
+
+
+# ---- what a host holds at a checkpoint --------------------------------------------------------
+
+TRN2 = ["plan", "--device", "neuron", "--runtime", "native", "--accelerator-type",
+        "trn2.48xlarge", "--workers-per-node", "64"]
+V6E_16 = ["plan", "--device", "tpu", "--runtime", "native", "--accelerator-type", "v6e-16",
+          "--nodes", "4", "--workers-per-node", "4"]
+
+
+def test_a_checkpoint_counts_the_staging_pool_and_the_memory_tier():
+    """The staging pool lends up to max_in_flight + 1 sets of a host's parameter and optimizer
+    shards; the memory tier keeps two generations of its own and two of its peer's, and passes
+    one of each through Ray's object store while handing them over."""
+    from ray_train_xla.toolkit.runtime import ReportOptions
+
+    assert DEFAULT_MAX_IN_FLIGHT == ReportOptions().max_in_flight == 2
+    shape = model_shape(LLAMA3_70B)
+    one = plan_memory(shape, devices=64, devices_per_host=64, param_dtype="bf16")
+    h = one.per_host
+    one_set = 64 * (2 + 4) * math.ceil(shape.parameters / 64)
+    assert h["checkpoint_set"] == one_set and h["staging"] == 3 * one_set == h["peak"]
+    assert f"{h['staging'] / GIB:.0f}" == "1183"  # 70B on one trn2.48xlarge: not 394 GiB
+    assert plan_memory(shape, devices=64, devices_per_host=64, param_dtype="bf16",
+                       max_in_flight=1).per_host["staging"] == 2 * one_set
+    # The memory tier on one host: its own two generations, no peer.
+    tier = plan_memory(shape, devices=64, devices_per_host=64, param_dtype="bf16",
+                       memory_every=10).per_host
+    assert (tier["memory_tier_own"], tier["memory_tier_peer"], tier["memory_tier_in_flight"]) == \
+        (2 * one_set, 0, 0)
+    assert tier["peak"] == 5 * one_set == tier["shared_memory"]  # staged sets and slots: /dev/shm
+    # Two hosts: the peer's two generations, and one of each in flight.
+    two = plan_memory(shape, devices=128, devices_per_host=64, param_dtype="bf16",
+                      memory_every=10)
+    half = two.per_host["checkpoint_set"]
+    assert (two.per_host["memory_tier_peer"], two.per_host["memory_tier_in_flight"]) == \
+        (2 * half, 2 * half)
+    assert two.per_host["peak"] == (3 + 2 + 2 + 2) * half
+    # FSDPv2 (torch_xla SPMD): staged and formatted in the training process too, no /dev/shm.
+    xla = plan_memory(shape, devices=128, devices_per_host=64, param_dtype="bf16",
+                      memory_every=10, stack="fsdpv2").per_host
+    assert xla["memory_tier_in_flight"] == 4 * half and xla["shared_memory"] == 0
+
+
+def test_the_host_is_compared_with_its_published_memory(tmp_path, capsys):
+    assert host_memory("trn2.48xlarge").bytes == 2048 * GIB
+    assert host_memory("trn1.32xlarge").bytes == 512 * GIB and host_memory("trn2") is None
+    assert host_memory("v6e-16") is None
+    model = _write(tmp_path, LLAMA3_70B)
+    # fp32 master weights: three staged sets of 788 GiB exceed the 2 TiB of a trn2.48xlarge.
+    assert main(TRN2 + ["--model", model]) == 2
+    err = capsys.readouterr().err
+    assert "needs up to 2365.50 GiB per host at a checkpoint (3 staged sets), but a " \
+           "trn2.48xlarge has 2048.00 GiB" in err
+    assert main(TRN2 + ["--model", model, "--param-dtype", "bf16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["per_host"]["peak"] == plan["per_host"]["staging"] and plan["fits"] is True
+    # The memory tier's slots on top: 96% of the host, a warning that says what is left.
+    assert main(TRN2 + ["--model", model, "--param-dtype", "bf16", "--memory-every", "10"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "memory tier: own generations (2) 788.50" in out
+    assert "Host: 1971.25 of 2048.00 GiB (96%): Warning: fits, but leaves only 76.75 GiB for " \
+           "the OS, Ray, data loading and the runtime" in out
+    # --host-memory where none is published (a TPU VM), as GB (10^9 bytes).
+    v6e_64 = _apply(V6E_16, "--accelerator-type v6e-64 --nodes 16")
+    assert main(v6e_64 + ["--model", model, "--param-dtype", "bf16", "--host-memory", "50GB"]) \
+        == 2
+    assert "up to 73.92 GiB per host at a checkpoint (3 staged sets), but a host has 46.57 GiB" \
+        in capsys.readouterr().err
+
+
+def test_a_fit_above_90_percent_is_a_warning_that_says_what_is_left(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_70B)
+    assert main(TRN2 + ["--model", model, "--max-in-flight", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Device: 23.53 of 24.00 GiB (98%): Warning: fits, but leaves only 0.47 GiB for " \
+           "activations, the runtime and the compiler" in out
+    assert main(TRN2 + ["--model", model, "--max-in-flight", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["warnings"] == [
+        "23.53 of 24.00 GiB per device (98%) leaves only 0.47 GiB for activations, the runtime "
+        "and the compiler"]
+
+
+# ---- remedies: planned again, and only those that fit ------------------------------------------
+
+def _remedies(err: str) -> list[str]:
+    """The flags of each remedy of a refusal, as '(--flag value ...: figures)'."""
+    return re.findall(r"\((--[^:()]*|without --memory-every[^:()]*):", err)
+
+
+def _apply(args: list[str], flags: str) -> list[str]:
+    """``args`` with each '--flag value' of ``flags`` set (or 'without --flag' removed)."""
+    args = list(args)
+    if flags.startswith("without "):
+        i = args.index(flags.split()[1])
+        return args[:i] + args[i + 2:]
+    words = flags.split()
+    for flag, value in zip(words[::2], words[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return args
+
+
+@pytest.mark.parametrize("case", ["trn2-host", "v6e-16", "v5p-64-hsdp", "trn2-tier"])
+def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_70B)
+    args = {"trn2-host": TRN2,
+            "v6e-16": V6E_16,
+            "v5p-64-hsdp": ["plan", "--device", "tpu", "--runtime", "native",
+                            "--accelerator-type", "v5p-64", "--nodes", "8",
+                            "--workers-per-node", "4", "--sharding", "hsdp"],
+            "trn2-tier": TRN2 + ["--param-dtype", "bf16", "--memory-every", "10",
+                                 "--max-in-flight", "3"]}[case] + ["--model", model]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    fixes = _remedies(err)
+    assert fixes, err
+    for flags in fixes:
+        assert main(_apply(args, flags) + ["--json"]) == 0, (flags, capsys.readouterr().err)
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["fits"] is not False and not plan["warnings"], flags
+    if case == "v6e-16":
+        # bf16 AdamW state alone still needs 39.96 GiB of a 32 GiB chip: not offered. Only
+        # v6e slice sizes are: 64 chips, or 32 with bf16 (not "6 hosts of 4").
+        assert "39.96" not in err and "hosts of 4 devices with" not in err
+        assert fixes == ["--accelerator-type v6e-64 --nodes 16",
+                         "--accelerator-type v6e-32 --nodes 8 --param-dtype bf16"]
+    if case == "v5p-64-hsdp":
+        # FSDP over the job's own 32 devices fits: no smaller (9 devices) or larger cluster.
+        assert fixes == ["--sharding fsdp"] and "9 devices" not in err
+    if case == "trn2-tier":
+        # four staged sets and the tier's two slots: 2365 GiB; either alone fits a 2 TiB host
+        assert fixes == ["--max-in-flight 1", "without --memory-every", "--nodes 3"]
+
+
+def test_larger_clusters_are_real_sizes_of_the_same_hardware():
+    v6e = [(s.label, s.flags) for s in larger_clusters(Layout(16, 4), accelerator_type="v6e-16")]
+    assert v6e == [(f"a v6e-{n} slice ({n // 4} hosts of 4 devices)",
+                    f"--accelerator-type v6e-{n} --nodes {n // 4}") for n in (32, 64, 128, 256)]
+    # A single host of 8 chips grows into hosts of 4; v5p counts TensorCores (2 a chip);
+    # TPU7x has two devices a chip; with --spmd the flags name each worker's chips.
+    assert next(iter(larger_clusters(Layout(8, 8), accelerator_type="v6e-8"))).flags == \
+        "--accelerator-type v6e-16 --nodes 4 --workers-per-node 4"
+    v5p = next(iter(larger_clusters(Layout(32, 4), accelerator_type="v5p-64")))
+    assert (v5p.layout.devices, v5p.flags) == (64, "--accelerator-type v5p-128 --nodes 16")
+    v7x = next(iter(larger_clusters(Layout(32, 8), accelerator_type="tpu7x-32", spmd=True)))
+    assert (v7x.layout.devices, v7x.layout.devices_per_host) == (64, 8)
+    assert v7x.flags == "--accelerator-type tpu7x-64 --nodes 8"
+    # Trainium (or unknown hardware): more hosts like these, from the first that could fit.
+    trn = larger_clusters(Layout(64, 64), 200)
+    assert [next(trn).flags, next(trn).flags] == ["--nodes 4", "--nodes 5"]
+
+
+def test_a_model_no_fsdp_layout_fits_is_told_so():
+    wide = dict(LLAMA3_70B, vocab_size=2_000_000, hidden_size=16384)  # 2 x 61 GiB root
+    plan = plan_memory(model_shape(wide), devices=64, devices_per_host=4,
+                       memory=device_memory("v6e"))
+    with pytest.raises(XLAConfigError, match="tensor parallelism, which this plan does not model"):
+        plan.check()
+
+
+# ---- a config that cannot shard -----------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["tpu", "neuron", "cpu"])
+def test_torch_xla_without_spmd_is_told_how_to_shard(device, tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)
+    assert main(["plan", "--device", device, "--workers-per-node", "4", "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert "without spmd=True does not shard: prepare_sharded_model refuses there" in err
+    assert "--spmd" in err and "--runtime native" in err
+    fixed = ["--runtime", "native"] if device != "cpu" else ["--spmd",
+                                                            "--cpu-devices-per-worker", "4"]
+    workers = "1" if "--spmd" in fixed else "4"
+    assert main(["plan", "--device", device, "--workers-per-node", workers, "--model", model,
+                 *fixed]) == 0, capsys.readouterr().err
+
+
+# ---- the precision a documented call produces ---------------------------------------------------
+
+def test_the_default_precision_is_what_prepare_sharded_model_bf16_and_adamw_make(tmp_path):
+    """One FSDP2 step in a process group of one, with the package's mixed_precision="bf16"
+    policy: an fp32 model keeps fp32 parameters, gradients and AdamW state; a bf16 model keeps
+    bf16 ones. The plan's default and its bf16 choice are those, and name the calls."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ray_train_xla.toolkit.fsdp2 import mixed_precision_policy
+
+    made = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(dtype)
+            gathered: list = []
+            model[0].register_forward_pre_hook(
+                lambda m, a, seen=gathered: seen.append(m.weight.dtype))
+            fully_shard(model, mesh=mesh, mp_policy=mixed_precision_policy("bf16"))
+            opt = torch.optim.AdamW(model.parameters())
+            model(torch.ones(2, 8, dtype=dtype)).float().sum().backward()
+            opt.step()
+            p = next(model.parameters())
+            made[name] = (p.dtype, p.grad.dtype, opt.state[p]["exp_avg"].dtype, gathered[0])
+    finally:
+        dist.destroy_process_group()
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert made == {"fp32": (fp32, fp32, fp32, bf16), "bf16": (bf16, bf16, bf16, bf16)}
+    shape = model_shape(LLAMA3_8B)
+    default = plan_memory(shape, devices=8, devices_per_host=8).precision
+    assert (default.parameters, default.gradients, default.optimizer, default.compute) == \
+        ("fp32", "fp32", "fp32", "bf16")
+    assert 'mixed_precision="bf16"' in default.call and "torch.optim.AdamW" in default.call
+    half = plan_memory(shape, devices=8, devices_per_host=8, param_dtype="bf16").precision
+    assert (half.parameters, half.gradients, half.optimizer, half.compute) == ("bf16",) * 4
+    assert "dtype=torch.bfloat16" in half.call
+    # A state dtype AdamW does not keep is planned, and said to need an optimizer of one's own.
+    mixed = plan_memory(shape, devices=8, devices_per_host=8, param_dtype="bf16",
+                        optimizer_dtype="fp32").precision
+    assert "needs an optimizer of your own" in mixed.call
+
+
+def test_the_precision_call_is_in_the_table_and_the_help(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)
+    assert main(TRN2 + ["--model", model]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Precision: fp32 parameters, fp32 gradients, fp32 AdamW state, bf16 compute: " \
+           "load_pretrained(model, path, dtype=torch.float32, mixed_precision=\"bf16\")" in out
+    assert main(TRN2 + ["--model", model, "--json"]) == 0
+    assert "mixed_precision" in json.loads(capsys.readouterr().out)["precision_call"]
+    assert main(["plan", "--help"]) == 0
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps at spaces and hyphens
+    for says in ("fp32 (default): load_pretrained(model, path, dtype=torch.float32, "
+                 "mixed_precision='bf16')", "bf16: load_pretrained(model, path, "
+                 "dtype=torch.bfloat16)", "default: --param-dtype's, as torch.optim.AdamW "
+                 "keeps them", "gemma2 or gemma3_text"):
+        assert "".join(says.split()) in text, says
+
+
+# ---- defaults and the families transformers builds otherwise ------------------------------------
+
+def test_keys_taken_from_defaults_are_listed(tmp_path, capsys):
+    assert model_shape(LLAMA3_70B).defaults == {"head_dim": 128, "attention_bias": False,
+                                                "mlp_bias": False}
+    full = dict(LLAMA3_70B, head_dim=128, attention_bias=False, mlp_bias=False)
+    assert model_shape(full).defaults == {}
+    bare = _write(tmp_path, {"model_type": "llama"})
+    assert main(["plan", "--runtime", "native", "--workers-per-node", "8", "--model", bare]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Warning: Defaults: hidden_size=4096, num_attention_heads=32, vocab_size=32000" in out
+    assert "(the plan is of the default vocab_size, hidden_size, intermediate_size" in out
+    assert main(["plan", "--runtime", "native", "--workers-per-node", "8", "--model", bare,
+                 "--json"]) == 0
+    defaults = json.loads(capsys.readouterr().out)["model"]["defaults"]
+    assert defaults["num_hidden_layers"] == 32 and defaults["num_key_value_heads"] == 32
+
+
+def test_llama4_and_multimodal_gemma3_are_refused_saying_why():
+    """Llama 4's text decoder is a mixture of experts (transformers builds experts), and the
+    gemma3 model_type is the multimodal model: neither is the Llama shape."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    sparse = dict(SMALL, intermediate_size_mlp=96, num_local_experts=2)
+    model = _meta_model(AutoConfig.for_model("llama4_text", **sparse))
+    assert any("experts" in name for name, _ in model.named_modules())
+    with pytest.raises(XLAConfigError, match=r"'llama4_text' is Llama 4's text decoder, a "
+                       r"mixture of experts.*plan_memory\(parameters"):
+        model_shape({"model_type": "llama4_text", **sparse})
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["gemma3"] == "Gemma3ForConditionalGeneration"
+    with pytest.raises(XLAConfigError, match="model_type 'gemma3_text'"):
+        model_shape({"model_type": "gemma3"})
+    with pytest.raises(XLAConfigError, match="Llama 4's multimodal model"):
+        model_shape({"model_type": "llama4"})
+
+
+@pytest.mark.parametrize("runtime", ["pjrt", "native"])
+def test_memory_every_is_the_configs_option_in_the_environment_plan(runtime, capsys):
+    from ray_train_xla.planning.contract import MEMORY_EVERY_VAR
+
+    assert main(["plan", "--runtime", runtime, "--workers-per-node", "2", "--memory-every", "5",
+                 "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert [p["env"][MEMORY_EVERY_VAR] for p in plans] == ["5", "5"]

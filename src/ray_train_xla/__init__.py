@@ -1,7 +1,8 @@
-"""PyTorch/XLA (AWS Trainium, TPU, CPU) for Ray Train's TorchTrainer.
+"""Ray Train's TorchTrainer on AWS Trainium and TPU, with the CPU for development.
 
-Driver side: pass ``TorchXLAConfig()`` as ``torch_config`` (``TorchNeuronConfig()`` for native
-TorchNeuron, Neuron SDK 2.30+; ``TorchTPUConfig()`` for native TorchTPU, ``torch-tpu``). Inside
+Driver side: pass one config as ``torch_config``: ``TorchNeuronConfig()`` for native TorchNeuron
+(Neuron SDK 2.30+), ``TorchTPUConfig()`` for native TorchTPU (``torch-tpu``), ``TorchXLAConfig()``
+for torch_xla (Trainium's XLA SDK up to Neuron 2.29, TPU, CPU). Inside
 the training function: the toolkit helpers below (device, ranks, collectives, data loading,
 optimizer step, checkpoints, compile metrics) run the same code on every device.
 
@@ -33,6 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(("TorchXLAConfig", "TorchNeuronConfig", "check_scaling_config", "TorchTPUConfig"),
                     "ray_train_xla.driver.config"),
     **dict.fromkeys(("NeuronOptions", "TPUOptions", "XLAOptions"), "ray_train_xla.planning.options"),
+    **dict.fromkeys(("Layout", "Parallelism"), "ray_train_xla.planning.layout"),
     **dict.fromkeys(("XLAConfigError", "WorkerSetupError", "XLAInitError", "RendezvousTimeoutError",
                      "NeuronCompileError", "ShardedStateError", "CheckpointMismatchError",
                      "ReportError"), "ray_train_xla.errors"),

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 class XLABackend(Backend):
-    """Ray Train backend for PyTorch/XLA; selected by ``TorchXLAConfig.backend_cls``."""
+    """Ray Train backend of the three configs (torch_xla, native TorchNeuron, native TorchTPU);
+    selected by each config's ``backend_cls``."""
 
     share_cuda_visible_devices: bool = False
     # What every worker runs first (given timeout_s and the device option): report its facts.

@@ -91,11 +91,14 @@ class TorchXLAConfig(_RayHooks, XLAOptions, TorchConfig):
             process-group operations and of destroying the process group at shutdown.
         env: extra environment variables for every worker. A variable the plan owns (ranks,
             world sizes, master address and port, PJRT, Neuron cores and root comm, TPU task
-            and bounds, ``RAY_TRAIN_XLA_*``) is refused, naming the option that controls it.
+            and bounds, ``RAY_TRAIN_XLA_*``) is refused, naming the option that controls it; so
+            is one a field given beside it also sets (``compile_cache``, ``efa=True``).
         efa: Neuron EFA variables: None (default) sets them only where the node has EFA
             devices, True always, False never.
-        compile_cache: Neuron compile cache (``NEURON_COMPILE_CACHE_URL``): a shared local path
-            or an ``s3://`` URL. None keeps the Neuron default.
+        compile_cache: the compile cache, a directory every node shares: on Neuron
+            ``NEURON_COMPILE_CACHE_URL`` (or an ``s3://`` URL; None keeps the Neuron default), on
+            TPU torch_xla's persistent cache ``XLA_PERSISTENT_CACHE_PATH`` (a directory; None: one
+            per host). What each takes: ``planning/options.py``, ``COMPILE_CACHES``.
         spmd: SPMD mode: one worker per host owns all of that host's devices, ``XLA_USE_SPMD=1``
             is set before torch_xla is imported, and the process group is ``gloo`` (through
             ``xla://``; the ``xla`` backend refuses SPMD). Shard with ``get_mesh()``.
@@ -153,8 +156,8 @@ class TorchNeuronConfig(_RayHooks, NeuronOptions, TorchConfig):
         efa: EFA variables (``FI_PROVIDER=efa``, ...): None (default) sets them only where the
             node has EFA devices, True always, False never.
         compile_cache: ``TORCH_NEURONX_NEFF_CACHE_DIR``, a directory every node shares (FSx,
-            NFS) so graphs compiled once are reused by every worker and later runs. None keeps
-            the native default, ``/tmp/neff_cache``, which is per node.
+            NFS; no URL) so graphs compiled once are reused by every worker and later runs. None
+            keeps the native default, ``/tmp/neff_cache``, which is per node.
         profile_steps, memory_every, peak_tflops: as for ``TorchXLAConfig``.
 
     Each worker uses one NeuronCore: request ``resources_per_worker={"neuron_cores": 1}``.
@@ -189,7 +192,7 @@ class TorchTPUConfig(_RayHooks, TPUOptions, TorchConfig):
             CPU workers (development without a TPU; torch-tpu not needed).
         timeout_s, env: as for ``TorchNeuronConfig``.
         compile_cache: ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT``, a directory every host
-            shares. None keeps TorchTPU's default.
+            shares or a ``gs://`` URL. None keeps TorchTPU's default.
         profile_steps, memory_every, peak_tflops: as for ``TorchXLAConfig``.
 
     Each worker uses one TPU chip: request ``resources_per_worker={"TPU": 1}`` and one worker

@@ -75,9 +75,11 @@ MEMORY_TIER_VAR = "RAY_TRAIN_XLA_MEMORY_TIER"
 MEMORY_NODES_VAR = "RAY_TRAIN_XLA_MEMORY_NODES"
 # peak_tflops=X: the peak TFLOP/s of one device that MFU is taken against (the timeline's).
 PEAK_TFLOPS_VAR = "RAY_TRAIN_XLA_PEAK_TFLOPS"
+# parallelism=...: the layout resolved for the job (``planning/layout.py``, ``Layout.to_text``).
+LAYOUT_VAR = "RAY_TRAIN_XLA_LAYOUT"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
             DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, RUN_START_VAR, PROFILE_STEPS_VAR,
-            MEMORY_EVERY_VAR, MEMORY_TIER_VAR, MEMORY_NODES_VAR, PEAK_TFLOPS_VAR)
+            MEMORY_EVERY_VAR, MEMORY_TIER_VAR, MEMORY_NODES_VAR, PEAK_TFLOPS_VAR, LAYOUT_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
@@ -102,6 +104,9 @@ TORCHRUN_VARS = (
     RUN_ID_VAR, "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
+
+# Neuron's EFA variables (libfabric): planned where the node has EFA devices, or with efa=True.
+EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 
 _RANKS = "Ray's ScalingConfig (ranks and world sizes follow the worker group Ray starts)"
 _PORTS = "the backend (it reserves free ports on rank 0's node at every start)"
@@ -228,6 +233,7 @@ class WorkerContext:
     memory_tier: str = ""
     memory_nodes: tuple[str, ...] = ()
     peak_tflops: float = 0.0  # 0.0: the config gives none
+    layout: str = ""  # Layout.to_text() of the config's parallelism; "" when it gives none
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerContext:
@@ -258,6 +264,7 @@ class WorkerContext:
             memory_tier=e.get(MEMORY_TIER_VAR, ""),
             memory_nodes=tuple(n for n in e.get(MEMORY_NODES_VAR, "").split(",") if n),
             peak_tflops=_float(e, PEAK_TFLOPS_VAR, 0.0),
+            layout=e.get(LAYOUT_VAR, ""),
         )
 
     @property

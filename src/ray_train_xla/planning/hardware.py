@@ -56,6 +56,7 @@ class TrainiumInstance:
     chips: int
     source: str
     note: str = ""
+    host_memory_gib: int | None = None  # the host's memory (Ray's node), where published
 
     def devices(self, lnc: int | None = None) -> int:
         """Logical NeuronCores (the devices workers run on) at ``lnc`` (default: the
@@ -80,16 +81,16 @@ TRAINIUM_GENERATIONS: dict[str, TrainiumGeneration] = {
         "as on Trainium2 (2 by default, as the Neuron SDK 2.34 Trn3 tutorials run it, or 1)"),
 }
 
-_TRN1_ARCH = _NEURON + "neuron-hardware/trn1-arch.html"
+_TRN1_ARCH = _NEURON + "neuron-hardware/trn1-arch.html"  # chips and "Host Memory (GiB)"
 _TRN2_ARCH = _NEURON + "neuron-hardware/trn2-arch.html"
 TRAINIUM_INSTANCES: dict[str, TrainiumInstance] = {i.name: i for i in (
-    TrainiumInstance("trn1.2xlarge", "trn1", 1, _TRN1_ARCH),
-    TrainiumInstance("trn1.32xlarge", "trn1", 16, _TRN1_ARCH),
-    TrainiumInstance("trn1n.32xlarge", "trn1", 16, _TRN1_ARCH),
+    TrainiumInstance("trn1.2xlarge", "trn1", 1, _TRN1_ARCH, host_memory_gib=32),
+    TrainiumInstance("trn1.32xlarge", "trn1", 16, _TRN1_ARCH, host_memory_gib=512),
+    TrainiumInstance("trn1n.32xlarge", "trn1", 16, _TRN1_ARCH, host_memory_gib=512),
     TrainiumInstance("trn2.3xlarge", "trn2", 1,
                      "https://aws.amazon.com/ec2/instance-types/trn2/: 1 Trainium2 chip"),
-    TrainiumInstance("trn2.48xlarge", "trn2", 16, _TRN2_ARCH),
-    TrainiumInstance("trn2u.48xlarge", "trn2", 16, _TRN2_ARCH),
+    TrainiumInstance("trn2.48xlarge", "trn2", 16, _TRN2_ARCH, host_memory_gib=2048),
+    TrainiumInstance("trn2u.48xlarge", "trn2", 16, _TRN2_ARCH, host_memory_gib=2048),
     # AWS publishes Trn3 as UltraServers (Neuron SDK 2.34, trn3-arch.html): Gen1, 4 servers of
     # 16 Trainium3; Gen2, 36 servers of 4. It names no Trn3 instance type, so "trn3" stands for
     # the larger server.

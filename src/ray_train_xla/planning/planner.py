@@ -25,6 +25,7 @@ from ray_train_xla.planning.contract import (
     DEVICE_VAR,
     GROUP_START_VAR,
     INIT_METHOD_VAR,
+    LAYOUT_VAR,
     MEMORY_EVERY_VAR,
     NATIVE,
     PEAK_TFLOPS_VAR,
@@ -39,6 +40,7 @@ from ray_train_xla.planning.contract import (
     compile_debug_file,
     timeout_text,
 )
+from ray_train_xla.planning.layout import Layout, Parallelism
 from ray_train_xla.planning.runtimes.base import Rendezvous, Runtime, torchrun_env
 from ray_train_xla.planning.runtimes.cpu import CPURuntime
 from ray_train_xla.planning.runtimes.native_neuron import RUNTIMES as NATIVE_RUNTIMES
@@ -172,4 +174,36 @@ def plan(
             env["PT_XLA_DEBUG_FILE"] = compile_debug_file(rdzv.run_id, place.rank)
         env.update(user)
         plans.append(WorkerPlan(place=place, env=env))
+    layout = plan_layout(config, plans)
+    if layout is not None:
+        for p in plans:
+            p.env[LAYOUT_VAR] = layout.to_text()
     return plans
+
+
+# How a layout's fix is said: which devices to add to each node.
+NODE_FIX = ("as many devices on every node as a multiple of tp (ScalingConfig: workers per node, "
+            "resources_per_worker)")
+
+
+def devices_per_worker(config: XLAOptions, place: WorkerPlace) -> int:
+    """The devices one worker holds in the layout: under SPMD every device it owns (the
+    accelerator ids Ray gave it, or ``cpu_devices_per_worker``), else one."""
+    if not getattr(config, "spmd", False):
+        return 1
+    return len(place.accelerator_ids) or getattr(config, "cpu_devices_per_worker", None) or 1
+
+
+def plan_layout(config: XLAOptions, plans: Sequence[WorkerPlan], fix: str = NODE_FIX) -> Layout | None:
+    """The config's ``parallelism`` resolved for the planned job (None when it gives none),
+    checked against the nodes: the devices in the order of the ranks the process group uses
+    (``RANK`` as planned: TorchTPU numbers them its own way), each with its node."""
+    owner = getattr(config, "_owner", "config")
+    wanted = Parallelism.of(getattr(config, "parallelism", None), f"{owner}(parallelism=...)")
+    if wanted is None:
+        return None
+    ordered = sorted(plans, key=lambda p: int(p.env["RANK"]))
+    nodes = [p.place.node_id for p in ordered for _ in range(devices_per_worker(config, p.place))]
+    layout = wanted.resolve(len(nodes), f"{owner}(parallelism=...)")
+    layout.check_nodes(nodes, f"{owner}(parallelism=...)", fix)
+    return layout

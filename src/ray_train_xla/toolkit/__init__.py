@@ -34,6 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(("ShardedStateError", "get_sharded_mesh", "is_sharded", "prepare_sharded_model"),
                     "sharding"),
     **dict.fromkeys(("get_mesh", "shard_batch", "sharding_spec"), "spmd"),
+    **dict.fromkeys(("configure_parallelism", "data_parallel", "get_layout"), "parallel"),
     "step_done": "steps",
 }
 

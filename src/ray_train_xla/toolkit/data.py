@@ -22,7 +22,7 @@ import torch
 from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.events import add_data_wait
-from ray_train_xla.toolkit.ranks import rank, world_size
+from ray_train_xla.toolkit.parallel import data_parallel, shared_with_tp_peers
 
 RAGGED_MODES = ("drop", "pad")
 
@@ -225,8 +225,9 @@ def _sampler_order(loader: Any, shuffle: bool | None) -> tuple[Callable[[torch.G
     raise ValueError(
         f"prepare_data_loader: cannot shard a {type(sampler).__name__} across workers (it is not "
         "a SequentialSampler, RandomSampler, SubsetRandomSampler or WeightedRandomSampler). "
-        "Give the DataLoader a DistributedSampler(dataset, num_replicas=rtx.world_size(), "
-        "rank=rtx.rank()) built from your sampling, or shard the dataset yourself.")
+        "Give the DataLoader a DistributedSampler(dataset, num_replicas=dp, rank=dp_rank) with "
+        "dp_rank, dp = rtx.data_parallel(), built from your sampling, or shard the dataset "
+        "yourself.")
 
 
 class XLADataLoader:
@@ -373,8 +374,10 @@ def prepare_data_loader(
     The loader's sampler decides what is sharded: the whole dataset (``SequentialSampler``,
     ``RandomSampler``), a ``SubsetRandomSampler``'s indices only, a ``WeightedRandomSampler``'s
     weighted draws; a ``DistributedSampler`` you built is kept. Other samplers are refused (a
-    ValueError) rather than replaced. Every worker gets ``ceil(rows / workers)`` rows, the last
-    ones repeated from the start when the rows do not divide evenly (as ``DistributedSampler``).
+    ValueError) rather than replaced. The rows are split by data-parallel rank
+    (``data_parallel()``: the worker's rank, except that tensor-parallel peers share one and
+    get the same rows): each gets ``ceil(rows / dp)`` rows, the last ones repeated from the
+    start when the rows do not divide evenly (as ``DistributedSampler``).
 
     ``ragged``: "drop" the short last batch, or "pad" it and yield ``(batch, mask)`` for every
     batch; the mask is 0.0 for padding and for the repeated rows, so the masks of all workers
@@ -387,9 +390,10 @@ def prepare_data_loader(
     ``global_batch_size`` (elastic runs): keep the global batch, not the per-worker batch,
     constant. Every step takes the next ``global_batch_size`` rows of the epoch's global order
     (the same on every world size: it depends on ``seed`` and the epoch only) and this worker
-    gets its rank's block of ``global_batch_size / world_size`` of them (``loader.batch_size``
-    is not used), so a run that resizes sees the same global batches as one that does not. The
-    world size must divide ``global_batch_size`` (a ValueError names the valid sizes). Save the
+    gets its data-parallel rank's block of ``global_batch_size / dp`` of them
+    (``loader.batch_size`` is not used), so a run that resizes sees the same global batches as
+    one that does not. The data-parallel degree must divide ``global_batch_size`` (a ValueError
+    names the valid sizes). Save the
     loader's ``state_dict()`` in your checkpoints and give it to ``load_state_dict()`` after a
     restart: the run resumes at the same global sample, on whatever world size it then has.
     ``ragged`` applies to the last global batch; a ``DistributedSampler`` is refused (its order
@@ -399,8 +403,9 @@ def prepare_data_loader(
 
     _check_ragged(ragged)
     pad = ragged == "pad"
+    dp_rank, dp = data_parallel()  # tensor-parallel peers read the same rows
     if global_batch_size is not None:
-        _check_global_batch_size(global_batch_size, world_size())
+        _check_global_batch_size(global_batch_size, dp)
     elif loader.batch_size is None:
         raise ValueError(
             "prepare_data_loader: the DataLoader has batch_size=None (a batch_sampler or "
@@ -409,7 +414,8 @@ def prepare_data_loader(
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         raise ValueError(
             "prepare_data_loader: an IterableDataset cannot be sharded by a sampler; shard it "
-            "yourself by rank() and world_size(), or use Ray Data with iter_xla_batches()"
+            "yourself by rtx.data_parallel() (rank and degree), or use Ray Data with "
+            "iter_xla_batches()"
         )
     given = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
     if global_batch_size is not None:
@@ -419,8 +425,7 @@ def prepare_data_loader(
                 "batch; a DistributedSampler interleaves rows by rank (its order changes with the "
                 "world size): give the DataLoader its plain sampler (shuffle=True or False)")
         order, length = _sampler_order(loader, shuffle)
-        sampler = _GlobalBatchSampler(order, rank(), world_size(), length, seed,
-                                      global_batch_size, pad)
+        sampler = _GlobalBatchSampler(order, dp_rank, dp, length, seed, global_batch_size, pad)
         # It yields whole global batches only (a short last one padded or dropped).
         rebuilt = _rebuild(loader, sampler, sampler.per_worker, pad, drop_last=False)
         return XLADataLoader(rebuilt, sampler, to_device, background)
@@ -430,7 +435,7 @@ def prepare_data_loader(
         sampler = _GivenDistributed(given, lambda k: r + k * w < n) if pad else given
     else:
         order, length = _sampler_order(loader, shuffle)
-        sampler = _ShardSampler(order, rank(), world_size(), length, seed, pad)
+        sampler = _ShardSampler(order, dp_rank, dp, length, seed, pad)
     rebuilt = _rebuild(loader, sampler, loader.batch_size, pad, drop_last=not pad)
     return XLADataLoader(rebuilt, sampler, to_device, background)
 
@@ -492,6 +497,9 @@ def iter_xla_batches(
 
     ``ragged`` and ``background`` as in ``prepare_data_loader``. Every worker must get the same
     number of batches (Ray Train's default ``DataConfig`` splits datasets into equal shards).
+    Under tensor parallelism the peers of a group train on the same batches, taken from each
+    peer's shard in turn (``parallel.shared_with_tp_peers``): every row once, an epoch ``tp``
+    times as many steps as one worker's shard holds batches.
     """
     _check_ragged(ragged)
     if batch_size < 1:
@@ -499,7 +507,8 @@ def iter_xla_batches(
     # CPU batches from Ray Data (its "auto" device follows ray.train.torch.get_device(), the XLA
     # device on our workers); they are moved here, in the background on accelerators.
     iter_torch_batches_kwargs.setdefault("device", "cpu")
-    batches = _ray_data_batches(shard, batch_size, ragged, iter_torch_batches_kwargs)
+    batches = shared_with_tp_peers(_ray_data_batches(shard, batch_size, ragged,
+                                                     iter_torch_batches_kwargs))
     if not to_device:
         return _timed(batches)
     if not _use_background(background):

@@ -33,6 +33,12 @@ from ray_train_xla.toolkit.steps import marks_own_step, step_done
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
                 "XLA reduce-scatters the gradients in the step graph, and torch_xla FSDP reduces them in "
                 "backward")
+# The same on the native configs: FSDP2 reduce-scatters gradients in backward; a model sharded
+# with fully_shard elsewhere is taken as is by prepare_sharded_model, after which optimizer_step
+# knows it (toolkit/fsdp2.py).
+SHARDED_STEP_NATIVE = ("rtx.prepare_sharded_model(model) first, for a model you sharded with "
+                       "fully_shard yourself (it takes the model as is; optimizer_step then only "
+                       "steps it, as FSDP2 reduced the gradients in backward), or optimizer.step()")
 
 
 @torch.no_grad()
@@ -109,7 +115,7 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
         groups = {f"param_groups[{g}].params": group["params"]
                   for g, group in enumerate(optimizer.param_groups)}
         refuse_sharded(groups, "optimizer_step", "averages every gradient over all workers",
-                       use=SHARDED_STEP)
+                       use=SHARDED_STEP_NATIVE if _device.is_native() else SHARDED_STEP)
     checked[optimizer] = (count, fsdp2)
     return fsdp2
 

@@ -108,6 +108,10 @@ class Runtime:
         self.checked: Any = None  # optim: optimizers checked for sharding (weak)
         self.prepared: Any = None  # checkpoint.names.PreparedModels
         self.meshes: dict[tuple[int, ...], Any] = {}  # fsdp2: the device mesh of each shape
+        self.layout: Any = None  # parallel: the job's planning.layout.Layout, once known
+        self.layout_source = ""  # parallel: what set it (the config, a call, the default)
+        self.layout_mesh: Any = None  # parallel: the DeviceMesh over the layout's dimensions
+        self.layout_groups: dict[str, Any] = {}  # parallel: the process group of each dimension
         self.spare_buffers: list[Any] = []  # files.MemoryFiles: data buffers to reuse
 
     def part(self, name: str, make: Callable[[], Part]) -> Part:

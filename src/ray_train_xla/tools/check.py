@@ -31,12 +31,14 @@ from ray_train_xla.tools.args import (
     positive_seconds,
     where,
 )
-from ray_train_xla.tools.examples.cluster import ExampleUsageError, add_cluster_args, check_cluster
-
-# The devices each config runs on (its CPU twin included).
-CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
-                  "tpu": ("cpu", "tpu")}
-CONFIG_CLASSES = {"xla": "TorchXLAConfig", "neuron": "TorchNeuronConfig", "tpu": "TorchTPUConfig"}
+from ray_train_xla.tools.examples.cluster import (
+    CONFIG_CLASSES,
+    CONFIG_DEVICES,
+    ExampleUsageError,
+    add_cluster_args,
+    add_config_arg,
+    check_cluster,
+)
 
 
 class CheckUsageError(ValueError):
@@ -562,12 +564,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "compared bit for bit) and restart (the "
         "graphs the restarted group compiles, cold and warm time to first step). Prints a "
         "table and writes report.md, report.json and bandwidth.png under --out. Exits 0 only "
-        "when every step passes, 1 when one fails.",
+        "when every step passes, 1 when one fails, 2 when the check cannot run as asked, "
+        "refused before any worker starts (a wrong option, --config and --device that do not "
+        "go together, a TPU slice without its topology, more workers than the cluster has).",
     )
-    check.add_argument("--config", default="xla", choices=["xla", "neuron", "tpu"],
-                       help="xla: TorchXLAConfig; neuron: TorchNeuronConfig (native TorchNeuron); "
-                       "tpu: TorchTPUConfig (native TorchTPU); default xla. Each runs on its "
-                       "device or the CPU")
+    add_config_arg(check)
     check.add_argument("--workers", type=positive_int, default=2,
                        help="workers of the main run (default 2); the reload runs half of them")
     check.add_argument("--accelerators-per-worker", type=positive_int, default=1, metavar="N",

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(
         prog="ray-train-xla",
-        description="PyTorch/XLA (Trainium, TPU, CPU) backend for Ray Train: demo, check, plan, "
+        description="Ray Train on AWS Trainium and TPU (native TorchNeuron, native TorchTPU, "
+        "torch_xla; CPU for development): demo, check, plan, "
         "doctor, consolidate, goodput, profile. Without a command, prints this help.",
         epilog=EXIT_STATUS_HELP,
     )

@@ -61,8 +61,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--max-shard-size", metavar="SIZE", default=None,
         help="--hf: the largest safetensors file, as transformers parses it: digits and TB, "
-        "GB, MB or KB (powers of 10), e.g. 2GB, 500MB (default 5GB); a larger tensor gets a "
-        "file of its own",
+        "GB, MB or KB (powers of 10, the Hugging Face convention: 5GB is 5 x 10^9 bytes, 4.66 "
+        "GiB), e.g. 2GB, 500MB (default 5GB); a larger tensor gets a file of its own",
     )
     consolidate.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), default=None,

@@ -1,7 +1,8 @@
-"""The demo jobs, on an embedded local Ray or a cluster (``address``): the project's seed check
-(every worker all-reduces ``torch.ones(2, 3)`` on its XLA device with ``ray_train_xla.all_reduce``
-and checks the sum), and the packaged examples (``ray_train_xla.tools.examples``) for
-``demo --train`` / ``--sharded``. At the end, ``ray-train-xla demo``'s parser and command.
+"""The demo jobs, on an embedded local Ray or a cluster (``address``), under any of the three
+configs (``config_name``: xla, neuron, tpu): the project's seed check (every worker all-reduces
+``torch.ones(2, 3)`` on its device with ``ray_train_xla.all_reduce`` and checks the sum), and the
+packaged examples (``ray_train_xla.tools.examples``) for ``demo --train`` / ``--sharded``. At the
+end, ``ray-train-xla demo``'s parser and command.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from dataclasses import dataclass
 
 from ray_train_xla.tools.args import CommandError, positive_int, where
 from ray_train_xla.tools.examples.cluster import (
+    CONFIG_CLASSES,
     ExampleUsageError,
     add_cluster_args,
+    add_config_arg,
     check_cluster,
+    check_config,
     ray_session,
     resolve_device,
     scaling_config,
+    torch_config,
 )
 
 EXAMPLES = ("train_mlp", "train_lm")  # the packaged examples, ray_train_xla.tools.examples.*
@@ -29,6 +34,7 @@ EXAMPLES = ("train_mlp", "train_lm")  # the packaged examples, ray_train_xla.too
 
 @dataclass
 class DemoSummary:
+    config: str
     workers: int
     device: str
     pjrt_device: str
@@ -80,19 +86,19 @@ def seed_check_loop(config: dict) -> None:
 
 def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto",
              address: str | None = None, tpu_topology: str | None = None,
-             accelerator_type: str | None = None) -> DemoSummary:
-    """Run the seed check on ``workers`` workers: on an embedded local Ray (started and shut
-    down here), or on the cluster at ``address``."""
+             accelerator_type: str | None = None, config_name: str = "xla") -> DemoSummary:
+    """Run the seed check on ``workers`` workers under ``config_name`` (xla, neuron or tpu): on
+    an embedded local Ray (started and shut down here), or on the cluster at ``address``."""
     import ray
     from ray.train import RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_train_xla import TorchXLAConfig, check_scaling_config
+    from ray_train_xla import check_scaling_config
 
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
             ray_session(address, num_cpus=max(2, workers + 1), log_to_driver=False):
         device = resolve_device(device)
-        config = TorchXLAConfig(device=device, timeout_s=120)
+        config = torch_config(config_name, device, timeout_s=120)
         scaling = scaling_config(device, workers, 1, tpu_topology, accelerator_type)
         check_scaling_config(scaling, config)
         collector = ray.remote(Records).options(num_cpus=0).remote()
@@ -109,6 +115,7 @@ def run_demo(workers: int = 2, iterations: int = 10, device: str = "auto",
         ray.kill(collector)
     first = records[0] if records else {}
     return DemoSummary(
+        config=CONFIG_CLASSES[config_name],
         workers=workers,
         device=first.get("device", "?"),
         pjrt_device=first.get("pjrt_device", "?"),
@@ -155,10 +162,11 @@ def load_example(name_or_path: str = "train_mlp"):
 def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
                    address: str | None = None, tpu_topology: str | None = None,
                    accelerator_type: str | None = None, storage_path: str | None = None,
-                   report_every: int = 20) -> TrainSummary:
-    """Train the example MLP (``tools/examples/train_mlp.py``) on ``workers`` workers: on an
-    embedded local Ray, or on the cluster at ``address``. Checkpoints go to ``storage_path``
-    (default: a temporary directory, deleted after) under the run name ``train_mlp``."""
+                   report_every: int = 20, config_name: str = "xla") -> TrainSummary:
+    """Train the example MLP (``tools/examples/train_mlp.py``) on ``workers`` workers under
+    ``config_name``: on an embedded local Ray, or on the cluster at ``address``. Checkpoints go
+    to ``storage_path`` (default: a temporary directory, deleted after) under the run name
+    ``train_mlp``."""
     example = load_example("train_mlp")
     config = example.default_config(steps, report_every)
     with tempfile.TemporaryDirectory(prefix="ray-train-xla-demo-") as tmp, \
@@ -167,7 +175,7 @@ def run_train_demo(workers: int = 2, steps: int = 40, device: str = "auto",
         result = example.build_trainer(
             workers, config, tmp if storage_path is None else storage_path, "train_mlp",
             resolve_device(device), keep=None, tpu_topology=tpu_topology,
-            accelerator_type=accelerator_type).fit()
+            accelerator_type=accelerator_type, config_name=config_name).fit()
         seconds = time.perf_counter() - start
         history = sorted((dict(m) for _, m in result.best_checkpoints), key=lambda m: m["step"])
         checkpoint = result.checkpoint.path if result.checkpoint else ""
@@ -191,10 +199,11 @@ class ShardedSummary:
 def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", workers: int = 1,
                      address: str | None = None, tpu_topology: str | None = None,
                      accelerator_type: str | None = None,
-                     storage_path: str | None = None) -> ShardedSummary:
-    """Train the example transformer LM (``tools/examples/train_lm.py``) sharded over
-    ``devices`` devices of each of ``workers`` SPMD workers (virtual XLA CPU devices of one
-    worker on the CPU, else NeuronCores / TPU chips asked of Ray): on an embedded local Ray, or
+                     storage_path: str | None = None, config_name: str = "xla") -> ShardedSummary:
+    """Train the example transformer LM (``tools/examples/train_lm.py``) sharded: under xla
+    with FSDPv2 over ``devices`` devices of each of ``workers`` SPMD workers (virtual XLA CPU
+    devices of one worker on the CPU, else NeuronCores / TPU chips asked of Ray); under neuron
+    or tpu with FSDP2 over ``workers`` workers of one device each. On an embedded local Ray, or
     on the cluster at ``address``."""
     example = load_example("train_lm")
     config = example.lm_config(steps=steps)
@@ -204,7 +213,7 @@ def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", wor
         result = example.build_trainer(
             config, devices, tmp if storage_path is None else storage_path, "train_lm",
             resolve_device(device), keep=None, workers=workers, tpu_topology=tpu_topology,
-            accelerator_type=accelerator_type).fit()
+            accelerator_type=accelerator_type, config_name=config_name).fit()
         seconds = time.perf_counter() - start
         history = []
         for checkpoint, metrics in result.best_checkpoints:
@@ -214,7 +223,8 @@ def run_sharded_demo(devices: int = 4, steps: int = 40, device: str = "cpu", wor
                 os.path.getsize(os.path.join(checkpoint.path, f)) for f in files)})
         history.sort(key=lambda m: m["step"])
     parameters = sum(p.numel() for p in example.make_model(config).parameters())
-    return ShardedSummary(devices, steps, seconds, parameters, history)
+    return ShardedSummary(devices if config_name == "xla" else workers, steps, seconds,
+                          parameters, history)
 
 
 # ``ray-train-xla demo``: its parser and its command.
@@ -223,17 +233,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="run the seed check (or, with --train, a training run) on an embedded local Ray "
-        "or a cluster",
-        description="Run TorchTrainer with TorchXLAConfig on an embedded local Ray (or the "
-        "cluster at --address), and have every worker all-reduce torch.ones(2, 3) on its XLA "
-        "device N times, checking the result equals ones * world_size. With --train, train "
-        "the packaged MLP example (examples/train_mlp.py) instead and print the loss and XLA "
-        "compile counts as it goes down. With --sharded, train the packaged transformer LM "
-        "example (examples/train_lm.py) sharded (FSDPv2) over --devices devices of each SPMD "
-        "worker (virtual XLA CPU devices of one worker on the CPU), with Ray Data batches and "
-        "sharded checkpoints, and print loss, compile counts and checkpoint sizes (about 40 s "
-        "on the CPU). With --device neuron or tpu every worker asks Ray for its NeuronCores or "
-        "TPU chips. Exits non-zero on failure.",
+        "or a cluster, under each config or the one --config names",
+        description="Run TorchTrainer on an embedded local Ray (or the cluster at --address) "
+        "under TorchXLAConfig, TorchNeuronConfig and TorchTPUConfig in turn (their CPU twins "
+        "on the CPU), or under the one --config names, and have every worker all-reduce "
+        "torch.ones(2, 3) on its device N times, checking the result equals ones * "
+        "world_size. With --train, train the packaged MLP example (examples/train_mlp.py) "
+        "instead and print the loss and graph compile counts as it goes down. With --sharded, "
+        "train the packaged transformer LM example (examples/train_lm.py) sharded, with Ray "
+        "Data batches and sharded checkpoints: under xla with FSDPv2 over --devices devices of "
+        "each SPMD worker (virtual XLA CPU devices of one worker on the CPU), under neuron or "
+        "tpu with FSDP2 over --workers workers; print loss, compile counts and checkpoint sizes "
+        "(about 40 s a config on the CPU). With --device neuron or tpu every worker asks Ray "
+        "for its NeuronCores or TPU chips, and --config says which stack runs them. Exits "
+        "non-zero on failure.",
     )
     mode = demo.add_mutually_exclusive_group()
     mode.add_argument(
@@ -245,18 +258,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="train the example transformer LM sharded (ray_train_xla.tools.examples.train_lm) "
         "instead",
     )
+    add_config_arg(demo, default=None, help_default="default: each of the three in turn on the "
+                   "CPU; on --device neuron or tpu, give the stack the cluster runs")
     demo.add_argument(
         "--workers", type=positive_int, default=None,
-        help="workers (default 2; with --sharded: SPMD workers, one per node, default 1, and 1 "
-        "on the CPU)")
+        help="workers (default 2; with --sharded under xla: SPMD workers, one per node, default "
+        "1, and 1 on the CPU)")
     demo.add_argument(
         "--iterations", type=positive_int, default=None,
         help="all-reduces per worker of the seed check (default 10; not with --train or --sharded)"
     )
     demo.add_argument(
         "--devices", type=positive_int, default=None,
-        help="with --sharded: each SPMD worker's devices, virtual XLA CPU devices on the CPU, "
-        "else NeuronCores / TPU chips asked of Ray (default 4)",
+        help="with --sharded under xla: each SPMD worker's devices, virtual XLA CPU devices on "
+        "the CPU, else NeuronCores / TPU chips asked of Ray (default 4)",
     )
     demo.add_argument(
         "--steps", type=positive_int, default=None,
@@ -281,12 +296,16 @@ DEMO_DEFAULTS = {
     "--sharded": {"workers": 1, "iterations": None, "steps": 40, "devices": 4,
                   "storage_path": ""},
 }
+# --sharded under a native config: FSDP2 over this many workers of one device each.
+SHARDED_NATIVE_WORKERS = 2
 
 
-def _demo_flags(args: argparse.Namespace) -> str:
-    """Fill in the demo's defaults for its mode; refuse a flag the mode does not take. Returns
-    the mode."""
+def _demo_flags(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """Fill in the demo's defaults for its mode; refuse a flag the mode does not take, and a
+    config the device does not run. Returns the mode and the configs to run, in order."""
     mode = "--sharded" if args.sharded else "--train" if args.train else "seed check"
+    configs = _configs(args)
+    native_sharded = mode == "--sharded" and all(c != "xla" for c in configs)
     for name, default in DEMO_DEFAULTS[mode].items():
         given = getattr(args, name)
         if default is None and given is not None:
@@ -296,17 +315,49 @@ def _demo_flags(args: argparse.Namespace) -> str:
                                if mode == "seed check" else
                                f"{flag} does not go with {mode} (it goes with "
                                f"{' or '.join(takes)})")
-        if given is None:
-            setattr(args, name, default or None)
+        if name == "devices" and native_sharded and given is not None:
+            raise CommandError(f"--devices goes with --sharded under --config xla (SPMD): under "
+                               f"--config {configs[0]} each worker has one device; give --workers")
     from ray_train_xla.tools.examples.train_lm import check_workers
 
     try:  # refused before Ray starts
-        if mode == "--sharded":
-            check_workers(args.device, args.workers)
-        check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
+        for config in configs:
+            if mode == "--sharded" and args.workers is not None:
+                check_workers(args.device, args.workers, config)
+            check_cluster(args.device, args.workers or DEMO_DEFAULTS[mode]["workers"],
+                          args.tpu_topology, args.accelerator_type)
     except ExampleUsageError as exc:
         raise CommandError(str(exc)) from exc
-    return mode
+    for name, default in DEMO_DEFAULTS[mode].items():
+        if name != "workers" and getattr(args, name) is None:
+            setattr(args, name, default or None)
+    return mode, configs
+
+
+def _configs(args: argparse.Namespace) -> list[str]:
+    """The configs the demo runs: the one --config names, else every one on the CPU; an
+    accelerator needs --config (its stack: torch_xla or the native one)."""
+    if args.config is not None:
+        try:
+            check_config(args.config, args.device)
+        except ExampleUsageError as exc:
+            raise CommandError(str(exc)) from exc
+        return [args.config]
+    if args.device == "cpu":
+        return list(CONFIG_CLASSES)
+    choices = {"neuron": "--config xla (torch_xla: Neuron SDK 2.29 and earlier) or --config neuron "
+                         "(native TorchNeuron: Neuron SDK 2.30 and later)",
+               "tpu": "--config xla (torch_xla) or --config tpu (native TorchTPU, torch-tpu)",
+               "auto": "--config xla, neuron or tpu (the stack the cluster's nodes have)"}
+    raise CommandError(f"--device {args.device}: give the stack that runs it, {choices[args.device]}")
+
+
+def _workers(args: argparse.Namespace, mode: str, config: str) -> int:
+    if args.workers is not None:
+        return args.workers
+    if mode == "--sharded" and config != "xla":
+        return SHARDED_NATIVE_WORKERS
+    return DEMO_DEFAULTS[mode]["workers"]
 
 
 def _cluster_kwargs(args: argparse.Namespace) -> dict:
@@ -332,34 +383,50 @@ def _run_job(banner: str, job, **kwargs):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    mode = _demo_flags(args)
-    if mode == "--sharded":
-        return cmd_sharded_demo(args)
-    if mode == "--train":
-        return cmd_train_demo(args)
+    mode, configs = _demo_flags(args)
+    run = {"--sharded": cmd_sharded_demo, "--train": cmd_train_demo, "seed check": cmd_seed_check}[mode]
+    workers = max(_workers(args, mode, c) for c in configs)
+    # One Ray for every config: a cluster joined once, or one embedded Ray started once.
+    with ray_session(args.address, num_cpus=max(2, workers + 1) if mode != "--sharded" else 4,
+                     log_to_driver=False):
+        codes = [run(args, config, _workers(args, mode, config)) for config in configs]
+    if len(configs) > 1:
+        passed = [CONFIG_CLASSES[c] for c, code in zip(configs, codes) if code == 0]
+        print(f"{len(passed)} of {len(configs)} configs passed"
+              + (f": {', '.join(passed)}" if passed else ""))
+    if args.device == "cpu":
+        print("This ran on the CPU. The Trainium and TPU paths are checked against each "
+              "runtime's own start-up code and test doubles, not yet on hardware: run "
+              "`ray-train-xla check` on yours first (README, What has run where).")
+    return max(codes)
 
+
+def cmd_seed_check(args: argparse.Namespace, config: str, workers: int) -> int:
     summary = _run_job(
-        f"ray-train-xla demo: {args.workers} workers, device={args.device}, "
-        f"{args.iterations} all-reduces each, on {where(args)}...",
-        run_demo, workers=args.workers, iterations=args.iterations, **_cluster_kwargs(args))
+        f"ray-train-xla demo: {CONFIG_CLASSES[config]}, {workers} workers, "
+        f"device={args.device}, {args.iterations} all-reduces each, on {where(args)}...",
+        run_demo, workers=workers, iterations=args.iterations, config_name=config,
+        **_cluster_kwargs(args))
     if summary is None:
         return 1
     status = "OK" if summary.ok else "FAILED"
     print(
-        f"{status}: workers={summary.workers} device={summary.device} "
-        f"(PJRT_DEVICE={summary.pjrt_device}, process group={summary.process_group}) "
+        f"{status}: {summary.config} workers={summary.workers} device={summary.device} "
+        f"({f'PJRT_DEVICE={summary.pjrt_device}, ' if summary.pjrt_device else ''}"
+        f"process group={summary.process_group}) "
         f"iterations={summary.iterations} all_reduce(ones(2,3)) == ones*{summary.workers} "
         f"time={summary.seconds:.1f}s"
     )
     return 0 if summary.ok else 1
 
 
-def cmd_train_demo(args: argparse.Namespace) -> int:
+def cmd_train_demo(args: argparse.Namespace, config: str, workers: int) -> int:
     summary = _run_job(
-        f"ray-train-xla demo --train: {args.workers} workers, device={args.device}, "
-        f"{args.steps} steps of the example MLP (train_mlp) on {where(args)}...",
-        run_train_demo, workers=args.workers, steps=args.steps, storage_path=args.storage_path,
-        **_cluster_kwargs(args))
+        f"ray-train-xla demo --train: {CONFIG_CLASSES[config]}, {workers} workers, "
+        f"device={args.device}, {args.steps} steps of the example MLP (train_mlp) on "
+        f"{where(args)}...",
+        run_train_demo, workers=workers, steps=args.steps, storage_path=args.storage_path,
+        config_name=config, **_cluster_kwargs(args))
     if summary is None:
         return 1
     print(f"{'step':>6}  {'loss':>10}  {'compiles':>8}  {'after warm-up':>13}  {'compile s':>9}")
@@ -368,20 +435,25 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
               f"{m['xla/compiles_after_warmup']:>13}  {m['xla/compile_time_s']:>9.2f}")
     status = "OK" if summary.ok else "FAILED"
     losses = [m["loss"] for m in summary.history] or [float("nan")]
-    print(f"{status}: loss {losses[0]:.5f} -> {losses[-1]:.5f} in {summary.steps} steps, "
-          f"{len(summary.history)} checkpoints reported, time={summary.seconds:.1f}s")
+    print(f"{status}: {CONFIG_CLASSES[config]} loss {losses[0]:.5f} -> {losses[-1]:.5f} in "
+          f"{summary.steps} steps, {len(summary.history)} checkpoints reported, "
+          f"time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1
 
 
-def cmd_sharded_demo(args: argparse.Namespace) -> int:
-    what = (f"1 SPMD worker, {args.devices} virtual XLA CPU devices" if args.device == "cpu" else
-            f"{args.workers} SPMD worker{'s' if args.workers > 1 else ''}, {args.devices} "
-            f"devices each, device={args.device}")
+def cmd_sharded_demo(args: argparse.Namespace, config: str, workers: int) -> int:
+    if config != "xla":
+        what = f"FSDP2 over {workers} workers, device={args.device}"
+    elif args.device == "cpu":
+        what = f"FSDPv2 over 1 SPMD worker, {args.devices} virtual XLA CPU devices"
+    else:
+        what = (f"FSDPv2 over {workers} SPMD worker{'s' if workers > 1 else ''}, {args.devices} "
+                f"devices each, device={args.device}")
     summary = _run_job(
-        f"ray-train-xla demo --sharded: {what}, {args.steps} steps of the example transformer "
-        f"LM (train_lm) on {where(args)}...",
-        run_sharded_demo, devices=args.devices, steps=args.steps, workers=args.workers,
-        storage_path=args.storage_path, **_cluster_kwargs(args))
+        f"ray-train-xla demo --sharded: {CONFIG_CLASSES[config]}, {what}, {args.steps} steps "
+        f"of the example transformer LM (train_lm) on {where(args)}...",
+        run_sharded_demo, devices=args.devices, steps=args.steps, workers=workers,
+        storage_path=args.storage_path, config_name=config, **_cluster_kwargs(args))
     if summary is None:
         return 1
     print(f"{'step':>6}  {'loss':>8}  {'compiles':>8}  {'after warm-up':>13}  {'checkpoint':>22}")
@@ -391,7 +463,8 @@ def cmd_sharded_demo(args: argparse.Namespace) -> int:
               f"{m['xla/compiles_after_warmup']:>13}  {size:>22}")
     status = "OK" if summary.ok else "FAILED"
     losses = [m["loss"] for m in summary.history] or [float("nan")]
-    print(f"{status}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {summary.steps} steps; "
-          f"{summary.parameters} parameters sharded over {args.devices} devices per worker; "
-          f"time={summary.seconds:.1f}s")
+    per = "per worker" if config == "xla" else "in all"
+    print(f"{status}: {CONFIG_CLASSES[config]} loss {losses[0]:.4f} -> {losses[-1]:.4f} in "
+          f"{summary.steps} steps; {summary.parameters} parameters sharded over "
+          f"{summary.devices} devices {per}; time={summary.seconds:.1f}s")
     return 0 if summary.ok else 1

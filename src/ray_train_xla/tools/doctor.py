@@ -257,6 +257,35 @@ def node_facts(ctx: NodeContext) -> NodeFacts:
     )
 
 
+def node_stack(facts: NodeFacts) -> str | None:
+    """The device stack this node's packages make (``planning/versions.py`` ``STACKS``), or
+    None: no device stack, the CPU twins (and torch_xla on the CPU) only."""
+    if facts.native_neuronx:
+        return "native TorchNeuron"
+    if facts.versions["torch-neuronx"]:
+        return "Trainium XLA SDK"
+    if facts.torch_tpu:
+        return "native TorchTPU"
+    return "torch_xla" if facts.versions["torch_xla"] else None
+
+
+def check_python(ctx: NodeContext, facts: NodeFacts,
+                 python: str = ".".join(map(str, sys.version_info[:3]))) -> list[Row]:
+    """This Python against the stack the node's packages make (``planning/versions.py``)."""
+    from ray_train_xla.planning.versions import python_problem, stack
+
+    name = node_stack(facts)
+    problem = python_problem(python, name)
+    if problem:
+        fix = ("a Python environment of the version the stack is built for (Neuron's native "
+               "TorchNeuron wheels exist for 3.12 to 3.14 only)" if name else
+               "Python 3.10 or newer")
+        return [("python", FAIL, problem, fix)]
+    what = (f"in {stack(name).python[0]}-{stack(name).python[1]} for {name}" if name else
+            "no device stack installed (the CPU twins run on it)")
+    return [("python", OK, f"Python {python}: {what}", "")]
+
+
 def check_torch(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
     """torch is installed, in the range of at least one config (``planning/versions.py``)."""
     from ray_train_xla.planning.versions import TESTED_TORCH, configs_supporting, describe_ranges
@@ -495,6 +524,7 @@ def check_free_ports(ctx: NodeContext, facts: NodeFacts) -> list[Row]:
 
 # The checks of a node, in report order.
 NODE_CHECKS: tuple[Callable[[NodeContext, NodeFacts], list[Row]], ...] = (
+    check_python,
     check_torch,
     check_torch_xla,
     check_torch_tpu,
@@ -668,8 +698,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """``doctor``: checks of this machine or of every node of a Ray cluster."""
     doctor = sub.add_parser(
         "doctor",
-        help="check this machine (or every node of a Ray cluster) for PyTorch/XLA training",
-        description="Check package versions (torch_xla built for the installed torch), "
+        help="check this machine (or every node of a Ray cluster) for training under "
+        "TorchXLAConfig, TorchNeuronConfig or TorchTPUConfig",
+        description="Check the Python and torch against the device stack installed (torch_xla, "
+        "Trainium's XLA SDK, native TorchNeuron, native TorchTPU: the ranges of "
+        "planning/versions.py), the packages' pairings (torch_xla, torch-neuronx or torch-tpu "
+        "built for the installed torch), "
         "PJRT_DEVICE and what device='auto' resolves to, Neuron devices against Ray's "
         "neuron_cores, NEURON_RT_VISIBLE_CORES, EFA, TPU chips against Ray's TPU resource, "
         "compile cache writability and free ports. Prints one row per check (OK, WARN, FAIL) "

@@ -62,9 +62,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "plan memory instead of the environment: the topology is checked the same way, then "
         "the model's parameters, gradients and AdamW state sharded over the devices (one per "
         "worker; with --spmd every device of each worker), the layers FSDP gathers, and what "
-        "each host holds at load and at a checkpoint, in GiB; a layout that does not fit the "
-        "device's memory (--accelerator-type or --device-memory) is refused with exit status 2. "
-        "Activations are not counted.",
+        "each host holds at load and at a checkpoint (the staging pool's sets, the memory "
+        "tier's copies), in GiB (2^30 bytes); a plan that does not fit the device's memory "
+        "(--accelerator-type or --device-memory) or the host's (a Trainium instance type, or "
+        "--host-memory) is refused with exit status 2, naming only changes that were planned "
+        "again and fit; one above 90% of either is a warning. Activations are not counted.",
     )
     plan.add_argument(
         "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
@@ -109,8 +111,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--compile-cache", default=None, metavar="URL",
-        help="TorchXLAConfig.compile_cache (Neuron): a shared path or s3:// URL; with "
-        "--runtime native, TorchNeuronConfig.compile_cache (TORCH_NEURONX_NEFF_CACHE_DIR)",
+        help="the config's compile_cache, a directory every node shares: TorchXLAConfig's "
+        "(Neuron: or an s3:// URL); with --runtime native, TorchNeuronConfig's "
+        "(TORCH_NEURONX_NEFF_CACHE_DIR) or TorchTPUConfig's (TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT, "
+        "or a gs:// URL)",
     )
     plan.add_argument(
         "--parallel-compile", action="store_true",
@@ -165,7 +169,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--model", default=None, metavar="PATH_OR_CONFIG_JSON",
         help="plan memory for this Hugging Face decoder instead of the environment: a model "
         "directory holding config.json, or a config.json (model_type llama, mistral, qwen2, "
-        "qwen3, gemma or gemma2)",
+        "qwen3, gemma, gemma2 or gemma3_text); with --runtime native, or --spmd (a config that "
+        "shards)",
     )
     plan.add_argument(
         "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
@@ -173,19 +178,42 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "and replicates across nodes (get_sharded_mesh('hsdp'))",
     )
     plan.add_argument(
-        "--param-dtype", default="bf16", choices=["bf16", "fp32"],
-        help="with --model: the sharded parameters and gradients (default bf16; fp32: master "
-        "weights, computing in bf16 with mixed_precision='bf16')",
+        "--param-dtype", default="fp32", choices=["fp32", "bf16"],
+        help="with --model: the sharded parameters and their gradients. fp32 (default): "
+        "load_pretrained(model, path, dtype=torch.float32, mixed_precision='bf16') or "
+        "prepare_sharded_model(model, mixed_precision='bf16') over a model in fp32, then "
+        "torch.optim.AdamW(model.parameters()): FSDP2 computes in bf16 and reduces gradients "
+        "in fp32 (with --spmd, FSDPv2 has no mixed precision: it computes in fp32). bf16: "
+        "load_pretrained(model, path, dtype=torch.bfloat16), or a model built in bf16, then "
+        "torch.optim.AdamW",
     )
     plan.add_argument(
-        "--optimizer-dtype", default="fp32", choices=["fp32", "bf16"],
-        help="with --model: AdamW's two states (default fp32, 8 bytes a parameter; "
-        "torch.optim.AdamW over bf16 parameters keeps bf16 state)",
+        "--optimizer-dtype", default=None, choices=["fp32", "bf16"],
+        help="with --model: AdamW's two states (default: --param-dtype's, as "
+        "torch.optim.AdamW keeps them; the other dtype needs an optimizer of your own)",
     )
     plan.add_argument(
-        "--device-memory", type=_device_memory, default=None, metavar="SIZE",
-        help="with --model: memory per device, e.g. 24GiB, 16GB, 95G or bytes (K, M, G, T are "
-        "powers of 2, with or without iB); default: the published figure of --accelerator-type",
+        "--device-memory", type=_memory_size, default=None, metavar="SIZE",
+        help="with --model: memory per device; GiB (and G) are 2^30 bytes, GB 10^9 (24GiB, "
+        "95G, 16GB = 14.90 GiB; TiB/TB, MiB/MB likewise) or bytes; default: the published "
+        "figure of --accelerator-type",
+    )
+    plan.add_argument(
+        "--host-memory", type=_memory_size, default=None, metavar="SIZE",
+        help="with --model: memory per host (node), as --device-memory reads it; default: the "
+        "published figure of a Trainium instance type (--accelerator-type trn2.48xlarge: "
+        "2048GiB)",
+    )
+    plan.add_argument(
+        "--max-in-flight", type=positive_int, default=2, metavar="N",
+        help="with --model: rtx.configure_reports(max_in_flight=N), checkpoints that may wait "
+        "for Ray at once (default 2): the staging pool keeps up to N + 1 host copies",
+    )
+    plan.add_argument(
+        "--memory-every", type=positive_int, default=None, metavar="N",
+        help="the config's memory_every: the memory tier keeps every N-th step in host memory "
+        "(RAY_TRAIN_XLA_MEMORY_EVERY); with --model, its copies are counted per host "
+        "(default: off, as the config)",
     )
     plan.add_argument("--json", action="store_true",
                       help="print a JSON list, one object a worker (with --model: one JSON "
@@ -193,7 +221,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return plan
 
 
-def _device_memory(text: str) -> int:
+def _memory_size(text: str) -> int:
     from ray_train_xla.planning.memory import parse_size
 
     try:
@@ -220,6 +248,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cpu_devices_per_worker=args.cpu_devices_per_worker,
         tpu_process_bounds=args.tpu_process_bounds,
         peak_tflops=args.peak_tflops,
+        memory_every=args.memory_every,
     )
     topology, facts = _describe_topology(args)
     runtime = get_runtime(args.device, args.runtime)
@@ -351,7 +380,7 @@ def _native_options(args: argparse.Namespace):
         if value:
             raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
     return cls(device=args.device, env=dict(args.env), compile_cache=args.compile_cache,
-               peak_tflops=args.peak_tflops)
+               peak_tflops=args.peak_tflops, memory_every=args.memory_every)
 
 
 def plan_environment(args: argparse.Namespace, config, runtime, topology, facts) -> int:
@@ -360,9 +389,11 @@ def plan_environment(args: argparse.Namespace, config, runtime, topology, facts)
     from ray_train_xla.planning.planner import Rendezvous, plan
 
     for flag, given in (("--sharding", args.sharding != "fsdp"),
-                        ("--param-dtype", args.param_dtype != "bf16"),
-                        ("--optimizer-dtype", args.optimizer_dtype != "fp32"),
-                        ("--device-memory", args.device_memory is not None)):
+                        ("--param-dtype", args.param_dtype != "fp32"),
+                        ("--optimizer-dtype", args.optimizer_dtype is not None),
+                        ("--device-memory", args.device_memory is not None),
+                        ("--host-memory", args.host_memory is not None),
+                        ("--max-in-flight", args.max_in_flight != 2)):
         if given:
             raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_CONFIG_JSON")
     master = topology.workers[runtime.master_worker(topology)]
@@ -431,11 +462,22 @@ def format_plan_table(rows: Sequence[dict]) -> str:
 
 
 def plan_memory(args: argparse.Namespace, topology) -> int:
-    """``plan --model``: the memory table (or JSON) of the described topology; a layout that does
-    not fit the device's memory raises XLAConfigError (exit status 2)."""
+    """``plan --model``: the memory table (or JSON) of the described topology; a plan that does
+    not fit the device's or the host's memory raises XLAConfigError (exit status 2)."""
+    import functools
+
     from ray_train_xla.planning import memory
     from ray_train_xla.planning.runtimes.tpu import devices_per_chip
 
+    if args.runtime != "native" and not args.spmd:
+        raise CommandError(
+            f"--model plans a sharded model, but TorchXLAConfig(runtime={args.runtime!r}) without "
+            "spmd=True does not shard: prepare_sharded_model refuses there (it needs SPMD), and "
+            "each worker would hold the whole model. Plan FSDPv2 with --spmd "
+            "(TorchXLAConfig(spmd=True), one worker per node owning its devices"
+            + (": give --accelerators-per-worker <chips per host>" if args.device == "tpu" else "")
+            + "), or FSDP2 with --runtime native ("
+            + ("TorchTPUConfig" if args.device == "tpu" else "TorchNeuronConfig") + ")")
     per_worker = 1
     if args.spmd:  # one worker owns every device of its host
         per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
@@ -451,11 +493,18 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
         found = memory.DeviceMemory(
             found.name if found else "given", args.device_memory,
             found.device if found else "device", "--device-memory")
+    host = memory.host_memory(args.accelerator_type)
+    if args.host_memory is not None:
+        host = memory.HostMemory(host.name if host else "host", args.host_memory,
+                                 "--host-memory")
     plan = memory.plan_memory(
         memory.model_shape(memory.load_model_config(args.model)),
         devices=sum(per_node.values()), devices_per_host=max(per_node.values()),
         sharding=args.sharding, param_dtype=args.param_dtype,
-        optimizer_dtype=args.optimizer_dtype, memory=found)
-    plan.check()
+        optimizer_dtype=args.optimizer_dtype, stack="fsdp2" if args.runtime == "native" else "fsdpv2",
+        memory=found, host=host, max_in_flight=args.max_in_flight,
+        memory_every=args.memory_every)
+    plan.check(functools.partial(memory.larger_clusters, accelerator_type=args.accelerator_type,
+                                 spmd=args.spmd))
     print(json.dumps(plan.to_json()) if args.json else memory.format_memory_table(plan))
     return 0

@@ -38,6 +38,7 @@ import logging
 
 from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.contract import (
+    EFA_ENV,
     NEURON_ROOT_COMM_VAR,
     NEURON_VISIBLE_CORES_VAR,
     PARALLEL_COMPILE_ENV,
@@ -48,7 +49,6 @@ from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_
 logger = logging.getLogger(__name__)
 
 NEURON_RESOURCE = "neuron_cores"
-EFA_ENV = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
 INTERFACE_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 

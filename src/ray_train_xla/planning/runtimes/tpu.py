@@ -58,7 +58,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ray_train_xla.errors import Term, XLAConfigError, config_error
+from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.hardware import (
     MULTI_HOST_CHIPS,
     TPU_GENERATIONS,
@@ -68,6 +68,7 @@ from ray_train_xla.planning.hardware import (
     tpu_generation_spec,
     tpu_types_text,
 )
+from ray_train_xla.planning.options import check_compile_cache
 from ray_train_xla.planning.runtimes.base import (
     SPMD,
     Runtime,
@@ -308,10 +309,7 @@ class TPURuntime(Runtime):
 
     def check(self, config, topology) -> None:
         super().check(config, topology)
-        if config.compile_cache and "://" in config.compile_cache:
-            raise config_error("compile_cache", config.compile_cache,
-                               "a directory path with device='tpu' (torch_xla's persistent "
-                               "cache is a local or mounted directory, not a URL)")
+        check_compile_cache(config, "tpu")  # device "auto" was checked as Neuron or TPU
         tpu = device(OWNER, "tpu")
         nodes = topology.nodes()
         for node in nodes:

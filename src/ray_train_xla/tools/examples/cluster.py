@@ -13,14 +13,51 @@ import os
 DEVICES = ("auto", "cpu", "neuron", "tpu")
 NEURON_RESOURCE = "neuron_cores"
 TPU_RESOURCE = "TPU"
+# ``--config``: the config class of each stack, and the devices it runs on (its CPU twin
+# included): xla is torch_xla (Trainium's XLA SDK up to Neuron 2.29, TPU, CPU); neuron is native
+# TorchNeuron (Neuron SDK 2.30+); tpu is native TorchTPU (torch-tpu).
+CONFIG_CLASSES = {"xla": "TorchXLAConfig", "neuron": "TorchNeuronConfig", "tpu": "TorchTPUConfig"}
+CONFIG_DEVICES = {"xla": ("cpu", "neuron", "tpu"), "neuron": ("cpu", "neuron"),
+                  "tpu": ("cpu", "tpu")}
 
 
 class ExampleUsageError(ValueError):
     """A command line the examples refuse (printed as one line, exit status 2)."""
 
 
+def add_config_arg(parser: argparse.ArgumentParser, default: str | None = "xla",
+                   help_default: str = "default xla") -> None:
+    """``--config``: which of the three configs runs the job (``CONFIG_CLASSES``)."""
+    parser.add_argument(
+        "--config", default=default, choices=list(CONFIG_CLASSES),
+        help="xla: TorchXLAConfig (torch_xla: Trainium with Neuron SDK 2.29 and earlier, TPU, "
+        "CPU); neuron: TorchNeuronConfig (native TorchNeuron, Neuron SDK 2.30+); tpu: "
+        "TorchTPUConfig (native TorchTPU, torch-tpu). Each runs on its device or on the CPU, "
+        f"where the native ones need no torch_xla ({help_default})")
+
+
+def check_config(config: str, device: str) -> None:
+    """Refuse a ``--config`` on a device it does not run on (``auto`` is checked once
+    resolved)."""
+    if config not in CONFIG_DEVICES:
+        raise ExampleUsageError(f"--config {config!r}: expected one of {', '.join(CONFIG_DEVICES)}")
+    if device != "auto" and device not in CONFIG_DEVICES[config]:
+        raise ExampleUsageError(
+            f"--config {config} ({CONFIG_CLASSES[config]}) runs on --device "
+            f"{' or '.join(CONFIG_DEVICES[config])}, not {device}")
+
+
+def torch_config(config: str, device: str, **options):
+    """The config object of ``config`` (xla, neuron or tpu) on ``device`` (resolved), with the
+    given fields."""
+    import ray_train_xla
+
+    check_config(config, device)
+    return getattr(ray_train_xla, CONFIG_CLASSES[config])(device=device, **options)
+
+
 def add_cluster_args(parser: argparse.ArgumentParser, device_default: str = "cpu",
-                     device_of: str = "TorchXLAConfig.device") -> None:
+                     device_of: str = "the config's device") -> None:
     """``--address``, ``--device`` (``device_of``: the config field it sets), ``--tpu-topology``,
     ``--accelerator-type``."""
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""A small decoder-only transformer language model, trained sharded (FSDPv2) with Ray Data batches.
+"""A small decoder-only transformer language model, trained sharded with Ray Data batches.
 
 Random initialisation from a config, no downloads: a model of our own (token and position
 embeddings, pre-norm blocks of causal self-attention and an MLP, a language-model head) on a
@@ -10,9 +10,12 @@ Loss, compile counts and a checkpoint are reported every 10 steps (``--report-ev
 the last; ``save_checkpoint`` copies this rank's shards off the devices and writes and reports
 them in a background thread, so the loop does not wait for Ray.
 
-On accelerators (``--device neuron`` / ``tpu``) each SPMD worker asks Ray for ``--devices``
-NeuronCores or TPU chips: one worker per node (``--workers``, the nodes), all of its devices in
-the mesh.
+Under ``TorchXLAConfig`` (``--config xla``, the default) the model is sharded with FSDPv2 over
+the devices of SPMD workers: on accelerators (``--device neuron`` / ``tpu``) each SPMD worker
+asks Ray for ``--devices`` NeuronCores or TPU chips, one worker per node (``--workers``, the
+nodes), all of its devices in the mesh. Under ``TorchNeuronConfig`` or ``TorchTPUConfig``
+(``--config neuron`` / ``tpu``) it is sharded with FSDP2 over ``--workers`` workers of one
+device each (CPU workers with gloo on the CPU), each reading its own shard of the batches.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ import time
 from ray_train_xla.tools.examples.cluster import (
     ExampleUsageError,
     add_cluster_args,
+    add_config_arg,
     check_cluster,
+    check_config,
     ray_session,
     resolve_device,
     scaling_config,
+    torch_config,
 )
 
 VOCAB, SEQ = 64, 32
@@ -118,15 +124,18 @@ def train_loop(config: dict) -> None:
     """The training function: sharded model, Ray Data batches, sharded checkpoints, resume."""
     import ray.train
     import torch
-    import torch_xla
 
     import ray_train_xla as rtx
+
+    spmd = config.get("spmd", True)  # FSDPv2 under SPMD; else FSDP2, one device per worker
 
     model = rtx.prepare_sharded_model(make_model(config))
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     state = rtx.load_checkpoint(model, optimizer)  # this rank's shards; None on a fresh start
     step = state["step"] if state else 0
-    steps_per_epoch = config["rows"] // config["batch_size"]
+    # Each worker reads its own shard of the rows (Ray Data splits them equally).
+    workers = ray.train.get_context().get_world_size()
+    steps_per_epoch = config["rows"] // workers // config["batch_size"]
     shard = ray.train.get_dataset_shard("train")
     monitor = rtx.CompileMonitor(warmup_steps=2)
     marker_dir = config.get("marker_dir") or tempfile.gettempdir()
@@ -140,12 +149,13 @@ def train_loop(config: dict) -> None:
         for i, batch in enumerate(batches):
             if i < skip:
                 continue
-            tokens = rtx.shard_batch(batch["tokens"])
+            tokens = (rtx.shard_batch(batch["tokens"]) if spmd
+                      else batch["tokens"].to(rtx.get_device()))  # this worker's own rows
             optimizer.zero_grad()
             loss = lm_loss(model, tokens)
             loss.backward()
-            optimizer.step()
-            torch_xla.sync()
+            optimizer.step()  # the sharded paths reduce the gradients themselves
+            rtx.sync()
             step += 1
             metrics = monitor.metrics(step)
             if step % config["report_every"] == 0 or step >= config["steps"]:
@@ -171,9 +181,9 @@ def train_loop(config: dict) -> None:
         torch.save(full, os.path.join(config["out_dir"], "final_params.pt"))
 
 
-def check_workers(device: str, workers: int) -> None:
-    """SPMD on the CPU is one worker."""
-    if device == "cpu" and workers != 1:
+def check_workers(device: str, workers: int, config_name: str = "xla") -> None:
+    """SPMD on the CPU is one worker (``--config xla``)."""
+    if config_name == "xla" and device == "cpu" and workers != 1:
         raise ExampleUsageError(
             f"--workers {workers} with --device cpu: SPMD on the CPU is one worker whose mesh is "
             "its --devices virtual devices (torch_xla's CPU client has no collectives across "
@@ -182,26 +192,34 @@ def check_workers(device: str, workers: int) -> None:
 
 def build_trainer(config: dict, devices: int, storage_path: str, name: str, device: str = "cpu",
                   keep: int | None = 2, workers: int = 1, tpu_topology: str | None = None,
-                  accelerator_type: str | None = None):
-    """A TorchTrainer for ``train_loop``: ``workers`` SPMD workers (one per node), each with
-    ``devices`` XLA CPU devices (one worker only) or asking Ray for ``devices`` NeuronCores / TPU
-    chips (on a TPU slice of ``tpu_topology`` and ``accelerator_type``); the token dataset,
-    restarts on failure; ``keep``: checkpoints kept (None: all)."""
+                  accelerator_type: str | None = None, config_name: str = "xla"):
+    """A TorchTrainer for ``train_loop``. ``config_name`` xla: ``workers`` SPMD workers (one per
+    node), each with ``devices`` XLA CPU devices (one worker only) or asking Ray for ``devices``
+    NeuronCores / TPU chips (on a TPU slice of ``tpu_topology`` and ``accelerator_type``);
+    neuron or tpu: ``workers`` workers of one device each (``devices`` unused), FSDP2. The token
+    dataset, restarts on failure; ``keep``: checkpoints kept (None: all)."""
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_train_xla import TorchXLAConfig, check_scaling_config
+    from ray_train_xla import check_scaling_config
 
-    check_workers(device, workers)
-    xla = (TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=devices, timeout_s=300)
-           if device == "cpu" else TorchXLAConfig(device=device, spmd=True))
-    scaling = scaling_config(device, workers, devices, tpu_topology, accelerator_type)
-    check_scaling_config(scaling, xla)
+    check_workers(device, workers, config_name)
+    if config_name != "xla":
+        chosen = torch_config(config_name, device, timeout_s=300)
+        per_worker = 1
+    elif device == "cpu":
+        chosen = torch_config("xla", "cpu", spmd=True, cpu_devices_per_worker=devices,
+                              timeout_s=300)
+        per_worker = devices
+    else:
+        chosen, per_worker = torch_config("xla", device, spmd=True), devices
+    scaling = scaling_config(device, workers, per_worker, tpu_topology, accelerator_type)
+    check_scaling_config(scaling, chosen)
     return TorchTrainer(
         train_loop,
-        train_loop_config=config,
-        torch_config=xla,
+        train_loop_config={**config, "spmd": config_name == "xla"},
+        torch_config=chosen,
         scaling_config=scaling,
         datasets={"train": make_dataset(config)},
         # The same batches in the same order every epoch and after a restart.
@@ -218,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="each SPMD worker's devices: virtual XLA CPU devices with --device "
                         "cpu, else the NeuronCores / TPU chips asked of Ray (default 4)")
     parser.add_argument("--workers", type=int, default=1,
-                        help="SPMD workers, one per node (default 1; 1 with --device cpu)")
+                        help="--config xla: SPMD workers, one per node (default 1; 1 with "
+                        "--device cpu); neuron or tpu: workers of one device each")
+    add_config_arg(parser)
     add_cluster_args(parser)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--crash-at", type=int, default=None, help="fail once after this step")
@@ -231,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     try:
-        check_workers(args.device, args.workers)
+        check_config(args.config, args.device)
+        check_workers(args.device, args.workers, args.config)
         check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
         with ray_session(args.address):
             config = lm_config(steps=args.steps, crash_at=args.crash_at,
@@ -241,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                                    time.strftime("train_lm-%Y%m%d-%H%M%S"),
                                    resolve_device(args.device), workers=args.workers,
                                    tpu_topology=args.tpu_topology,
-                                   accelerator_type=args.accelerator_type).fit()
+                                   accelerator_type=args.accelerator_type,
+                                   config_name=args.config).fit()
     except ExampleUsageError as exc:
         parser.error(str(exc))
     m = result.metrics or {}

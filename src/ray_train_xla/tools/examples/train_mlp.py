@@ -1,6 +1,7 @@
-"""A small MLP on synthetic regression data with Ray Train and PyTorch/XLA.
+"""A small MLP on synthetic regression data with Ray Train, under any of the three configs.
 
-The same training function runs on Trainium, TPU and CPU. By default: 2 CPU workers, a
+The same training function runs on Trainium, TPU and CPU, under ``TorchXLAConfig``,
+``TorchNeuronConfig`` or ``TorchTPUConfig`` (``--config xla|neuron|tpu``). By default: 2 CPU workers, a
 checkpoint with the loss and XLA compile metrics every 20 steps (``--report-every``),
 resumable: Ray Train restarts a failed worker group from the last checkpoint, and
 ``--resume --name RUN`` continues a finished run for ``--steps`` more (Ray Train V2 finds the
@@ -25,10 +26,13 @@ import uuid
 from ray_train_xla.tools.examples.cluster import (
     ExampleUsageError,
     add_cluster_args,
+    add_config_arg,
     check_cluster,
+    check_config,
     ray_session,
     resolve_device,
     scaling_config,
+    torch_config,
 )
 
 
@@ -129,25 +133,26 @@ def default_config(steps: int = 60, report_every: int = 20) -> dict:
 
 def build_trainer(workers: int, config: dict, storage_path: str, name: str, device: str = "cpu",
                   keep: int | None = 2, tpu_topology: str | None = None,
-                  accelerator_type: str | None = None):
-    """A TorchTrainer for ``train_loop`` with ``TorchXLAConfig``, resumable under ``name``;
+                  accelerator_type: str | None = None, config_name: str = "xla"):
+    """A TorchTrainer for ``train_loop``, resumable under ``name``, with the config
+    ``config_name`` (xla: TorchXLAConfig, neuron: TorchNeuronConfig, tpu: TorchTPUConfig);
     ``keep``: checkpoints kept (None: all). ``device`` (cpu, neuron or tpu): each worker asks
     Ray for one NeuronCore or TPU chip (on a TPU slice of ``tpu_topology`` and
     ``accelerator_type``)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_train_xla import TorchXLAConfig, check_scaling_config
+    from ray_train_xla import check_scaling_config
 
-    torch_config = TorchXLAConfig(device=device, timeout_s=120)
+    chosen = torch_config(config_name, device, timeout_s=120)
     scaling = scaling_config(device, workers, 1, tpu_topology, accelerator_type)
-    check_scaling_config(scaling, torch_config)
+    check_scaling_config(scaling, chosen)
     # This fit's id: a checkpoint carrying it is a restart of this run, which keeps its target.
     config = {**config, "run": uuid.uuid4().hex}
     return TorchTrainer(
         train_loop,
         train_loop_config=config,
-        torch_config=torch_config,
+        torch_config=chosen,
         scaling_config=scaling,
         run_config=RunConfig(
             storage_path=storage_path,
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
+    add_config_arg(parser)
     add_cluster_args(parser)
     parser.add_argument("--storage-path", default=os.path.join(tempfile.gettempdir(), "train_mlp"),
                         help="where checkpoints go: a path every node reaches (shared "
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args.name = args.name or time.strftime("train_mlp-%Y%m%d-%H%M%S")
 
     try:
+        check_config(args.config, args.device)
         check_cluster(args.device, args.workers, args.tpu_topology, args.accelerator_type)
         with ray_session(args.address):
             config = default_config(args.steps, args.report_every)
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                           marker_dir=tempfile.mkdtemp(prefix="train_mlp-"))
             trainer = build_trainer(args.workers, config, args.storage_path, args.name,
                                     resolve_device(args.device), tpu_topology=args.tpu_topology,
-                                    accelerator_type=args.accelerator_type)
+                                    accelerator_type=args.accelerator_type,
+                                    config_name=args.config)
             result = trainer.fit()
     except ExampleUsageError as exc:
         parser.error(str(exc))
