@@ -135,7 +135,10 @@ def test_plan_reports_bad_input_without_a_traceback():
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("ray-train-xla plan: error: ")
     assert out.stderr.count("\n") == 1  # one line, no traceback
-    assert "num_workers=4" in out.stderr
+    # plan's own flags, not ScalingConfig's
+    assert "--accelerators-per-worker 2 is not valid with --device neuron" in out.stderr
+    assert "Use --nodes 1 --workers-per-node 4 instead" in out.stderr
+    assert "num_workers" not in out.stderr and "resources_per_worker" not in out.stderr
     bad = subprocess.run([sys.executable, "-m", "ray_train_xla.tools.cli", "plan",
                           "--workers-per-node", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""

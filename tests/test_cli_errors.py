@@ -74,7 +74,30 @@ def assert_one_line(proc, code):
     (["plan", "--runtime", "xrt", "--device", "tpu"], ["TorchXLAConfig.runtime='xrt'"]),
     (["plan", "--device", "neuron", "--cpu-devices-per-worker", "2"],
      ["cpu_devices_per_worker=2"]),
-    (["plan", "--device", "tpu", "--workers-per-node", "2", "--spmd"], ["has 2 workers"]),
+    (["plan", "--device", "tpu", "--workers-per-node", "2", "--spmd"],
+     ["has 2 workers", "--spmd is not valid", "--workers-per-node 1 --accelerators-per-worker"]),
+    # the backend's refusals, in plan's own flags: the flag that is wrong, then the fix
+    (["plan", "--device", "tpu", "--accelerators-per-worker", "2"],
+     ["--accelerators-per-worker 2 is not valid with --device tpu",
+      "use --accelerators-per-worker 1, or --spmd"]),
+    (["plan", "--device", "neuron", "--accelerators-per-worker", "2"],
+     ["--accelerators-per-worker 2 is not valid with --device neuron",
+      "Use --nodes 1 --workers-per-node 2 instead"]),
+    (["plan", "--device", "neuron", "--runtime", "native", "--accelerators-per-worker", "4"],
+     ["--accelerators-per-worker 4 is not valid with --device neuron --runtime native"]),
+    (["plan", "--device", "tpu", "--workers-per-node", "4,2"],
+     ["--workers-per-node 4,2 is not valid with --device tpu"]),
+    (["plan", "--device", "tpu", "--nodes", "8", "--accelerators-per-worker", "4", "--spmd",
+      "--tpu-process-bounds", "1,1,4"], ["--tpu-process-bounds 1,1,4 is not valid"]),
+    (["plan", "--device", "tpu", "--accelerator-type", "tpu7x-32", "--nodes", "4",
+      "--workers-per-node", "4"], ["Use --nodes 4 --workers-per-node 8"]),
+    (["plan", "--device", "neuron", "--accelerator-type", "trn2.48xlarge",
+      "--workers-per-node", "200"], ["--workers-per-node 200 is not valid", "at most "
+                                      "--workers-per-node 64"]),
+    (["plan", "--device", "tpu", "--accelerator-type", "v9z-16"],
+     ["--accelerator-type v9z-16 is not valid", "not of a generation this package knows"]),
+    (["plan", "--device", "neuron", "--accelerator-type", "trn9"],
+     ["'trn9' is not a Trainium instance this package knows"]),
     # demo: every flag goes with a mode, refused before Ray starts
     (["demo", "--train", "--sharded"], ["--sharded: not allowed with argument --train"]),
     (["demo", "--steps", "5"], ["--steps goes with --train or --sharded, not the seed check"]),
@@ -116,6 +139,38 @@ def test_usage_and_configuration_errors_are_one_line_exit_2(capsys, argv, words)
     for word in words:
         assert word in line, line
     assert "_positive" not in line and "_port" not in line  # no internal names
+
+
+def test_plan_refusals_name_plans_flags_not_the_apis(capsys):
+    """What the backend would refuse, plan refuses in its own flags: never ScalingConfig's
+    fields, and never blamed on the device when the workers or the slice are wrong."""
+    for argv in (["--device", "tpu", "--accelerators-per-worker", "2"],
+                 ["--device", "tpu", "--workers-per-node", "2", "--spmd"],
+                 ["--device", "tpu", "--workers-per-node", "3"],
+                 ["--device", "tpu", "--workers-per-node", "4,2"],
+                 ["--device", "tpu", "--nodes", "8", "--accelerators-per-worker", "4", "--spmd"],
+                 ["--device", "tpu", "--accelerator-type", "v6e-16", "--nodes", "2"],
+                 ["--device", "tpu", "--runtime", "native", "--accelerator-type", "tpu7x-32",
+                  "--nodes", "4", "--workers-per-node", "4"],
+                 ["--device", "tpu", "--runtime", "native", "--workers-per-node", "3"],
+                 ["--device", "neuron", "--accelerators-per-worker", "2"],
+                 ["--device", "neuron", "--runtime", "native", "--accelerators-per-worker", "2"]):
+        line = one_error_line(capsys, ["plan", *argv], 2)
+        for api in ("num_workers", "resources_per_worker", "ScalingConfig", "device='tpu'",
+                    "device='neuron'", "spmd=True", "tpu_process_bounds"):
+            assert api not in line, (argv, line)
+
+
+def test_plan_help_says_what_accelerator_type_does_on_each_runtime(capsys):
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    help_text = text.split("--accelerator-type TYPE", 1)[1].split(" --tpu-process-bounds", 1)[0]
+    for words in ("TPU (both runtimes)", "gives that type's standard topology (v6e-16: 4x4, 4 "
+                  "hosts of 4 chips)", "the hosts and workers per host must fill the slice",
+                  "an unknown type or a size that is not a slice of its generation is refused",
+                  "Neuron (every runtime)", "trn2.48xlarge", "checked against its logical "
+                  "NeuronCores at NEURON_LOGICAL_NC_CONFIG"):
+        assert words in help_text, (words, help_text)
 
 
 def test_a_workers_per_node_list_gives_the_number_of_nodes(capsys):

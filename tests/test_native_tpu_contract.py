@@ -312,12 +312,21 @@ def all_results():
         groups[name] = (facts, plans, generation, launch_cases(facts, plans, generation))
     real, plans = naive_plan()
     groups["naive"] = (real, plans, "v5p", launch_cases(real, plans, "v5p"))
-    flat = [c for g in groups.values() for c in g[3]] + topology_cases() + [{"kind": "hardware"}]
+    flat = ([c for g in groups.values() for c in g[3]] + topology_cases()
+            + [DEFAULT_PORTS_CASE, {"kind": "hardware"}])
     results = iter(run_torch_tpu(flat))
     out = {name: [next(results) for _ in g[3]] for name, g in groups.items()}
     out["topology"] = list(results)
     out["hardware"] = out["topology"].pop()
+    out["default_ports"] = out["topology"].pop()
     return groups, out
+
+
+# TorchTPU's launcher on a host of a 2-host job given no addresses: it numbers the ports itself,
+# from TORCH_TPU_BASE_PORT's default (the base our plan falls back to).
+DEFAULT_PORTS_CASE = {"kind": "launch", "host": "defaults", "generation": "v5p", "chips": 4,
+                      "coords": [], "nnodes": 2, "nproc_per_node": 4,
+                      "env": {"TPU_WORKER_HOSTNAMES": "h0,h1", "JOB_COMPLETION_INDEX": "0"}}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -377,11 +386,28 @@ def test_an_environment_that_cannot_be_built_fails_unless_skipped(tmp_path, monk
         assert skipped() is skip
 
 
-def test_devices_per_chip_are_torchtpus(all_results):
-    """Devices per chip by generation and the v7 local topologies are torch-tpu's own
-    (``hardware.get_devices_per_chip``, ``hardware._V7_TOPOLOGY``)."""
-    from ray_train_xla.planning.runtimes.native_tpu import V7_HOST_GRIDS
-    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+def test_the_constants_the_planner_copies_are_torchtpus(all_results):
+    """What the plan copies from torch-tpu equals the installed torch-tpu's own values: devices
+    per chip by generation and the v7 local topologies (``hardware.get_devices_per_chip``,
+    ``hardware._V7_TOPOLOGY``), each generation's PCI device id and name and Google's vendor id
+    (``_PCI_DEVICE_ID_TO_NAME``, ``_GOOGLE_PCI_VENDOR_ID``: ``doctor`` counts devices by them),
+    the one-host topologies of each generation (``_TOPOLOGY_BY_TPU_PCI_DEVICE_ID``, for the chip
+    counts a host of it holds), the chips of a host of a multi-host slice (``_CHIPS_PER_HOST``)
+    and the slicebuilder base port (``TORCH_TPU_BASE_PORT``'s default, as its launcher numbers
+    the ports). MegaScale's base port (8080) lives in compiled code and is not compared."""
+    from ray_train_xla.planning.hardware import (
+        GOOGLE_PCI_VENDOR,
+        MULTI_HOST_CHIPS,
+        tpu_generation_of_pci,
+        tpu_generation_spec,
+    )
+    from ray_train_xla.planning.runtimes.native_tpu import (
+        BASE_PORT,
+        CHIPS_PER_HOST,
+        HOST_GRIDS,
+        V7_HOST_GRIDS,
+    )
+    from ray_train_xla.planning.runtimes.tpu import devices_per_chip, tpu_slice
 
     _, results = all_results
     theirs = results["hardware"]
@@ -391,6 +417,24 @@ def test_devices_per_chip_are_torchtpus(all_results):
     assert {int(k): v for k, v in theirs["v7_topology"].items()} == V7_HOST_GRIDS
     for spelling in ("tpu7x-32", "v7x-32", "TPU-V7X"):
         assert devices_per_chip(spelling) == 2
+    assert theirs["pci_vendor"] == GOOGLE_PCI_VENDOR
+    assert tuple(theirs["chips_per_host"]) == CHIPS_PER_HOST == MULTI_HOST_CHIPS
+    assert set(theirs["topologies"]) == set(theirs["pci_names"])
+    for pci, name in theirs["pci_names"].items():  # "TPU v5e"
+        gen = tpu_generation_spec(name.split()[-1])
+        assert gen is not None and gen.pci_device_id == pci and tpu_generation_of_pci(pci) is gen
+        table = {int(k): v for k, v in theirs["topologies"][pci].items()}
+        if gen.devices_per_chip > 1:
+            assert table == V7_HOST_GRIDS
+            continue
+        ours = {c: HOST_GRIDS[c] for c in table if c <= gen.single_host_chips}
+        assert ours == {c: v for c, v in table.items() if c <= gen.single_host_chips}, name
+        for chips, shape in gen.topologies.items():  # the one-host slices of the generation
+            layout = tpu_slice(gen.accelerator_type(chips))
+            if layout.hosts == 1 and chips in table:
+                assert layout.comma == table[chips] == tpu_slice("", shape).comma, (name, shape)
+    ports = results["default_ports"]["env"]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")
+    assert [int(a.rsplit(":", 1)[1]) for a in ports[:4]] == [BASE_PORT + i for i in range(4)]
 
 
 def test_the_private_names_of_torch_tpu_are_there():

@@ -124,9 +124,10 @@ def test_multislice_by_slice_name():
     (lambda fs: [f if f.node_id != "n1" else f.__class__(**{**f.__dict__, "tpu_chip_coords": None,
                                                              "tpu_worker_id": None}) for f in fs],
      r"10\.0\.1\.2 report neither.*Ray's node order is not the slice's"),
-    (lambda fs: fs[:8], r"every chip of the TPU slice.*topology 2,2,4 has 4 hosts"),
+    (lambda fs: fs[:8], r"every chip of the slice in the job: the slice is \(topology 2x2x4: 4 "
+     r"hosts of 4 chips\), the job has 2 hosts and 8 workers. Use ScalingConfig\(num_workers=16"),
     (lambda fs: [f.__class__(**{**f.__dict__, "tpu_topology": ""}) for f in fs],
-     r"report none: TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice"),
+     r"report no slice topology .*TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice"),
     (lambda fs: [f.__class__(**{**f.__dict__, "accelerator_ids": {"TPU": ("0", "1")}})
                  for f in fs], r"2 TPU chips per worker.*\{'TPU': 1\} and num_workers=32"),
     (lambda fs: fs + host_facts("2x2x2", [0, 1], slice_name="b", ip_base=2, node_prefix="b"),
@@ -148,8 +149,8 @@ V7X = {"per_host": 8, "accelerator_type": "TPU-V7X", "resource_per_chip": 2}
      r"10\.0\.1\.1.*RAY_TPU_RESOURCE_PER_CHIP=2"),
     # Part of a v7x slice: 2 of its 4 hosts.
     (lambda: host_facts("2x2x4", SHUFFLED, **V7X)[:16],
-     r"every device of the TPU slice.*2,2,4,2 has 4 hosts of 4 chips \(8 devices\), got 2 "
-     r"hosts and 16 workers; request num_workers=32"),
+     r"every device of the slice.*4 hosts of 4 chips \(8 devices\)\), the job has 2 hosts and "
+     r"16 workers. Use ScalingConfig\(num_workers=32"),
     # Two devices (a whole chip) per worker, Ray counting devices.
     (lambda: [f.__class__(**{**f.__dict__, "accelerator_ids": {"TPU": ("0", "1")}})
               for f in host_facts("2x2x4", SHUFFLED, **V7X)],
@@ -350,3 +351,28 @@ def test_chip_coordinate_query_is_torchtpus_once_per_node_and_bounded(tmp_path, 
     start = time.monotonic()
     assert tpu_chip_coords(uuid.uuid4().hex, time.monotonic() + 2) is None
     assert time.monotonic() - start < 10
+
+
+def test_the_hosts_accelerator_type_gives_the_slice():
+    """TorchTPUConfig reads the slice by the rules TorchXLAConfig uses: the hosts' accelerator
+    type alone gives its standard topology, a topology must fit the type's generation, and a
+    generation this package does not know is refused naming the known ones."""
+    typed = [f.__class__(**{**f.__dict__, "tpu_topology": "", "tpu_accelerator_type": "v6e-16"})
+             for f in host_facts("4x4", SHUFFLED)]
+    plans = tpu_plan(typed)
+    assert {p.env["TORCH_TPU_TOPOLOGY"] for p in plans} == {"4,4,1"}
+    assert [p.env["NODE_RANK"] for p in plans][::4] == [str(s) for s in SHUFFLED]
+    # Ray's TPU-V6E names the generation only: the topology gives the size.
+    ray_named = host_facts("4x4", SHUFFLED, accelerator_type="TPU-V6E")
+    assert tpu_plan(ray_named)[0].env["TORCH_TPU_TOPOLOGY"] == "4,4,1"
+    for accelerator_type, topology, match in (
+            ("TPU-V6E", "2x2x4", "'2x2x4' is 3-D but v6e slices are 2-D"),
+            ("v6e-24", "", "not a v6e slice size"),
+            ("TPU-V9Z", "4x4", r"not of a generation this package knows \(v2, v3, v4, v5p, "
+                               r"v5litepod, v6e, v7x\)")):
+        facts = [f.__class__(**{**f.__dict__, "tpu_topology": topology,
+                                "tpu_accelerator_type": accelerator_type})
+                 for f in host_facts("4x4", SHUFFLED)]
+        with pytest.raises(XLAConfigError, match=match) as info:
+            tpu_plan(facts)
+        assert str(info.value).startswith("the TPU slice the hosts report (accelerator type")

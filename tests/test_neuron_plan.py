@@ -238,3 +238,65 @@ def test_trn1_llama_example_needs_no_hand_set_runtime_variables():
         assert env["GROUP_RANK"] == str(p.place.node_rank)  # not the world size
         assert env["GROUP_WORLD_SIZE"] == "2"  # not "2.0"
         assert env["NEURON_RT_VISIBLE_CORES"] == ",".join(str(i) for i in range(32))
+
+
+def plan_cli(capsys, *args):
+    """``ray-train-xla plan --device neuron ARGS``: (exit status, stdout, stderr)."""
+    from ray_train_xla.tools.cli import main
+
+    code = main(["plan", "--device", "neuron", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("runtime", ["pjrt", "native", "xrt"])
+def test_workers_per_node_are_checked_against_the_trainium_instance(capsys, runtime):
+    """A trn2.48xlarge has 64 logical NeuronCores at LNC=2 (the default) and 128 at LNC=1:
+    200 workers on one are refused on every runtime, naming plan's flags and the limit."""
+    base = ["--runtime", runtime, "--nodes", "2", "--accelerator-type"]
+    code, out, err = plan_cli(capsys, *base, "trn2.48xlarge", "--workers-per-node", "64", "--json")
+    assert code == 0 and len(json.loads(out)) == 128, err
+    code, _, err = plan_cli(capsys, *base, "trn2.48xlarge", "--workers-per-node", "200")
+    assert code == 2
+    assert ("--workers-per-node 200 is not valid with --accelerator-type trn2.48xlarge: a "
+            "trn2.48xlarge node has 64 NeuronCores at NEURON_LOGICAL_NC_CONFIG=2 (16 Trainium2 x "
+            "8 NeuronCore-v3 / 2)") in err
+    assert "at most --workers-per-node 64 (128 at NEURON_LOGICAL_NC_CONFIG=1, set with --env)" in err
+    assert "num_workers" not in err
+    code, _, err = plan_cli(capsys, *base, "trn2.48xlarge", "--workers-per-node", "128",
+                            "--env", "NEURON_LOGICAL_NC_CONFIG=1")
+    assert code == 0, err
+    for instance, fits in (("trn1.32xlarge", 32), ("trn1.2xlarge", 2), ("trn2.3xlarge", 4),
+                           ("trn2", 64), ("trn3", 64)):
+        assert plan_cli(capsys, *base, instance, "--workers-per-node", str(fits))[0] == 0
+        code, _, err = plan_cli(capsys, *base, instance, "--workers-per-node", str(fits + 1))
+        assert code == 2 and f"at most --workers-per-node {fits}" in err, err
+
+
+def test_a_node_of_several_cores_per_worker_and_spmd_is_checked_too(capsys):
+    code, _, err = plan_cli(capsys, "--accelerator-type", "trn1.32xlarge", "--workers-per-node",
+                            "8", "--accelerators-per-worker", "8", "--spmd")
+    assert code == 2 and "--spmd" in err  # several workers with --spmd: the runtime's refusal
+    code, _, err = plan_cli(capsys, "--accelerator-type", "trn2.48xlarge", "--spmd",
+                            "--accelerators-per-worker", "65")
+    assert code == 2
+    assert "--accelerators-per-worker 65 is not valid with --accelerator-type trn2.48xlarge" in err
+    assert "at most --accelerators-per-worker 64" in err
+    assert plan_cli(capsys, "--accelerator-type", "trn2.48xlarge", "--spmd",
+                    "--accelerators-per-worker", "64")[0] == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--accelerator-type", "trn9"], ["'trn9' is not a Trainium instance this package knows",
+                                      "trn1.2xlarge", "trn2.3xlarge", "trn2u.48xlarge", "trn3"]),
+    (["--accelerator-type", "trn2.5xlarge"], ["'trn2.5xlarge' is not a Trainium instance"]),
+    (["--accelerator-type", "inf2.48xlarge"], ["is not a Trainium instance"]),
+    (["--accelerator-type", "trn1.32xlarge", "--env", "NEURON_LOGICAL_NC_CONFIG=2"],
+     ["NEURON_LOGICAL_NC_CONFIG='2' is not valid on Trainium (trn1.32xlarge): expected 1"]),
+    (["--accelerator-type", "v6e-16"], ["--accelerator-type describes a TPU slice"]),
+])
+def test_unknown_instances_and_lnc_values_are_refused(capsys, args, words):
+    code, _, err = plan_cli(capsys, *args)
+    assert code == 2
+    for word in words:
+        assert word in err, err

@@ -198,3 +198,26 @@ def test_planning_8192_workers_is_fast_and_each_env_is_constant_size():
     assert len(plans) == 8192
     assert len({len(p.env) for p in plans}) == 1
     assert elapsed < 2.0  # generous bound for a loaded CI machine; typical is ~0.05 s
+
+
+def test_a_refusal_reads_in_the_apis_words_and_in_plans_flags():
+    """One message, two spellings: the backend's refusal names ScalingConfig and the config's
+    fields; ``for_plan`` (what ``ray-train-xla plan`` prints) names plan's flags. It pickles
+    (Ray carries it from a worker) as its API text."""
+    import pickle
+
+    from ray_train_xla.errors import Term
+
+    with pytest.raises(XLAConfigError) as info:
+        cpu_plan([1, 1], spmd=True, cpu_devices_per_worker=2)
+    api, flags = str(info.value), info.value.for_plan()
+    assert api.startswith("spmd=True is not valid") and "ScalingConfig(num_workers=1)" in api
+    assert flags.startswith("--spmd is not valid") and "ScalingConfig" not in flags
+    assert "--nodes 1 --workers-per-node 1 --cpu-devices-per-worker <devices>" in flags
+    assert "without --spmd" in flags and "spmd=" not in flags
+    error = XLAConfigError(
+        "use ", Term("resources_per_worker={'TPU': 1}", "--accelerators-per-worker 1"), ".")
+    assert str(error) == "use resources_per_worker={'TPU': 1}." and error.for_plan() == (
+        "use --accelerators-per-worker 1.")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is XLAConfigError and str(copy) == str(error)

@@ -291,3 +291,113 @@ def test_worker_facts_carry_the_slice_as_ray_reads_it(monkeypatch):
 
     monkeypatch.setattr(TPUAcceleratorManager, "get_current_node_num_accelerators", lambda: 4)
     assert tpu_host_identity() == (3, "slice-a", "v4-64", "2x4x4", 8)
+
+
+# ---- one set of slice rules, on both TPU runtimes ----
+
+def plan_json(*args: str) -> list[dict]:
+    code, out, err = cli(*args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("accel, nodes, per_node, topology, bounds", [
+    ("v6e-16", 4, 4, "4,4,1", "4,4,1"),
+    ("v6e-8", 1, 8, "2,4,1", "2,4,1"),
+    ("v6e-8", 2, 4, "2,4,1", "2,4,1"),  # v6e's 2x4 as 2 VMs of 4 chips (GKE)
+    ("v5litepod-64", 16, 4, "8,8,1", "8,8,1"),
+    ("v5p-32", 4, 4, "2,2,4", "2,2,4"),
+    ("v4-64", 8, 4, "2,4,4", "2,4,4"),
+    ("tpu7x-32", 4, 8, "2,2,4,2", "2,2,4,2"),
+])
+def test_an_accelerator_type_gives_its_standard_topology_on_every_runtime(
+        accel, nodes, per_node, topology, bounds):
+    """``--accelerator-type`` alone: torch_xla's process bounds and TorchTPU's topology are
+    the type's standard slice (it was ignored on the native runtime: v6e-16 planned 2,2,4)."""
+    args = ("--accelerator-type", accel, "--nodes", str(nodes), "--workers-per-node", str(per_node))
+    xla = plan_json(*args)
+    native = plan_json(*args, "--runtime", "native")
+    assert {r["env"]["TPU_PROCESS_BOUNDS"] for r in xla} == {bounds}
+    assert {r["env"]["TORCH_TPU_TOPOLOGY"] for r in native} == {topology}
+    assert len(xla) == len(native) == nodes * per_node
+
+
+API_WORDS = ("num_workers", "resources_per_worker", "ScalingConfig", "device='tpu'", "spmd=True")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--accelerator-type", "v6e-16", "--tpu-topology", "2x2x4", "--nodes", "4"],
+     ["--accelerator-type v6e-16 --tpu-topology 2x2x4 is not valid",
+      "'2x2x4' is 3-D but v6e slices are 2-D"]),
+    (["--accelerator-type", "v6e-16", "--tpu-topology", "2x8", "--nodes", "4"],
+     ["'2x8' is not a v6e slice: expected one of 1x1, 2x2, 2x4, 4x4"]),
+    (["--accelerator-type", "v9z-16", "--nodes", "4"],
+     ["--accelerator-type v9z-16 is not valid", "not of a generation this package knows",
+      "v6e: v6e-1, v6e-4", "v7x-32", "v5p-12288"]),
+    (["--accelerator-type", "v9z-16", "--tpu-topology", "4x4", "--nodes", "4"],
+     ["not of a generation this package knows"]),
+    (["--accelerator-type", "v6e-24", "--nodes", "6"],
+     ["'v6e-24' (24 chips) is not a v6e slice size: expected one of v6e-1, v6e-4, v6e-8, "
+      "v6e-16, v6e-32, v6e-64, v6e-128, v6e-256"]),
+    (["--accelerator-type", "v5p-48", "--nodes", "6"],
+     ["not a v5p slice size", "another shape: give its topology too"]),
+    (["--accelerator-type", "v6e-16", "--nodes", "2"],
+     ["--nodes 2 --workers-per-node 4 is not valid with --accelerator-type v6e-16",
+      "4 hosts of 4 chips", "Use --nodes 4 --workers-per-node 4"]),
+    (["--accelerator-type", "v5p-8", "--workers-per-node", "8"],
+     ["--nodes 1 --workers-per-node 8 is not valid with --accelerator-type v5p-8",
+      "1 host of 4 chips", "Use --nodes 1 --workers-per-node 4"]),
+    (["--accelerator-type", "tpu7x-32", "--nodes", "4"],
+     ["--nodes 4 --workers-per-node 4 is not valid with --accelerator-type tpu7x-32",
+      "4 hosts of 4 chips (8 devices)", "Use --nodes 4 --workers-per-node 8"]),
+    (["--accelerators-per-worker", "2"],
+     ["--accelerators-per-worker 2 is not valid with --device tpu", "per worker"]),
+    (["--workers-per-node", "4,2"], ["--workers-per-node 4,2 is not valid with --device tpu",
+                                     "the same number of workers"]),
+])
+@pytest.mark.parametrize("runtime", ["pjrt", "native"])
+def test_both_runtimes_refuse_by_the_slice_rules_in_plans_flags(args, words, runtime):
+    """The slice rules are one (a type's generation and size, 2-D or 3-D, whole hosts, at most
+    a host's chips), and a refusal blames the flag that is wrong, in plan's own words."""
+    if "--workers-per-node" not in args:
+        args = [*args, "--workers-per-node", "4"]
+    code, _, err = cli(*args, "--runtime", runtime)
+    assert code == 2, err
+    for word in words:
+        assert word in err, (word, err)
+    for word in API_WORDS:
+        assert word not in err, (word, err)
+
+
+def test_the_backend_says_the_same_in_the_apis_words():
+    """The torch_xla backend's refusal names ScalingConfig's fields and how to reserve the
+    slice with Ray, where plan names its flags; never ``device='tpu'``."""
+    facts = [f for f in slice_facts("v4-64", True) if f.node_id in ("n0", "n1")]
+    with pytest.raises(XLAConfigError) as info:
+        tpu_plan(facts, spmd=True)
+    message = str(info.value)
+    assert message.startswith("ScalingConfig(num_workers=2, resources_per_worker={'TPU': 4}) is "
+                              "not valid with the TPU slice the hosts report (accelerator type "
+                              "v4-64)"), message
+    assert ("Use ScalingConfig(num_workers=8, resources_per_worker={'TPU': 4}, use_tpu=True, "
+            "topology='2x4x4', accelerator_type='TPU-V4')") in message
+    assert "--" not in message and "device='tpu'" not in message
+    assert info.value.for_plan().startswith("--nodes 2 --workers-per-node 1 "
+                                            "--accelerators-per-worker 4 is not valid")
+
+
+def test_a_host_holds_at_most_its_chips_and_unknown_types_are_refused():
+    # 8 workers on one v5p-8 host of 4 chips (8 is a chip count Ray knows, not this host's).
+    eight = [WorkerFacts(node_id="n0", node_ip="10.0.0.1", pid=c, accelerator_ids={"TPU": (str(c),)},
+                         tpu_accelerator_type="v5p-8") for c in range(8)]
+    with pytest.raises(XLAConfigError, match=r"1 host of 4 chips\), the job has 1 host of 8 chips"):
+        tpu_plan(eight)
+    assert len(tpu_plan(eight[:4])) == 4 and len(tpu_plan(eight[:2])) == 2  # part of the host
+    # A type of an unknown generation is refused even with a topology: devices per chip and the
+    # host size are the generation's, and a topology does not tell them.
+    unknown = [WorkerFacts(**{**f.__dict__, "tpu_accelerator_type": "v9z-64"})
+               for f in slice_facts("v4-64", True)]
+    with pytest.raises(XLAConfigError, match="not of a generation this package knows") as info:
+        tpu_plan(unknown, spmd=True)
+    assert str(info.value).startswith("the TPU slice the hosts report (accelerator type v9z-64, "
+                                      "topology 2x4x4) is not valid")

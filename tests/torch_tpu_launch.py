@@ -10,8 +10,10 @@ process (the C++ ``GetEnvOnce`` behind ``torch_tpu._internal.env``). A case:
   ``set_tpu_launch_env(nnodes=..., nproc_per_node=...)``; the result is the environment after.
 - ``kind: "node_rank"``: ``_calculate_topological_node_rank(coords, topology, fallback)`` and
   ``_get_slice_host_coordinates(topology)``.
-- ``kind: "hardware"``: devices per chip by generation (``hardware.get_devices_per_chip``) and
-  the v7 local topologies (``hardware._V7_TOPOLOGY``).
+- ``kind: "hardware"``: devices per chip by generation (``hardware.get_devices_per_chip``), the
+  v7 local topologies (``hardware._V7_TOPOLOGY``), the one-host topologies by PCI device id
+  (``_TOPOLOGY_BY_TPU_PCI_DEVICE_ID``), the PCI device names and Google's vendor id, and the chips
+  of a host of a multi-host slice (``distributed._CHIPS_PER_HOST``).
 
 Only the reads of real TPU hardware are replaced: the PCI/VFIO scan of ``hardware.py``
 (``_scan_pci_tpus``: the case's chip count and TPU generation) and the child-process query of the
@@ -45,7 +47,12 @@ def hardware_facts() -> dict:
         hardware.get_tpu_version = lambda v=version: hardware.TpuVersion[v]
         per_chip[generation] = hardware.get_devices_per_chip()
     hardware.get_tpu_version = original
-    return {"devices_per_chip": per_chip, "v7_topology": dict(hardware._V7_TOPOLOGY)}
+    return {"devices_per_chip": per_chip, "v7_topology": dict(hardware._V7_TOPOLOGY),
+            "topologies": {pci: dict(table)
+                           for pci, table in hardware._TOPOLOGY_BY_TPU_PCI_DEVICE_ID.items()},
+            "pci_names": dict(hardware._PCI_DEVICE_ID_TO_NAME),
+            "pci_vendor": hardware._GOOGLE_PCI_VENDOR_ID,
+            "chips_per_host": list(distributed._CHIPS_PER_HOST)}
 
 
 def run(case: dict) -> dict:

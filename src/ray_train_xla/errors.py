@@ -8,8 +8,33 @@ from collections.abc import Iterable
 from typing import Any
 
 
+class Term:
+    """A part of an error message that its reader spells differently: the Python API's words
+    (``ScalingConfig(num_workers=32, ...)``, ``spmd=True``: the default, ``str``) or
+    ``ray-train-xla plan``'s flags (``--nodes 4 --workers-per-node 8``, ``--spmd``)."""
+
+    def __init__(self, api: str, plan: str) -> None:
+        self.api, self.plan = api, plan
+
+    def __str__(self) -> str:
+        return self.api
+
+    def __repr__(self) -> str:
+        return f"Term({self.api!r}, {self.plan!r})"
+
+
 class XLAConfigError(ValueError):
-    """A configuration mistake that can be named and fixed before training starts."""
+    """A configuration mistake that can be named and fixed before training starts. Built from
+    text and :class:`Term` parts: ``str()`` reads in the API's words, :meth:`for_plan` in
+    ``plan``'s flags, so one message serves both."""
+
+    def __init__(self, *parts: Any) -> None:
+        self.parts = parts
+        super().__init__("".join(map(str, parts)))
+
+    def for_plan(self) -> str:
+        """The message with every :class:`Term` in ``ray-train-xla plan``'s flags."""
+        return "".join(p.plan if isinstance(p, Term) else str(p) for p in self.parts)
 
 
 class WorkerSetupError(RuntimeError):
@@ -37,12 +62,14 @@ class NeuronCompileError(RuntimeError):
     """Parallel compilation of the extracted graphs failed on a worker."""
 
 
-def config_error(field_name: str, value: Any, expected: str | Iterable[str],
-                 owner: str = "TorchXLAConfig") -> XLAConfigError:
-    """Build the one error type for bad options: the field, the bad value, the valid choices."""
-    if not isinstance(expected, str):
+def config_error(field_name: str, value: Any, expected: str | Iterable[str] | Term,
+                 owner: str = "TorchXLAConfig", *more: Any) -> XLAConfigError:
+    """Build the one error type for bad options: the field, the bad value, the valid choices
+    (``expected`` and ``more``: text or :class:`Term` parts)."""
+    if not isinstance(expected, (str, Term)):
         expected = "one of " + ", ".join(repr(c) for c in expected)
-    return XLAConfigError(f"{owner}.{field_name}={value!r} is not valid: expected {expected}.")
+    return XLAConfigError(f"{owner}.{field_name}={value!r} is not valid: expected ", expected,
+                          *more, ".")
 
 
 class ReportError(RuntimeError):

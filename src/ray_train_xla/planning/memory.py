@@ -35,14 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray_train_xla.errors import XLAConfigError
-from ray_train_xla.planning.runtimes.tpu import (
-    DEFAULT_TOPOLOGIES_2D,
-    DEFAULT_TOPOLOGIES_3D,
-    ONE_CORE_GENERATIONS,
-    TWO_D_GENERATIONS,
+from ray_train_xla.planning.hardware import (
+    TPU_GENERATIONS,
+    TRAINIUM_GENERATIONS,
+    TRAINIUM_INSTANCES,
     tpu_generation,
-    tpu_slice,
 )
+from ray_train_xla.planning.runtimes.tpu import tpu_slice
 
 GIB = 1 << 30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
@@ -286,35 +285,33 @@ class DeviceMemory:
     source: str
 
 
-_TRN2_SOURCE = ("AWS Neuron docs, Trainium2 architecture and training best practices: a "
-                "trn2.48xlarge has 16 Trainium2 chips with 96 GiB of HBM and 8 physical "
-                "NeuronCores each (1.5 TiB in all); the default LNC=2 makes 4 logical "
-                "NeuronCores per chip, 64 per instance, about 24 GiB each before runtime "
-                "overhead")
-_TRN1_SOURCE = ("AWS Neuron docs, Trainium architecture: 32 GiB of device memory per Trainium "
-                "chip, 2 NeuronCore-v2 per chip")
-# Published device memory, per device a worker (or an SPMD device) owns. Where a chip has
-# several devices (Trainium cores, TPU v7x's two), the chip's memory split evenly between them.
-# TPU figures: Google Cloud TPU docs (tpu/docs/v4, v5e, v5p, v6e, tpu7x), HBM per chip; v5p's
-# 95 GiB is what the runtime leaves allocatable of 96 GiB, v5e's and v6e's are published as
-# "16 GB" and "32 GB" (32 GiB in the TPU7x comparison table) and counted as GiB here.
-DEVICE_MEMORY: dict[str, DeviceMemory] = {
-    "trn2": DeviceMemory("trn2", 24 * GIB, "Trainium2 logical NeuronCore (LNC=2)", _TRN2_SOURCE),
-    "trn2-lnc1": DeviceMemory("trn2", 12 * GIB, "Trainium2 physical NeuronCore (LNC=1)",
-                              _TRN2_SOURCE),
-    "trn1": DeviceMemory("trn1", 16 * GIB, "Trainium NeuronCore-v2", _TRN1_SOURCE),
-    "v4": DeviceMemory("v4", 32 * GIB, "TPU v4 chip", "Google Cloud TPU docs: v4, 32 GiB HBM2 "
-                       "per chip"),
-    "v5e": DeviceMemory("v5e", 16 * GIB, "TPU v5e chip", "Google Cloud TPU docs: v5e, 16 GB HBM "
-                        "per chip"),
-    "v5p": DeviceMemory("v5p", 95 * GIB, "TPU v5p chip", "Google Cloud TPU docs: v5p, 95 GiB HBM "
-                        "per chip allocatable (96 GiB physical)"),
-    "v6e": DeviceMemory("v6e", 32 * GIB, "TPU v6e chip", "Google Cloud TPU docs: v6e (Trillium), "
-                        "32 GB HBM per chip"),
-    "v7x": DeviceMemory("v7x", 96 * GIB, "TPU7x device (half a chip)", "Google Cloud TPU docs: "
-                        "TPU7x (Ironwood), 192 GiB HBM per chip of 2 devices"),
-}
-_TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "tpu7x": "v7x"}
+def _published_memory() -> dict[str, DeviceMemory]:
+    """Published device memory, per device a worker (or an SPMD device) owns, from the hardware
+    tables (``planning/hardware.py``, which say where each figure comes from). Where a chip has
+    several devices (Trainium's NeuronCores at each LNC, TPU v7x's two), the chip's memory split
+    evenly between them. Keys: ``trn1``, ``trn2`` (LNC=2) and ``trn2-lnc1``, ``trn3``,
+    ``trn3-lnc1``; ``v4``, ``v5e``, ``v5p``, ``v6e``, ``v7x``."""
+    table = {}
+    for trn in TRAINIUM_GENERATIONS.values():
+        for lnc in trn.lnc:
+            per_chip = trn.cores_per_chip // lnc
+            kind = ("logical" if lnc > 1 else "physical") + f" NeuronCore (LNC={lnc})"
+            table[trn.name if lnc == trn.default_lnc else f"{trn.name}-lnc{lnc}"] = DeviceMemory(
+                trn.name, trn.memory_gib_per_chip * GIB // per_chip,
+                f"{trn.chip} {trn.core}" if trn.lnc == (1,) else f"{trn.chip} {kind}",
+                f"{trn.source}: {trn.memory_gib_per_chip} GiB per chip over {per_chip} devices")
+    for tpu in TPU_GENERATIONS.values():
+        if tpu.memory_gib_per_chip:
+            name = _TPU_ALIASES.get(tpu.name, tpu.name)
+            device = (f"TPU {name} chip" if tpu.devices_per_chip == 1 else
+                      f"TPU {name} device (1/{tpu.devices_per_chip} of a chip)")
+            table[name] = DeviceMemory(name, tpu.memory_gib_per_chip * GIB // tpu.devices_per_chip,
+                                       device, tpu.source)
+    return table
+
+
+_TPU_ALIASES = {"v5litepod": "v5e"}
+DEVICE_MEMORY: dict[str, DeviceMemory] = _published_memory()
 
 
 def device_memory(accelerator: str, logical_cores: int | None = None) -> DeviceMemory | None:
@@ -339,14 +336,6 @@ def device_key(accelerator: str, logical_cores: int | None = None) -> str:
     return _TPU_ALIASES.get(generation, generation)
 
 
-# Trainium instances' host memory (Ray's node): AWS Neuron docs, Trn1/Trn1n architecture ("Host
-# Memory (GiB)": trn1.2xlarge 32, trn1.32xlarge and trn1n.32xlarge 512) and Trn2 architecture
-# (trn2.48xlarge and trn2u.48xlarge 2,048). A TPU VM's memory depends on its machine type
-# (``--host-memory``).
-_TRN1_HOST = "AWS Neuron docs, Trn1/Trn1n architecture: host memory (GiB) of each instance size"
-_TRN2_HOST = "AWS Neuron docs, Trn2 architecture: 2,048 GiB of host memory per instance"
-
-
 @dataclass(frozen=True)
 class HostMemory:
     """The memory of one host (a Ray node), for what a host holds at a checkpoint."""
@@ -356,13 +345,13 @@ class HostMemory:
     source: str
 
 
+# Trainium instances' host memory (Ray's node), from the instance table (``planning/hardware.py``:
+# AWS Neuron docs, Trn1/Trn1n and Trn2 architecture, "Host Memory (GiB)"). A TPU VM's memory
+# depends on its machine type (``--host-memory``).
 HOST_MEMORY: dict[str, HostMemory] = {
-    "trn1.2xlarge": HostMemory("trn1.2xlarge", 32 * GIB, _TRN1_HOST),
-    "trn1.32xlarge": HostMemory("trn1.32xlarge", 512 * GIB, _TRN1_HOST),
-    "trn1n.32xlarge": HostMemory("trn1n.32xlarge", 512 * GIB, _TRN1_HOST),
-    "trn2.48xlarge": HostMemory("trn2.48xlarge", 2048 * GIB, _TRN2_HOST),
-    "trn2u.48xlarge": HostMemory("trn2u.48xlarge", 2048 * GIB, _TRN2_HOST),
-}
+    i.name: HostMemory(i.name, i.host_memory_gib * GIB, f"{i.source}: {i.host_memory_gib:,} GiB "
+                       "of host memory")
+    for i in TRAINIUM_INSTANCES.values() if i.host_memory_gib}
 
 
 def host_memory(accelerator: str) -> HostMemory | None:
@@ -767,15 +756,13 @@ def larger_clusters(layout: Layout, at_least: int = 0, *, accelerator_type: str 
             yield Scale(Layout(hosts * per_host, per_host), f"{hosts} hosts of {per_host} devices",
                         f"--nodes {hosts}")
         return
-    generation = current.generation
+    generation = TPU_GENERATIONS[current.generation]
     prefix = re.match(r"[a-z0-9]+", accelerator_type.strip().lower()).group(0)
-    cores = 1 if generation in ONE_CORE_GENERATIONS else 2  # what the type's size counts
-    table = DEFAULT_TOPOLOGIES_2D if generation in TWO_D_GENERATIONS else DEFAULT_TOPOLOGIES_3D
     chips_now = math.prod(current.topology)
-    for chips in sorted(table):
-        if chips <= chips_now or chips > POD_CHIPS.get(generation, math.inf):
+    for chips in sorted(generation.topologies):  # its published sizes (planning/hardware.py)
+        if chips <= chips_now or chips > POD_CHIPS.get(generation.name, math.inf):
             continue
-        name = f"{prefix}-{chips * cores}"
+        name = f"{prefix}-{chips * generation.cores_per_chip}"
         bigger = tpu_slice(name)
         per_host = bigger.chips_per_host * bigger.devices_per_chip
         if bigger.hosts * per_host < at_least:

@@ -164,24 +164,26 @@ def tpu_chips(dev: str = "/dev") -> list[str]:
     return sorted(p for p in glob.glob(os.path.join(dev, "vfio", "*")) if os.path.basename(p).isdigit())
 
 
-# TPU v7's PCI device id (torch-tpu 0.2.0 ``hardware._PCI_DEVICE_ID_TO_NAME``, torch_xla 2.9
-# ``_TPU_PCI_DEVICE_IDS``): its chips expose 2 devices each (``hardware._DEVICES_PER_CHIP``).
-TPU_V7_PCI_ID, GOOGLE_PCI_VENDOR = "0x0076", "0x1ae0"
-
-
 def tpu_devices_per_chip(pci: str = "/sys/bus/pci/devices") -> int:
-    """Devices per TPU chip on this host: 2 on TPU v7 (a Google PCI device 0x0076, as torch-tpu's
-    PCI scan finds it, or ``TPU_ACCELERATOR_TYPE`` naming a v7x slice), else 1."""
-    from ray_train_xla.planning.runtimes.tpu import devices_per_chip
+    """Devices per TPU chip on this host: 2 on TPU v7 (a Google PCI device of a generation with
+    two devices per chip, as torch-tpu's PCI scan finds it: ``planning/hardware.py`` has the
+    ids, or ``TPU_ACCELERATOR_TYPE`` naming a v7x slice), else 1."""
+    from ray_train_xla.planning.hardware import (
+        GOOGLE_PCI_VENDOR,
+        devices_per_chip,
+        tpu_generation_of_pci,
+    )
 
+    found = devices_per_chip(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
     for vendor in glob.glob(os.path.join(pci, "*", "vendor")):
         try:
             with open(vendor) as f, open(os.path.join(os.path.dirname(vendor), "device")) as g:
-                if f.read().strip() == GOOGLE_PCI_VENDOR and g.read().strip() == TPU_V7_PCI_ID:
-                    return 2
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    gen = tpu_generation_of_pci(g.read().strip())
+                    found = max(found, gen.devices_per_chip if gen else 1)
         except OSError:
             continue
-    return devices_per_chip(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+    return found
 
 
 def _writable(path: str) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ configuration are checked as the backend would check them (``cmd_plan``), then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -128,12 +129,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--accelerator-type", default="", metavar="TYPE",
-        help="TPU: the slice's accelerator type as the hosts report it (TPU_ACCELERATOR_TYPE, "
-        "e.g. v4-64, v5p-128, v5litepod-16, v6e-256, tpu7x-32 or v7x-32); without "
-        "--tpu-topology, that type's standard topology. TPU v7x: one worker per device (2 per "
-        "chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron: a Trainium "
-        "generation or instance type (trn2, trn2.48xlarge), for the MFU peak (trn1, trn2, "
-        "trn3) and with --model the device memory (trn1, trn2)",
+        help="TPU (both runtimes): the slice's accelerator type as the hosts report it "
+        "(TPU_ACCELERATOR_TYPE: v4, v5p, v5litepod or v5e, v6e, tpu7x or v7x, e.g. v6e-16); "
+        "without --tpu-topology it gives that type's standard topology (v6e-16: 4x4, 4 hosts "
+        "of 4 chips), and the hosts and workers per host must fill the slice; an unknown type "
+        "or a size that is not a slice of its generation is refused. TPU v7x: one worker per "
+        "device (2 per chip, --workers-per-node 8 on a host of 4 chips), or --spmd. Neuron "
+        "(every runtime): a Trainium instance type or generation (trn1.2xlarge, trn1.32xlarge, "
+        "trn1n.32xlarge, trn2.3xlarge, trn2.48xlarge, trn2u.48xlarge, trn3; trn1, trn2: their "
+        "largest instance): each node's workers x --accelerators-per-worker are checked against "
+        "its logical NeuronCores at NEURON_LOGICAL_NC_CONFIG (--env; default 2 on trn2 and "
+        "trn3); it also gives the MFU peak and with --model the device memory",
     )
     plan.add_argument(
         "--tpu-process-bounds", default=None, metavar="X,Y,Z",
@@ -249,14 +255,64 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.tpu_slices > 1 and not (args.runtime == "native" and args.device == "tpu"):
         raise CommandError("--tpu-slices describes TorchTPUConfig's hosts: use it with "
                            "--device tpu --runtime native")
-    runtime.check(config, topology)
+    with plan_flags():
+        runtime.check(config, topology)
     if args.model is not None:
         return plan_memory(args, topology)
     return plan_environment(args, config, runtime, topology, facts)
 
 
+@contextlib.contextmanager
+def plan_flags():
+    """The backend's checks say what to change in the Python API's words (``ScalingConfig``,
+    the config's fields); ``plan`` prints the same message in its own flags."""
+    from ray_train_xla.errors import XLAConfigError
+
+    try:
+        yield
+    except XLAConfigError as exc:
+        raise XLAConfigError(exc.for_plan()) from None
+
+
+def check_trainium_nodes(args: argparse.Namespace, counts: list[int], per_worker: int) -> None:
+    """``--device neuron --accelerator-type``: a known Trainium instance, whose logical
+    NeuronCores (at ``--env NEURON_LOGICAL_NC_CONFIG``, else the generation's default) hold
+    every node's workers x ``per_worker`` cores."""
+    from ray_train_xla.planning.hardware import (
+        LNC_VAR,
+        TRAINIUM_GENERATIONS,
+        trainium_instance,
+        trainium_lnc,
+    )
+
+    try:
+        instance = trainium_instance(args.accelerator_type)
+        lnc = trainium_lnc(instance, dict(args.env).get(LNC_VAR))
+    except ValueError as exc:
+        raise CommandError(f"--accelerator-type {args.accelerator_type}: {exc}") from None
+    gen = TRAINIUM_GENERATIONS[instance.generation]
+    cores = instance.devices(lnc)
+    if max(counts) * per_worker <= cores:
+        return
+    given = (f"--accelerators-per-worker {per_worker}" if args.spmd else
+             f"--workers-per-node {','.join(map(str, counts)) if len(set(counts)) > 1 else counts[0]}"
+             + (f" x --accelerators-per-worker {per_worker}" if per_worker > 1 else ""))
+    others = [f"{instance.devices(v)} at {LNC_VAR}={v}" for v in gen.lnc if v != lnc]
+    raise CommandError(
+        f"{given} is not valid with --accelerator-type {args.accelerator_type}: a "
+        f"{instance.name} node has {cores} NeuronCores at {LNC_VAR}={lnc} ({instance.chips} "
+        f"{gen.chip} x {gen.cores_per_chip} {gen.core} / {lnc}), one per worker"
+        f"{' (one process owning them with --spmd)' if args.spmd else ''}, and a node here "
+        f"asks for {max(counts) * per_worker}: at most "
+        + (f"--accelerators-per-worker {cores}" if args.spmd else
+           f"--workers-per-node {cores // per_worker}")
+        + (f" ({', '.join(others)}, set with --env)" if others else "")
+        + ". docs/trainium.md, 'Workers per node', lists every instance.")
+
+
 def _describe_topology(args: argparse.Namespace):
     """(Topology, facts) for the cluster the flags describe."""
+    from ray_train_xla.planning.hardware import tpu_generation
     from ray_train_xla.planning.topology import DESCRIBED_RESOURCE, Topology, described_facts
 
     counts = args.workers_per_node
@@ -288,9 +344,12 @@ def _describe_topology(args: argparse.Namespace):
     tpu_type, tpu_topology = args.accelerator_type, args.tpu_topology or ""
     if tpu_type.strip().lower().startswith("trn"):
         if args.device != "neuron":
-            raise CommandError(f"--accelerator-type {tpu_type} names a Neuron device (its memory "
-                               "and peak): use it with --device neuron")
-        tpu_type = ""  # the memory plan's and the peak's; the hosts report no such fact
+            raise CommandError(f"--accelerator-type {tpu_type} names a Trainium instance: use "
+                               "it with --device neuron")
+        check_trainium_nodes(args, counts, max(cores, 1))
+        tpu_type = ""  # the hosts report no such fact
+    elif tpu_type and args.device == "neuron" and not tpu_generation(tpu_type):
+        check_trainium_nodes(args, counts, max(cores, 1))  # refuses it, naming the known ones
     if tpu_type or tpu_topology:
         if args.device != "tpu":
             flag = "--accelerator-type" if tpu_type else "--tpu-topology"
@@ -302,7 +361,7 @@ def _describe_topology(args: argparse.Namespace):
         from ray_train_xla.planning.runtimes.native_tpu import describe_slices
 
         # TorchTPUConfig's hosts: slices, each host at its place in its slice's chip grid.
-        facts = describe_slices(facts, args.tpu_topology, args.tpu_slices)
+        facts = describe_slices(facts, tpu_type, args.tpu_topology, args.tpu_slices)
     # The workers own accelerator ids only when they were described with some (not on cpu).
     return Topology.from_facts(facts, DESCRIBED_RESOURCE if cores else None), facts
 
@@ -351,7 +410,8 @@ def plan_environment(args: argparse.Namespace, config, runtime, topology, facts)
         extra_ports=tuple(args.master_port + 1 + i for i in range(needed)),
         run_id="example-run-id",
     )
-    plans = plan(topology, config, rdzv, args.device, facts)
+    with plan_flags():
+        plans = plan(topology, config, rdzv, args.device, facts)
     if args.json:
         # One worker per line: readable, greppable, and fast at thousands of workers.
         sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")

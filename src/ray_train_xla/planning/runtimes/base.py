@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.contract import RUN_ID_VAR, SPMD_PROCESS_GROUP, XLA_TORCH_DEVICE
 from ray_train_xla.planning.topology import Topology, WorkerFacts, WorkerPlace
 
@@ -28,6 +28,41 @@ class Rendezvous:
     extra_ports: tuple[int, ...] = ()
     started_at: float = 0.0  # when the driver started this worker group (Unix seconds); 0: unknown
     run_started_at: float = 0.0  # when fit() handed the config to Ray (Unix seconds); 0: unknown
+
+
+# ---- the words of a fix: ScalingConfig's in the API, plan's flags in ``ray-train-xla plan`` ----
+
+SPMD = Term("spmd=True", "--spmd")
+
+
+def per_worker(count: int | str, resource: str) -> Term:
+    """Accelerators per worker: ``resources_per_worker={'TPU': 2}`` / ``--accelerators-per-worker 2``."""
+    return Term(f"resources_per_worker={{{resource!r}: {count}}}",
+                f"--accelerators-per-worker {count}")
+
+
+def job(per_host: list[int], each: int, resource: str, reserve: str = "") -> Term:
+    """A worker group of ``per_host[n]`` workers on host n, each given ``each`` accelerators:
+    ``ScalingConfig(num_workers=..., resources_per_worker=...)`` (``reserve``: more of its
+    arguments) / ``--nodes H --workers-per-node W [--accelerators-per-worker K]``."""
+    api = (f"ScalingConfig(num_workers={sum(per_host)}, resources_per_worker={{{resource!r}: "
+           f"{each}}}{', ' + reserve if reserve else ''})")
+    flags = (f"--nodes {len(per_host)} --workers-per-node {per_host[0]}"
+             if len(set(per_host)) == 1 else f"--workers-per-node {','.join(map(str, per_host))}")
+    return Term(api, flags + (f" --accelerators-per-worker {each}" if each != 1 else ""))
+
+
+def workers_per_host(counts: list[int]) -> Term:
+    """The workers of each host: the worker group's / ``--workers-per-node``."""
+    shown = counts if len(counts) <= 8 else [*counts[:8], "..."]
+    return Term(f"the worker group ({', '.join(map(str, shown))} workers per host)",
+                f"--workers-per-node {','.join(map(str, counts))}")
+
+
+def device(owner: str, name: str) -> Term:
+    """The config and device: ``TorchTPUConfig(device='tpu')`` / ``--device tpu --runtime native``."""
+    native = "" if owner == "TorchXLAConfig" else " --runtime native"
+    return Term(f"{owner}(device={name!r})", f"--device {name}{native}")
 
 
 def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> dict[str, str]:
@@ -59,25 +94,29 @@ def torchrun_env(place: WorkerPlace, topology: Topology, rdzv: Rendezvous) -> di
     }
 
 
-def check_one_accelerator_each(topology: Topology, owner: str, device: str, units: str, unit: str,
-                               fix: str, why: str, logger) -> None:
+def check_one_accelerator_each(topology: Topology, owner: str, name: str, units: str, unit: str,
+                               resource: str, why: str, logger) -> None:
     """The native runtimes drive one accelerator (``unit``) per process: every worker given one
-    (``fix`` asks for it), or none at all (a warning: each worker then takes the one numbered by
-    its local rank); a mix, or several per worker, is refused."""
+    of ``resource``, or none at all (a warning: each worker then takes the one numbered by its
+    local rank); a mix, or several per worker, is refused."""
     counts = {len(w.accelerator_ids) for w in topology.workers}
+    fix = per_worker(1, resource)
     if counts == {0}:
         logger.warning(
             "%s(device='%s') but Ray assigned no %s: each worker will use the %s numbered by its "
-            "local rank. Request %s so Ray keeps jobs apart.", owner, device, units, unit, fix)
+            "local rank. Request %s so Ray keeps jobs apart.", owner, name, units, unit, fix)
     elif 0 in counts:
         bare = [w.rank for w in topology.workers if not w.accelerator_ids][:8]
         raise XLAConfigError(f"{owner}: workers {bare} were given no {units} while others were: "
-                             f"request {fix} for every worker.")
+                             "request ", fix, " for every worker.")
     elif counts != {1}:
         many = max(counts)
+        fix = job([len(n) * many for n in topology.nodes()], 1, resource)
         raise XLAConfigError(
-            f"{owner}: resources_per_worker asks for {many} {units} per worker, but {why}. Use "
-            f"{fix} and num_workers={topology.world_size * many} instead.")
+            per_worker(many, resource), " is not valid with ", device(owner, name),
+            f": {many} {units} per worker, but {why}. Use ",
+            Term(f"{per_worker(1, resource)} and num_workers={topology.world_size * many}",
+                 fix.plan), " instead.")
 
 
 class Runtime:
@@ -100,12 +139,15 @@ class Runtime:
             return
         for node in topology.nodes():
             if len(node) > 1:
-                raise config_error(
-                    "spmd", True,
-                    f"one worker per node, but node {node[0].node_rank} ({node[0].node_ip}) has "
-                    f"{len(node)} workers: give each worker all of its node's devices (for example "
-                    "ScalingConfig(num_workers=<nodes>, resources_per_worker={<device resource>: "
-                    "<devices per node>})) or set spmd=False")
+                raise XLAConfigError(
+                    SPMD, " is not valid: it runs one worker per node owning all its devices, "
+                    "but node "
+                    f"{node[0].node_rank} ({node[0].node_ip}) has {len(node)} workers: give each "
+                    "worker all of its node's devices (",
+                    Term("ScalingConfig(num_workers=<nodes>, resources_per_worker={<device "
+                         "resource>: <devices per node>})",
+                         "--workers-per-node 1 --accelerators-per-worker <devices per node>"),
+                    ") or ", Term("set spmd=False", "drop --spmd"), ".")
 
     def master_worker(self, topology: Topology) -> int:
         """The Ray rank of the worker that will be rank 0 of the process group: MASTER_ADDR is

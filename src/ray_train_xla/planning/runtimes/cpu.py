@@ -9,23 +9,29 @@ torch_xla's collectives are bridged the same way, and torch_xla sees the Ray wor
 SPMD on CPU: ``cpu_devices_per_worker`` sets ``CPU_NUM_DEVICES``, and torch_xla shards across
 that many virtual devices inside the one worker (``gloo`` through ``xla://``). Several SPMD
 workers on the CPU are refused: every CPU process is PJRT process 0 of a world of its own
-(``SPMD_ONE_WORKER`` says what would follow).
+(``spmd_one_worker`` says what would follow).
 """
 
 from __future__ import annotations
 
-from ray_train_xla.errors import config_error
+from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.contract import DEVMODE_BACKEND, DEVMODE_VAR, SPMD_PROCESS_GROUP
-from ray_train_xla.planning.runtimes.base import Runtime
+from ray_train_xla.planning.runtimes.base import SPMD, Runtime
 
-SPMD_ONE_WORKER = (
-    "a single worker with spmd=True on the CPU device. torch_xla's CPU client has no "
-    "cross-process collectives: with {workers} workers each one's SPMD mesh would hold only "
-    "its own devices, so workers fed different data would train different models and write "
-    "one sharded checkpoint of mixed shards (on TPU or Neuron hosts the same program is one "
-    "global mesh). Develop SPMD on CPU with ScalingConfig(num_workers=1) and "
-    "cpu_devices_per_worker=<devices> (one mesh over that many virtual devices), or use "
-    "several CPU workers with spmd=False (the CPU development mode)")
+
+def spmd_one_worker(workers: int) -> XLAConfigError:
+    """Several SPMD workers on the CPU: what would follow, and the two ways to develop."""
+    return XLAConfigError(
+        SPMD, " is not valid: expected a single worker ", Term("with spmd=True", "with --spmd"),
+        " on the CPU device. "
+        f"torch_xla's CPU client has no cross-process collectives: with {workers} workers each "
+        "one's SPMD mesh would hold only its own devices, so workers fed different data would "
+        "train different models and write one sharded checkpoint of mixed shards (on TPU or "
+        "Neuron hosts the same program is one global mesh). Develop SPMD on CPU with ",
+        Term("ScalingConfig(num_workers=1) and cpu_devices_per_worker=<devices>",
+             "--nodes 1 --workers-per-node 1 --cpu-devices-per-worker <devices>"),
+        " (one mesh over that many virtual devices), or use several CPU workers ",
+        Term("with spmd=False", "without --spmd"), " (the CPU development mode).")
 
 
 class CPURuntime(Runtime):
@@ -34,7 +40,7 @@ class CPURuntime(Runtime):
 
     def check(self, config, topology) -> None:
         if config.spmd and topology.world_size > 1:
-            raise config_error("spmd", True, SPMD_ONE_WORKER.format(workers=topology.world_size))
+            raise spmd_one_worker(topology.world_size)
         super().check(config, topology)
 
     def process_group(self, topology, config):

@@ -31,7 +31,7 @@ import logging
 
 from ray_train_xla.planning.contract import NATIVE, NEURON_ROOT_COMM_VAR, NEURON_VISIBLE_CORES_VAR
 from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
-from ray_train_xla.planning.runtimes.neuron import NEURON_RESOURCE, ONE_CORE_FIX, network_env, root_comm_id
+from ray_train_xla.planning.runtimes.neuron import NEURON_RESOURCE, network_env, root_comm_id
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class NativeNeuronRuntime(Runtime):
 
     def check(self, config, topology) -> None:
         check_one_accelerator_each(
-            topology, "TorchNeuronConfig", "neuron", "neuron_cores", "core", ONE_CORE_FIX,
+            topology, "TorchNeuronConfig", "neuron", "neuron_cores", "core", NEURON_RESOURCE,
             "the native Neuron process group drives exactly one NeuronCore per process (it "
             "asserts one visible core at init)", logger)
 

@@ -21,8 +21,10 @@ set, identically on every rank where TorchTPU requires it:
   ``RANK % len``); each port was found free on its host at start (``WorkerFacts.free_port``,
   else ``8070 + local rank``, TorchTPU's default); ``localhost`` on one host, as TorchTPU;
 - ``TORCH_TPU_TOPOLOGY``: the whole slice in comma form (TorchTPU copies it verbatim into the
-  libtpu bounds variables): what the hosts report for several hosts, the chip grid of the
-  workers on one host;
+  libtpu bounds variables): the slice the hosts report (their topology, else their accelerator
+  type's standard one), read by the rules ``TorchXLAConfig`` uses (``tpu.tpu_slice``: a known
+  generation and size, 2-D on v5e/v6e, every host and chip of a multi-host slice); the chip
+  grid of the workers on one host that holds part of its chips;
 - ``TPU_VISIBLE_DEVICES`` and ``TPU_VISIBLE_CHIPS``: the one chip Ray assigned (TorchTPU
   overwrites ``TPU_VISIBLE_CHIPS`` from ``TPU_VISIBLE_DEVICES``, else from ``LOCAL_RANK``);
 - ``TORCH_TPU_XPROF_SESSION_ID``: one id for the run; ``ACCELERATE_TORCH_DEVICE=tpu:0`` (every
@@ -51,20 +53,28 @@ import logging
 import math
 import re
 
-from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.errors import Term, XLAConfigError
+from ray_train_xla.planning.hardware import MULTI_HOST_CHIPS
 from ray_train_xla.planning.options import TPU_OWNER
-from ray_train_xla.planning.runtimes.base import Runtime, check_one_accelerator_each
+from ray_train_xla.planning.runtimes.base import (
+    Runtime,
+    check_one_accelerator_each,
+    job,
+    workers_per_host,
+)
 from ray_train_xla.planning.runtimes.tpu import (
     PER_DEVICE_SETTING,
     check_per_device_count,
     devices_per_chip,
+    reported_slice,
+    slice_term,
+    tpu_slice,
 )
 
 logger = logging.getLogger(__name__)
 
 TPU_RESOURCE = "TPU"
-ONE_CHIP_FIX = "resources_per_worker={'TPU': 1}"
-CHIPS_PER_HOST = (2, 2, 1)  # torch_tpu's _CHIPS_PER_HOST for multi-host slices
+CHIPS_PER_HOST = MULTI_HOST_CHIPS  # torch_tpu's _CHIPS_PER_HOST for multi-host slices
 BASE_PORT = 8070  # TORCH_TPU_BASE_PORT's default
 MEGASCALE_BASE_PORT = 8080  # TorchTPU's AssignMegascalePorts: 8080 + 2 * LOCAL_RANK
 # Chips on one host -> their grid (hardware.py's maps agree on 1, 2 and 4 chips; 8 chips on one
@@ -74,10 +84,13 @@ HOST_GRIDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 # with the devices per chip as a 4th entry (torch-tpu 0.2.0 ``hardware._V7_TOPOLOGY``, keyed by
 # the devices its PCI scan counts).
 V7_HOST_GRIDS = {2: "1,1,1,2", 4: "1,2,1,2", 8: "2,2,1,2"}
+TPU = Term(f"{TPU_OWNER}(device='tpu')", "--device tpu --runtime native")
 
 
-def _err(expected: str) -> XLAConfigError:
-    return config_error("device", "tpu", expected, owner=TPU_OWNER)
+def _hosts_error(needs: str) -> XLAConfigError:
+    """The TPU hosts (what they report, not an option) cannot run TorchTPU: ``needs`` says why."""
+    return XLAConfigError(f"The TPU hosts are not valid for {TPU_OWNER}(device='tpu'): it needs "
+                          f"{needs}.")
 
 
 def parse_topology(text: str) -> tuple[int, ...] | None:
@@ -146,17 +159,18 @@ class Layout:
         names = sorted({n[0].tpu_name for n in nodes})
         if len(names) > 1 and "" in names:
             unnamed = [n[0].node_ip for n in nodes if not n[0].tpu_name][:4]
-            raise _err(f"a TPU slice name on every host (the hosts report {len(names) - 1} "
-                       f"slices, and none for {', '.join(unnamed)})")
+            raise _hosts_error(f"a TPU slice name on every host (the hosts report "
+                               f"{len(names) - 1} slices, and none for {', '.join(unnamed)})")
         slices = [[n for n in nodes if n[0].tpu_name == name] for name in names]
         shapes = {(len(s), len(s[0])) for s in slices}
         per_host = {len(n) for n in nodes}
         if len(slices) > 1 and len(shapes) > 1:
-            raise _err("the same number of hosts and workers in every TPU slice (TorchTPU ranks "
-                       f"slices alike), got {[(len(s), len(s[0])) for s in slices]} "
-                       "(hosts, workers per host) for slices " + ", ".join(names))
+            raise _hosts_error("the same number of hosts and workers in every TPU slice (TorchTPU "
+                               f"ranks slices alike), got {[(len(s), len(s[0])) for s in slices]}"
+                               " (hosts, workers per host) for slices " + ", ".join(names))
         if len(nodes) > 1 and len(per_host) > 1:
-            raise _err(f"the same number of workers on every host, got {sorted(per_host)}")
+            raise XLAConfigError(workers_per_host([len(n) for n in nodes]), " is not valid with ",
+                                 TPU, ": it needs the same number of workers on every host.")
         self.num_slices = len(slices)
         self.topologies: list[str] = []
         self.addresses: list[str] = []
@@ -177,8 +191,8 @@ class Layout:
                     ports = [BASE_PORT + slot for slot in range(len(workers))]
                 host = "localhost" if len(hosts) == 1 else node[0].node_ip
                 if ":" in host:
-                    raise _err("IPv4 node addresses or host names: TorchTPU splits each "
-                               f"slicebuilder address at ':' and host {host} is IPv6")
+                    raise _hosts_error("IPv4 node addresses or host names: TorchTPU splits each "
+                                       f"slicebuilder address at ':' and host {host} is IPv6")
                 for slot, (w, port) in enumerate(zip(workers, ports)):
                     rank = slice_id * slice_world + host_index * len(workers) + slot
                     self.by_rank[w.rank] = {
@@ -194,54 +208,45 @@ class Layout:
 
     @staticmethod
     def _topology(hosts, name: str, per_chip: int = 1) -> str:
-        """The slice's topology in comma form, and checks that the workers fill it. With two
-        devices per chip (TPU v7x: one worker per device), TorchTPU's 4-D form: the chip grid
-        and the devices per chip ("2,2,4,2"), whose product is the processes of the slice."""
-        workers = sum(len(n) for n in hosts)
+        """The slice's topology in comma form, and checks that the workers fill it, by the
+        slice rules every TPU runtime shares (``tpu.tpu_slice``: the hosts' accelerator type
+        gives its standard topology). With two devices per chip (TPU v7x: one worker per
+        device), TorchTPU's 4-D form: the chip grid and the devices per chip ("2,2,4,2"),
+        whose product is the processes of the slice. One host may run part of its chips."""
+        workers, per_host = sum(len(n) for n in hosts), len(hosts[0])
         where = f" (slice {name})" if name else ""
         suffix = f",{per_chip}" if per_chip > 1 else ""
-        if len(hosts) == 1:
-            text = hosts[0][0].tpu_topology
-            dims = parse_topology(text) or ()
-            # A 4th entry (v7's devices per chip) is kept; with one device per chip, any length.
-            topo = ",".join(map(str, dims)) if len(dims) > 3 else comma_topology(text) + suffix
-            if dims and (per_chip == 1 or len(dims) <= 4) and chips_in(topo) == workers:
-                return topo
-            grids = HOST_GRIDS if per_chip == 1 else V7_HOST_GRIDS
-            if workers not in grids:
-                each = ("1, 2, 4 or 8 workers (one chip each" if per_chip == 1 else
-                        f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x chip")
-                raise _err(f"{each}) on one TPU host{where}, got {workers}")
-            return grids[workers]
-        grid = Layout._reported_topology(hosts, where)
-        dims = grid.split(",")
-        topo = grid if per_chip == 1 or len(dims) == 4 else ",".join(dims[:3]) + suffix
-        if len(slice_hosts(topo)) != len(hosts) or chips_in(topo) != workers:
-            per_host = math.prod(CHIPS_PER_HOST)
-            raise _err(
-                f"every {'chip' if per_chip == 1 else 'device'} of the TPU slice{where} in the "
-                f"job: topology {topo} has {len(slice_hosts(topo))} hosts of {per_host} chips"
-                + (f" ({per_host * per_chip} devices)" if per_chip > 1 else "")
-                + f", got {len(hosts)} hosts and {workers} workers; request "
-                f"num_workers={chips_in(topo)} with {ONE_CHIP_FIX}"
-                + (f", one worker per device (Ray counting devices: {PER_DEVICE_SETTING})"
-                   if per_chip > 1 else ""))
-        return topo
-
-    @staticmethod
-    def _reported_topology(hosts, where: str) -> str:
-        """The one topology every host of a slice reports (comma form); refused when a host
-        reports none or the hosts disagree."""
-        reported = {n[0].tpu_topology and comma_topology(n[0].tpu_topology) for n in hosts}
-        if "" in reported or None in reported:
-            missing = [n[0].node_ip for n in hosts if not n[0].tpu_topology][:4]
-            raise _err(f"the topology of the TPU slice{where} on every host (TPU_TOPOLOGY on "
-                       f"GKE, else the GCE metadata), but {', '.join(missing)} report none: "
-                       "TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice on every rank")
-        if len(reported) > 1:
-            raise _err(f"one topology for the hosts of a slice{where}, got "
-                       + ", ".join(sorted(reported)))
-        return reported.pop()
+        unit = "chip" if per_chip == 1 else "device"
+        layout = reported_slice([n[0] for n in hosts], len(hosts))
+        if layout is not None:
+            capacity = layout.chips_per_host * per_chip
+            if len(hosts) == layout.hosts and per_host == capacity:
+                return layout.comma + suffix
+            if len(hosts) > 1 or per_host > capacity:
+                raise XLAConfigError(
+                    job([len(n) for n in hosts], 1, TPU_RESOURCE), " is not valid with ",
+                    slice_term(layout.accelerator_type,
+                               "" if layout.accelerator_type else layout.shape),
+                    f"{where}: TorchTPU needs every {unit} of the slice in the job: the slice is "
+                    f"{layout}, the job has {len(hosts)} host{'s' if len(hosts) > 1 else ''} and "
+                    f"{workers} workers. Use ", job([capacity] * layout.hosts, 1, TPU_RESOURCE,
+                                                    layout.reserve),
+                    f", one worker per device (Ray counting devices: {PER_DEVICE_SETTING})."
+                    if per_chip > 1 else ".")
+        elif len(hosts) > 1:
+            missing = [n[0].node_ip for n in hosts][:4]
+            raise XLAConfigError(
+                Term(f"The TPU hosts{where} report no slice topology (TPU_TOPOLOGY on GKE, else "
+                     f"the GCE metadata): {', '.join(missing)}",
+                     "No --accelerator-type or --tpu-topology describes the slice"),
+                ": TorchTPU needs TORCH_TPU_TOPOLOGY of the whole slice on every rank.")
+        grids = HOST_GRIDS if per_chip == 1 else V7_HOST_GRIDS
+        if workers not in grids:
+            each = ("1, 2, 4 or 8 workers (one chip each" if per_chip == 1 else
+                    f"2, 4 or 8 workers (one device each, {per_chip} devices per TPU v7x chip")
+            raise XLAConfigError(workers_per_host([workers]), " is not valid with ", TPU,
+                                 f": it needs {each}) on one TPU host{where}, got {workers}.")
+        return grids[workers]
 
     @staticmethod
     def _host_order(hosts, topo: str, name: str) -> list:
@@ -254,13 +259,14 @@ class Layout:
         where = f" of slice {name}" if name else ""
         if any(r is None for r in ranks):
             unknown = [n[0].node_ip for n, r in zip(hosts, ranks) if r is None][:4]
-            raise _err(f"the place of every host{where} in the slice (TPU chip coordinates, or "
-                       f"the TPU worker id), but {', '.join(unknown)} report neither: TorchTPU "
-                       "numbers hosts by it, and Ray's node order is not the slice's")
+            raise _hosts_error(f"the place of every host{where} in the slice (TPU chip "
+                               f"coordinates, or the TPU worker id), but {', '.join(unknown)} "
+                               "report neither: TorchTPU numbers hosts by it, and Ray's node "
+                               "order is not the slice's")
         if sorted(ranks) != list(range(len(hosts))):
             shown = ", ".join(f"{n[0].node_ip}: {r}" for n, r in zip(hosts, ranks))
-            raise _err(f"hosts{where} at distinct places 0..{len(hosts) - 1} in the slice, got "
-                       f"{shown} (chip coordinates, else TPU worker id)")
+            raise _hosts_error(f"hosts{where} at distinct places 0..{len(hosts) - 1} in the "
+                               f"slice, got {shown} (chip coordinates, else TPU worker id)")
         return [node for _, node in sorted(zip(ranks, hosts), key=lambda p: p[0])]
 
 
@@ -274,7 +280,7 @@ class NativeTPURuntime(Runtime):
         per_chip = slice_devices_per_chip(topology.workers)
         unit = "device" if per_chip > 1 else "chip"
         check_one_accelerator_each(
-            topology, "TorchTPUConfig", "tpu", f"TPU {unit}s", unit, ONE_CHIP_FIX,
+            topology, TPU_OWNER, "tpu", f"TPU {unit}s", unit, TPU_RESOURCE,
             f"TorchTPU drives exactly one {unit} per process (every process's device is tpu:0)",
             logger)
         if per_chip > 1:
@@ -332,20 +338,29 @@ class NativeTPURuntime(Runtime):
 RUNTIMES = {("tpu", "native"): NativeTPURuntime}
 
 
-def describe_slices(facts, topology: str | None = None, slices: int = 1) -> list:
+def describe_slices(facts, accelerator_type: str = "", topology: str | None = None,
+                    slices: int = 1) -> list:
     """Facts of a described TPU job (``ray-train-xla plan``): the nodes split evenly into
-    ``slices`` slices named ``slice-<n>``; each slice's host n reports the n-th host position of
-    ``topology`` (default: one host's chip grid, or "2,2,<hosts>", hosts of four chips stacked
-    along z) as its chip coordinates and n as its TPU worker id."""
+    ``slices`` slices named ``slice-<n>``, each reporting ``accelerator_type`` and ``topology``
+    (default without either: one host's chip grid, or "2,2,<hosts>", hosts of four chips stacked
+    along z); each slice's host n reports the n-th host position of the slice's topology (the
+    type's standard one when only the type is given) as its chip coordinates and n as its TPU
+    worker id. A slice the rules refuse is described as given: the runtime's check names it."""
     import dataclasses
 
     node_ids = list(dict.fromkeys(f.node_id for f in facts))
     if slices < 1 or len(node_ids) % slices:
-        raise _err(f"--tpu-slices dividing the {len(node_ids)} nodes evenly, got {slices}")
+        raise XLAConfigError(f"--tpu-slices {slices} does not divide the {len(node_ids)} nodes "
+                             "evenly.")
     per_slice = len(node_ids) // slices
-    if topology is None and per_slice > 1:
+    if topology is None and not accelerator_type and per_slice > 1:
         topology = f"2,2,{per_slice}"
-    hosts = slice_hosts(topology) if topology else [(0, 0, 0)]
+    try:
+        layout = tpu_slice(accelerator_type, topology or "", hosts=per_slice)
+    except ValueError:
+        layout = None
+    grid = layout.comma if layout is not None else topology
+    hosts = slice_hosts(grid) if grid else [(0, 0, 0)]
     out = []
     for f in facts:
         index = node_ids.index(f.node_id)
@@ -353,6 +368,7 @@ def describe_slices(facts, topology: str | None = None, slices: int = 1) -> list
         coords = hosts[host] if host < len(hosts) else None
         out.append(dataclasses.replace(
             f, tpu_name=f"slice-{index // per_slice}" if slices > 1 else "",
-            tpu_topology=topology or "", tpu_worker_id=host,
+            tpu_accelerator_type=accelerator_type, tpu_topology=topology or "",
+            tpu_worker_id=host,
             tpu_chip_coords=tuple(c * k for c, k in zip(coords, CHIPS_PER_HOST)) if coords else None))
     return out

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 
-from ray_train_xla.errors import XLAConfigError
+from ray_train_xla.errors import Term, XLAConfigError
 from ray_train_xla.planning.contract import (
     EFA_ENV,
     NEURON_ROOT_COMM_VAR,
@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 NEURON_RESOURCE = "neuron_cores"
 INTERFACE_VARS = ("CCOM_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-ONE_CORE_FIX = "resources_per_worker={'neuron_cores': 1}"
 
 
 def root_comm_id(master_addr: str, port: int) -> str:
@@ -71,7 +70,7 @@ class NeuronRuntime(Runtime):
         # In SPMD a worker owns all of its node's cores; otherwise one core per worker.
         if not config.spmd or 0 in {len(w.accelerator_ids) for w in topology.workers}:
             check_one_accelerator_each(
-                topology, "TorchXLAConfig", "neuron", "neuron_cores", "core", ONE_CORE_FIX,
+                topology, "TorchXLAConfig", "neuron", "neuron_cores", "core", NEURON_RESOURCE,
                 "torch_xla's Neuron runtime drives exactly one NeuronCore per process (it "
                 "narrows NEURON_RT_VISIBLE_CORES to cores[LOCAL_RANK]), so the other cores "
                 "would sit idle", logger)
@@ -159,9 +158,11 @@ class NeuronXRTRuntime(NeuronRuntime):
         sizes = [len(node) for node in topology.nodes()]
         if len(set(sizes)) > 1:
             raise XLAConfigError(
-                f"runtime='xrt' needs the same number of workers on every node (torch_xla's XRT "
-                f"init counts nodes as WORLD_SIZE // LOCAL_WORLD_SIZE), got {sizes} per node: "
-                "use the same neuron_cores on every node, or runtime='pjrt'.")
+                Term("runtime='xrt'", "--runtime xrt"), " needs the same number of workers on "
+                "every node (torch_xla's XRT init counts nodes as WORLD_SIZE // "
+                f"LOCAL_WORLD_SIZE), got {sizes} per node: use ",
+                Term("the same neuron_cores on every node", "one --workers-per-node count"),
+                ", or ", Term("runtime='pjrt'", "--runtime pjrt"), ".")
 
     def ports_needed(self, config) -> int:
         return 0  # XRT takes its own root-comm port through the store

@@ -10,9 +10,11 @@ topology variable itself, from the chips Ray assigned each worker:
 - ``TPU_CHIPS_PER_PROCESS_BOUNDS``: ``1,1,1`` per chip, or the host's chip grid in SPMD;
 - ``TPU_PROCESS_BOUNDS``: the grid of processes: chips-per-host grid x host grid (per chip), or
   the host grid (SPMD). The host grid is the slice's chip topology divided by its hosts' chip
-  grid (:class:`TPUSlice`), the topology as the workers report it (the accelerator type and
-  topology Ray reads from GKE's ``TPU_ACCELERATOR_TYPE``/``TPU_TOPOLOGY`` or the GCE metadata,
-  gathered with the worker facts): a v4-64 (2x4x4) has hosts ``1,2,4``, so ``2,4,4`` per chip,
+  grid (:class:`TPUSlice`, by the rules of :func:`tpu_slice`, which the native TorchTPU runtime
+  shares; ``planning/hardware.py`` has each generation), the topology as the workers report it
+  (the accelerator type and topology Ray reads from GKE's ``TPU_ACCELERATOR_TYPE``/
+  ``TPU_TOPOLOGY`` or the GCE metadata, gathered with the worker facts; a type alone gives its
+  standard topology): a v4-64 (2x4x4) has hosts ``1,2,4``, so ``2,4,4`` per chip,
   as torch_xla's ``configure_topology`` derives from the metadata's ``TPU_PROCESS_BOUNDS``.
   A multi-host job must then use every host of the slice with all its chips. Without a known
   topology, 2 or 4 hosts are laid out as a TPU v4 slice (``1,1,<hosts>``, as v4-16 and v4-32
@@ -56,54 +58,39 @@ import math
 import re
 from dataclasses import dataclass
 
-from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.errors import Term, XLAConfigError
+from ray_train_xla.planning.hardware import (
+    MULTI_HOST_CHIPS,
+    TPU_GENERATIONS,
+    TPUGeneration,
+    devices_per_chip,
+    tpu_generation,
+    tpu_generation_spec,
+    tpu_types_text,
+)
 from ray_train_xla.planning.options import check_compile_cache
-from ray_train_xla.planning.runtimes.base import Runtime
+from ray_train_xla.planning.runtimes.base import (
+    SPMD,
+    Runtime,
+    device,
+    job,
+    per_worker,
+    workers_per_host,
+)
 from ray_train_xla.planning.topology import WorkerPlace
+
+__all__ = ["TPUSlice", "devices_per_chip", "tpu_generation", "tpu_slice"]
 
 BASE_PORT = 8476  # torch_xla's configure_topology default
 DEFAULT_XLA_CACHE_DIR = "/tmp/ray_train_xla/xla-compile-cache"
 # Chips on one host (or in one SPMD process) -> their grid, as Ray and the TPU VMs lay them out.
 CHIP_GRIDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
-
-
-# Generations whose slices are 2-D grids of chips ("AxB"); the rest are 3-D ("AxBxC").
-TWO_D_GENERATIONS = ("v2", "v3", "v5litepod", "v5e", "v6e")
-# Generations with one TensorCore per chip (the accelerator type counts chips); the others
-# have two (v4-64 is 32 chips), as Ray's TPU support counts them.
-ONE_CORE_GENERATIONS = ("v5litepod", "v5e", "v6e")
-# Generations whose single-host slices hold up to 8 chips on one host (otherwise 4 per host).
-EIGHT_CHIP_HOST_GENERATIONS = ("v5litepod", "v5e", "v6e")
-# Chips -> the topology of the Cloud TPU accelerator type of that size (when only the type
-# is known, e.g. ``plan --accelerator-type v4-64``).
-DEFAULT_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4",
-                         128: "4x4x8", 256: "4x8x8", 512: "8x8x8", 1024: "8x8x16",
-                         2048: "8x16x16", 4096: "16x16x16", 6144: "16x16x24"}
-DEFAULT_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8",
-                         128: "8x16", 256: "16x16", 512: "16x32", 1024: "32x32"}
 # Host counts laid out as a TPU v4 slice (hosts stacked along z) when no topology is known.
 V4_STACKED_HOSTS = (1, 2, 4)
-# Separately addressable devices per chip, by generation: TPU v7 (Ironwood, "tpu7x"/"v7x")
-# exposes two (torch-tpu 0.2.0 ``hardware._DEVICES_PER_CHIP = {V7: 2}``, default 1; torch_xla
-# 2.9 ``_internal/tpu.py`` appends ",2" to the v7 process bounds); every other generation one.
-MULTI_DEVICE_GENERATIONS = {"v7": 2}
 # Ray's setting that counts ``TPU`` resources per device instead of per chip (Ray 2.60
 # ``ray._private.accelerators.tpu.get_tpu_resource_per_chip``).
 PER_DEVICE_SETTING = "RAY_TPU_RESOURCE_PER_CHIP=2"
-
-
-def tpu_generation(accelerator_type: str) -> str:
-    """The generation of a TPU accelerator type as Ray spells it ("v7x"), from any spelling:
-    "tpu7x-32", "v7x-32", Ray's "TPU-V7X"; "" when none is given."""
-    normal = re.sub(r"^tpu-?v?", "v", (accelerator_type or "").strip().lower())
-    return normal.split("-")[0] if normal.startswith("v") else ""
-
-
-def devices_per_chip(accelerator_type: str) -> int:
-    """Devices per chip of a TPU accelerator type (2 on v7x, else 1; see
-    MULTI_DEVICE_GENERATIONS)."""
-    match = re.match(r"v(\d+)", tpu_generation(accelerator_type))
-    return MULTI_DEVICE_GENERATIONS.get(f"v{match.group(1)}", 1) if match else 1
+OWNER = "TorchXLAConfig"
 
 
 def check_per_device_count(topology, owner: str, runtime: str, per_chip: int,
@@ -122,7 +109,6 @@ def check_per_device_count(topology, owner: str, runtime: str, per_chip: int,
             + alternative + ".")
 
 
-
 @dataclass(frozen=True)
 class TPUSlice:
     """A TPU slice's layout: its chip grid (``topology``, 3-D), each host's chip grid, and from
@@ -132,6 +118,7 @@ class TPUSlice:
     generation: str
     topology: tuple[int, int, int]
     host_chips: tuple[int, int, int]
+    dims: int = 3  # as the slice is written: 2 (AxB) or 3 (AxBxC)
 
     @property
     def host_grid(self) -> tuple[int, ...]:
@@ -149,66 +136,147 @@ class TPUSlice:
     def devices_per_chip(self) -> int:
         return devices_per_chip(self.generation)
 
+    @property
+    def shape(self) -> str:
+        """The topology as the slice is written: "4x4", "2x2x4"."""
+        return "x".join(map(str, self.topology[:self.dims]))
+
+    @property
+    def comma(self) -> str:
+        """The topology in libtpu's bounds form ("4,4,1"), as TorchTPU takes it."""
+        return ",".join(map(str, self.topology))
+
+    @property
+    def reserve(self) -> str:
+        """The ``ScalingConfig`` arguments that reserve this slice with Ray: ``use_tpu=True,
+        topology='4x4', accelerator_type='TPU-V6E'`` (Ray's name of the generation)."""
+        kind = f", accelerator_type='TPU-{self.generation.upper()}'" if self.generation else ""
+        return f"use_tpu=True, topology={self.shape!r}{kind}"
+
     def __str__(self) -> str:
-        dims = self.topology[:2] if self.topology[2] == 1 and self.generation in TWO_D_GENERATIONS \
-            else self.topology
-        topo = "x".join(map(str, dims))
         name = f"{self.accelerator_type} " if self.accelerator_type else ""
-        return (f"{name}(topology {topo}: {self.hosts} host{'s' if self.hosts > 1 else ''} of "
-                f"{self.chips_per_host} chips)")
+        hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+        devices = (f" ({self.chips_per_host * self.devices_per_chip} devices)"
+                   if self.devices_per_chip > 1 else "")
+        return f"{name}(topology {self.shape}: {hosts} of {self.chips_per_host} chips{devices})"
 
 
-def tpu_slice(accelerator_type: str = "", topology: str = "") -> TPUSlice | None:
+def slice_term(accelerator_type: str, topology: str) -> Term:
+    """The slice the hosts report: in the API the reported facts, in ``plan`` its flags."""
+    api = ", ".join(f"{what} {value}" for what, value in (
+        ("accelerator type", accelerator_type), ("topology", topology)) if value)
+    flags = " ".join(f"{flag} {value}" for flag, value in (
+        ("--accelerator-type", accelerator_type), ("--tpu-topology", topology)) if value)
+    return Term(f"the TPU slice the hosts report ({api})", flags)
+
+
+def tpu_slice(accelerator_type: str = "", topology: str = "",
+              hosts: int | None = None) -> TPUSlice | None:
     """The layout of the slice named by an accelerator type (``v4-64``, ``v5litepod-16``,
-    ``v6e-8``, ``v5p-128``, ``tpu7x-8``) and/or a topology (``2x4x4``, ``4x4``); None when
-    neither is given. Raises ValueError for one that cannot be read, or when they disagree."""
-    accelerator_type, topology = accelerator_type.strip().lower(), topology.strip().lower()
+    ``v6e-8``, ``v5p-128``, ``tpu7x-8``; Ray's ``TPU-V6E`` names the generation only) and/or a
+    topology (``2x4x4``, ``4x4``); None when neither says the slice's size. One set of rules
+    for every TPU runtime (``planning/hardware.py`` has the tables):
+
+    - a type names a known generation (``TPU_GENERATIONS``) and a size of it, or a topology
+      goes with it; the type alone gives its generation's standard topology;
+    - a topology is 2-D on v5e and v6e (one of their published shapes), 3-D on the others, and
+      holds the type's chips;
+    - a slice up to a host's chips (8 on v5e and v6e, 4 otherwise; on 3-D generations 2x2x1)
+      is one host; larger ones are hosts of 2x2x1 chips; ``hosts`` (the job's, when known)
+      picks the 2-VM form where Google offers one (v6e's 2x4 on GKE).
+
+    A type of a generation this package does not know is refused, whether or not a topology
+    comes with it: the generation is what tells its devices per chip (2 on TPU v7x, which
+    changes every variable) and its host size, which a topology does not, so a plan for it
+    could be silently wrong. Raises ValueError naming the known types."""
+    given, accelerator_type = accelerator_type.strip(), accelerator_type.strip().lower()
+    topology = topology.strip().lower()
     if not accelerator_type and not topology:
         return None
-    generation, chips = "", None
+    gen: TPUGeneration | None = None
+    chips = None
     if accelerator_type:
         normal = re.sub(r"^tpu-?v?", "v", accelerator_type)
-        match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", normal)
+        match = re.fullmatch(r"(v\d+[a-z]*)(?:-(\d+))?", normal)
         if not match:
             raise ValueError(f"TPU accelerator type {accelerator_type!r} is not of the form "
                              "<generation>-<size>, e.g. v4-64, v5litepod-16, v6e-8, v5p-128")
-        generation, size = match.group(1), int(match.group(2))
-        per_chip = 1 if generation in ONE_CORE_GENERATIONS else 2
-        if size % per_chip:
-            raise ValueError(f"TPU accelerator type {accelerator_type!r}: {size} TensorCores "
-                             f"is not a whole number of {generation} chips ({per_chip} each)")
-        chips = size // per_chip
-    two_d = generation in TWO_D_GENERATIONS
+        gen = tpu_generation_spec(accelerator_type)
+        if gen is None:
+            raise ValueError(f"TPU accelerator type {accelerator_type!r} is not of a generation "
+                             f"this package knows ({', '.join(TPU_GENERATIONS)}): expected one "
+                             f"of {tpu_types_text()}")
+        if match.group(2):
+            size = int(match.group(2))
+            if size % gen.cores_per_chip:
+                raise ValueError(f"TPU accelerator type {accelerator_type!r}: {size} TensorCores "
+                                 f"is not a whole number of {gen.name} chips ({gen.cores_per_chip} "
+                                 "each)")
+            chips = size // gen.cores_per_chip
     if topology:
-        if not re.fullmatch(r"\d+x\d+(x\d+)?", topology):
+        if not re.fullmatch(r"\d+([x,]\d+){1,2}", topology):
             raise ValueError(f"TPU topology {topology!r} is not of the form AxB or AxBxC, e.g. "
                              "2x4x4 or 4x4")
-        dims = tuple(int(d) for d in topology.split("x"))
+        dims = tuple(int(d) for d in re.split("[x,]", topology))
         if min(dims) < 1:
             raise ValueError(f"TPU topology {topology!r} has an empty dimension")
-        if generation and (len(dims) == 2) != two_d:
-            raise ValueError(f"TPU topology {topology!r} is {len(dims)}-D but {generation} "
-                             f"slices are {2 if two_d else 3}-D")
-        two_d = len(dims) == 2
+        if gen and gen.dims == 2 and len(dims) == 3 and dims[2] == 1:
+            dims = dims[:2]  # "4,4,1": a 2-D slice in libtpu's bounds form
+        if gen and len(dims) != gen.dims:
+            raise ValueError(f"TPU topology {topology!r} is {len(dims)}-D but {gen.name} slices "
+                             f"are {gen.dims}-D")
         if chips is not None and math.prod(dims) != chips:
             raise ValueError(f"TPU topology {topology!r} has {math.prod(dims)} chips but "
                              f"{accelerator_type} has {chips}")
+        if gen and gen.dims == 2 and sorted(dims) not in [
+                sorted(int(d) for d in s.split("x")) for s in gen.shapes]:
+            raise ValueError(f"TPU topology {topology!r} is not a {gen.name} slice: expected one "
+                             f"of {', '.join(gen.shapes)}")
+    elif chips is None:
+        return None  # the generation alone: nothing of the slice's size
+    elif chips not in gen.topologies:
+        other = "" if gen.dims == 2 else " (another shape: give its topology too)"
+        raise ValueError(f"TPU accelerator type {accelerator_type!r} ({chips} chips) is not a "
+                         f"{gen.name} slice size: expected one of {', '.join(gen.sizes())}"
+                         + other)
     else:
-        table = DEFAULT_TOPOLOGIES_2D if two_d else DEFAULT_TOPOLOGIES_3D
-        if chips not in table:
-            raise ValueError(f"TPU accelerator type {accelerator_type!r} ({chips} chips) has no "
-                             "standard topology: give the topology too")
-        dims = tuple(int(d) for d in table[chips].split("x"))
+        dims = tuple(int(d) for d in gen.topologies[chips].split("x"))
     grid = (dims[0], dims[1], 1) if len(dims) == 2 else (dims[0], dims[1], dims[2])
-    total = math.prod(grid)
-    eight = generation in EIGHT_CHIP_HOST_GENERATIONS or (not generation and two_d)
-    single_host = total <= (8 if eight else 4) and (two_d or total < 4 or grid == (2, 2, 1))
-    host_chips = grid if single_host else (2, 2, 1)
+    total, two_d = math.prod(grid), len(dims) == 2
+    most = gen.single_host_chips if gen else (8 if two_d else 4)
+    single = total <= most and (two_d or total < 4 or grid == MULTI_HOST_CHIPS)
+    host_chips = grid if single else MULTI_HOST_CHIPS
+    shape = "x".join(map(str, dims))
+    if (single and hosts and hosts > 1 and total == hosts * math.prod(MULTI_HOST_CHIPS)
+            and (gen is None or shape in gen.split_shapes)):
+        host_chips = MULTI_HOST_CHIPS  # the same slice as 2 VMs of 4 chips
     if any(t % c for t, c in zip(grid, host_chips)):
-        raise ValueError(f"TPU topology {'x'.join(map(str, dims))} is not a grid of hosts of "
+        raise ValueError(f"TPU topology {shape} is not a grid of hosts of "
                          f"{'x'.join(map(str, host_chips[:2]))} chips")
-    return TPUSlice(accelerator_type=accelerator_type, generation=generation, topology=grid,
-                    host_chips=host_chips)
+    return TPUSlice(accelerator_type=given, generation=gen.name if gen else "",
+                    topology=grid, host_chips=host_chips, dims=len(dims))
+
+
+def reported_slice(workers, hosts: int) -> TPUSlice | None:
+    """The slice ``workers`` (on ``hosts`` hosts) report, by :func:`tpu_slice`; None when none
+    reports one. Refuses workers that disagree, or a report the rules refuse (blaming it: the
+    hosts' report in the API, ``--accelerator-type``/``--tpu-topology`` in ``plan``)."""
+    reported = sorted({(w.tpu_accelerator_type, w.tpu_topology) for w in workers
+                       if w.tpu_accelerator_type or w.tpu_topology})
+    if len(reported) > 1:
+        shown = "; ".join(f"{a or '?'} topology {t or '?'}" for a, t in reported[:4])
+        raise XLAConfigError(f"The TPU hosts of one slice report different slices: {shown}.")
+    if not reported:
+        return None
+    accelerator_type, topology = reported[0]
+    dims = re.split("[x,]", topology)
+    if len(dims) == 4:  # TorchTPU's v7 form, devices per chip last: the slice is the chips
+        topology = ",".join(dims[:3])
+    try:
+        return tpu_slice(accelerator_type, topology, hosts=hosts)
+    except ValueError as exc:
+        raise XLAConfigError(slice_term(accelerator_type, topology),
+                             f" is not valid: {exc}.") from None
 
 
 def _bounds(grid: tuple[int, ...]) -> str:
@@ -242,68 +310,88 @@ class TPURuntime(Runtime):
     def check(self, config, topology) -> None:
         super().check(config, topology)
         check_compile_cache(config, "tpu")  # device "auto" was checked as Neuron or TPU
+        tpu = device(OWNER, "tpu")
         nodes = topology.nodes()
         for node in nodes:
             for w in node:
                 chips = _chips(w, config.spmd)
                 if config.spmd and not chips:
-                    raise config_error(
-                        "spmd", True, f"TPU chips for every worker, but worker rank {w.rank} "
-                        "was given none: ask Ray for them, e.g. ScalingConfig(num_workers="
-                        "<hosts>, resources_per_worker={'TPU': <chips per host>})")
+                    raise XLAConfigError(
+                        SPMD, " is not valid: it needs TPU chips for every worker, but worker "
+                        f"rank {w.rank} was given none: ask Ray for them, e.g. ",
+                        Term("ScalingConfig(num_workers=<hosts>, resources_per_worker={'TPU': "
+                             "<chips per host>})", "--accelerators-per-worker <chips per host>"),
+                        ".")
                 if not config.spmd and len(chips) != 1:
-                    raise config_error(
-                        "device", "tpu", f"one TPU chip per worker (one process per chip), but "
-                        f"worker rank {w.rank} was given {len(chips)} ({','.join(chips)}): use "
-                        "resources_per_worker={'TPU': 1}, or spmd=True for one process per host")
+                    raise XLAConfigError(
+                        per_worker(len(chips), "TPU"), " is not valid with ", tpu,
+                        f": torch_xla runs one TPU chip per worker (one process per chip), but "
+                        f"worker rank {w.rank} was given {len(chips)} ({','.join(chips)}): use ",
+                        per_worker(1, "TPU"), ", or ", SPMD, " for one process per host.")
         self._check_hosts(nodes)
         per_chip = 1 if config.spmd else self.devices_per_chip(topology)
         if per_chip > 1:
-            check_per_device_count(topology, "TorchXLAConfig", "torch_xla", per_chip,
+            check_per_device_count(topology, OWNER, "torch_xla", per_chip,
                                    ", or spmd=True for one process per host owning its chips")
         per_host = [len(_chips(n[0], True)) if config.spmd else len(n) for n in nodes]
+        unit = "chip" if per_chip == 1 else "device"
         what = ("chips per SPMD worker" if config.spmd else "workers (chips) per host"
                 if per_chip == 1 else f"workers (devices, {per_chip} per TPU v7 chip) per host")
+        given = (per_worker(",".join(map(str, sorted(set(per_host)))), "TPU") if config.spmd
+                 else workers_per_host(per_host))
         if len(set(per_host)) != 1:
-            raise config_error("device", "tpu", f"the same number of {what} on every host "
-                               f"(torch_xla assumes it), got {per_host}")
+            raise XLAConfigError(given, " is not valid with ", tpu, f": it needs the same number "
+                                 f"of {what} on every host (torch_xla assumes it), got {per_host}.")
         grids = sorted(c * per_chip for c in CHIP_GRIDS)
         if per_host[0] % per_chip or per_host[0] // per_chip not in CHIP_GRIDS:
-            raise config_error("device", "tpu", f"{what} in {grids}, got {per_host[0]}")
+            raise XLAConfigError(given, " is not valid with ", tpu,
+                                 f": expected {what} in {grids}, got {per_host[0]}.")
         layout = self.slice_of(topology)
         hosts = len(nodes)
-        if layout is not None and hosts > 1 and (
-                hosts != layout.hosts or per_host[0] != layout.chips_per_host * per_chip):
-            raise config_error(
-                "device", "tpu", f"every host of the TPU slice with all its chips: the slice is "
-                f"{layout}, the job has {hosts} hosts of {per_host[0]} chips. Reserve the whole "
-                "slice: ScalingConfig(use_tpu=True, topology=..., accelerator_type=...) with one "
-                "worker per chip or (spmd=True) per host")
+        capacity = layout.chips_per_host * (1 if config.spmd else per_chip) if layout else 0
+        if layout is not None and (per_host[0] > capacity or hosts > 1 and (
+                hosts != layout.hosts or per_host[0] != capacity)):
+            each = capacity if config.spmd else 1
+            fix = job([1 if config.spmd else capacity] * layout.hosts, each, "TPU",
+                      layout.reserve)
+            raise XLAConfigError(
+                job(per_host if not config.spmd else [1] * hosts, 1 if not config.spmd else
+                    per_host[0], "TPU"),
+                " is not valid with ",
+                slice_term(layout.accelerator_type, layout.shape if not layout.accelerator_type
+                           else ""),
+                f": torch_xla needs every host of the TPU slice with all its {unit}s: the slice "
+                f"is {layout}, the job has {hosts} host{'s' if hosts > 1 else ''} of "
+                f"{per_host[0]} {unit}s. Use ", fix, f" (one worker per {unit}), or ", SPMD,
+                " with one worker per host.")
         bounds = config.tpu_process_bounds
         processes = hosts if config.spmd else topology.world_size
         if bounds is None:
             if layout is None and hosts not in V4_STACKED_HOSTS:
-                raise config_error(
-                    "device", "tpu", f"the TPU slice's topology for {hosts} hosts: the workers "
-                    "reported none (TPU_ACCELERATOR_TYPE / TPU_TOPOLOGY, or the GCE metadata), "
-                    "and TPU_PROCESS_BOUNDS depends on it (a v4-64 is 1,2,4 hosts, a "
-                    "v5litepod-64 4,4,1). Set TorchXLAConfig(tpu_process_bounds='x,y,z') "
-                    "(ray-train-xla plan: --tpu-topology or --accelerator-type)")
+                raise XLAConfigError(
+                    Term("The TPU hosts report no slice (TPU_ACCELERATOR_TYPE / TPU_TOPOLOGY, or "
+                         "the GCE metadata)", "No --accelerator-type or --tpu-topology is given"),
+                    f", and TPU_PROCESS_BOUNDS depends on the TPU slice's topology for {hosts} "
+                    "hosts (a v4-64 is 1,2,4 hosts, a v5litepod-64 4,4,1): set ",
+                    Term("TorchXLAConfig(tpu_process_bounds='x,y,z')",
+                         "--tpu-topology or --accelerator-type (or --tpu-process-bounds x,y,z)"),
+                    ".")
             return
+        option = Term(f"{OWNER}.tpu_process_bounds={bounds!r}", f"--tpu-process-bounds {bounds}")
         parts = bounds.split(",")
         if len(parts) in (3, 4) and math.prod(int(b) for b in parts) != processes:
-            raise config_error("tpu_process_bounds", bounds,
-                               f"a grid of {processes} processes (the product of its entries = "
-                               f"the number of {'hosts' if config.spmd else 'workers'})")
+            raise XLAConfigError(
+                option, f" is not valid: expected a grid of {processes} processes (the product "
+                f"of its entries = the number of {'hosts' if config.spmd else 'workers'}).")
         if layout is not None and hosts > 1:
             derived = self.planned_bounds(layout, hosts, per_host[0], config.spmd, per_chip)
             if bounds.replace(" ", "") != derived:
-                raise config_error(
-                    "tpu_process_bounds", bounds,
-                    f"None or {derived!r}: the slice is {layout}, which gives TPU_PROCESS_BOUNDS "
-                    f"(and TPU_HOST_BOUNDS) {derived} with {per_host[0] if config.spmd else 1} "
-                    "chip(s) per process (TPU_CHIPS_PER_PROCESS_BOUNDS); other bounds would "
-                    "contradict the chips libtpu finds")
+                raise XLAConfigError(
+                    option, f" is not valid: expected None or {derived!r}: the slice is {layout}, "
+                    f"which gives TPU_PROCESS_BOUNDS (and TPU_HOST_BOUNDS) {derived} with "
+                    f"{per_host[0] if config.spmd else 1} chip(s) per process "
+                    "(TPU_CHIPS_PER_PROCESS_BOUNDS); other bounds would contradict the chips "
+                    "libtpu finds.")
 
     def devices_per_chip(self, topology) -> int:
         """Devices per chip of the workers' slice: 2 on TPU v7x (its accelerator type, or Ray
@@ -318,17 +406,7 @@ class TPURuntime(Runtime):
         cached = getattr(self, "_slice_cache", None)
         if cached and cached[0] is topology:
             return cached[1]
-        reported = sorted({(w.tpu_accelerator_type, w.tpu_topology) for w in topology.workers
-                           if w.tpu_accelerator_type or w.tpu_topology})
-        if len(reported) > 1:
-            shown = "; ".join(f"{a or '?'} topology {t or '?'}" for a, t in reported[:4])
-            raise config_error("device", "tpu", f"hosts of one TPU slice, but the workers "
-                               f"report different slices: {shown}")
-        try:
-            layout = tpu_slice(*reported[0]) if reported else None
-        except ValueError as exc:
-            raise config_error("device", "tpu", f"a TPU slice the workers report correctly: "
-                               f"{exc}") from None
+        layout = reported_slice(topology.workers, topology.num_nodes)
         self._slice_cache = (topology, layout)
         return layout
 
@@ -361,21 +439,22 @@ class TPURuntime(Runtime):
         ids known for every host or none, each id once."""
         names = sorted({w.tpu_name for node in nodes for w in node if w.tpu_name})
         if len(names) > 1:
-            raise config_error(
-                "device", "tpu", f"hosts of one TPU slice, but the workers run on {len(names)} "
-                f"slices ({', '.join(names[:4])}): multislice (MEGASCALE_*) is not supported by "
-                "torch_xla's PJRT TPU runtime here; run one job per slice, or use Ray's JAX "
-                "trainer for multislice")
+            raise XLAConfigError(
+                f"The worker group is not valid for {OWNER}(device='tpu'): it needs hosts of one "
+                f"TPU slice, but the workers run on {len(names)} slices ({', '.join(names[:4])}): "
+                "multislice (MEGASCALE_*) is not supported by torch_xla's PJRT TPU runtime here; "
+                "run one job per slice, use TorchTPUConfig, or Ray's JAX trainer for multislice.")
         hosts = max((w.tpu_slice_hosts or 0 for node in nodes for w in node), default=0)
         if hosts and len(nodes) != hosts:
             held = ", ".join(str(node[0].tpu_worker_id) for node in nodes[:8])
-            raise config_error(
-                "device", "tpu", f"every host of the TPU slice ({hosts} hosts"
-                f"{' of ' + names[0] if names else ''}), but the worker group runs on "
-                f"{len(nodes)} (TPU worker ids {held}): torch_xla's TPU runtime waits for every "
-                "host of its slice. Ask Ray for whole slices: ScalingConfig(use_tpu=True, "
-                "topology=..., accelerator_type=...) with num_workers a multiple of the workers "
-                "per slice; with an elastic range Ray then counts only intact slices")
+            raise XLAConfigError(
+                f"The worker group is not valid for {OWNER}(device='tpu'): it needs every host "
+                f"of the TPU slice ({hosts} hosts{' of ' + names[0] if names else ''}), but the "
+                f"worker group runs on {len(nodes)} (TPU worker ids {held}): torch_xla's TPU "
+                "runtime waits for every host of its slice. Ask Ray for whole slices: "
+                "ScalingConfig(use_tpu=True, topology=..., accelerator_type=...) with num_workers "
+                "a multiple of the workers per slice; with an elastic range Ray then counts only "
+                "intact slices.")
         if len(nodes) < 2:
             return
         ids = [node[0].tpu_worker_id for node in nodes]
@@ -384,9 +463,10 @@ class TPURuntime(Runtime):
         if any(i is None for i in ids) or len(set(ids)) != len(ids):
             shown = ", ".join(f"node {n} ({node[0].node_ip}): {i}"
                               for n, (node, i) in enumerate(zip(nodes, ids)))
-            raise config_error(
-                "device", "tpu", "one distinct TPU worker id per host (TPU_WORKER_ID or the GCE "
-                f"metadata agent-worker-number), got {shown}")
+            raise XLAConfigError(
+                f"The TPU hosts are not valid for {OWNER}(device='tpu'): it needs one distinct "
+                "TPU worker id per host (TPU_WORKER_ID or the GCE metadata agent-worker-number), "
+                f"got {shown}.")
 
     @staticmethod
     def host_order(nodes) -> list[int]:
