@@ -304,7 +304,8 @@ def test_a_rank_whose_file_lags_names_nobody_in_the_live_metric(tmp_path):
     assert goodput.own_times([worker_0, worker_1]) == {}
 
 
-def test_a_slowed_rank_is_named_with_its_delay_from_lagging_files_and_any_span_split(tmp_path):
+def test_a_slowed_rank_is_named_with_its_delay_from_lagging_files_and_any_span_split(tmp_path,
+                                                                                   monkeypatch):
     """Rank 2 reaches the synchronisation 0.05 s after its own work in every step; every rank's
     work is 0.15 s in a warm-up of 20 steps, then 0.05 s, with its own noise of +-0.01 s. Live:
     rank 2's file is 15 steps behind; offline: every file complete, spans split at random."""
@@ -318,6 +319,9 @@ def test_a_slowed_rank_is_named_with_its_delay_from_lagging_files_and_any_span_s
     assert live.excess_per_step_s == pytest.approx(delay, abs=0.2 * delay), live
     tl, _, _ = _worker(storage, "A", 0, 100.0, 112.0)
     assert tl.stragglers() == {2: live.excess_per_step_s}
+    monkeypatch.setattr(tl_mod, "STRAGGLER_WINDOW_STEPS", 5)  # its metric's last steps
+    [last] = goodput.live_stragglers(storage, "goodput/attempt-A", since=0.0, last_steps=5)
+    assert last.steps == 5 and tl.stragglers() == {2: last.excess_per_step_s}
     write_own_times(tmp_path / "run", own, spans={r: _split(rng, 39) for r in range(3)})
     [named] = goodput.goodput_of(str(tmp_path / "run")).stragglers
     assert named.rank == 2 and named.steps == 39
@@ -471,6 +475,14 @@ def test_a_part_is_bounded_in_bytes_and_own_times_are_read_across_parts(tmp_path
     assert all(len(storage.read_bytes(f)) < 1000 + 600 for f in files)  # a line over, at most
     own = goodput.own_times(goodput.goodput_of(str(tmp_path)).attempts[0].workers)
     assert own[0] == own[1] and own[0][2] == 300
+    # What a step costs in the events (docs/observability.md): at 1 step/ms, own times of
+    # 0.6 to 0.9 ms, a span of 5000 steps (a 5-second interval) is about 4 bytes a step.
+    rng = random.Random(0)
+    write_own_times(tmp_path / "fast", {0: [0.0006 + 0.0003 * rng.random() for _ in range(5001)]},
+                    step_s=0.001)
+    [part] = RunStorage.at(str(tmp_path / "fast")).list("goodput", recursive=True)
+    span = max((tmp_path / "fast" / part).read_text().splitlines(), key=len)  # steps 2 to 5001
+    assert 5000 * 4 <= len(span) <= 5000 * 4 + 400, len(span)
 
 
 def test_report_metrics_are_the_steps_since_the_last_call():
