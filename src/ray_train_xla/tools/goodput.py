@@ -235,9 +235,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "each rank's MFU over time (needs matplotlib)")
     goodput.add_argument("--json", action="store_true", help="print the figures as JSON")
     goodput.add_argument("--straggler-threshold", type=_share, default=0.1, metavar="SHARE",
-                         help="name a rank a straggler when its own time a step (before the "
-                         "step's gradient synchronisation) exceeds the other ranks' median by "
-                         "more than this share of the step time (default 0.1)")
+                         help="name a rank a straggler when its median own time a step "
+                         "(before the step's gradient synchronisation, over the steps every rank "
+                         "measured) exceeds the other ranks' median by more than this share of "
+                         "the step time (default 0.1)")
     return goodput
 
 
