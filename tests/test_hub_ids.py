@@ -155,6 +155,31 @@ def test_an_unknown_id_offline_and_a_partial_cache_are_refused_naming_the_fix(
     assert '--include "model*.safetensors"' in message
 
 
+def test_only_the_files_a_model_directory_needs_are_asked_for_from_the_indexs_commit(
+        model_dir, offline, monkeypatch):
+    """What ``snapshot_download`` is asked for: the config with the index (and the tokenizer
+    files), then exactly the files the index lists, at the commit the index came from, so a
+    ``consolidated.safetensors`` or ``.bin`` files beside them are never fetched."""
+    import huggingface_hub
+
+    snapshot = lay_out_cache(offline, model_dir)
+    real, calls = huggingface_hub.snapshot_download, []
+
+    def spy(repo_id, **kwargs):
+        calls.append((kwargs["revision"], list(kwargs["allow_patterns"])))
+        return real(repo_id, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
+    assert hub.snapshot(REPO, weights=True, tokenizer=True) == snapshot
+    index = json.load(open(os.path.join(model_dir, hub.INDEX_FILE)))
+    assert calls == [(None, ["config.json", hub.INDEX_FILE, *hub.TOKENIZER_FILES,
+                             "generation_config.json"]),
+                     (COMMIT, sorted(set(index["weight_map"].values())))]
+    calls.clear()
+    assert load_model_config(f"{REPO}@main")["model_type"] == "llama"
+    assert calls == [("main", ["config.json"])]  # plan --model: the config alone
+
+
 def test_a_gated_model_without_a_token_is_refused_naming_the_token(monkeypatch, offline):
     """A gated model, as the Hub answers without a token (huggingface_hub's own error)."""
     import httpx2

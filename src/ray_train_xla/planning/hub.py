@@ -48,6 +48,19 @@ def hub_id(source: object) -> tuple[str, str | None] | None:
     return repo, revision or None
 
 
+def hf_cache(cache_dir: str | None = None) -> str:
+    """The Hugging Face cache directory ids are fetched into: ``cache_dir``, else
+    huggingface_hub's (``HF_HUB_CACHE``, else ``$HF_HOME/hub``). ImportError without
+    huggingface_hub, naming the fix."""
+    try:
+        from huggingface_hub import constants
+    except ImportError as exc:
+        raise ImportError("a Hugging Face Hub id is fetched with huggingface_hub: pip install "
+                          "huggingface_hub (transformers brings it), or give a model "
+                          "directory") from exc
+    return os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
+
+
 def snapshot(repo_id: str, revision: str | None = None, *, weights: bool = False,
              tokenizer: bool = False, cache_dir: str | None = None) -> str:
     """The snapshot directory of the Hub model ``repo_id`` at ``revision`` in the Hugging Face
@@ -97,9 +110,7 @@ class _Where:
         self.label = f"Hugging Face Hub id {repo_id}{'@' + revision if revision else ''}"
 
     def cache(self) -> str:
-        from huggingface_hub import constants
-
-        return os.path.abspath(os.path.expanduser(self.cache_dir or constants.HF_HUB_CACHE))
+        return hf_cache(self.cache_dir)
 
     @staticmethod
     def offline() -> bool:
@@ -125,10 +136,8 @@ class _Where:
         try:
             import huggingface_hub
             from huggingface_hub import errors
-        except ImportError as exc:
-            raise ImportError(f"{self.label}: fetching it needs huggingface_hub: pip install "
-                              "huggingface_hub (transformers brings it), or give a model "
-                              "directory") from exc
+        except ImportError:
+            hf_cache()  # raises, naming the fix
         try:
             return huggingface_hub.snapshot_download(
                 self.repo_id, revision=revision or self.revision, allow_patterns=names,

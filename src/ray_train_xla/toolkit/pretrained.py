@@ -345,23 +345,41 @@ def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float
       ``generation_config.json``. Files in the cache are not fetched again.
 
     A URI or an id is fetched once per node: the node's local rank 0 fetches it, the node's
-    other workers wait for it, at most ``timeout_s``, and get its error if it fails. Call it on
-    every worker, before building the model from the directory's ``config.json``."""
+    other workers wait for it, at most ``timeout_s``, and get its error if it fails (through
+    marker files beside the copy, or in the cache's ``.locks``: the node's workers must see one
+    cache directory). Call it on every worker, before building the model from the directory's
+    ``config.json``."""
+    import hashlib
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")  # fresh for every fit and restart
     ident = hub_id(path)
     if ident is not None:
-        return _once_per_node(
-            path, f"hub {path} {cache_dir} {weights}", timeout_s,
-            lambda: snapshot(*ident, weights=weights, tokenizer=True, cache_dir=cache_dir))
+        from ray_train_xla.planning.hub import hf_cache
+
+        marker = os.path.join(hf_cache(cache_dir), ".locks", "ray-train-xla-" + hashlib.sha256(
+            f"{path} {weights}".encode()).hexdigest()[:16] + f".{run}")
+
+        def fetch_id() -> str:
+            local = snapshot(*ident, weights=weights, tokenizer=True, cache_dir=cache_dir)
+            _write_marker(f"{marker}.done", local)  # the snapshot, for the node's other workers
+            return local
+
+        def answer() -> str:
+            with open(f"{marker}.done", encoding="utf-8") as f:
+                return f.read()
+
+        return _once_per_node(path, f"{marker}.done", f"{marker}.failed", timeout_s, fetch_id,
+                              answer)
     if "://" not in path:
         return path
-    import hashlib
     import tempfile
 
     root = cache_dir or os.environ.get("RAY_TRAIN_XLA_MODEL_CACHE") or tempfile.gettempdir()
     cache = os.path.join(root, "ray-train-xla-model-" + hashlib.sha256(path.encode()).hexdigest()[:16])
+    done = os.path.join(cache, ".complete")
 
-    def fetch() -> str:
-        if os.path.exists(os.path.join(cache, ".complete")):
+    def fetch_uri() -> str:
+        if os.path.exists(done):
             return cache
         import uuid
 
@@ -377,29 +395,24 @@ def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float
             try:
                 os.rename(tmp, cache)  # whole, with its marker, or not at all
             except OSError:  # another process's complete copy is there: keep it
-                if not os.path.exists(os.path.join(cache, ".complete")):
+                if not os.path.exists(done):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return cache
 
-    return _once_per_node(path, f"uri {path} {cache}", timeout_s, fetch)
+    return _once_per_node(path, done, f"{cache}.{run}.failed", timeout_s, fetch_uri,
+                          lambda: cache)
 
 
-def _once_per_node(source: str, key: str, timeout_s: float, fetch) -> str:
-    """``fetch()`` (a local directory) on this node's local rank 0, handed to the node's other
-    workers through a marker file of this run in the temporary directory (node-local): they
-    wait for it at most ``timeout_s`` and get rank 0's error if it failed."""
-    import hashlib
-    import tempfile
+def _once_per_node(source: str, done: str, failed: str, timeout_s: float, fetch, answer) -> str:
+    """``fetch()`` on this node's local rank 0 (which makes ``done`` exist, or raises: its error
+    is written to ``failed``); the node's other workers wait for either, at most ``timeout_s``,
+    then return ``answer()`` or raise rank 0's error."""
     import time
 
     from ray_train_xla.toolkit.ranks import local_rank
 
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")  # fresh for every fit and restart
-    marker = os.path.join(tempfile.gettempdir(), "ray-train-xla-fetch-"
-                          + hashlib.sha256(key.encode()).hexdigest()[:16] + f".{run}")
-    done, failed = f"{marker}.done", f"{marker}.failed"
     if local_rank() == 0:
         try:
             local = fetch()
@@ -408,7 +421,6 @@ def _once_per_node(source: str, key: str, timeout_s: float, fetch) -> str:
             raise
         if os.path.exists(failed):
             os.remove(failed)
-        _write_marker(done, local)
         return local
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(done):
@@ -418,14 +430,16 @@ def _once_per_node(source: str, key: str, timeout_s: float, fetch) -> str:
                               f"{source}: {f.read()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"load_pretrained: {source} was not fetched by this node's local "
-                               f"rank 0 within {timeout_s:g} s (pretrained_path's timeout_s)")
+                               f"rank 0 within {timeout_s:g} s (pretrained_path's timeout_s): "
+                               f"{done} did not appear (the node's workers must see one cache "
+                               "directory)")
         time.sleep(0.2)
-    with open(done, encoding="utf-8") as f:
-        return f.read()
+    return answer()
 
 
 def _write_marker(path: str, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (a waiting worker never reads half)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
