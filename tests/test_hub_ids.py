@@ -25,7 +25,8 @@ pytestmark = pytest.mark.native  # `make test-native` runs it again on the nativ
 
 REPO = "org/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-PLAN = ["plan", "--workers-per-node", "2", "--device-memory", "1GiB", "--json", "--model"]
+PLAN = ["plan", "--runtime", "native", "--workers-per-node", "2", "--device-memory", "1GiB", "--json",
+        "--model"]
 
 
 @pytest.fixture(scope="module")
