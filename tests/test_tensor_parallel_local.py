@@ -219,14 +219,19 @@ def test_sequence_parallel_with_the_loss_on_split_logits_trains_as_one_process(r
     rec = runs["tp2_dp2_sp"]
     exact(rec)
     assert rec["logits"] == ["DTensor", "(Shard(dim=2),)"]  # split on the vocabulary
+    assert "length 15 is not a multiple of tp=2" in rec["uneven"]
     assert rec["placements"]["model.layers.1.post_attention_layernorm.weight"] == [
         "('dp_shard', 'tp')", ["S(0)", "R"]]
 
 
-def test_tp4_with_tied_embeddings_trains_as_one_process(runs):
-    rec = runs["tp4_tied"]
+def test_tp4_sequence_parallel_with_tied_embeddings_trains_as_one_process(runs):
+    rec = runs["tp4_tied_sp"]
     exact(rec)
     assert rec["tied_after"]  # embed_tokens and lm_head are one parameter again
+    assert rec["placements"]["model.embed_tokens.weight"] == ["('dp_shard', 'tp')", ["_S(0, 4)", "S(0)"]]
+    # A sequence SP cannot split evenly: refused before any collective.
+    assert rec["uneven"] == ("sequence_parallel: the sequence length 15 is not a multiple of "
+                             "tp=4; pad each batch to a multiple of 4")
 
 
 def test_hsdp_by_tp_and_per_head_norms_train_as_one_process(runs):

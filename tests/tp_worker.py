@@ -6,6 +6,7 @@ each scenario on its mesh of ``(dp_replicate, dp_shard, tp)`` and rank 0 writes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -118,7 +119,9 @@ def my_rank() -> int:
     return dist.get_rank()
 
 
+@functools.cache
 def layout(shape):
+    """The mesh of ``shape``, made once per rank: the scenarios of one shape share its groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -136,8 +139,9 @@ def scenarios():
         "tp2_dp2_sp": ("llama", False, (1, 2, 2),
                        {"sequence_parallel": True, "loss_parallel": True,
                         "auto_wrap_policy": {LlamaDecoderLayer}}, {"parallel_loss": True}),
-        # TP 4 alone (4 key/value heads), tied embeddings (embed_tokens and lm_head one parameter).
-        "tp4_tied": ("llama", True, (1, 1, 4), {}, {}),
+        # TP 4 alone (4 key/value heads) with sequence parallelism, the logits gathered; tied
+        # embeddings (embed_tokens and lm_head one parameter).
+        "tp4_tied_sp": ("llama", True, (1, 1, 4), {"sequence_parallel": True}, {}),
         # HSDP (2 replicas) x TP 2; Qwen3's per-head q_norm/k_norm (replicated_with_grad_allreduce).
         "hsdp_tp2_qwen3": ("qwen3", False, (2, 1, 2), {}, {}),
         # Mixed precision (bf16 compute, fp32 gradient reduction) with sequence parallelism.
@@ -184,6 +188,11 @@ def run_scenario(name, kind, tied, shape, kwargs, train_kwargs, refs) -> dict:
             logits = model(input_ids=tokens(0)[:1], use_cache=False).logits
             rec["logits"] = [type(logits).__name__, str(getattr(logits, "placements", None))]
             assert isinstance(logits, DTensor)
+        if kwargs.get("sequence_parallel"):
+            try:
+                model(input_ids=tokens(0)[:1, :-1], use_cache=False)
+            except ValueError as e:
+                rec["uneven"] = str(e)
         losses = train(model, mesh, **train_kwargs)
         state = whole(model.state_dict())
     except Exception as e:  # the controls may fail loudly instead of numerically

@@ -19,6 +19,7 @@ This module is only imported on native workers: it never imports torch_xla.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from typing import Any
@@ -112,8 +113,9 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False, *,
     norms run on their slice (``SequenceParallel``), the attention's ``hidden_states`` and the
     MLP's input are all-gathered (``PrepareModuleInput``), and its row-wise outputs
     reduce-scattered. The model's outputs (``last_hidden_state``, ``hidden_states``) are then
-    each rank's slices of the sequence; the logits are whole. For training: the inputs are
-    whole sequences and ``logits_to_keep`` is left at 0.
+    each rank's slices of the sequence; the logits are whole. For training: the sequence
+    length is a multiple of the TP degree (:func:`parallelize` refuses others) and
+    ``logits_to_keep`` is left at 0.
 
     ``loss_parallel``: the output projection's logits stay split on the vocabulary (a DTensor,
     ``Shard(-1)``); compute the loss and run backward inside
@@ -364,10 +366,23 @@ def parallelize(
             parallelize_module(model, mesh[TP_DIM], styles, src_data_rank=None if many else 0)
             _retie(model, ties)
 
-    return prepare_fsdp2(model, data_parallel_mesh(mesh), auto_wrap_policy=auto_wrap_policy,
-                         mixed_precision=mixed_precision,
-                         activation_checkpointing=activation_checkpointing,
-                         reshard_after_forward=reshard_after_forward, before_sharding=split)
+    model = prepare_fsdp2(model, data_parallel_mesh(mesh), auto_wrap_policy=auto_wrap_policy,
+                          mixed_precision=mixed_precision,
+                          activation_checkpointing=activation_checkpointing,
+                          reshard_after_forward=reshard_after_forward, before_sharding=split)
+    if split is not None and sequence_parallel:  # first of all hooks: before FSDP2 gathers
+        model.register_forward_pre_hook(functools.partial(_whole_slices, tp), with_kwargs=True,
+                                        prepend=True)
+    return model
+
+
+def _whole_slices(tp: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Sequence parallelism splits the sequence in ``tp`` equal slices: refuse, before any
+    collective, a batch whose length is not a multiple of ``tp``."""
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] % tp:
+            raise ValueError(f"sequence_parallel: the sequence length {value.shape[1]} is not a "
+                             f"multiple of tp={tp}; pad each batch to a multiple of {tp}")
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
