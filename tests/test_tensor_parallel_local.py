@@ -91,6 +91,25 @@ def test_sequence_parallel_splits_the_stream_between_the_layers():
     assert layouts(styles["lm_head"]) == ("ColwiseParallel", ("S(1)",), ("R",), True)
 
 
+def test_sequence_parallel_refuses_layers_it_does_not_know():
+    import transformers
+
+    from ray_train_xla.toolkit import tensor_parallel as tp
+
+    model = meta_model("llama")
+    with torch.device("meta"):
+        for layer in model.model.layers:
+            layer.gate = torch.nn.Linear(64, 64)  # neither a norm nor in the plan
+    tp.tp_plan(model)  # without sequence parallelism it stays as it is
+    with pytest.raises(ValueError, match=r"model.layers.\*.gate \(Linear\) is neither a norm nor"):
+        tp.tp_plan(model, sequence_parallel=True)
+    with torch.device("meta"):
+        base = transformers.LlamaModel(meta_model("llama").config)  # no head
+    assert "lm_head" not in tp.tp_plan(base, sequence_parallel=True)
+    with pytest.raises(ValueError, match="loss_parallel needs an output projection"):
+        tp.tp_plan(base, loss_parallel=True)
+
+
 def test_per_head_norms_keep_a_weight_whose_gradient_sums_over_the_tp_group():
     from ray_train_xla.toolkit import tensor_parallel as tp
 
