@@ -293,6 +293,9 @@ def load_pretrained(
     mixed_precision=None,
     activation_checkpointing: bool = False,
     shard_output=None,
+    parallelism=None,
+    tp_plan=None,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
     """Shard ``model`` (built on the meta device) and fill it from the Hugging Face model
     directory ``path`` by slices; returns the sharded model (as ``prepare_sharded_model``).
@@ -303,7 +306,8 @@ def load_pretrained(
     ``org/name@revision``), fetched once per node (:func:`pretrained_path`). ``dtype``:
     the parameters' dtype (the stored one is converted as it is read); default, the model's as
     built (``from_config(config, dtype=torch.bfloat16)`` builds bf16). The other arguments are
-    ``prepare_sharded_model``'s. Raises ``CheckpointMismatchError`` before anything is
+    ``prepare_sharded_model``'s: under a layout with tensor parallelism each rank reads only its
+    tensor-parallel slices of its shards. Raises ``CheckpointMismatchError`` before anything is
     allocated when the checkpoint does not fit the model (every key and shape named)."""
     from ray_train_xla.toolkit.sharding import prepare_sharded_model
 
@@ -314,7 +318,8 @@ def load_pretrained(
         cast_parameters(model, dtype)
     names = plan_names(model, saved, path)  # before anything is allocated
     shard = {"auto_wrap_policy": auto_wrap_policy, "mixed_precision": mixed_precision,
-             "activation_checkpointing": activation_checkpointing}
+             "activation_checkpointing": activation_checkpointing, "parallelism": parallelism,
+             "tp_plan": tp_plan, "sequence_parallel": sequence_parallel}
     # FSDP2 shards the model first, each rank reading its slices; torch_xla FSDPv2: one process
     # per host reads the model once, on the CPU, then shards it.
     native = is_native()
