@@ -625,3 +625,207 @@ def test_memory_every_is_the_configs_option_in_the_environment_plan(runtime, cap
                  "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     assert [p["env"][MEMORY_EVERY_VAR] for p in plans] == ["5", "5"]
+
+
+# ---- the layout: tensor parallelism, activations, the TP plan picks ------------------------------
+
+LLAMA3_405B = dict(LLAMA3_8B, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                   num_attention_heads=128)
+# transformers 5.25's styles (distributed/tensor_parallel.py): what each splits of a module.
+SPLIT_WEIGHT_AND_BIAS = {"colwise", "colwise_gather_output", "embedding_rowwise"}  # Shard(0)
+SPLIT_WEIGHT = {"rowwise"}  # weight Shard(-1), bias Replicate
+
+
+def _per_tp_rank(model, tp: int) -> dict[str, int]:
+    """What one rank of a TP group of ``tp`` holds of each parameter when transformers' own
+    plan (``model.tp_plan``: the config's base_model_tp_plan, the head's _tp_plan and the
+    vocabulary-parallel embedding) is applied: a split tensor's first rank holds ceil(n / tp)
+    of its split dimension, anything the plan does not split is whole. Tied weights once."""
+    import fnmatch
+
+    plan = model.tp_plan
+    out = {}
+    for name, p in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(module, k)), None)
+        dim = 0 if style in SPLIT_WEIGHT_AND_BIAS else \
+            p.dim() - 1 if style in SPLIT_WEIGHT and kind == "weight" else None
+        if dim is None:
+            out[name] = p.numel()
+        else:
+            out[name] = p.numel() // p.shape[dim] * math.ceil(p.shape[dim] / tp)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_shards_are_what_transformers_own_plan_splits(case):
+    """Per TP rank: q/k/v, gate/up split with their biases, o/down split but not their biases,
+    norms (and Qwen3's and Gemma 3's per-head q/k norms) whole, the embedding and the LM head
+    split on the vocabulary, as transformers' plan for the model built on the meta device."""
+    config = _small_configs()[case]
+    model = _meta_model(config)
+    shape = model_shape(config.to_dict())
+    for tp in (1, 2):
+        held = _per_tp_rank(model, tp)
+        assert shape.tp_parameters(tp) == sum(held.values()), (case, tp)
+        assert shape.layer_tp_parameters(tp) == sum(
+            v for k, v in held.items() if k.startswith("model.layers.0."))
+        assert shape.root_tp_parameters(tp) == sum(
+            v for k, v in held.items() if not k.startswith("model.layers."))
+    assert shape.tp_parameters(1) == shape.parameters
+    # The norms are whole on every rank: a TP group holds more than the model.
+    assert 2 * shape.tp_parameters(2) > shape.parameters
+
+
+def test_each_device_holds_its_tp_share_sharded_over_the_data_parallel_devices():
+    shape = model_shape(LLAMA3_70B)
+    plan = plan_memory(shape, devices=512, devices_per_host=64, tp=8, param_dtype="bf16")
+    assert plan.layout == Layout(dp_replicate=1, dp_shard=64, tp=8)
+    d = plan.per_device
+    assert d["parameters"] == 2 * math.ceil(shape.tp_parameters(8) / 64)
+    assert d["gathered_layers"] == 2 * 2 * shape.layer_tp_parameters(8)  # a layer's TP share
+    assert d["gathered_root"] == 2 * shape.root_tp_parameters(8)
+    assert plan.to_json()["layout"]["describe"] == "FSDP 64 x TP 8"
+    # HSDP over hosts with TP inside each: 8 replicas of FSDP 8 x TP 8.
+    hsdp = plan_memory(shape, devices=512, devices_per_host=64, tp=8, sharding="hsdp")
+    assert hsdp.layout == Layout(dp_replicate=8, dp_shard=8, tp=8)
+    for per_host, tp, says in ((8, 16, "tp=16 does not divide the 8 devices of a host"),
+                               (64, 32, "tp=32 does not divide the model's 8 key/value heads"),
+                               (64, 3, "needs a multiple of 3 devices")):
+        with pytest.raises(XLAConfigError, match=re.escape(says)):
+            plan_memory(shape, devices=512, devices_per_host=per_host, tp=tp)
+    with pytest.raises(XLAConfigError, match="tp=2 needs the model's shape"):
+        plan_memory(10**9, devices=8, devices_per_host=8, tp=2)
+
+
+# A small Llama: h=64, q=4 heads x 16, k=2 KV heads x 16 = 32, f=176, 3 layers, vocab 1000.
+SMALL_LLAMA = {"model_type": "llama", **SMALL}
+
+
+def test_activations_are_the_documented_formula():
+    """Hand-counted for the small Llama at s=8 tokens, b=2, bf16 (c=2), tensor by tensor:
+    norms' inputs 2*h*s, the q/k/v and gate/up inputs 2*h*s, Q+K+V+O (2q+2k)*s, the gated
+    MLP 4*f*s, times c*b; the log-sum-exp 4*b*s*a."""
+    shape = model_shape(SMALL_LLAMA)
+    base = shape.activation_bytes(8, 2)
+    per_layer = 2 * 2 * (2 * 64 * 8 + 2 * 64 * 8 + (2 * 64 + 2 * 32 + 4 * 176) * 8) + 4 * 2 * 8 * 4
+    assert per_layer == 37120
+    assert base == {"per_layer": 37120, "layers": 3 * 37120,
+                    "root": 2 * 2 * 64 * (8 + 8),  # the final norm's and the head's inputs
+                    "logits": 4 * 2 * 8 * 1000}  # fp32
+    # TP 2 with SP: the norms on half the sequence, the projections' inputs whole (gathered),
+    # heads and MLP width halved.
+    sp = shape.activation_bytes(8, 2, tp=2, sequence_parallel=True, loss_parallel=True)
+    assert sp["per_layer"] == 2 * 2 * (2 * 64 * 4 + 2 * 64 * 8 + (2 * 32 + 2 * 16 + 4 * 88) * 8) \
+        + 4 * 2 * 8 * 2 == 20608
+    assert sp["root"] == 2 * 2 * 64 * (4 + 8) and sp["logits"] == 4 * 2 * 8 * 500
+    # Checkpointing: each layer keeps its input (c*b*s*h, /t with SP), one layer recomputed.
+    ac = shape.activation_bytes(8, 2, checkpointing=True)
+    assert ac["layers"] == 3 * 2 * 2 * 8 * 64 + 37120 == 43264
+    ac_sp = shape.activation_bytes(8, 2, tp=2, sequence_parallel=True, checkpointing=True)
+    assert ac_sp["layers"] == 3 * 2 * 2 * 4 * 64 + 20608
+    # fp32 compute (FSDPv2 over fp32 parameters) doubles all but the fp32 log-sum-exp.
+    assert shape.activation_bytes(8, 2, compute_bytes=4)["per_layer"] == 2 * (37120 - 256) + 256
+
+
+def test_activations_match_korthikanti_without_dropout_and_scores():
+    """Korthikanti et al. 2022, sec. 4.1-4.2, at 16 bits: per layer s*b*h*(34 + 5*a*s/h), and
+    with TP t s*b*h*(10 + 24/t + 5*a*s/(h*t)). For an attention whose K and V have all the
+    heads and an MLP whose four gated tensors of width 2h hold what GeLU's two of 4h hold,
+    ours is that without the two dropout masks (2*s*b*h) and the scores (5*a*s*s*b), plus
+    FlashAttention's fp32 log-sum-exp (4*s*b*a/t)."""
+    h, a, s, b = 256, 8, 32, 2
+    shape = model_shape({"model_type": "llama", "vocab_size": 1000, "hidden_size": h,
+                         "intermediate_size": 2 * h, "num_hidden_layers": 1,
+                         "num_attention_heads": a, "num_key_value_heads": a})
+    for t in (1, 2, 4):
+        paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        ours = shape.activation_bytes(s, b, tp=t)["per_layer"]
+        assert ours == paper - 2 * s * b * h - 5 * a * s * s * b / t + 4 * s * b * a / t
+    assert shape.activation_bytes(s, b)["per_layer"] == \
+        s * b * h * (34 + 5 * a * s / h) - 2 * s * b * h - 5 * a * s * s * b + 4 * s * b * a
+
+
+def test_the_table_counts_activations_at_seq_len_and_micro_batch(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)
+    args = TRN2 + ["--model", model, "--tp", "2", "--seq-len", "2048", "--micro-batch", "2",
+                   "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    counted = model_shape(LLAMA3_8B).activation_bytes(2048, 2, tp=2)
+    assert plan["per_device"]["activations"] == counted["layers"] + counted["root"]
+    assert plan["per_device"]["logits"] == counted["logits"] == 4 * 2 * 2048 * 128256
+    assert plan["activations"]["seq_len"] == 2048 and plan["activations"]["micro_batch"] == 2
+    assert main(args + ["--activation-checkpointing", "--sequence-parallel",
+                        "--loss-parallel"]) == 0
+    less = json.loads(capsys.readouterr().out)
+    assert less["per_device"]["activations"] < plan["per_device"]["activations"] / 5
+    assert less["per_device"]["logits"] == plan["per_device"]["logits"] // 2
+    # Activation flags plan memory: without --model they are refused.
+    for flag in (["--seq-len", "8"], ["--micro-batch", "2"], ["--activation-checkpointing"],
+                 ["--sequence-parallel"], ["--loss-parallel"]):
+        assert main(["plan", "--runtime", "native", *flag]) == 2
+        assert f"{flag[0]} plans memory: use it with --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,nodes,flags,tp,total", [
+    # 70B on one trn2.48xlarge, bf16 state (fp32's three staged sets exceed the host): TP 1
+    # needs 23.66 of 24 GiB, TP 2 leaves room.
+    (LLAMA3_70B, 1, ["--param-dtype", "bf16"], 2, "17.01"),
+    # 405B on 8: TP 1 needs 51.86 GiB, TP 2 33.00, TP 4 23.57 (98%); TP 8 fits.
+    (LLAMA3_405B, 8, [], 8, "18.86"),
+])
+def test_plan_picks_the_smallest_tp_that_fits_within_a_node(config, nodes, flags, tp, total,
+                                                            tmp_path, capsys):
+    model = _write(tmp_path, config)
+    args = TRN2_AC + ["--nodes", str(nodes), "--model", model, *flags]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    layout = f"FSDP {64 * nodes // tp} x TP {tp}"
+    assert f"{layout} (dp_replicate=1,dp_shard={64 * nodes // tp},tp={tp})" in out
+    assert f"Picked TP {tp}, the smallest that fits a device with 10% left: TP 1 needs" in out
+    assert main(args + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["describe"] == layout and f"{plan['per_device']['total'] / GIB:.2f}" == \
+        total
+    tried = plan["picked"]["tried"]
+    assert [t["tp"] for t in tried] == [t for t in (1, 2, 4, 8) if t <= tp]
+    assert all(not t["roomy"] for t in tried[:-1]) and tried[-1]["roomy"]
+    # --tp plans the TP asked for, with no pick.
+    assert main(args + ["--tp", "8", "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["layout"]["tp"] == 8 and "picked" not in asked
+
+
+def test_405b_on_8_trn2_nodes_is_offered_the_layout_that_fits(tmp_path, capsys):
+    """Without activation checkpointing no TP fits; the refusal offers it with sequence
+    parallelism, at the TP plan picks, and that is what plan then plans."""
+    model = _write(tmp_path, LLAMA3_405B)
+    args = TRN2 + ["--nodes", "8", "--model", model]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs 335.19 GiB per device with FSDP over 512 devices" in err
+    assert "with TP 2: 206.10 GiB, TP 4: 141.56 GiB, TP 8: 109.29 GiB" in err
+    assert "FSDP 64 x TP 8 (512 devices) with activation checkpointing and sequence " \
+           "parallelism (--activation-checkpointing --sequence-parallel: 18.86 GiB" in err
+    assert "does not model" not in err
+    for flags, figure in _offered(err):
+        assert main(_apply(args, flags) + ["--json"]) == 0, flags
+        plan = json.loads(capsys.readouterr().out)
+        assert f"{plan['per_device']['total'] / GIB:.2f}" == figure and not plan["warnings"]
+    # With --tp 2 given, the offers name the TP to use instead.
+    assert main(args + ["--tp", "2"]) == 2
+    assert "(--tp 8 --activation-checkpointing --sequence-parallel: 18.86 GiB" in \
+        capsys.readouterr().err
+
+
+def test_a_tp_that_does_not_divide_the_model_is_refused_in_plans_flags(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)  # 32 heads, 8 KV heads
+    assert main(TRN2 + ["--model", model, "--tp", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "the layout: --tp 16 does not divide the model's 8 key/value heads" in err
+    assert "Use --tp among [1, 2, 4, 8]" in err and "parallelism=" not in err
+    assert main(TRN2 + ["--model", model, "--nodes", "2", "--workers-per-node", "6,6",
+                        "--tp", "4"]) == 2
+    assert "--tp 4 puts ranks 4 to 7 in one tensor-parallel group across 2 nodes" in \
+        capsys.readouterr().err

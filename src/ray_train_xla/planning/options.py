@@ -235,13 +235,14 @@ class XLAOptions:
             raise err("spmd", self.spmd, "True or False")
         wanted = Parallelism.of(self.parallelism)
         if wanted is not None and not self.spmd and (wanted.tp > 1 or wanted.dp_replicate > 1):
-            raise err("parallelism", wanted.to_dict(),
-                      Term("None without spmd=True", "no --tp or --dp-replicate without --spmd"),
-                      self._owner,
-                      ": under torch_xla the layout is the SPMD mesh's axes (FSDPv2 x TP); pass ",
-                      Term("spmd=True", "--spmd"), ", or use ",
-                      Term("TorchNeuronConfig / TorchTPUConfig", "--runtime native"),
-                      " (FSDP2 x TP)")
+            raise XLAConfigError(
+                Term(f"{self._owner}.parallelism={wanted.to_dict()!r} is not valid: expected "
+                     "None without spmd=True",
+                     f"the layout (--tp, --dp-replicate) is not valid with {self._owner}: "
+                     "expected it only with --spmd"),
+                ": under torch_xla the layout is the SPMD mesh's axes (FSDPv2 x TP); pass ",
+                Term("spmd=True", "--spmd"), ", or use ",
+                Term("TorchNeuronConfig / TorchTPUConfig", "--runtime native"), " (FSDP2 x TP).")
         if self.spmd and self.runtime == "xrt":
             raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
         n = self.cpu_devices_per_worker
