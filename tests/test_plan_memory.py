@@ -456,14 +456,13 @@ def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
         assert f"{plan['per_device']['total'] / GIB:.2f}" == figure, flags
     fixes = [flags for flags, _ in offered]
     if case == "v6e-16":
-        # Nothing fits 16 chips, whatever the TP; only v6e slice sizes are offered, with the
-        # TP that plan picks there: 64 chips with activation checkpointing, or 32 with bf16
-        # too (not "6 hosts of 4").
+        # Nothing fits 16 chips, whatever the TP, nor any slice as it is; the smallest v6e
+        # slice size that fits is offered, with the changes and the TP plan picks there (not
+        # "6 hosts of 4").
         assert "hosts of 4 devices with" not in err
-        assert fixes == ["--accelerator-type v6e-64 --nodes 16 --activation-checkpointing",
-                         "--accelerator-type v6e-32 --nodes 8 --activation-checkpointing "
+        assert fixes == ["--accelerator-type v6e-32 --nodes 8 --activation-checkpointing "
                          "--param-dtype bf16"]
-        assert "v6e-64 slice (16 hosts of 4 devices) with FSDP 32 x TP 2 (64 devices)" in err
+        assert "v6e-32 slice (8 hosts of 4 devices) with FSDP 16 x TP 2 (32 devices)" in err
     if case == "v5p-64-hsdp":
         # FSDP over the job's own 32 devices fits: no smaller (9 devices) or larger cluster.
         assert fixes == ["--sharding fsdp"] and "9 devices" not in err

@@ -1036,8 +1036,9 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
     smallest larger TP degree (``MemoryPlan.tp_choices``), FSDP instead of HSDP, activation
     checkpointing, sequence parallelism (with TP), bf16 parameters and AdamW state, one
     checkpoint in flight, the memory tier off (the fewest of these, at the smallest TP, that fit
-    together); the smallest larger cluster that fits as it is, and with bf16 where that is
-    smaller (``larger(cluster, at_least)``, default ``larger_clusters``: more hosts like these);
+    together); the smallest larger cluster that fits as it is, and where nothing fits these
+    devices the smallest that fits with activation checkpointing, sequence parallelism or bf16
+    (``larger(cluster, at_least)``, default ``larger_clusters``: more hosts like these);
     last, the flags for hardware with more memory. ``pick``: the plan's TP was picked
     (``pick_tp``), so is each remedy's, from TP 1 up, and its flags leave ``--tp`` out."""
     changes = []  # (flags, what, plan_memory arguments)
@@ -1092,12 +1093,11 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
                     fixes.append(f"{what} ({' '.join(flags)}: {_figures(again)})")
                     break
     # A larger cluster, laid out with FSDP over its hosts and the smallest TP that fits: as
-    # the plan is; where nothing fits these devices, also with the other changes (the fewest
-    # that fit somewhere, and those that fit the smallest cluster). When FSDP on these devices
-    # fits, that is the fix.
+    # the plan is; where nothing fits these devices, also the smallest cluster that fits with
+    # the other changes. When FSDP on these devices fits, that is the fix.
     larger = larger or larger_clusters
     found = None
-    clusters: list[str] = []  # each smaller than the one before, with more changes
+    clusters: list[tuple[tuple[int, ...], str]] = []  # each smaller than the one before
     same = [f for f, _ in fitting]
     others = [i for i, c in enumerate(changes) if c[2].keys() & {
         "activation_checkpointing", "sequence_parallel", "param_dtype"}] if not fixes else []
@@ -1127,11 +1127,12 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
                 + tp_flags(tp) + [changes[i][0] for i in chosen]
             what = _and([spread(again.layout, again.devices)]
                         + [changes[i][1] for i in chosen])
-            clusters.append(f"{scale.label} with {what} ({' '.join(flags)}: "
-                            f"{_figures(again)})")
+            clusters.append((chosen, f"{scale.label} with {what} ({' '.join(flags)}: "
+                                     f"{_figures(again)})"))
             break
-    # The one with the fewest changes, and the smallest where that is another.
-    fixes += clusters[:1] + clusters[-1:] if len(clusters) > 1 else clusters
+    # The cluster that fits as the plan is, and the smallest (with more changes).
+    fixes += [text for i, (chosen, text) in enumerate(clusters)
+              if (i == 0 and not chosen) or i == len(clusters) - 1]
     if not fixes:
         fixes.append(f"a shorter --seq-len or a smaller --micro-batch if that is enough (no "
                      f"layout tried fits: TP among {tps}, with and without activation "
