@@ -828,3 +828,26 @@ def test_a_tp_that_does_not_divide_the_model_is_refused_in_plans_flags(tmp_path,
                         "--tp", "4"]) == 2
     assert "--tp 4 puts ranks 4 to 7 in one tensor-parallel group across 2 nodes" in \
         capsys.readouterr().err
+
+
+def test_the_layouts_benchmark_writes_what_plan_picks(tmp_path):
+    """benchmarks/bench_plan_layouts.py (docs/benchmarks.md): every case either fits with the
+    layout plan picked, or is refused with a remedy; 405B on 8 trn2.48xlarge with activation
+    checkpointing and SP is FSDP 64 x TP 8."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                        "bench_plan_layouts.py")
+    spec = importlib.util.spec_from_file_location("bench_plan_layouts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "plan_layouts.json").read_text())["rows"]
+    assert len(rows) == 2 * 5 * 3
+    assert all(r["layout"] if r["fits"] else r["first_remedy"] for r in rows)
+    row = next(r for r in rows if r["model"] == "Llama-3.1-405B" and
+               r["cluster"] == "trn2.48xlarge x 8" and r["setting"] == "AC + SP")
+    assert (row["layout"], row["per_device_gib"]) == ("FSDP 64 x TP 8", 18.86)
+    assert "| Llama-3.1-405B | trn2.48xlarge x 8 | AC + SP | FSDP 64 x TP 8 (512 devices) | " \
+        "18.86 of 24.00 |" in (tmp_path / "plan_layouts.md").read_text()
