@@ -1087,7 +1087,7 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
                     fitting.append((picked, tp))
                     flags = tp_flags(tp) + [changes[i][0] for i in chosen]
                     what = _and([changes[i][1] for i in chosen])
-                    if tp != plan.layout.tp or (pick and tp > 1):
+                    if tp > 1 if pick else tp != plan.layout.tp:
                         what = spread(again.layout, again.devices) + (f" with {what}" if what
                                                                       else "")
                     fixes.append(f"{what} ({' '.join(flags)}: {_figures(again)})")
