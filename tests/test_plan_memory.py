@@ -433,7 +433,8 @@ def _apply(args: list[str], flags: str) -> list[str]:
     return args
 
 
-@pytest.mark.parametrize("case", ["trn2-host", "v6e-16", "v5p-64-hsdp", "trn2-tier"])
+@pytest.mark.parametrize("case", ["trn2-host", "v6e-16", "v5p-64-hsdp", "trn2-tier",
+                                  "trn2-replicas"])
 def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
     model = _write(tmp_path, LLAMA3_70B)
     args = {"trn2-host": TRN2_AC,
@@ -443,7 +444,9 @@ def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
                             "--workers-per-node", "4", "--sharding", "hsdp",
                             "--activation-checkpointing"],
             "trn2-tier": TRN2_AC + ["--param-dtype", "bf16", "--memory-every", "10",
-                                    "--max-in-flight", "3"]}[case] + ["--model", model]
+                                    "--max-in-flight", "3"],
+            "trn2-replicas": TRN2_AC + ["--nodes", "2", "--dp-replicate", "2"]}[case] + [
+                "--model", model]
     assert main(args) == 2
     err = capsys.readouterr().err
     offered = _offered(err)
@@ -467,6 +470,9 @@ def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
         # FSDP over the job's own 32 devices fits: no smaller (9 devices) or larger cluster.
         assert fixes == ["--sharding fsdp"] and "9 devices" not in err
         assert "use FSDP over all 32 devices (--sharding fsdp" in err
+    if case == "trn2-replicas":
+        # Each replica (a node) holds the whole state: FSDP over both nodes halves a host's.
+        assert fixes[0] == "--dp-replicate 1" and "use FSDP 64 x TP 2 (128 devices) (" in err
     if case == "trn2-tier":
         # four staged sets and the tier's two slots: 2365 GiB; either alone fits a 2 TiB host
         assert fixes == ["--max-in-flight 1", "without --memory-every", "--nodes 3"]

@@ -1086,10 +1086,13 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
                 if again is not None and again.fits and again.roomy:
                     fitting.append((picked, tp))
                     flags = tp_flags(tp) + [changes[i][0] for i in chosen]
-                    what = _and([changes[i][1] for i in chosen])
-                    if tp > 1 if pick else tp != plan.layout.tp:
+                    if tp > 1 if pick else tp != plan.layout.tp:  # the layout says it all
+                        what = _and([changes[i][1] for i in chosen
+                                     if "dp_replicate" not in changes[i][2]])
                         what = spread(again.layout, again.devices) + (f" with {what}" if what
                                                                       else "")
+                    else:
+                        what = _and([changes[i][1] for i in chosen])
                     fixes.append(f"{what} ({' '.join(flags)}: {_figures(again)})")
                     break
     # A larger cluster, laid out with FSDP over its hosts and the smallest TP that fits: as

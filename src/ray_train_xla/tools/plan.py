@@ -74,8 +74,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "examples: the backend takes free ports and a fresh id at every fit(). With --model, "
         "plan memory instead of the environment: the topology is checked the same way, then "
         "the model's parameters, gradients and AdamW state laid out over the devices (one per "
-        "worker; with --spmd every device of each worker: tensor parallelism inside a node, "
-        "FSDP over the rest), the layers FSDP gathers, the activations at --seq-len and "
+        "worker; with --spmd every device of each worker), tensor parallelism inside a node "
+        "and FSDP over the rest, the layers FSDP gathers, the activations at --seq-len and "
         "--micro-batch and the logits, and what each host holds at load and at a checkpoint "
         "(the staging pool's sets, the memory tier's copies), in GiB (2^30 bytes). Without "
         "--tp it picks the smallest TP that fits a device with 10% left. A plan that does not "
@@ -206,8 +206,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
-        help="with --model: fsdp shards over every device (default); hsdp shards within a node "
-        "and replicates across nodes (get_sharded_mesh('hsdp'))",
+        help="with --model: fsdp shards over every device the TP groups leave (default); hsdp "
+        "shards within a node and replicates across nodes (get_sharded_mesh('hsdp'), as "
+        "--dp-replicate <nodes>)",
     )
     plan.add_argument(
         "--seq-len", type=positive_int, default=None, metavar="TOKENS",
