@@ -12,7 +12,12 @@ sharded on its own; ``--hsdp`` (FSDP2 only) shards within a node and replicates 
 Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors), on a filesystem
 every node reads (read in place), since Ray Data's tokenizing tasks read its tokenizer too (in
 a training function of your own, ``rtx.pretrained_path(uri)`` fetches an ``s3://`` or ``gs://``
-model once per node). Each worker builds the model from its ``config.json`` on the meta
+model once per node); or ``--model ORG/NAME[@REVISION]``, a Hugging Face Hub id (one that is no
+existing path): each node's local rank 0 fetches it into the node's Hugging Face cache
+(``rtx.pretrained_path``; ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` as
+huggingface_hub reads them), the tokenizing tasks load its tokenizer by the id, and the driver
+fetches its config and tokenizer files (not its weights) to check the id before Ray starts and
+for the export. Each worker builds the model from its ``config.json`` on the meta
 device and ``rtx.load_pretrained`` fills it by slices in the training dtype: under FSDP2 each
 worker reads only its own shards, under FSDPv2 the host's one process reads the model once; no
 process holds more, so a model larger than one host loads the same way. Without ``--model``, a
@@ -101,7 +106,7 @@ def ft_config(**overrides) -> dict:
     from ``seq_len`` unless given (then ``seq_len`` is their largest); ``lr`` None is
     :func:`default_lr` of the model."""
     config = {
-        "model": None,  # a local path (or hub name) for from_pretrained; None: the small Llama
+        "model": None,  # a model directory or a Hub id; None: the small Llama
         "hidden": 64, "layers": 2, "heads": 4, "ff": 128,
         "seq_len": DEFAULT_SEQ_LEN, "buckets": None, "pack": False,
         "batch_size": 8, "accum": 1,
@@ -426,7 +431,7 @@ def make_datasets(examples: list, config: dict, eval_fraction: float = EVAL_FRAC
 
 
 def make_model(config: dict, dtype=None):
-    """The causal LM: for ``config["model"]`` (a model directory), built from its
+    """The causal LM: for ``config["model"]`` (a local model directory), built from its
     ``config.json`` on the meta device (no memory: ``load_pretrained`` allocates each rank's
     shards and reads them); else a small random Llama on the CPU (fp32)."""
     import torch
@@ -549,6 +554,8 @@ def train_loop(config: dict) -> None:
     # A pretrained model is loaded by slices in its training dtype (bf16 on devices): FSDP2 reads
     # each rank's slices; under FSDPv2 the host's one process reads it once, then shards it.
     dtype = torch.bfloat16 if bf16 else torch.float32
+    if config["model"]:  # a Hub id: fetched once per node into its Hugging Face cache
+        config = {**config, "model": rtx.pretrained_path(config["model"])}
     model = make_model(config, dtype)
     hf_config = source_config(config, model)
     blocks = block_classes(model)
@@ -786,13 +793,24 @@ def export_hf(checkpoint, out_dir: str, source: str | None = None, dtype: str | 
     """Write a Hugging Face model directory from a sharded checkpoint (a Ray ``Checkpoint``,
     read through its own filesystem: local, S3, GCS), one tensor at a time and only the
     model's tensors; ``from_pretrained(out_dir)`` loads it. The dtype defaults to the
-    pretrained model's stored one; ``source`` (the pretrained directory) gives the config and
-    the tokenizer files."""
+    pretrained model's stored one; ``source`` (the pretrained directory or Hub id) gives the
+    config and the tokenizer files."""
     from ray_train_xla.tools.consolidate import consolidate_hf
 
-    local_source = source if source and os.path.isdir(source) else None
-    return consolidate_hf(checkpoint.path, out_dir, config=local_source, dtype=dtype,
+    return consolidate_hf(checkpoint.path, out_dir, config=model_source(source), dtype=dtype,
                           filesystem=checkpoint.filesystem)
+
+
+def model_source(model: str | None) -> str | None:
+    """``--model``'s config and tokenizer files on this machine: its directory, or a Hub id's
+    snapshot in the Hugging Face cache (fetched here, without the weights); None for the random
+    model or a directory this machine does not see."""
+    if not model:
+        return None
+    from ray_train_xla.toolkit.pretrained import pretrained_path
+
+    local = pretrained_path(model, weights=False)
+    return local if os.path.isdir(local) else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -818,7 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None,
                         help="Ray cluster address (e.g. auto); default: an embedded local Ray")
     parser.add_argument("--model", default=None,
-                        help="from_pretrained path (a hub name needs network); default: a small "
+                        help="a save_pretrained directory every node reads, or a Hugging Face "
+                        "Hub id ORG/NAME[@REVISION] (fetched once per node into its Hugging Face "
+                        "cache: HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN apply); default: a small "
                         "random Llama and a byte-level tokenizer")
     parser.add_argument("--data", default=None, metavar="FILE",
                         help="a local file the driver reads: FILE.jsonl, one JSON object a line, "
@@ -982,7 +1002,8 @@ def check_examples(parser: argparse.ArgumentParser, args: argparse.Namespace, ex
 def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, list]:
     """Every check of a run up to, not including, ``ray.init``: the flags, the config object's
     own validation, the data (read here: the driver hands it to Ray Data) and, for chat data with
-    ``--model``, its tokenizer. Touches neither Ray nor remote storage. Returns (args, the
+    ``--model``, its tokenizer. Touches neither Ray nor remote storage, but for a Hub id's
+    config and tokenizer files, fetched into the Hugging Face cache. Returns (args, the
     training function's config, the examples); an error exits as argparse does (status 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1001,13 +1022,21 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, l
         parser.error(str(e))
     if args.model and "://" in args.model:
         parser.error(f"--model {args.model}: give a directory every node reads (a shared "
-                     "filesystem): Ray Data's tokenizing tasks read the tokenizer from it too")
+                     "filesystem): Ray Data's tokenizing tasks read the tokenizer from it too; "
+                     "or a Hugging Face Hub id")
+    from ray_train_xla.planning.hub import hub_id
+
+    if args.model and hub_id(args.model):
+        try:  # the id, its access and its config, before Ray starts
+            model_source(args.model)
+        except (OSError, ImportError) as e:
+            parser.error(f"--model {args.model}: {e}")
     # The model directory is checked where the driver sees it: always for a local run; on a
     # cluster (--address) a path only the workers see is checked by them.
-    if args.model and "://" not in args.model and (os.path.exists(args.model) or not args.address):
+    elif args.model and "://" not in args.model and (os.path.exists(args.model) or not args.address):
         if not os.path.isdir(args.model):
             parser.error(f"--model {args.model}: no such directory (give a local directory "
-                         "save_pretrained wrote)")
+                         "save_pretrained wrote, or a Hugging Face Hub id ORG/NAME)")
         from ray_train_xla.toolkit.pretrained import safetensors_files
 
         try:

@@ -549,7 +549,8 @@ def test_the_checks_find_what_they_are_for():
 
     old = declared("prepare_sharded_model", "model, mesh=None, *, auto_wrap_policy=None, "
                    "mixed_precision=None, activation_checkpointing=False")
-    assert old == ["leaves out shard_output (write them, or '...' where they go)"]
+    assert old == ["leaves out shard_output, parallelism, tp_plan, sequence_parallel, "
+                   "loss_parallel (write them, or '...' where they go)"]
     assert "leaves out flops_per_step, peak_tflops, straggler_threshold" in declared(
         "configure_timeline", "samples_per_step=None, tokens_per_step=None, interval_s=None, "
         "storage_interval_s=None")[0]

@@ -258,3 +258,32 @@ def test_chat_spans_through_a_chat_template(ft, tmp_path):
     with pytest.raises(SystemExit):
         ft.validate(["--config", "neuron", "--data", str(data), "--batch-size", "2",
                      "--model", str(tmp_path / "plain-tok"), "--no-export"])
+
+
+def test_a_hugging_face_hub_id_is_accepted_and_checked_before_ray(ft, tmp_path, monkeypatch,
+                                                                   capsys):
+    """``--model ORG/NAME`` that is no path: the driver fetches the id's config (offline here,
+    from a Hugging Face cache laid out by hand) and keeps the id for the workers; an id the
+    cache does not hold offline is refused naming the cache and the fix."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for var, value in (("HF_HUB_OFFLINE", True), ("HF_HUB_CACHE", str(tmp_path / "hub"))):
+        monkeypatch.setenv(var, str(int(value)) if value is True else value)
+        monkeypatch.setattr(constants, var, value)  # huggingface_hub read them at its import
+    monkeypatch.chdir(tmp_path)
+    args, config, _ = ft.validate(["--config", "neuron", "--model", "org/tiny", "--no-export"])
+    assert args.model == config["model"] == "org/tiny" and config["lr"] == ft.PRETRAINED_LR
+    assert ft.model_source("org/tiny") == str(repo / "snapshots" / commit)  # for the export
+    with pytest.raises(SystemExit):
+        ft.validate(["--config", "neuron", "--model", "org/unknown", "--no-export"])
+    err = capsys.readouterr().err
+    assert "--model org/unknown" in err and "HF_HUB_OFFLINE=1" in err and str(tmp_path / "hub") in err
+    with pytest.raises(SystemExit):
+        ft.validate(["--config", "neuron", "--model", "no-such-dir", "--no-export"])
+    assert "or a Hugging Face Hub id" in capsys.readouterr().err

@@ -71,3 +71,20 @@ def test_tp_must_divide_the_models_heads_and_mlp():
     assert "[1, 2, 4, 8]" in str(info.value)
     with pytest.raises(XLAConfigError, match="vocabulary"):
         Layout(1, 1, 4).check_model(heads=8, kv_heads=8, mlp=64, vocab=50257)
+
+
+def test_check_scaling_config_refuses_a_layout_the_workers_cannot_make():
+    """Before fit(): the config's parallelism against each end of the worker count."""
+    from ray.train import ScalingConfig
+
+    import ray_train_xla as rtx
+
+    assert rtx.check_scaling_config(ScalingConfig(num_workers=8),
+                                    rtx.TorchNeuronConfig(parallelism={"tp": 4})) == (8, 8)
+    with pytest.raises(XLAConfigError) as info:
+        rtx.check_scaling_config(ScalingConfig(num_workers=6),
+                                 rtx.TorchTPUConfig(parallelism={"tp": 4}))
+    assert "ScalingConfig(num_workers=6)" in str(info.value) and "tp among [1, 2, 3, 6]" in str(info.value)
+    with pytest.raises(XLAConfigError, match=r"needs a multiple of 8 devices, but the job has 4"):
+        rtx.check_scaling_config(ScalingConfig(num_workers=(4, 8)),
+                                 rtx.TorchNeuronConfig(parallelism={"tp": 2, "dp_shard": 4}))

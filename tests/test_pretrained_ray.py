@@ -12,7 +12,9 @@ bf16 (``rtx.load_pretrained``), measures its own peak memory growth during the l
 the logits of a fixed batch (in fp32, from the bf16 weights), takes two SGD steps on its top
 block, norm and head with the rest frozen (a plain ``optimizer.step()``) and exports the
 trained model from all four workers in the stored dtype (``rtx.export_pretrained``), measuring
-again. The driver compares the logits with
+again. The Llama is read as a Hugging Face Hub id from a cache laid out by hand (offline:
+``HF_HUB_OFFLINE=1`` on the workers), the Qwen2 from a ``file://`` URI: each fetched once per
+node, the node's other workers waiting for it. The driver compares the logits with
 ``from_pretrained``'s in one process, and the export's, loaded with ``from_pretrained``, with
 the trained model's; ``goodput`` counts the plain steps and their time as the loop timed it.
 """
@@ -39,6 +41,7 @@ STEPS = 2
 PROBE = (torch.arange(64).reshape(4, 16) * 7 + 3) % 32000
 SHARD = "120MB"  # the source's largest file: 3 files of the 336 MB Llama
 EXPORT_SHARD = 100 * 10**6
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # of the laid-out Hub cache
 
 
 def llama_config():
@@ -108,6 +111,9 @@ def load_train_export(config):
 
     path = rtx.pretrained_path(config["uri"], cache_dir=config["cache"])  # once per node
     record["path"] = path
+    from huggingface_hub import constants
+
+    record["hf_offline"] = constants.HF_HUB_OFFLINE
     hf_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
@@ -138,7 +144,9 @@ def load_train_export(config):
     with torch.no_grad():
         trained = model(input_ids=probe, use_cache=False).logits
     with PeakGrowth() as export:
-        summary = rtx.export_pretrained(model, config["export"], source=path,
+        # source: the local copy of a URI; a Hub id as is (its tokenizer files from the cache)
+        summary = rtx.export_pretrained(model, config["export"],
+                                        source=path if "://" in config["uri"] else config["uri"],
                                         max_shard_bytes=config["export_shard"])
     record["export_growth"] = export.bytes
     record["export"] = summary
@@ -169,17 +177,28 @@ def run(kind: str, mismatched: str):
     source = os.path.join(root, "source")
     config = llama_config() if kind == "neuron" else qwen2_config()
     model_bytes = save_source(config, source)
-    torch_config = (TorchNeuronConfig if kind == "neuron" else TorchTPUConfig)(device="cpu",
-                                                                              timeout_s=300)
+    # The neuron run reads a Hub id from a Hugging Face cache laid out by hand (the snapshot's
+    # files link to the source's, as the cache's link to its blobs), offline.
+    hub, repo = os.path.join(root, "hub"), os.path.join(root, "hub", "models--org--llama")
+    snapshot = os.path.join(repo, "snapshots", COMMIT)
+    os.makedirs(snapshot)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(COMMIT)
+    for name in os.listdir(source):
+        os.symlink(os.path.join(source, name), os.path.join(snapshot, name))
+    torch_config = (TorchNeuronConfig if kind == "neuron" else TorchTPUConfig)(
+        device="cpu", timeout_s=300, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": hub})
     from ray.train import RunConfig
 
     _, records = fit(load_train_export, torch_config=torch_config,
                      scaling_config=ScalingConfig(num_workers=WORKERS,
                                                   resources_per_worker={"CPU": 1}),
                      run_config=RunConfig(storage_path=root, name="run"),
-                     # The tpu run reads a URI, fetched once per node into "cache".
-                     loop_config={"uri": f"file://{source}" if kind == "tpu" else source,
-                                  "cache": os.path.join(root, "cache"),
+                     # The tpu run reads a URI, fetched once per node into "cache"; the
+                     # neuron run a Hub id.
+                     loop_config={"uri": f"file://{source}" if kind == "tpu" else "org/llama",
+                                  "cache": os.path.join(root, "cache") if kind == "tpu" else hub,
                                   "bad": mismatched, "probe": PROBE.tolist(), "root": root,
                                   "export": os.path.join(root, "export"),
                                   "export_shard": EXPORT_SHARD})
@@ -193,12 +212,14 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
     root, source, model_bytes, records = run(kind, mismatched)
     records = sorted((r for r in records if "rank" in r), key=lambda r: r["rank"])
     assert [r["rank"] for r in records] == list(range(WORKERS))
+    assert all(r["hf_offline"] for r in records)  # env=... reached huggingface_hub's import
     if kind == "tpu":  # one copy for the node's four workers, nothing else left in the cache
         copies = os.listdir(os.path.join(root, "cache"))
         assert len(copies) == 1 and {r["path"] for r in records} == {
             os.path.join(root, "cache", copies[0])}, copies
-    else:
-        assert {r["path"] for r in records} == {source}
+    else:  # the Hub id's snapshot, read in place by the node's four workers
+        assert {r["path"] for r in records} == {
+            os.path.join(root, "hub", "models--org--llama", "snapshots", COMMIT)}
     assert len([n for n in os.listdir(source) if n.endswith(".safetensors")]) >= 3
     budget = 1.3 * model_bytes / WORKERS + 150 * 10**6  # the shards in bf16, and 150 MB
     largest = max(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(

@@ -286,6 +286,7 @@ ON_OBJECTS = {
     "._from_config": _pretrained_class,
     "._init_weights": _pretrained_class,
     "._tied_weights_keys": _pretrained_class,
+    "._tp_plan": _pretrained_class,
     "._keep_in_fp32_modules": _pretrained_class,
     "._keys_to_ignore_on_load_unexpected": _pretrained_class,
     "._is_sharded": _SetOnShards,

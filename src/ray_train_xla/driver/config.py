@@ -209,6 +209,22 @@ class TorchTPUConfig(_RayHooks, TPUOptions, TorchConfig):
                       "and 'gloo' on CPU")
 
 
+def _check_layout(num: Any, torch_config: Any) -> None:
+    """The config's ``parallelism`` against the worker count (each end of a range; SPMD workers
+    hold several devices each, whose count the driver does not know)."""
+    from ray_train_xla.planning.layout import Parallelism
+
+    if torch_config is None or getattr(torch_config, "spmd", False):
+        return
+    owner = type(torch_config).__name__
+    wanted = Parallelism.of(getattr(torch_config, "parallelism", None), f"{owner}: parallelism")
+    if wanted is None:
+        return
+    for count in (num if isinstance(num, tuple) else (num,)):
+        wanted.resolve(count, f"{owner}(parallelism={wanted.to_dict()}) with "
+                              f"ScalingConfig(num_workers={num})")
+
+
 def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple[int, int]:
     """Check an elastic ``ScalingConfig`` against this package before ``fit()``; return its
     ``(min_workers, max_workers)`` (``(n, n)`` for a fixed size).
@@ -229,12 +245,14 @@ def check_scaling_config(scaling_config: Any, torch_config: Any = None) -> tuple
       ``TorchTPUConfig`` and ``TorchXLAConfig`` without SPMD run one worker per device (two per
       chip), so Ray must count TPU per device (``RAY_TPU_RESOURCE_PER_CHIP=2``, read here as
       Ray's ``get_tpu_worker_resources`` reads it, in the driver) with ``{'TPU': 1}`` per
-      worker; slices are then counted in devices (a 2x2x4 slice: 32 workers).
+      worker; slices are then counted in devices (a 2x2x4 slice: 32 workers);
+    - the config's ``parallelism``: its sizes must make the worker count (each end of a range).
     """
     import os
 
     _check_v7x_count(scaling_config, torch_config)
     num = scaling_config.num_workers
+    _check_layout(num, torch_config)
     if not isinstance(num, tuple):
         return (num, num)
     v2 = os.environ.get("RAY_TRAIN_V2_ENABLED", "1") != "0"  # Ray's own switch (2.60: V2 default)

@@ -3,7 +3,8 @@
 Pure: reads JSON only (neither torch, Ray nor transformers), so ``ray-train-xla plan --model``
 answers "does this model fit this cluster?" before anything is started or bought.
 
-- ``load_model_config``: a Hugging Face ``config.json`` (a model directory or the file itself);
+- ``load_model_config``: a Hugging Face ``config.json`` (a model directory, the file itself, or
+  a Hub id, whose ``config.json`` alone is fetched);
 - ``model_shape``: the decoder's sizes (``ModelShape``), with the exact parameter count that
   ``transformers`` builds for the Llama-like families in ``FAMILIES``, and the keys taken from
   the family's defaults because the config lacks them;
@@ -313,14 +314,24 @@ class ModelShape:
 
 def load_model_config(source: str | os.PathLike) -> dict[str, Any]:
     """The JSON of a Hugging Face config: ``source`` is a model directory holding
-    ``config.json``, or a JSON file. Raises XLAConfigError naming the path and what to give."""
+    ``config.json``, a JSON file, or a Hub id (``planning/hub.py``: only its ``config.json`` is
+    fetched, into the Hugging Face cache). Raises XLAConfigError naming the source and what to
+    give."""
+    from ray_train_xla.planning import hub
+
+    ident = hub.hub_id(source)
+    if ident is not None:
+        try:
+            source = hub.snapshot(*ident)
+        except (OSError, ImportError) as exc:
+            raise XLAConfigError(f"model config: {exc}") from None
     path = os.fspath(source)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         where = (f"{path!r} is a directory without config.json" if os.path.isdir(path)
                  else f"{path!r} does not exist")
         raise XLAConfigError(f"model config: {where}: give a Hugging Face model directory holding "
-                             "config.json, or the path of a config.json")
+                             f"config.json, the path of a config.json, or {hub.SOURCES}")
     try:
         with open(file, encoding="utf-8") as f:
             config = json.load(f)

@@ -25,6 +25,8 @@ from ray_train_xla.toolkit.ranks import local_rank, node_rank, rank, world_size
 
 FSDP_AXES = ("fsdp",)
 HSDP_AXES = ("replicate", "fsdp")
+# The data-parallel dims of a layout's mesh (tensor_parallel.data_parallel_mesh takes them).
+DP_AXES = (("dp_shard",), ("dp_replicate", "dp_shard"))
 
 
 def hsdp_shape() -> tuple[int, int]:
@@ -168,10 +170,14 @@ def prepare_fsdp2(
     mixed_precision=None,
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
+    before_sharding: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
-    """Shard ``model`` with FSDP2 on ``mesh`` (default :func:`native_mesh`): each block
-    ``auto_wrap_policy`` names on its own (innermost first), then the root. Every worker starts
-    from rank 0's values. Returns the model (now an FSDPModule)."""
+    """Shard ``model`` with FSDP2 on ``mesh`` (default :func:`native_mesh`; or the
+    data-parallel dims of a layout's mesh, ``("dp_shard",)`` or ``("dp_replicate",
+    "dp_shard")``): each block ``auto_wrap_policy`` names on its own (innermost first), then the
+    root. Every worker starts from rank 0's values. ``before_sharding(model)`` runs between the
+    two (tensor parallelism splits the parameters there). Returns the model (now an
+    FSDPModule)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -183,11 +189,13 @@ def prepare_fsdp2(
         return model
     mesh = mesh if mesh is not None else native_mesh()
     names = tuple(mesh.mesh_dim_names or ())
-    if names not in (FSDP_AXES, HSDP_AXES):
+    if names not in (FSDP_AXES, HSDP_AXES, *DP_AXES):
         raise ValueError(f"prepare_sharded_model: the mesh axes {names} are neither {FSDP_AXES} "
                          f"nor {HSDP_AXES}; build it with get_sharded_mesh(shape)")
     if dist.is_initialized() and dist.get_world_size() > 1:
         _same_start(model, host_group("startup"))
+    if before_sharding is not None:
+        before_sharding(model)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     policy = mixed_precision_policy(mixed_precision)
     if policy is not None:

@@ -159,7 +159,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)
-    sharded = _fsdp2_params(params) or find_sharded(params) is not None
+    fsdp2 = _fsdp2_params(params)
+    sharded = fsdp2 or find_sharded(params) is not None
     average = not sharded and world_size() > 1 and not spmd_global()
     if sharded:
         events.arrived()  # the norm over every shard is a collective
@@ -167,6 +168,10 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         with torch.no_grad():
             # the smallest optimizer-like view of the parameters (what _reduce reads)
             _reduce(types.SimpleNamespace(param_groups=[{"params": params}]), world_size(), bucket_mb)
+    if fsdp2:  # DTensors, on several meshes under tensor parallelism (norms apart from TP)
+        from ray_train_xla.toolkit.tensor_parallel import clip_grad_norm_ as clip_dtensors
+
+        return clip_dtensors(params, max_norm, norm_type).to(params[0].grad.device)
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     if average:
         reduced = _reduced()

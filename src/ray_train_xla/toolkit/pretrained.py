@@ -32,14 +32,10 @@ from typing import Any
 import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
+from ray_train_xla.planning.hub import INDEX_FILE, SOURCES, TOKENIZER_FILES, hub_id, snapshot
 from ray_train_xla.toolkit.device import get_device, is_native
 
 SAFETENSORS_SUFFIX = ".safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-# Files of a model directory that are not weights, copied to an export from its source.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "spiece.model")
 # Largest output file of an export, as Transformers' save_pretrained defaults on the Hub.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 SHARDED_SUBDIR = "sharded"  # HuggingFaceStorageWriter's per-rank files, removed at the end
@@ -67,7 +63,7 @@ def safetensors_files(path: str) -> list[str]:
     directories without weights, naming the fix."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_pretrained: {path} is not a directory (give the local "
-                                "directory save_pretrained wrote, or a URI of one)")
+                                f"directory save_pretrained wrote, a URI of one, or {SOURCES})")
     names = sorted(os.listdir(path))
     present = [n for n in names if n.endswith(SAFETENSORS_SUFFIX)]
     index = os.path.join(path, INDEX_FILE)
@@ -297,16 +293,21 @@ def load_pretrained(
     mixed_precision=None,
     activation_checkpointing: bool = False,
     shard_output=None,
+    parallelism=None,
+    tp_plan=None,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
     """Shard ``model`` (built on the meta device) and fill it from the Hugging Face model
     directory ``path`` by slices; returns the sharded model (as ``prepare_sharded_model``).
 
     ``path``: a directory ``save_pretrained`` wrote (``model.safetensors``, or shards with
-    ``model.safetensors.index.json``), read in place (a shared filesystem works as is), or a
-    URI (``s3://``, ``gs://``, any scheme pyarrow reads), fetched once per node. ``dtype``:
+    ``model.safetensors.index.json``), read in place (a shared filesystem works as is), a URI
+    (``s3://``, ``gs://``, any scheme pyarrow reads) or a Hugging Face Hub id (``org/name``,
+    ``org/name@revision``), fetched once per node (:func:`pretrained_path`). ``dtype``:
     the parameters' dtype (the stored one is converted as it is read); default, the model's as
     built (``from_config(config, dtype=torch.bfloat16)`` builds bf16). The other arguments are
-    ``prepare_sharded_model``'s. Raises ``CheckpointMismatchError`` before anything is
+    ``prepare_sharded_model``'s: under a layout with tensor parallelism each rank reads only its
+    tensor-parallel slices of its shards. Raises ``CheckpointMismatchError`` before anything is
     allocated when the checkpoint does not fit the model (every key and shape named)."""
     from ray_train_xla.toolkit.sharding import prepare_sharded_model
 
@@ -317,7 +318,8 @@ def load_pretrained(
         cast_parameters(model, dtype)
     names = plan_names(model, saved, path)  # before anything is allocated
     shard = {"auto_wrap_policy": auto_wrap_policy, "mixed_precision": mixed_precision,
-             "activation_checkpointing": activation_checkpointing}
+             "activation_checkpointing": activation_checkpointing, "parallelism": parallelism,
+             "tp_plan": tp_plan, "sequence_parallel": sequence_parallel}
     # FSDP2 shards the model first, each rank reading its slices; torch_xla FSDPv2: one process
     # per host reads the model once, on the CPU, then shards it.
     native = is_native()
@@ -332,28 +334,60 @@ def load_pretrained(
     return prepare_sharded_model(model, mesh, shard_output=shard_output, **shard)
 
 
-def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float = 1800.0) -> str:
-    """A local directory holding the model at ``path``: ``path`` itself when it is one (a
-    shared filesystem is read in place); for a URI (``s3://``, ``gs://``, any scheme pyarrow
-    reads), a node-local copy, fetched once per node: the node's local rank 0 downloads it into
-    ``cache_dir`` (default ``$RAY_TRAIN_XLA_MODEL_CACHE``, else the temporary directory), the
-    node's other workers wait for it, at most ``timeout_s``, and get its error if it fails. A
-    complete copy is reused by later runs (the URI names it: give a new URI for new weights).
-    Call it on every worker, before building the model from the directory's ``config.json``."""
+def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float = 1800.0,
+                    weights: bool = True) -> str:
+    """A local directory holding the model at ``path``, which is one of:
+
+    - a directory: ``path`` itself (a shared filesystem is read in place);
+    - a URI (``s3://``, ``gs://``, any scheme pyarrow reads): a node-local copy in ``cache_dir``
+      (default ``$RAY_TRAIN_XLA_MODEL_CACHE``, else the temporary directory), reused by later
+      runs (the URI names it: give a new URI for new weights);
+    - a Hugging Face Hub id (``org/name`` or ``org/name@revision`` that is no existing path):
+      its snapshot directory in the node's Hugging Face cache (``cache_dir``, default
+      huggingface_hub's: ``HF_HUB_CACHE``, else ``$HF_HOME/hub``; ``HF_HUB_OFFLINE`` and
+      ``HF_TOKEN`` as huggingface_hub reads them), holding ``config.json``, the safetensors
+      files its index lists (not with ``weights=False``), its tokenizer files and
+      ``generation_config.json``. Files in the cache are not fetched again.
+
+    A URI or an id is fetched once per node: the node's local rank 0 fetches it, the node's
+    other workers wait for it, at most ``timeout_s``, and get its error if it fails (through
+    marker files beside the copy, or in the cache's ``.locks``: the node's workers must see one
+    cache directory). Call it on every worker, before building the model from the directory's
+    ``config.json``."""
+    import hashlib
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")  # fresh for every fit and restart
+    ident = hub_id(path)
+    if ident is not None:
+        from ray_train_xla.planning.hub import hf_cache
+
+        marker = os.path.join(hf_cache(cache_dir), ".locks", "ray-train-xla-" + hashlib.sha256(
+            f"{path} {weights}".encode()).hexdigest()[:16] + f".{run}")
+
+        def fetch_id() -> str:
+            local = snapshot(*ident, weights=weights, tokenizer=True, cache_dir=cache_dir)
+            _write_marker(f"{marker}.done", local)  # the snapshot, for the node's other workers
+            return local
+
+        def answer() -> str:
+            with open(f"{marker}.done", encoding="utf-8") as f:
+                return f.read()
+
+        return _once_per_node(path, f"{marker}.done", f"{marker}.failed", timeout_s, fetch_id,
+                              answer)
     if "://" not in path:
         return path
-    import hashlib
     import tempfile
-    import time
-    import uuid
-
-    from ray_train_xla.toolkit.ranks import local_rank
 
     root = cache_dir or os.environ.get("RAY_TRAIN_XLA_MODEL_CACHE") or tempfile.gettempdir()
     cache = os.path.join(root, "ray-train-xla-model-" + hashlib.sha256(path.encode()).hexdigest()[:16])
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")  # a failure of this run, not an old one
-    done, failed = os.path.join(cache, ".complete"), f"{cache}.{run}.failed"
-    if local_rank() == 0 and not os.path.exists(done):
+    done = os.path.join(cache, ".complete")
+
+    def fetch_uri() -> str:
+        if os.path.exists(done):
+            return cache
+        import uuid
+
         import pyarrow.fs
 
         tmp = f"{cache}.{uuid.uuid4().hex}.tmp"
@@ -363,30 +397,58 @@ def pretrained_path(path: str, *, cache_dir: str | None = None, timeout_s: float
             pyarrow.fs.copy_files(remote, tmp, source_filesystem=filesystem,
                                   destination_filesystem=pyarrow.fs.LocalFileSystem())
             open(os.path.join(tmp, ".complete"), "w").close()
-            if os.path.exists(failed):
-                os.remove(failed)
             try:
                 os.rename(tmp, cache)  # whole, with its marker, or not at all
             except OSError:  # another process's complete copy is there: keep it
                 if not os.path.exists(done):
                     raise
-        except Exception as exc:
-            with open(failed, "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        return cache
+
+    return _once_per_node(path, done, f"{cache}.{run}.failed", timeout_s, fetch_uri,
+                          lambda: cache)
+
+
+def _once_per_node(source: str, done: str, failed: str, timeout_s: float, fetch, answer) -> str:
+    """``fetch()`` on this node's local rank 0 (which makes ``done`` exist, or raises: its error
+    is written to ``failed``); the node's other workers wait for either, at most ``timeout_s``,
+    then return ``answer()`` or raise rank 0's error."""
+    import time
+
+    from ray_train_xla.toolkit.ranks import local_rank
+
+    if local_rank() == 0:
+        try:
+            local = fetch()
+        except Exception as exc:
+            _write_marker(failed, f"{type(exc).__name__}: {exc}")
+            raise
+        if os.path.exists(failed):
+            os.remove(failed)
+        return local
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(done):
         if os.path.exists(failed):
-            with open(failed) as f:
-                raise OSError(f"load_pretrained: this node's local rank 0 could not fetch {path}: "
-                              f"{f.read()}")
+            with open(failed, encoding="utf-8") as f:
+                raise OSError(f"load_pretrained: this node's local rank 0 could not fetch "
+                              f"{source}: {f.read()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"load_pretrained: {path} was not fetched to {cache} by this node's "
-                               f"local rank 0 within {timeout_s:g} s (timeout_s)")
+            raise TimeoutError(f"load_pretrained: {source} was not fetched by this node's local "
+                               f"rank 0 within {timeout_s:g} s (pretrained_path's timeout_s): "
+                               f"{done} did not appear (the node's workers must see one cache "
+                               "directory)")
         time.sleep(0.2)
-    return cache
+    return answer()
+
+
+def _write_marker(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a waiting worker never reads half)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------- exporting
@@ -443,8 +505,9 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
     ``ray-train-xla consolidate --hf``.
 
     ``dtype``: the export's dtype; default, the dtype ``source``'s ``config.json`` names (the
-    pretrained model's), else the parameters'. ``source``: the directory the model was loaded
-    from; its tokenizer files are copied. ``config``: the model's Transformers config (default
+    pretrained model's), else the parameters'. ``source``: the directory or Hub id the model
+    was loaded from; its tokenizer files are copied (an id's are fetched once per node, without
+    its weights). ``config``: the model's Transformers config (default
     ``model.config``), written as ``config.json`` with ``generation_config.json``. Output files
     hold at most ``max_shard_bytes`` (``docs/sharded-models.md`` says how the slices are written
     and joined). An error on any rank is raised on every rank. Returns a summary (on every
@@ -461,6 +524,8 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
                          "_orig_module. names; save a checkpoint (rtx.save_checkpoint) and export it "
                          "with ray-train-xla consolidate CHECKPOINT OUT_DIR --hf")
     group = _dist_group()
+    if source is not None and hub_id(source) is not None:
+        source = pretrained_path(source, weights=False)
     dtype = parse_dtype(dtype) or _stored_dtype(source)
     # tied weights are written once, as Transformers does
     aliases = {alias for names in tied_groups(model) for alias in _tied_aliases(model, names)}

@@ -133,10 +133,15 @@ def get_sharded_mesh(shape=None):
     is on ``fsdp`` (parameters, gradients and optimizer state split N ways). Native configs
     (FSDP2): a DeviceMesh over the workers, 1-D ``("fsdp",)`` by default; a 2-D ``shape``
     ``(replicas, shards)`` gives ``("replicate", "fsdp")`` for HSDP, and ``"hsdp"`` one replica
-    per node (shards within a node, replicas across nodes)."""
+    per node (shards within a node, replicas across nodes). Under a layout of more than FSDP
+    (the config's ``parallelism``, ``configure_parallelism``), the layout's mesh, made once:
+    ``("dp_replicate", "dp_shard", "tp")``."""
     if is_native():
         from ray_train_xla.toolkit.fsdp2 import native_mesh
+        from ray_train_xla.toolkit.parallel import device_mesh, get_layout
 
+        if shape is None and not get_layout().trivial:
+            return device_mesh()  # the layout's: ("dp_replicate", "dp_shard", "tp")
         return native_mesh(shape)
     from ray_train_xla.toolkit.spmd import get_mesh
 
@@ -186,6 +191,10 @@ def prepare_sharded_model(
     shard_output=None,
     mixed_precision=None,
     activation_checkpointing: bool = False,
+    parallelism=None,
+    tp_plan=None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> torch.nn.Module:
     """Shard ``model`` over every device of the job, the same call on every config.
 
@@ -207,16 +216,42 @@ def prepare_sharded_model(
       feeds its own batch (``prepare_data_loader``), ``optimizer.step()`` or
       ``optimizer_step()`` is the step. ``mixed_precision="bf16"`` computes in bf16 and reduces
       gradients in fp32; ``activation_checkpointing=True`` recomputes each block in backward.
+      Under a layout with tensor parallelism or replicas (the config's ``parallelism``, or
+      ``parallelism=`` here, as ``configure_parallelism`` takes it) the model is split over
+      ``tp`` first, then FSDP2 shards it over the data-parallel dimensions
+      (``tensor_parallel.parallelize``): ``tp_plan`` is the plan (``{module path:
+      ParallelStyle}``, torch's ``parallelize_module`` form), by default a Hugging Face
+      decoder's own (``base_model_tp_plan``); ``sequence_parallel`` splits norms and the
+      residual stream over the sequence; ``loss_parallel`` keeps the logits split by
+      vocabulary (compute the loss and backward inside
+      ``torch.distributed.tensor.parallel.loss_parallel()``).
     """
     if is_native():
+        from ray_train_xla.planning.layout import DIMS
         from ray_train_xla.toolkit.fsdp2 import prepare_fsdp2
+        from ray_train_xla.toolkit.parallel import configure_parallelism, device_mesh, get_layout
+        from ray_train_xla.toolkit.tensor_parallel import parallelize
 
         if shard_output is not None:
             raise ValueError("prepare_sharded_model: shard_output is torch_xla FSDPv2's; FSDP2 "
                              "(native configs) returns the model's own outputs")
+        layout = configure_parallelism(parallelism) if parallelism is not None else get_layout()
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is None and (not layout.trivial or tp_plan is not None or sequence_parallel
+                             or loss_parallel):
+            mesh, names = device_mesh(), DIMS
+        if names == DIMS or "tp" in names:
+            return parallelize(model, mesh, tp_plan, sequence_parallel=sequence_parallel,
+                               loss_parallel=loss_parallel, auto_wrap_policy=auto_wrap_policy,
+                               mixed_precision=mixed_precision,
+                               activation_checkpointing=activation_checkpointing)
         return prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
                              mixed_precision=mixed_precision,
                              activation_checkpointing=activation_checkpointing)
+    if parallelism is not None or tp_plan is not None or sequence_parallel or loss_parallel:
+        raise ValueError("prepare_sharded_model: parallelism, tp_plan, sequence_parallel and "
+                         "loss_parallel shard with FSDP2 and DTensor: use TorchNeuronConfig or "
+                         "TorchTPUConfig (their CPU twins on the CPU)")
     from ray_train_xla.toolkit.checkpoint.names import remember
     from ray_train_xla.toolkit.spmd import require_spmd
 

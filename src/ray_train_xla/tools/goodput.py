@@ -64,24 +64,30 @@ def format_table(result: Goodput) -> str:
 
 def format_stragglers(result: Goodput) -> list[str]:
     """The stragglers' lines: each rank named, its own time a step, the others' median, the
-    excess a step and in all, and the share of the run it cost."""
+    excess a step and in all, and the share of the run it cost; a line for each worker group
+    whose events are older than per-step own times (its ranks not compared over the same steps)."""
     threshold = f"{result.threshold:.0%}"
-    measured = sum(1 for a in result.attempts if a.measured >= 2)
+    measured = [a for a in result.attempts if a.measured >= 2]
     if not measured:
         return ["stragglers: not measured (it takes 2 or more workers that reach optimizer_step, "
                 "reduce_gradients, clip_grad_norm_ or the forward of a prepare_sharded_model model)"]
+    older = [f"worker group {a.id[:12]}: events without per-step own times (written by an older "
+             "release): each rank's own time is the median of its spans' medians, over the "
+             "steps it wrote, not over the same steps" for a in measured if not a.same_steps]
     if not result.stragglers:
-        return [f"stragglers: none (in {measured} worker group(s), every rank's own time a step "
-                f"is within {threshold} of the step time of the other ranks' median)"]
-    lines = [f"stragglers: own time a step (before the gradient synchronisation) over the other "
-             f"ranks' median by more than {threshold} of the step time",
+        return [f"stragglers: none (in {len(measured)} worker group(s), every rank's median own "
+                f"time a step, over the steps every rank measured, is within {threshold} of the "
+                "step time of the other ranks' median)", *older]
+    lines = [f"stragglers: median own time a step (before the gradient synchronisation), over the "
+             f"steps every rank measured, over the other ranks' median by more than {threshold} "
+             "of the step time",
              f"{'worker group':<14}{'rank':>5}{'own s':>9}{'others s':>10}{'step s':>9}"
              f"{'excess/step':>13}{'steps':>7}{'excess s':>10}{'of run':>8}"]
     for st in result.stragglers:
         lines.append(f"{st.attempt[:12]:<14}{st.rank:>5}{st.own_s:>9.3f}{st.others_s:>10.3f}"
                      f"{st.step_s:>9.3f}{st.excess_per_step_s:>+13.3f}{st.steps:>7}"
                      f"{st.excess_s:>10.2f}{st.share:>8.1%}")
-    return lines
+    return [*lines, *older]
 
 
 COLORS = {"productive": "#3a9d3a", "start_up": "#9e9e9e", "compilation": "#d62728",
@@ -229,9 +235,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "each rank's MFU over time (needs matplotlib)")
     goodput.add_argument("--json", action="store_true", help="print the figures as JSON")
     goodput.add_argument("--straggler-threshold", type=_share, default=0.1, metavar="SHARE",
-                         help="name a rank a straggler when its own time a step (before the "
-                         "step's gradient synchronisation) exceeds the other ranks' median by "
-                         "more than this share of the step time (default 0.1)")
+                         help="name a rank a straggler when its median own time a step "
+                         "(before the step's gradient synchronisation, over the steps every rank "
+                         "measured) exceeds the other ranks' median by more than this share of "
+                         "the step time (default 0.1)")
     return goodput
 
 

@@ -198,11 +198,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "device --tp and --dp-replicate leave)",
     )
     plan.add_argument(
-        "--model", default=None, metavar="PATH_OR_CONFIG_JSON",
+        "--model", default=None, metavar="PATH_OR_HUB_ID",
         help="plan memory for this Hugging Face decoder instead of the environment: a model "
-        "directory holding config.json, or a config.json (model_type llama, mistral, qwen2, "
-        "qwen3, gemma, gemma2 or gemma3_text); with --runtime native, or --spmd (a config that "
-        "shards)",
+        "directory holding config.json, a config.json, or a Hugging Face Hub id "
+        "org/name[@revision] that is no existing path, whose config.json alone is fetched into "
+        "the Hugging Face cache (HF_HUB_CACHE; HF_HUB_OFFLINE and HF_TOKEN apply) (model_type "
+        "llama, mistral, qwen2, qwen3, gemma, gemma2 or gemma3_text); with --runtime native, or "
+        "--spmd (a config that shards)",
     )
     plan.add_argument(
         "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
@@ -471,7 +473,7 @@ def plan_environment(args: argparse.Namespace, config, runtime, topology, facts)
                         ("--sequence-parallel", args.sequence_parallel),
                         ("--loss-parallel", args.loss_parallel)):
         if given:
-            raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_CONFIG_JSON")
+            raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_HUB_ID")
     master = topology.workers[runtime.master_worker(topology)]
     needed = runtime.ports_needed(config)
     if args.master_port + needed > PORT_MAX:

@@ -14,7 +14,12 @@ or its workers stopped writing (killed: its end is their last write, known to wi
 
 A rank is a straggler when its median own time a step (``timeline.py``) exceeds the median of
 the other ranks' by more than ``threshold`` (10%) of the group's step time (medians: a single
-hiccup names no rank); that excess times its steps is what it cost every rank.
+hiccup names no rank); that excess times its steps is what it cost every rank. Every rank's
+median is taken over the same steps: those every measured rank has an own time for (each span
+keeps the own time of each of its steps), so neither where a rank's spans split nor how far
+its file lags behind the others' moves the figure. Events written before spans kept each
+step's own time hold one median a span: there a rank's median is the median of its spans'
+medians weighted by their steps, over whatever steps it wrote (``Attempt.same_steps`` False).
 """
 
 from __future__ import annotations
@@ -83,8 +88,9 @@ class Straggler:
     own_s: float  # its own time a step (median)
     others_s: float  # the median of the other ranks' own time a step
     step_s: float  # the group's step time (median over ranks)
-    steps: int  # its steps measured
+    steps: int  # the steps compared
     share: float = 0.0  # of the run's wall clock, ``excess_s`` (set by ``compute``)
+    same_steps: bool = True  # False: from per-span medians (events without per-step own times)
 
     @property
     def excess_per_step_s(self) -> float:
@@ -99,7 +105,7 @@ class Straggler:
         return {"attempt": self.attempt, "rank": self.rank, "own_s": self.own_s,
                 "others_s": self.others_s, "step_s": self.step_s, "steps": self.steps,
                 "excess_per_step_s": self.excess_per_step_s, "excess_s": self.excess_s,
-                "share": self.share}
+                "share": self.share, "same_steps": self.same_steps}
 
 
 @dataclass
@@ -116,6 +122,7 @@ class Attempt:
     mfu: float | None = None  # over its productive time (``mfu``), None without model FLOPs
     stragglers: list[Straggler] = field(default_factory=list)
     measured: int = 0  # ranks whose own time was measured (stragglers need 2)
+    same_steps: bool = True  # ranks compared over the same steps (False: older events)
 
     @property
     def goodput(self) -> float:
@@ -178,7 +185,7 @@ class Goodput:
                                                                   default=0),
                           "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
                           "restore": a.restore, "mfu": a.mfu, "effective_mfu": a.effective_mfu,
-                          "ranks_measured": a.measured,
+                          "ranks_measured": a.measured, "stragglers_same_steps": a.same_steps,
                           "stragglers": [s.to_json() for s in a.stragglers]}
                          for a in self.attempts],
         }
@@ -362,7 +369,8 @@ def compute(workers: list[Worker], run: str = "", straggler_threshold: float = 0
             attempt.lost_from = sum(lost_work_from(w, attempt.end, memory)
                                     for w in attempt.workers) / len(attempt.workers)
         attempt.mfu = mfu(attempt.workers, per_worker)
-        attempt.stragglers, attempt.measured = stragglers(attempt.workers, straggler_threshold)
+        attempt.stragglers, attempt.measured, attempt.same_steps = stragglers(
+            attempt.workers, straggler_threshold)
         for b in BUCKETS:
             totals[b] += attempt.buckets[b]
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
@@ -399,44 +407,93 @@ def goodput_of(run_path: str, straggler_threshold: float = 0.1) -> Goodput:
 # ---- stragglers -------------------------------------------------------------------------------
 
 
-def own_times(workers: list[Worker], since: float = 0.0) -> dict[int, tuple[float, float, int]]:
-    """Each measured rank's (median own time a step, step time, steps measured), over its spans
-    after its first step that end at ``since`` or later; the median is the median of its spans'
-    medians, each weighted by its steps."""
-    out = {}
+def own_times(workers: list[Worker], since: float = 0.0,
+              last_steps: int | None = None) -> dict[int, tuple[float, float, int]]:
+    """Each measured rank's (median own time a step, step time, steps compared), over its spans
+    after its first step that end at ``since`` or later, and of those steps the last
+    ``last_steps`` that every rank measured (the module docstring says how)."""
+    return _own_times(workers, since, last_steps)[0]
+
+
+def _row(spans: list[dict[str, Any]]) -> tuple[int, list[int | None]]:
+    """(index of the first step, the own time of each step from there in microseconds, None
+    where not measured) from spans with per-step own times."""
+    first = min(int(s["own_step"]) for s in spans)
+    row: list[int | None] = [None] * (max(int(s["own_step"]) + len(s["own_us"]) for s in spans)
+                                      - first)
+    for s in spans:
+        at = int(s["own_step"]) - first
+        row[at:at + len(s["own_us"])] = s["own_us"]
+    return first, row
+
+
+def _own_times(workers: list[Worker], since: float, last_steps: int | None = None
+               ) -> tuple[dict[int, tuple[float, float, int]], bool]:
+    """``own_times`` and whether the ranks were compared over the same steps (False: some
+    rank's events hold per-span medians only)."""
+    rows: dict[int, tuple[int, list[int | None]]] = {}  # rank: ``_row``
+    older: dict[int, tuple[float, int]] = {}  # rank: (weighted median of span medians, steps)
+    step_s: dict[int, float] = {}
     for w in workers:
-        spans = [s for s in w.spans
-                 if not s.get("first") and s.get("own_steps") and float(s["t1"]) >= since]
+        spans = [s for s in w.spans if not s.get("first") and float(s["t1"]) >= since
+                 and (s.get("own_us") or s.get("own_steps"))]
         steps = sum(int(s.get("steps", 0)) for s in spans)
-        if spans and steps:
-            medians = sorted((float(s["own_median_s"]), int(s["own_steps"])) for s in spans)
-            n = sum(c for _, c in medians)
-            seen = itertools.accumulate(c for _, c in medians)
-            median = next(v for (v, _), upto in zip(medians, seen) if 2 * upto >= n)
-            length = sum(float(s["t1"]) - float(s["t0"]) for s in spans)
-            out[w.rank] = (median, length / steps, n)
-    return out
+        if not spans or not steps:
+            continue
+        step_s[w.rank] = sum(float(s["t1"]) - float(s["t0"]) for s in spans) / steps
+        if all(s.get("own_us") for s in spans):
+            rows[w.rank] = _row(spans)
+            continue
+        medians = sorted((float(s["own_median_s"]), int(s["own_steps"])) for s in spans
+                         if s.get("own_steps"))
+        n = sum(c for _, c in medians)
+        seen = itertools.accumulate(c for _, c in medians)
+        older[w.rank] = next(v for (v, _), upto in zip(medians, seen) if 2 * upto >= n), n
+    out = {r: (median, step_s[r], n) for r, (median, n) in older.items()}
+    if older or not rows:
+        return {**out, **{r: (statistics.median(v for v in row if v is not None) * 1e-6,
+                              step_s[r], len(row) - row.count(None))
+                          for r, (_, row) in rows.items()}}, not older
+    # The same steps: the range every rank's row covers, less the steps some rank did not measure.
+    lo, hi = max(f for f, _ in rows.values()), min(f + len(row) for f, row in rows.values())
+    lo = max(lo, hi - last_steps) if last_steps else lo
+    if hi <= lo:  # no step that every rank measured
+        return {}, True
+    same = {r: row[lo - f:hi - f] for r, (f, row) in rows.items()}
+    gaps: set[int] = set()
+    for row in same.values():
+        at = -1
+        for _ in range(row.count(None)):
+            at = row.index(None, at + 1)
+            gaps.add(at)
+    if gaps:
+        same = {r: [v for i, v in enumerate(row) if i not in gaps] for r, row in same.items()}
+    return {r: (statistics.median(row) * 1e-6, step_s[r], len(row))
+            for r, row in same.items() if row}, True
 
 
-def stragglers(workers: list[Worker], threshold: float = 0.1,
-               since: float = 0.0) -> tuple[list[Straggler], int]:
-    """The stragglers of one worker group (the module docstring says how), slowest first, and
-    the number of ranks measured (none can be named below 2)."""
-    measured = own_times(workers, since)
+def stragglers(workers: list[Worker], threshold: float = 0.1, since: float = 0.0,
+               last_steps: int | None = None) -> tuple[list[Straggler], int, bool]:
+    """The stragglers of one worker group (the module docstring says how), slowest first, the
+    number of ranks measured (none can be named below 2) and whether they were compared over
+    the same steps (``own_times`` says which)."""
+    measured, same = _own_times(workers, since, last_steps)
     if len(measured) < 2:
-        return [], len(measured)
+        return [], len(measured), same
     attempt = workers[0].attempt
     step_s = statistics.median(v[1] for v in measured.values())
     found = []
     for rank, (own, _, n) in measured.items():
         others = statistics.median(v[0] for r, v in measured.items() if r != rank)
         if own - others > threshold * step_s:
-            found.append(Straggler(attempt, rank, own, others, step_s, n))
-    return sorted(found, key=lambda s: -s.excess_s), len(measured)
+            found.append(Straggler(attempt, rank, own, others, step_s, n, same_steps=same))
+    return sorted(found, key=lambda s: -s.excess_s), len(measured), same
 
 
-def live_stragglers(storage: Any, under: str, since: float,
-                    threshold: float = 0.1) -> list[Straggler]:
+def live_stragglers(storage: Any, under: str, since: float, threshold: float = 0.1,
+                    last_steps: int | None = None) -> list[Straggler]:
     """The stragglers of a running worker group (rank 0's Ray metric) from the newest event file
-    of each rank under ``under`` (``goodput/attempt-<id>``), over the spans ending at ``since`` on."""
-    return stragglers(read_run(storage, under, newest=True), threshold, since)[0]
+    of each rank under ``under`` (``goodput/attempt-<id>``), over the spans ending at ``since``
+    on and the last ``last_steps`` steps that every rank has written: a file that lags behind
+    the others' names no rank."""
+    return stragglers(read_run(storage, under, newest=True), threshold, since, last_steps)[0]

@@ -4,8 +4,8 @@ Prometheus and Grafana (the metrics: ``docs/observability.md``; the dashboard:
 ``interval_s``, never from the step. Ray exports them with its ``ray_`` prefix; they leave the
 node through Ray's metrics agent (``pip install 'ray[default]'``). Rank 0 also sets
 ``train_xla_straggler_excess_seconds`` for each rank it names a straggler
-(``goodput.stragglers``, every ``storage_interval_s``, over the last 5 minutes; 0 once no
-longer named).
+(``goodput.stragglers``, every ``storage_interval_s``, over the last 5 minutes and at most the
+last 2000 steps that every rank has written; 0 once no longer named).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class _Metrics:
         self.seconds = Counter("train_xla_time_seconds", "Seconds of step time, by bucket",
                                tag_keys=(*TAG_KEYS, "bucket"))
         self.straggler = Gauge("train_xla_straggler_excess_seconds", "Seconds a step by which "
-                               "this rank's own time (before the step's gradient synchronisation) "
-                               "exceeds the other ranks' median, for the ranks named stragglers",
+                               "this rank's median own time (before the step's gradient "
+                               "synchronisation) exceeds the other ranks' median, over the steps "
+                               "every rank has written, for the ranks named stragglers",
                                tag_keys=("run", "rank"))
         self.named: set[int] = set()  # ranks named stragglers so far (rank 0)
         self.stragglers: dict[int, float] = {}  # as last read

@@ -24,7 +24,6 @@ import contextlib
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +34,16 @@ from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
 logger = logging.getLogger(__name__)
 
 BUFFER_RECORDS = 65536  # steps (and marks) held between two background runs; older ones drop
-PART_LINES = 2000  # lines per goodput file part (a part is rewritten whole: bounded)
+# A goodput file part is rewritten whole at every write: it is bounded in lines and in bytes
+# (spans hold each step's own time: about 4 bytes a step, 20 KB a span at 1 step/ms; 2000
+# spans without them weigh about as much as this bound).
+PART_LINES = 2000
+PART_BYTES = 1 << 19
 MAX_COMPILE_EVENTS = 500  # compilation events kept per worker and attempt (storms are summed)
-STRAGGLER_WINDOW_S = 300.0  # rank 0's Ray metric names the stragglers of the last 5 minutes
+# Rank 0's Ray metric names the stragglers of the last 5 minutes, over at most the last 2000
+# steps every rank has written (the medians of 2000 steps: a few ms a rank every write).
+STRAGGLER_WINDOW_S = 300.0
+STRAGGLER_WINDOW_STEPS = 2000
 GOODPUT_DIR = "goodput"
 
 # Record kinds in the buffer.
@@ -210,6 +216,7 @@ class Timeline:
             "pid": os.getpid(),
         }  # what one step processes is added at each write of the first part (``_write``)
         self._lines = [json.dumps(self._header)]
+        self._bytes = 0  # of the lines of the current part (``PART_BYTES``)
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -389,12 +396,13 @@ class Timeline:
 
     def stragglers(self) -> dict[int, float]:
         """(Rank 0) the ranks named stragglers over the last ``STRAGGLER_WINDOW_S``, from every
-        rank's newest events: their excess own time a step, in seconds (``goodput.stragglers``)."""
+        rank's newest events, over the last ``STRAGGLER_WINDOW_STEPS`` steps every rank has
+        written: their excess own time a step, in seconds (``goodput.stragglers``)."""
         from ray_train_xla.toolkit.observability.goodput import live_stragglers
 
         found = live_stragglers(self._storage, self.path(0).rsplit("/", 1)[0],
                                 self._clock() - STRAGGLER_WINDOW_S,
-                                self._options().straggler_threshold)
+                                self._options().straggler_threshold, STRAGGLER_WINDOW_STEPS)
         return {s.rank: s.excess_per_step_s for s in found}
 
     def _drain(self) -> dict[str, float]:
@@ -434,7 +442,7 @@ class Timeline:
             span["last_step"] = steps
             window["steps"] += 1
             if own is not None and not compile_s:  # a step that compiled: the compiler's time
-                span.setdefault("own", []).append(own)
+                span.setdefault("own", []).append((steps, own))
         if kind != END:
             window["step_s"] += t1 - t0
         if compile_s > 0 and self._compile_events < MAX_COMPILE_EVENTS:
@@ -453,15 +461,20 @@ class Timeline:
     def _close_span(self) -> None:
         if self._span is not None:
             own = self._span.pop("own", None)
-            if own:  # the steps' own times: their sum, count and median
-                self._span.update(own_s=sum(own), own_steps=len(own),
-                                  own_median_s=statistics.median(own))
+            if own:  # each step's own time, in microseconds, by its index (None: not measured)
+                first = own[0][0]
+                values: list[int | None] = [None] * (own[-1][0] - first + 1)
+                for step, value in own:
+                    values[step - first] = round(value * 1e6)
+                self._span.update(own_step=first, own_us=values)
             self._event(self._span)
             self._span = None
 
     def _event(self, event: dict[str, Any], due: bool = False) -> None:
         """(Holding the lock) one goodput event; ``due``: written at the thread's next run."""
-        self._lines.append(json.dumps(event))
+        line = json.dumps(event, separators=(",", ":"))
+        self._lines.append(line)
+        self._bytes += len(line) + 1
         self._dirty = True
         if due:
             self._last_write = 0.0
@@ -494,9 +507,9 @@ class Timeline:
             self._lines.pop()  # the heartbeat stays only in what was written
         self._last_write = now
         self._dirty = False
-        if len(self._lines) >= PART_LINES:
+        if len(self._lines) >= PART_LINES or self._bytes >= PART_BYTES:
             self._part += 1
-            self._lines = []
+            self._lines, self._bytes = [], 0
 
     def path(self, part: int) -> str:
         return f"{GOODPUT_DIR}/attempt-{self.attempt or 'local'}/rank-{self.rank}.{part:04d}.jsonl"
