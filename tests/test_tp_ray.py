@@ -58,6 +58,7 @@ def _reference():
 def train_tp(config):
     """TP 2 x FSDP 2: the layout, the rows, training against the reference, a checkpoint."""
     import fsdp2_worker as w
+    import ray
     import ray.train
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
@@ -68,7 +69,7 @@ def train_tp(config):
     layout = rtx.get_layout()
     record = {"layout": layout.to_text(), "coords": layout.coordinates(rtx.rank()),
               "mesh_coords": device_mesh().get_coordinate(), "dp": list(rtx.data_parallel()),
-              "node": ray.train.get_context().get_node_rank()}
+              "node": ray.get_runtime_context().get_node_id()}  # the IP is every node's here
     # prepare_data_loader: this rank's rows, by data-parallel rank (two epochs' first batches).
     loader = rtx.prepare_data_loader(
         DataLoader(TensorDataset(torch.arange(ROWS)), batch_size=3, shuffle=True), to_device=False)
