@@ -60,11 +60,10 @@ def train_tp(config):
     import fsdp2_worker as w
     import ray
     import ray.train
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.parallel import device_mesh, group
+    from ray_train_xla.toolkit.parallel import device_mesh
 
     layout = rtx.get_layout()
     record = {"layout": layout.to_text(), "coords": layout.coordinates(rtx.rank()),
@@ -88,9 +87,8 @@ def train_tp(config):
         loss.backward()
         rtx.clip_grad_norm_(model, 1.0)
         rtx.optimizer_step(opt)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group("dp"))  # the batch's loss: the mean over dp ranks
-        losses.append(float(mean) / dp)
+        losses.append(float(rtx.all_reduce(loss.detach(), "mean", dim="dp")))  # over dp ranks
+    record["tp_sum"] = float(rtx.all_reduce(torch.tensor(float(rtx.rank())), dim="tp"))
     ref_losses, ref = _reference()
     state = w.named_state(model, opt)
     record["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -168,6 +166,8 @@ def test_tensor_parallel_peers_train_on_the_same_rows(runs):
 
 def test_tp2_fsdp2_trains_as_torchs_unsharded_run(runs):
     for r in runs["tp2"]:
+        # all_reduce(dim="tp") sums over the worker's tensor-parallel peers only: ranks 0+1, 2+3.
+        assert r["tp_sum"] == {0: 1.0, 1: 5.0}[r["coords"]["dp_shard"]], r
         assert r["loss_diff"] < 1e-5, r["loss_diff"]
         assert r["diff"] < 1e-5 < r["moved"], (r["diff"], r["moved"])
         placements = r["placements"]

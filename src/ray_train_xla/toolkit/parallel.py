@@ -163,6 +163,16 @@ def shared_with_tp_peers(batches: Iterable[Any]) -> Iterator[Any]:
         step += 1
 
 
+def group_size(dim: str) -> int:
+    """How many workers this worker's group along ``dim`` holds (``group``'s dims)."""
+    if dim not in GROUP_DIMS:
+        raise ValueError(f"dim={dim!r} is not valid: expected one of {GROUP_DIMS}")
+    layout = get_layout()
+    if runtime().ctx.spmd:  # a worker's devices share its process: the process group is the world
+        return world_size() if dim in ("dp", "dp_shard") else 1
+    return layout.dp if dim == "dp" else getattr(layout, dim)
+
+
 def _members(layout: Layout, dim: str) -> list[list[int]]:
     """Every group of ``dim`` as its ranks, each group once, in the order of its first rank."""
     seen: dict[tuple[int, ...], None] = {}
