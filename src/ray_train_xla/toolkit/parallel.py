@@ -111,7 +111,7 @@ def group(dim: str, host: bool = False):
     data-parallel dimensions); ``host``: a gloo group, for CPU tensors and objects. Made once per
     runtime with torch's public ``new_subgroups_by_enumeration`` (collective: every worker makes
     every group, in the same order) and bounded by ``timeout_s``; None with one worker."""
-    from ray_train_xla.toolkit.collectives import group_timeout
+    from datetime import timedelta
 
     if dim not in GROUP_DIMS:
         raise ValueError(f"group: dim={dim!r} is not valid: expected one of {GROUP_DIMS}")
@@ -128,7 +128,8 @@ def group(dim: str, host: bool = False):
             _require_distributed(f"the {dim} group")
             members = _members(layout, dim)
             rt.layout_groups[key] = dist.new_subgroups_by_enumeration(
-                members, timeout=group_timeout(), backend="gloo" if host else None)[0]
+                members, timeout=timedelta(seconds=rt.ctx.timeout_s),
+                backend="gloo" if host else None)[0]
         return rt.layout_groups[key]
 
 
