@@ -565,7 +565,7 @@ def test_the_checks_find_what_they_are_for():
     assert as_declaration(Written("x", "configure_reports", "writer_process=False", False)) is None
     assert "unexpected keyword argument 'flops'" in check_call(
         "configure_timeline", 0, ["flops"], False, signature("configure_timeline"))
-    assert check_call("all_reduce", 3, [], False, signature("all_reduce"))
+    assert check_call("all_reduce", 4, [], False, signature("all_reduce"))
     assert build_config("TorchTPUConfig", [], [ast.keyword("efa", ast.Constant(True))]).startswith(
         "XLAConfigError: TorchTPUConfig.efa=True is not valid")
     text = ("## `TorchTPUConfig`\n\n`TorchTPUConfig` takes `device`, `timeout_s`, `env` and "

@@ -14,11 +14,12 @@ import sys
 import pytest
 
 from ray_train_xla.errors import XLAConfigError
+from ray_train_xla.planning.layout import Layout
 from ray_train_xla.planning.memory import (
     DEFAULT_MAX_IN_FLIGHT,
     FAMILIES,
     GIB,
-    Layout,
+    Cluster,
     device_memory,
     host_memory,
     larger_clusters,
@@ -121,7 +122,8 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path):
 
 def test_memory_per_device_and_per_host():
     shape = model_shape(LLAMA3_8B)
-    plan = plan_memory(shape, devices=256, devices_per_host=64, memory=device_memory("trn2"))
+    plan = plan_memory(shape, devices=256, devices_per_host=64, memory=device_memory("trn2"),
+                       activation_checkpointing=True)
     shard = math.ceil(8_030_261_248 / 256)
     d, h = plan.per_device, plan.per_host
     # The default: fp32 parameters, gradients and AdamW state, computing in bf16.
@@ -137,30 +139,35 @@ def test_memory_per_device_and_per_host():
     assert (bf16.per_device["parameters"], bf16.per_device["optimizer"]) == (2 * shard, 4 * shard)
     # HSDP shards within a host only: each host's devices hold the whole model between them.
     hsdp = plan_memory(shape, devices=256, devices_per_host=64, sharding="hsdp")
-    assert hsdp.layout.shards == 64 and hsdp.per_device["parameters"] == \
-        4 * math.ceil(8_030_261_248 / 64)
+    assert hsdp.layout == Layout(dp_replicate=4, dp_shard=64) and hsdp.sharding == "hsdp"
+    assert hsdp.per_device["parameters"] == 4 * math.ceil(8_030_261_248 / 64)
     assert hsdp.fits is None  # memory unknown: nothing to refuse
     with pytest.raises(XLAConfigError, match="param_dtype='fp16' is not valid"):
         plan_memory(shape, devices=8, devices_per_host=8, param_dtype="fp16")
     with pytest.raises(XLAConfigError, match="every host must hold the same"):
         plan_memory(shape, devices=10, devices_per_host=4, sharding="hsdp")
-    assert Layout(8, 64).devices_per_host == 8 and Layout(256, 64, "hsdp").replicas == 4
+    assert Cluster(8, 64).devices_per_host == 8 and Cluster(256, 64).hosts == 4
 
 
 def test_70b_on_8_trn2_cores_is_refused_with_the_numbers():
     plan = plan_memory(model_shape(LLAMA3_70B), devices=8, devices_per_host=8,
                        memory=device_memory("trn2"))
     assert plan.fits is False
+    d = plan.per_device
+    # The state and the gathered parameters (what the plan counted before activations), then
+    # 80 layers' activations at 1 x 4096 tokens and the fp32 logits.
+    assert f"{(d['total'] - d['activations'] - d['logits']) / GIB:.2f}" == "138.52"
     with pytest.raises(XLAConfigError) as info:
         plan.check()
     message = str(info.value)
-    assert "llama (70,553,706,496 parameters) needs 138.52 GiB per device" in message
-    assert "FSDP over 8 devices" in message
+    assert f"llama (70,553,706,496 parameters) needs {d['total'] / GIB:.2f} GiB per device" \
+        in message
+    assert "FSDP over 8 devices" in message and "(activations of 1 x 4096 tokens)" in message
     assert "Trainium2 logical NeuronCore (LNC=2) has 24.00 GiB" in message
     assert "--device-memory" in message
     # HSDP over hosts of 32 cores does not fit; FSDP over the same 256 does, and the error says so.
     hsdp = plan_memory(model_shape(LLAMA3_70B), devices=256, devices_per_host=32, sharding="hsdp",
-                       memory=device_memory("trn2"))
+                       memory=device_memory("trn2"), activation_checkpointing=True)
     with pytest.raises(XLAConfigError, match=r"FSDP over all 256 devices \(--sharding fsdp"):
         hsdp.check()
 
@@ -212,13 +219,23 @@ def test_cli_prints_the_table_and_json(tmp_path, capsys):
     assert "8,030,261,248 parameters" in out and "Trainium2 logical NeuronCore" in out
     rows = {line.strip().split("  ")[0]: line.split()[-1] for line in out.splitlines()
             if line.startswith("  ")}
-    assert rows["total"] == "4.64" and rows["at a step"] == "0.00"
-    assert "Device: 4.64 of 24.00 GiB (19%): fits" in out and "Not counted: activations" in out
+    # 1 x 4096 tokens without activation checkpointing: TP 1 needs 27.17 GiB, TP 2 fits.
+    assert rows["activations"] == "12.32" and rows["logits (for the loss)"] == "1.96"
+    assert rows["total"] == "17.53" and rows["at a step"] == "0.00"
+    assert "FSDP 32 x TP 2 (dp_replicate=1,dp_shard=32,tp=2)" in out
+    assert "Picked TP 2, the smallest that fits a device with 10% left: TP 1 needs 27.17 GiB" \
+        in out
+    assert "Device: 17.53 of 24.00 GiB (73%): fits" in out and "Not counted: the unsharded" in out
     assert main(args + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["parameters"] == 8_030_261_248 and plan["fits"] is True
     assert plan["layout"] == {"devices": 64, "devices_per_host": 64, "hosts": 1,
-                              "sharding": "fsdp", "shards": 64, "replicas": 1}
+                              "sharding": "fsdp", "shards": 32, "replicas": 1,
+                              "dp_replicate": 1, "dp_shard": 32, "tp": 2,
+                              "text": "dp_replicate=1,dp_shard=32,tp=2",
+                              "describe": "FSDP 32 x TP 2"}
+    assert plan["picked"]["tp"] == 2 and [t["tp"] for t in plan["picked"]["tried"]] == [1, 2]
+    assert plan["activations"]["seq_len"] == 4096 and plan["activations"]["micro_batch"] == 1
     assert plan["device_memory"]["bytes"] == 24 * GIB
     assert plan["host_memory"]["bytes"] == 2048 * GIB
     # TPU: the slice's hosts of chips; SPMD workers count every device of their host.
@@ -242,7 +259,8 @@ def test_cli_refuses_what_does_not_fit_with_exit_status_2(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("ray-train-xla plan: error: memory plan: llama")
-    assert "138.52 GiB per device" in err and "24.00 GiB" in err
+    assert "241.93 GiB per device with FSDP over 8 devices" in err and "24.00 GiB" in err
+    assert "with TP 2: 197.72 GiB, TP 4: 175.61 GiB, TP 8: 164.57 GiB" in err  # tried, smallest first
     # --device-memory supplies the figure where none is published (CPU) or overrides it.
     native = ["plan", "--runtime", "native", "--workers-per-node", "8", "--model", model]
     assert main(native + ["--device-memory", "2TiB"]) == 0
@@ -293,6 +311,8 @@ def test_plan_model_needs_neither_torch_ray_nor_transformers(tmp_path):
 
 TRN2 = ["plan", "--device", "neuron", "--runtime", "native", "--accelerator-type",
         "trn2.48xlarge", "--workers-per-node", "64"]
+# Activation checkpointing and sequence parallelism: the layout a 70B model trains with there.
+TRN2_AC = TRN2 + ["--activation-checkpointing", "--sequence-parallel"]
 V6E_16 = ["plan", "--device", "tpu", "--runtime", "native", "--accelerator-type", "v6e-16",
           "--nodes", "4", "--workers-per-node", "4"]
 
@@ -336,56 +356,76 @@ def test_the_host_is_compared_with_its_published_memory(tmp_path, capsys):
     assert host_memory("trn1.32xlarge").bytes == 512 * GIB and host_memory("trn2") is None
     assert host_memory("v6e-16") is None
     model = _write(tmp_path, LLAMA3_70B)
-    # fp32 master weights: three staged sets of 788 GiB exceed the 2 TiB of a trn2.48xlarge.
-    assert main(TRN2 + ["--model", model]) == 2
+    # fp32 master weights: three staged sets of 789 GiB exceed the 2 TiB of a trn2.48xlarge
+    # (TP 8 fits the devices: its replicated norms make the sets a little larger than TP 1's).
+    assert main(TRN2_AC + ["--model", model]) == 2
     err = capsys.readouterr().err
-    assert "needs up to 2365.50 GiB per host at a checkpoint (3 staged sets), but a " \
-           "trn2.48xlarge has 2048.00 GiB" in err
-    assert main(TRN2 + ["--model", model, "--param-dtype", "bf16", "--json"]) == 0
+    assert "needs up to 2365.81 GiB per host at a checkpoint (3 staged sets), but a " \
+           "trn2.48xlarge has 2048.00 GiB" in err and "GiB per device with" not in err
+    assert main(TRN2_AC + ["--model", model, "--param-dtype", "bf16", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["per_host"]["peak"] == plan["per_host"]["staging"] and plan["fits"] is True
     # The memory tier's slots on top: 96% of the host, a warning that says what is left.
-    assert main(TRN2 + ["--model", model, "--param-dtype", "bf16", "--memory-every", "10"]) == 0
+    assert main(TRN2_AC + ["--model", model, "--param-dtype", "bf16", "--memory-every", "10"]) \
+        == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "memory tier: own generations (2) 788.50" in out
-    assert "Host: 1971.25 of 2048.00 GiB (96%): Warning: fits, but leaves only 76.75 GiB for " \
+    assert "memory tier: own generations (2) 788.51" in out
+    assert "Host: 1971.28 of 2048.00 GiB (96%): Warning: fits, but leaves only 76.72 GiB for " \
            "the OS, Ray, data loading and the runtime" in out
     # --host-memory where none is published (a TPU VM), as GB (10^9 bytes).
     v6e_64 = _apply(V6E_16, "--accelerator-type v6e-64 --nodes 16")
-    assert main(v6e_64 + ["--model", model, "--param-dtype", "bf16", "--host-memory", "50GB"]) \
-        == 2
+    assert main(v6e_64 + ["--model", model, "--param-dtype", "bf16", "--host-memory", "50GB",
+                          "--activation-checkpointing"]) == 2
     assert "up to 73.92 GiB per host at a checkpoint (3 staged sets), but a host has 46.57 GiB" \
         in capsys.readouterr().err
 
 
 def test_a_fit_above_90_percent_is_a_warning_that_says_what_is_left(tmp_path, capsys):
+    """--tp 1 plans that TP (no pick): it fits at 99%, a warning."""
     model = _write(tmp_path, LLAMA3_70B)
-    assert main(TRN2 + ["--model", model, "--max-in-flight", "1"]) == 0
+    args = TRN2_AC + ["--model", model, "--param-dtype", "bf16", "--tp", "1"]
+    assert main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "Device: 23.53 of 24.00 GiB (98%): Warning: fits, but leaves only 0.47 GiB for " \
-           "activations, the runtime and the compiler" in out
-    assert main(TRN2 + ["--model", model, "--max-in-flight", "1", "--json"]) == 0
+    assert "Device: 23.66 of 24.00 GiB (99%): Warning: fits, but leaves only 0.34 GiB for " \
+           "the runtime, the compiler and what is not counted" in out
+    assert "Picked" not in out
+    assert main(args + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["fits"] is True and plan["warnings"] == [
-        "23.53 of 24.00 GiB per device (98%) leaves only 0.47 GiB for activations, the runtime "
-        "and the compiler"]
+    assert plan["fits"] is True and "picked" not in plan and plan["warnings"] == [
+        "23.66 of 24.00 GiB per device (99%) leaves only 0.34 GiB for the runtime, the "
+        "compiler and what is not counted"]
 
 
 # ---- remedies: planned again, and only those that fit ------------------------------------------
 
 def _remedies(err: str) -> list[str]:
     """The flags of each remedy of a refusal, as '(--flag value ...: figures)'."""
-    return re.findall(r"\((--[^:()]*|without --memory-every[^:()]*):", err)
+    return [flags for flags, _ in _offered(err)]
+
+
+def _offered(err: str) -> list[tuple[str, str]]:
+    """(flags, GiB per device) of each remedy of a refusal."""
+    return re.findall(r"\((--[^:()]*|without --memory-every[^:()]*): ([\d.]+) GiB per device",
+                      err)
+
+
+SWITCHES = {"--activation-checkpointing", "--sequence-parallel", "--loss-parallel", "--spmd"}
 
 
 def _apply(args: list[str], flags: str) -> list[str]:
-    """``args`` with each '--flag value' of ``flags`` set (or 'without --flag' removed)."""
+    """``args`` with each '--flag value' (or '--switch') of ``flags`` set (or 'without --flag'
+    removed)."""
     args = list(args)
     if flags.startswith("without "):
         i = args.index(flags.split()[1])
         return args[:i] + args[i + 2:]
     words = flags.split()
-    for flag, value in zip(words[::2], words[1::2]):
+    while words:
+        flag = words.pop(0)
+        if flag in SWITCHES:
+            args += [] if flag in args else [flag]
+            continue
+        value = words.pop(0)
         if flag in args:
             args[args.index(flag) + 1] = value
         else:
@@ -393,53 +433,66 @@ def _apply(args: list[str], flags: str) -> list[str]:
     return args
 
 
-@pytest.mark.parametrize("case", ["trn2-host", "v6e-16", "v5p-64-hsdp", "trn2-tier"])
+@pytest.mark.parametrize("case", ["trn2-host", "v6e-16", "v5p-64-hsdp", "trn2-tier",
+                                  "trn2-replicas"])
 def test_every_remedy_offered_fits_when_planned(case, tmp_path, capsys):
     model = _write(tmp_path, LLAMA3_70B)
-    args = {"trn2-host": TRN2,
+    args = {"trn2-host": TRN2_AC,
             "v6e-16": V6E_16,
             "v5p-64-hsdp": ["plan", "--device", "tpu", "--runtime", "native",
                             "--accelerator-type", "v5p-64", "--nodes", "8",
-                            "--workers-per-node", "4", "--sharding", "hsdp"],
-            "trn2-tier": TRN2 + ["--param-dtype", "bf16", "--memory-every", "10",
-                                 "--max-in-flight", "3"]}[case] + ["--model", model]
+                            "--workers-per-node", "4", "--sharding", "hsdp",
+                            "--activation-checkpointing"],
+            "trn2-tier": TRN2_AC + ["--param-dtype", "bf16", "--memory-every", "10",
+                                    "--max-in-flight", "3"],
+            "trn2-replicas": TRN2_AC + ["--nodes", "2", "--dp-replicate", "2"]}[case] + [
+                "--model", model]
     assert main(args) == 2
     err = capsys.readouterr().err
-    fixes = _remedies(err)
-    assert fixes, err
-    for flags in fixes:
+    offered = _offered(err)
+    assert offered, err
+    for flags, figure in offered:
         assert main(_apply(args, flags) + ["--json"]) == 0, (flags, capsys.readouterr().err)
         plan = json.loads(capsys.readouterr().out)
         assert plan["fits"] is not False and not plan["warnings"], flags
+        # What it says is what plan then plans (it picks the same TP).
+        assert f"{plan['per_device']['total'] / GIB:.2f}" == figure, flags
+    fixes = [flags for flags, _ in offered]
     if case == "v6e-16":
-        # bf16 AdamW state alone still needs 39.96 GiB of a 32 GiB chip: not offered. Only
-        # v6e slice sizes are: 64 chips, or 32 with bf16 (not "6 hosts of 4").
-        assert "39.96" not in err and "hosts of 4 devices with" not in err
-        assert fixes == ["--accelerator-type v6e-64 --nodes 16",
-                         "--accelerator-type v6e-32 --nodes 8 --param-dtype bf16"]
+        # Nothing fits 16 chips, whatever the TP, nor any slice as it is; the smallest v6e
+        # slice size that fits is offered, with the changes and the TP plan picks there (not
+        # "6 hosts of 4").
+        assert "hosts of 4 devices with" not in err
+        assert fixes == ["--accelerator-type v6e-32 --nodes 8 --activation-checkpointing "
+                         "--param-dtype bf16"]
+        assert "v6e-32 slice (8 hosts of 4 devices) with FSDP 16 x TP 2 (32 devices)" in err
     if case == "v5p-64-hsdp":
         # FSDP over the job's own 32 devices fits: no smaller (9 devices) or larger cluster.
         assert fixes == ["--sharding fsdp"] and "9 devices" not in err
+        assert "use FSDP over all 32 devices (--sharding fsdp" in err
+    if case == "trn2-replicas":
+        # Each replica (a node) holds the whole state: FSDP over both nodes halves a host's.
+        assert fixes[0] == "--dp-replicate 1" and "use FSDP 64 x TP 2 (128 devices) (" in err
     if case == "trn2-tier":
         # four staged sets and the tier's two slots: 2365 GiB; either alone fits a 2 TiB host
         assert fixes == ["--max-in-flight 1", "without --memory-every", "--nodes 3"]
 
 
 def test_larger_clusters_are_real_sizes_of_the_same_hardware():
-    v6e = [(s.label, s.flags) for s in larger_clusters(Layout(16, 4), accelerator_type="v6e-16")]
+    v6e = [(s.label, s.flags) for s in larger_clusters(Cluster(16, 4), accelerator_type="v6e-16")]
     assert v6e == [(f"a v6e-{n} slice ({n // 4} hosts of 4 devices)",
                     f"--accelerator-type v6e-{n} --nodes {n // 4}") for n in (32, 64, 128, 256)]
     # A single host of 8 chips grows into hosts of 4; v5p counts TensorCores (2 a chip);
     # TPU7x has two devices a chip; with --spmd the flags name each worker's chips.
-    assert next(iter(larger_clusters(Layout(8, 8), accelerator_type="v6e-8"))).flags == \
+    assert next(iter(larger_clusters(Cluster(8, 8), accelerator_type="v6e-8"))).flags == \
         "--accelerator-type v6e-16 --nodes 4 --workers-per-node 4"
-    v5p = next(iter(larger_clusters(Layout(32, 4), accelerator_type="v5p-64")))
-    assert (v5p.layout.devices, v5p.flags) == (64, "--accelerator-type v5p-128 --nodes 16")
-    v7x = next(iter(larger_clusters(Layout(32, 8), accelerator_type="tpu7x-32", spmd=True)))
-    assert (v7x.layout.devices, v7x.layout.devices_per_host) == (64, 8)
+    v5p = next(iter(larger_clusters(Cluster(32, 4), accelerator_type="v5p-64")))
+    assert (v5p.cluster.devices, v5p.flags) == (64, "--accelerator-type v5p-128 --nodes 16")
+    v7x = next(iter(larger_clusters(Cluster(32, 8), accelerator_type="tpu7x-32", spmd=True)))
+    assert (v7x.cluster.devices, v7x.cluster.devices_per_host) == (64, 8)
     assert v7x.flags == "--accelerator-type tpu7x-64 --nodes 8"
     # Trainium (or unknown hardware): more hosts like these, from the first that could fit.
-    trn = larger_clusters(Layout(64, 64), 200)
+    trn = larger_clusters(Cluster(64, 64), 200)
     assert [next(trn).flags, next(trn).flags] == ["--nodes 4", "--nodes 5"]
 
 
@@ -447,7 +500,8 @@ def test_a_model_no_fsdp_layout_fits_is_told_so():
     wide = dict(LLAMA3_70B, vocab_size=2_000_000, hidden_size=16384)  # 2 x 61 GiB root
     plan = plan_memory(model_shape(wide), devices=64, devices_per_host=4,
                        memory=device_memory("v6e"))
-    with pytest.raises(XLAConfigError, match="tensor parallelism, which this plan does not model"):
+    with pytest.raises(XLAConfigError, match=r"no layout tried fits: TP among \[1, 2, 4\], with "
+                       "and without activation checkpointing, sequence parallelism and bf16"):
         plan.check()
 
 
@@ -576,3 +630,230 @@ def test_memory_every_is_the_configs_option_in_the_environment_plan(runtime, cap
                  "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     assert [p["env"][MEMORY_EVERY_VAR] for p in plans] == ["5", "5"]
+
+
+# ---- the layout: tensor parallelism, activations, the TP plan picks ------------------------------
+
+LLAMA3_405B = dict(LLAMA3_8B, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                   num_attention_heads=128)
+# transformers 5.25's styles (distributed/tensor_parallel.py): what each splits of a module.
+SPLIT_WEIGHT_AND_BIAS = {"colwise", "colwise_gather_output", "embedding_rowwise"}  # Shard(0)
+SPLIT_WEIGHT = {"rowwise"}  # weight Shard(-1), bias Replicate
+
+
+def _per_tp_rank(model, tp: int) -> dict[str, int]:
+    """What one rank of a TP group of ``tp`` holds of each parameter when transformers' own
+    plan (``model.tp_plan``: the config's base_model_tp_plan, the head's _tp_plan and the
+    vocabulary-parallel embedding) is applied: a split tensor's first rank holds ceil(n / tp)
+    of its split dimension, anything the plan does not split is whole. Tied weights once."""
+    import fnmatch
+
+    plan = model.tp_plan
+    out = {}
+    for name, p in model.named_parameters():
+        module, _, kind = name.rpartition(".")
+        style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(module, k)), None)
+        dim = 0 if style in SPLIT_WEIGHT_AND_BIAS else \
+            p.dim() - 1 if style in SPLIT_WEIGHT and kind == "weight" else None
+        if dim is None:
+            out[name] = p.numel()
+        else:
+            out[name] = p.numel() // p.shape[dim] * math.ceil(p.shape[dim] / tp)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp_shards_are_what_transformers_own_plan_splits(case):
+    """Per TP rank: q/k/v, gate/up split with their biases, o/down split but not their biases,
+    norms (and Qwen3's and Gemma 3's per-head q/k norms) whole, the embedding and the LM head
+    split on the vocabulary, as transformers' plan for the model built on the meta device."""
+    config = _small_configs()[case]
+    model = _meta_model(config)
+    shape = model_shape(config.to_dict())
+    for tp in (1, 2):
+        held = _per_tp_rank(model, tp)
+        assert shape.tp_parameters(tp) == sum(held.values()), (case, tp)
+        assert shape.layer_tp_parameters(tp) == sum(
+            v for k, v in held.items() if k.startswith("model.layers.0."))
+        assert shape.root_tp_parameters(tp) == sum(
+            v for k, v in held.items() if not k.startswith("model.layers."))
+    assert shape.tp_parameters(1) == shape.parameters
+    # The norms are whole on every rank: a TP group holds more than the model.
+    assert 2 * shape.tp_parameters(2) > shape.parameters
+
+
+def test_each_device_holds_its_tp_share_sharded_over_the_data_parallel_devices():
+    shape = model_shape(LLAMA3_70B)
+    plan = plan_memory(shape, devices=512, devices_per_host=64, tp=8, param_dtype="bf16")
+    assert plan.layout == Layout(dp_replicate=1, dp_shard=64, tp=8)
+    d = plan.per_device
+    assert d["parameters"] == 2 * math.ceil(shape.tp_parameters(8) / 64)
+    assert d["gathered_layers"] == 2 * 2 * shape.layer_tp_parameters(8)  # a layer's TP share
+    assert d["gathered_root"] == 2 * shape.root_tp_parameters(8)
+    assert plan.to_json()["layout"]["describe"] == "FSDP 64 x TP 8"
+    # HSDP over hosts with TP inside each: 8 replicas of FSDP 8 x TP 8.
+    hsdp = plan_memory(shape, devices=512, devices_per_host=64, tp=8, sharding="hsdp")
+    assert hsdp.layout == Layout(dp_replicate=8, dp_shard=8, tp=8)
+    for per_host, tp, says in ((8, 16, "tp=16 does not divide the 8 devices of a host"),
+                               (64, 32, "tp=32 does not divide the model's 8 key/value heads"),
+                               (64, 3, "needs a multiple of 3 devices")):
+        with pytest.raises(XLAConfigError, match=re.escape(says)):
+            plan_memory(shape, devices=512, devices_per_host=per_host, tp=tp)
+    with pytest.raises(XLAConfigError, match="tp=2 needs the model's shape"):
+        plan_memory(10**9, devices=8, devices_per_host=8, tp=2)
+
+
+# A small Llama: h=64, q=4 heads x 16, k=2 KV heads x 16 = 32, f=176, 3 layers, vocab 1000.
+SMALL_LLAMA = {"model_type": "llama", **SMALL}
+
+
+def test_activations_are_the_documented_formula():
+    """Hand-counted for the small Llama at s=8 tokens, b=2, bf16 (c=2), tensor by tensor:
+    norms' inputs 2*h*s, the q/k/v and gate/up inputs 2*h*s, Q+K+V+O (2q+2k)*s, the gated
+    MLP 4*f*s, times c*b; the log-sum-exp 4*b*s*a."""
+    shape = model_shape(SMALL_LLAMA)
+    base = shape.activation_bytes(8, 2)
+    per_layer = 2 * 2 * (2 * 64 * 8 + 2 * 64 * 8 + (2 * 64 + 2 * 32 + 4 * 176) * 8) + 4 * 2 * 8 * 4
+    assert per_layer == 37120
+    assert base == {"per_layer": 37120, "layers": 3 * 37120,
+                    "root": 2 * 2 * 64 * (8 + 8),  # the final norm's and the head's inputs
+                    "logits": 4 * 2 * 8 * 1000}  # fp32
+    # TP 2 with SP: the norms on half the sequence, the projections' inputs whole (gathered),
+    # heads and MLP width halved.
+    sp = shape.activation_bytes(8, 2, tp=2, sequence_parallel=True, loss_parallel=True)
+    assert sp["per_layer"] == 2 * 2 * (2 * 64 * 4 + 2 * 64 * 8 + (2 * 32 + 2 * 16 + 4 * 88) * 8) \
+        + 4 * 2 * 8 * 2 == 20608
+    assert sp["root"] == 2 * 2 * 64 * (4 + 8) and sp["logits"] == 4 * 2 * 8 * 500
+    # Checkpointing: each layer keeps its input (c*b*s*h, /t with SP), one layer recomputed.
+    ac = shape.activation_bytes(8, 2, checkpointing=True)
+    assert ac["layers"] == 3 * 2 * 2 * 8 * 64 + 37120 == 43264
+    ac_sp = shape.activation_bytes(8, 2, tp=2, sequence_parallel=True, checkpointing=True)
+    assert ac_sp["layers"] == 3 * 2 * 2 * 4 * 64 + 20608
+    # fp32 compute (FSDPv2 over fp32 parameters) doubles all but the fp32 log-sum-exp.
+    assert shape.activation_bytes(8, 2, compute_bytes=4)["per_layer"] == 2 * (37120 - 256) + 256
+
+
+def test_activations_match_korthikanti_without_dropout_and_scores():
+    """Korthikanti et al. 2022, sec. 4.1-4.2, at 16 bits: per layer s*b*h*(34 + 5*a*s/h), and
+    with TP t s*b*h*(10 + 24/t + 5*a*s/(h*t)). For an attention whose K and V have all the
+    heads and an MLP whose four gated tensors of width 2h hold what GeLU's two of 4h hold,
+    ours is that without the two dropout masks (2*s*b*h) and the scores (5*a*s*s*b), plus
+    FlashAttention's fp32 log-sum-exp (4*s*b*a/t)."""
+    h, a, s, b = 256, 8, 32, 2
+    shape = model_shape({"model_type": "llama", "vocab_size": 1000, "hidden_size": h,
+                         "intermediate_size": 2 * h, "num_hidden_layers": 1,
+                         "num_attention_heads": a, "num_key_value_heads": a})
+    for t in (1, 2, 4):
+        paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        ours = shape.activation_bytes(s, b, tp=t)["per_layer"]
+        assert ours == paper - 2 * s * b * h - 5 * a * s * s * b / t + 4 * s * b * a / t
+    assert shape.activation_bytes(s, b)["per_layer"] == \
+        s * b * h * (34 + 5 * a * s / h) - 2 * s * b * h - 5 * a * s * s * b + 4 * s * b * a
+
+
+def test_the_table_counts_activations_at_seq_len_and_micro_batch(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)
+    args = TRN2 + ["--model", model, "--tp", "2", "--seq-len", "2048", "--micro-batch", "2",
+                   "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    counted = model_shape(LLAMA3_8B).activation_bytes(2048, 2, tp=2)
+    assert plan["per_device"]["activations"] == counted["layers"] + counted["root"]
+    assert plan["per_device"]["logits"] == counted["logits"] == 4 * 2 * 2048 * 128256
+    assert plan["activations"]["seq_len"] == 2048 and plan["activations"]["micro_batch"] == 2
+    assert main(args + ["--activation-checkpointing", "--sequence-parallel",
+                        "--loss-parallel"]) == 0
+    less = json.loads(capsys.readouterr().out)
+    assert less["per_device"]["activations"] < plan["per_device"]["activations"] / 5
+    assert less["per_device"]["logits"] == plan["per_device"]["logits"] // 2
+    # Activation flags plan memory: without --model they are refused.
+    for flag in (["--seq-len", "8"], ["--micro-batch", "2"], ["--activation-checkpointing"],
+                 ["--sequence-parallel"], ["--loss-parallel"]):
+        assert main(["plan", "--runtime", "native", *flag]) == 2
+        assert f"{flag[0]} plans memory: use it with --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,nodes,flags,tp,total", [
+    # 70B on one trn2.48xlarge, bf16 state (fp32's three staged sets exceed the host): TP 1
+    # needs 23.66 of 24 GiB, TP 2 leaves room.
+    (LLAMA3_70B, 1, ["--param-dtype", "bf16"], 2, "17.01"),
+    # 405B on 8: TP 1 needs 51.86 GiB, TP 2 33.00, TP 4 23.57 (98%); TP 8 fits.
+    (LLAMA3_405B, 8, [], 8, "18.86"),
+])
+def test_plan_picks_the_smallest_tp_that_fits_within_a_node(config, nodes, flags, tp, total,
+                                                            tmp_path, capsys):
+    model = _write(tmp_path, config)
+    args = TRN2_AC + ["--nodes", str(nodes), "--model", model, *flags]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    layout = f"FSDP {64 * nodes // tp} x TP {tp}"
+    assert f"{layout} (dp_replicate=1,dp_shard={64 * nodes // tp},tp={tp})" in out
+    assert f"Picked TP {tp}, the smallest that fits a device with 10% left: TP 1 needs" in out
+    assert main(args + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["describe"] == layout and f"{plan['per_device']['total'] / GIB:.2f}" == \
+        total
+    tried = plan["picked"]["tried"]
+    assert [t["tp"] for t in tried] == [t for t in (1, 2, 4, 8) if t <= tp]
+    assert all(not t["roomy"] for t in tried[:-1]) and tried[-1]["roomy"]
+    # --tp plans the TP asked for, with no pick.
+    assert main(args + ["--tp", "8", "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["layout"]["tp"] == 8 and "picked" not in asked
+
+
+def test_405b_on_8_trn2_nodes_is_offered_the_layout_that_fits(tmp_path, capsys):
+    """Without activation checkpointing no TP fits; the refusal offers it with sequence
+    parallelism, at the TP plan picks, and that is what plan then plans."""
+    model = _write(tmp_path, LLAMA3_405B)
+    args = TRN2 + ["--nodes", "8", "--model", model]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs 335.19 GiB per device with FSDP over 512 devices" in err
+    assert "with TP 2: 206.10 GiB, TP 4: 141.56 GiB, TP 8: 109.29 GiB" in err
+    assert "FSDP 64 x TP 8 (512 devices) with activation checkpointing and sequence " \
+           "parallelism (--activation-checkpointing --sequence-parallel: 18.86 GiB" in err
+    assert "does not model" not in err
+    for flags, figure in _offered(err):
+        assert main(_apply(args, flags) + ["--json"]) == 0, flags
+        plan = json.loads(capsys.readouterr().out)
+        assert f"{plan['per_device']['total'] / GIB:.2f}" == figure and not plan["warnings"]
+    # With --tp 2 given, the offers name the TP to use instead.
+    assert main(args + ["--tp", "2"]) == 2
+    assert "(--tp 8 --activation-checkpointing --sequence-parallel: 18.86 GiB" in \
+        capsys.readouterr().err
+
+
+def test_a_tp_that_does_not_divide_the_model_is_refused_in_plans_flags(tmp_path, capsys):
+    model = _write(tmp_path, LLAMA3_8B)  # 32 heads, 8 KV heads
+    assert main(TRN2 + ["--model", model, "--tp", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "the layout: --tp 16 does not divide the model's 8 key/value heads" in err
+    assert "Use --tp among [1, 2, 4, 8]" in err and "parallelism=" not in err
+    assert main(TRN2 + ["--model", model, "--nodes", "2", "--workers-per-node", "6,6",
+                        "--tp", "4"]) == 2
+    assert "--tp 4 puts ranks 4 to 7 in one tensor-parallel group across 2 nodes" in \
+        capsys.readouterr().err
+
+
+def test_the_layouts_benchmark_writes_what_plan_picks(tmp_path):
+    """benchmarks/bench_plan_layouts.py (docs/benchmarks.md): every case either fits with the
+    layout plan picked, or is refused with a remedy; 405B on 8 trn2.48xlarge with activation
+    checkpointing and SP is FSDP 64 x TP 8."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                        "bench_plan_layouts.py")
+    spec = importlib.util.spec_from_file_location("bench_plan_layouts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "plan_layouts.json").read_text())["rows"]
+    assert len(rows) == 2 * 5 * 3
+    assert all(r["layout"] if r["fits"] else r["first_remedy"] for r in rows)
+    row = next(r for r in rows if r["model"] == "Llama-3.1-405B" and
+               r["cluster"] == "trn2.48xlarge x 8" and r["setting"] == "AC + SP")
+    assert (row["layout"], row["per_device_gib"]) == ("FSDP 64 x TP 8", 18.86)
+    assert "| Llama-3.1-405B | trn2.48xlarge x 8 | AC + SP | FSDP 64 x TP 8 (512 devices) | " \
+        "18.86 of 24.00 |" in (tmp_path / "plan_layouts.md").read_text()

@@ -58,17 +58,17 @@ def _reference():
 def train_tp(config):
     """TP 2 x FSDP 2: the layout, the rows, training against the reference, a checkpoint."""
     import fsdp2_worker as w
+    import ray
     import ray.train
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.parallel import device_mesh, group
+    from ray_train_xla.toolkit.parallel import device_mesh
 
     layout = rtx.get_layout()
     record = {"layout": layout.to_text(), "coords": layout.coordinates(rtx.rank()),
               "mesh_coords": device_mesh().get_coordinate(), "dp": list(rtx.data_parallel()),
-              "node": ray.train.get_context().get_node_rank()}
+              "node": ray.get_runtime_context().get_node_id()}  # the IP is every node's here
     # prepare_data_loader: this rank's rows, by data-parallel rank (two epochs' first batches).
     loader = rtx.prepare_data_loader(
         DataLoader(TensorDataset(torch.arange(ROWS)), batch_size=3, shuffle=True), to_device=False)
@@ -87,9 +87,8 @@ def train_tp(config):
         loss.backward()
         rtx.clip_grad_norm_(model, 1.0)
         rtx.optimizer_step(opt)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group("dp"))  # the batch's loss: the mean over dp ranks
-        losses.append(float(mean) / dp)
+        losses.append(float(rtx.all_reduce(loss.detach(), "mean", dim="dp")))  # over dp ranks
+    record["tp_sum"] = float(rtx.all_reduce(torch.tensor(float(rtx.rank())), dim="tp"))
     ref_losses, ref = _reference()
     state = w.named_state(model, opt)
     record["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -167,6 +166,8 @@ def test_tensor_parallel_peers_train_on_the_same_rows(runs):
 
 def test_tp2_fsdp2_trains_as_torchs_unsharded_run(runs):
     for r in runs["tp2"]:
+        # all_reduce(dim="tp") sums over the worker's tensor-parallel peers only: ranks 0+1, 2+3.
+        assert r["tp_sum"] == {0: 1.0, 1: 5.0}[r["coords"]["dp_shard"]], r
         assert r["loss_diff"] < 1e-5, r["loss_diff"]
         assert r["diff"] < 1e-5 < r["moved"], (r["diff"], r["moved"])
         placements = r["placements"]

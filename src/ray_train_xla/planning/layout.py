@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ray_train_xla.errors import XLAConfigError
+from ray_train_xla.errors import Term, XLAConfigError
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 REST = -1  # dp_shard: every device the other dimensions leave
@@ -37,6 +37,14 @@ MEANING = {"dp_replicate": "data-parallel replicas (HSDP: each holds the whole s
            "dp_shard": "data-parallel shards (FSDP: parameters, gradients and optimizer state "
                        "split over them)",
            "tp": "tensor parallelism (each layer's weights split over a group of devices)"}
+
+
+def flag(name: str, value: Any = None) -> Term:
+    """A dimension (and its size) as the API says it (``tp=2``) and as ``ray-train-xla plan``'s
+    flags do (``--tp 2``)."""
+    option = "--" + name.replace("_", "-")
+    return Term(name if value is None else f"{name}={value}",
+                option if value is None else f"{option} {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +63,8 @@ class Parallelism:
             if isinstance(value, bool) or not isinstance(value, int) or value < low or value == 0:
                 allowed = "an int >= 1, or -1 for every device the others leave" \
                     if name == "dp_shard" else "an int >= 1"
-                raise XLAConfigError(f"parallelism: {name}={value!r} is not valid: expected "
-                                     f"{allowed}")
+                raise XLAConfigError("parallelism: ", flag(name, repr(value)),
+                                     f" is not valid: expected {allowed}")
 
     @classmethod
     def of(cls, value: Any, owner: str = "parallelism") -> Parallelism | None:
@@ -77,25 +85,27 @@ class Parallelism:
     def to_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def resolve(self, world: int, owner: str = "parallelism") -> Layout:
+    def resolve(self, world: int, owner: str | Term = "parallelism") -> Layout:
         """This request for ``world`` devices. Raises XLAConfigError naming the dimension and
-        the sizes that would fit."""
+        the sizes that would fit (``owner``: who asked, as the message names it)."""
         fixed = math.prod(getattr(self, d) for d in DIMS if getattr(self, d) != REST)
         if world % fixed:
             raise XLAConfigError(
-                f"{owner}: {self._sizes()} needs a multiple of {fixed} devices, but the job has "
-                f"{world}: choose sizes whose product divides {world} (tp among "
-                f"{divisors(world)})")
+                owner, ": ", self._sizes(), f" needs a multiple of {fixed} devices, but the job "
+                f"has {world}: choose sizes whose product divides {world} (", flag("tp"),
+                f" among {divisors(world)})")
         shard = world // fixed if self.dp_shard == REST else self.dp_shard
         layout = Layout(dp_replicate=self.dp_replicate, dp_shard=shard, tp=self.tp)
         if layout.world != world:
             raise XLAConfigError(
-                f"{owner}: {self._sizes()} makes {layout.world} devices, but the job has "
-                f"{world}: leave dp_shard=-1 to take every device the others leave")
+                owner, ": ", self._sizes(), f" makes {layout.world} devices, but the job has "
+                f"{world}: leave ", flag("dp_shard", -1), " to take every device the others "
+                "leave")
         return layout
 
-    def _sizes(self) -> str:
-        return ", ".join(f"{d}={getattr(self, d)}" for d in DIMS)
+    def _sizes(self) -> Term:
+        return Term(", ".join(f"{d}={getattr(self, d)}" for d in DIMS),
+                    " ".join(flag(d, getattr(self, d)).plan for d in DIMS))
 
 
 @dataclass(frozen=True)
@@ -173,7 +183,8 @@ class Layout:
             parts.append(f"TP {self.tp}")
         return " x ".join(parts)
 
-    def check_nodes(self, node_of_rank: Sequence[str], owner: str, fix: str = "") -> None:
+    def check_nodes(self, node_of_rank: Sequence[str], owner: str | Term,
+                    fix: str | Term = "") -> None:
         """Refuse a layout that splits a tensor-parallel group across nodes. ``node_of_rank``:
         the node of each rank, in rank order (the ranks the process group uses). ``fix``: how
         to change the number of devices per node, in the caller's terms."""
@@ -188,14 +199,14 @@ class Layout:
             if len(nodes) > 1:
                 fitting = sorted(set.intersection(*(set(divisors(c)) for c in counts)))
                 raise XLAConfigError(
-                    f"{owner}: parallelism tp={self.tp} puts ranks {start} to "
-                    f"{start + self.tp - 1} in one tensor-parallel group across "
-                    f"{len(nodes)} nodes (they have {', '.join(map(str, counts))} devices "
-                    f"each): tensor parallelism stays inside a node, on its fast links. Use tp "
-                    f"among {fitting}" + (f", or {fix}" if fix else ""))
+                    owner, ": ", Term("parallelism ", ""), flag("tp", self.tp),
+                    f" puts ranks {start} to {start + self.tp - 1} in one tensor-parallel group "
+                    f"across {len(nodes)} nodes (they have {', '.join(map(str, counts))} "
+                    "devices each): tensor parallelism stays inside a node, on its fast links. "
+                    "Use ", flag("tp"), f" among {fitting}", *((", or ", fix) if fix else ()))
 
-    def check_model(self, heads: int, kv_heads: int, mlp: int, owner: str = "parallelism",
-                    vocab: int | None = None) -> None:
+    def check_model(self, heads: int, kv_heads: int, mlp: int,
+                    owner: str | Term = "parallelism", vocab: int | None = None) -> None:
         """Refuse a ``tp`` that does not divide the model's attention heads, KV heads and MLP
         width (and, for a vocabulary-parallel embedding, its vocabulary)."""
         sizes = {"attention heads": heads, "key/value heads": kv_heads, "MLP width": mlp}
@@ -205,9 +216,9 @@ class Layout:
             if size % self.tp:
                 common = [d for d in divisors(math.gcd(*sizes.values()))]
                 raise XLAConfigError(
-                    f"{owner}: tp={self.tp} does not divide the model's {size} {what}: each "
-                    f"device of a tensor-parallel group holds an equal part of them. Use tp "
-                    f"among {common}")
+                    owner, ": ", flag("tp", self.tp), f" does not divide the model's {size} "
+                    f"{what}: each device of a tensor-parallel group holds an equal part of "
+                    "them. Use ", flag("tp"), f" among {common}")
 
 
 def divisors(n: int) -> list[int]:

@@ -10,17 +10,20 @@ answers "does this model fit this cluster?" before anything is started or bought
   the family's defaults because the config lacks them;
 - ``precision``: the dtypes of parameters, gradients, AdamW state and compute, and the call
   that produces them (``Precision``);
-- ``plan_memory``: parameters, gradients and AdamW state sharded over the devices of a
-  ``Layout`` (FSDP2 over every device, or HSDP: sharded within a host, replicated across
-  hosts), the layers FSDP2 gathers, and what each host holds at load and at a checkpoint: the
-  staging pool's sets and the memory tier's copies (``MemoryPlan``);
+- ``plan_memory``: parameters, gradients and AdamW state of a run laid out as a ``Layout``
+  (``planning/layout.py``: tensor parallelism inside a host, FSDP2 over the data-parallel
+  devices, HSDP's replicas) over a ``Cluster``, the layers FSDP2 gathers, the activations at a
+  sequence length and micro-batch (``ModelShape.activation_bytes``, with or without activation
+  checkpointing and sequence parallelism) and the logits, and what each host holds at load and
+  at a checkpoint: the staging pool's sets and the memory tier's copies (``MemoryPlan``);
+- ``pick_tp``: the smallest TP degree within a host whose plan fits a device with room;
 - ``device_memory`` / ``host_memory``: the published memory of one device of each Trainium and
   TPU generation (``DEVICE_MEMORY``) and of each Trainium instance (``HOST_MEMORY``);
   ``MemoryPlan.check`` refuses a plan that does not fit them, offering only changes that were
-  planned again and fit (``larger_clusters``: the real sizes of the same hardware).
+  planned again and fit (a larger TP, sequence parallelism, activation checkpointing, bf16
+  state, ...; ``larger_clusters``: the real sizes of the same hardware).
 
-Activations are not counted: they depend on batch, sequence length and activation
-checkpointing, which a config does not say. The figures are a floor to size a job against.
+What is left out is listed (``NOT_COUNTED``): the figures are a floor to size a job against.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import math
 import os
 import re
 import textwrap
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,7 @@ from ray_train_xla.planning.hardware import (
     TRAINIUM_INSTANCES,
     tpu_generation,
 )
+from ray_train_xla.planning.layout import DIMS, REST, Layout, Parallelism, divisors
 from ray_train_xla.planning.runtimes.tpu import tpu_slice
 
 GIB = 1 << 30
@@ -87,6 +91,12 @@ class Family:
     mlp_bias: bool | str = False
     norms_per_layer: int = 2
     qk_norm: bool = False
+
+
+def _part(n: int, parts: int) -> int:
+    """The largest of ``parts`` near-equal parts of ``n`` (torch's ``Shard`` gives the first
+    ranks the larger chunks)."""
+    return -(-n // parts)
 
 
 def _defaults(vocab, hidden, inter, layers, heads, kv, head_dim, tie, **more) -> dict[str, Any]:
@@ -185,6 +195,102 @@ class ModelShape:
     @property
     def parameters(self) -> int:
         return self.num_hidden_layers * self.layer_parameters + self.root_parameters
+
+    # ---- tensor parallelism: what one device of a TP group holds ------------------------------
+    # The plan of transformers 5.25 for these families: the config's ``base_model_tp_plan``
+    # (q_proj, k_proj, v_proj, gate_proj, up_proj "colwise": weight and bias split on the
+    # output; o_proj, down_proj "rowwise": weight split on the input, bias whole; Qwen3's and
+    # Gemma 3's q_norm/k_norm "replicated_with_grad_allreduce": whole), the causal LM's
+    # ``_tp_plan`` (lm_head "colwise_gather_output": split on the vocabulary) and
+    # ``embed_tokens`` "embedding_rowwise" (split on the vocabulary), which
+    # ``distributed/mixin.py`` adds unless the plan names it. Norms are not in the plan: whole.
+    # A split dimension that ``tp`` does not divide gives its first device the larger part.
+
+    def layer_tp_parameters(self, tp: int) -> int:
+        """One decoder layer's parameters on one device of a tensor-parallel group of ``tp``."""
+        h, q, kv, f = self.hidden_size, self.num_attention_heads * self.head_dim, \
+            self.num_key_value_heads * self.head_dim, self.intermediate_size
+        qt, kvt, ft = _part(q, tp), _part(kv, tp), _part(f, tp)
+        attention = h * qt + 2 * h * kvt + qt * h
+        if self.qkv_bias:
+            attention += qt + 2 * kvt
+        if self.o_bias:
+            attention += h  # rowwise: replicated
+        mlp = 3 * h * ft
+        if self.mlp_bias:
+            mlp += 2 * ft + h  # gate and up split, down's bias replicated
+        norms = self.norms_per_layer * h + (2 * self.head_dim if self.qk_norm else 0)
+        return attention + mlp + norms
+
+    def root_tp_parameters(self, tp: int) -> int:
+        """The embedding, final norm and LM head on one device of a tensor-parallel group."""
+        embedding = _part(self.vocab_size, tp) * self.hidden_size
+        return embedding + self.hidden_size + (0 if self.tie_word_embeddings else embedding)
+
+    def tp_parameters(self, tp: int) -> int:
+        """Every parameter one device of a tensor-parallel group of ``tp`` holds (before FSDP
+        shards it over the data-parallel devices)."""
+        return self.num_hidden_layers * self.layer_tp_parameters(tp) + self.root_tp_parameters(tp)
+
+    def activation_bytes(self, seq_len: int, micro_batch: int = 1, *, tp: int = 1,
+                         sequence_parallel: bool = False, checkpointing: bool = False,
+                         loss_parallel: bool = False, compute_bytes: int = 2) -> dict[str, int]:
+        """The activations one device keeps for backward at the end of the forward pass, in
+        bytes: ``layers`` (the decoder layers), ``root`` (the final norm and the LM head's
+        input), ``logits`` (fp32, for the loss) and ``per_layer`` (one layer's, recomputed in
+        backward under activation checkpointing).
+
+        Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+        Models", section 4.1) count ``s*b*h*(34 + 5*a*s/h)`` bytes per layer at 16 bits, with
+        ``s`` the sequence length, ``b`` the micro-batch, ``h`` the hidden size and ``a`` the
+        heads. For these decoders (``c`` bytes of the compute dtype; ``q = a*head_dim``,
+        ``k = kv_heads*head_dim``, ``f`` the MLP width; ``t`` the TP degree; ``n`` norms a
+        layer) the same count, tensor by tensor, is::
+
+            per layer = c*b*( n*h*s/t_sp            the norms' inputs
+                            + 2*h*s                 the inputs of q/k/v and of gate/up
+                            + (2*q + 2*k)*s/t       Q, K, V kept by the attention, O (o_proj's input)
+                            + (q + k)*s/t           (Qwen3, Gemma 3: q_norm's and k_norm's inputs)
+                            + 4*f*s/t )             gate's and up's outputs, the activation,
+                                                    down_proj's input
+                      + 4*b*s*a/t                   the attention's log-sum-exp, fp32
+
+        where ``t_sp`` is ``t`` with sequence parallelism and 1 without. Where it differs
+        from the paper: no dropout (these models have none: the paper's two masks, ``2*s*b*h``
+        and ``a*s*s*b``, are gone); FlashAttention-style attention, which keeps no ``s*s``
+        scores (the paper's ``5*a*s*s*b``); K and V at their own (grouped-query) heads; the
+        gated MLP's four tensors of width ``f`` in place of GeLU's two of ``4h``; and with
+        sequence parallelism the projections' inputs stay whole (``2*h*s``): torch's
+        ``SequenceParallel`` all-gathers them and autograd keeps the gathered tensor, where
+        Megatron gathers again in backward (the paper's ``/t``). Without TP and SP the Llama
+        shape (``q = h``, ``k = h/8``, ``f = 3.5h``) is ``s*b*h*(34.5 + 4*a/h)`` at 16 bits.
+
+        With activation checkpointing (each decoder layer recomputed in backward, as
+        ``prepare_sharded_model(..., activation_checkpointing=True)`` wraps them), a layer keeps
+        its input, ``c*b*s*h/t_sp`` (the paper's ``2*s*b*h`` per layer), and the one layer being
+        recomputed holds its whole count on top. Outside the layers: the final norm's input
+        ``c*b*s*h/t_sp`` and the LM head's input ``c*b*s*h``; the logits ``4*b*s*vocab``
+        (fp32, as the loss takes them), ``/t`` when they stay split on the vocabulary
+        (``loss_parallel``)."""
+        s, b, c = seq_len, micro_batch, compute_bytes
+        h, a = self.hidden_size, self.num_attention_heads
+        qt = _part(a * self.head_dim, tp)
+        kt = _part(self.num_key_value_heads * self.head_dim, tp)
+        s_sp = _part(s, tp) if sequence_parallel else s
+        per_layer = c * b * (self.norms_per_layer * h * s_sp + 2 * h * s
+                             + (2 * qt + 2 * kt + (qt + kt if self.qk_norm else 0)
+                                + 4 * _part(self.intermediate_size, tp)) * s) \
+            + 4 * b * s * _part(a, tp)
+        layers = (self.num_hidden_layers * c * b * s_sp * h + per_layer if checkpointing
+                  else self.num_hidden_layers * per_layer)
+        return {"layers": layers, "root": c * b * h * (s_sp + s), "per_layer": per_layer,
+                "logits": 4 * b * s * _part(self.vocab_size, tp if loss_parallel else 1)}
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What a TP degree must divide: heads, KV heads, MLP width and the vocabulary (the
+        embedding and the LM head are split on it)."""
+        return {"heads": self.num_attention_heads, "kv_heads": self.num_key_value_heads,
+                "mlp": self.intermediate_size, "vocab": self.vocab_size}
 
     @property
     def largest_tensor(self) -> tuple[str, int]:
@@ -410,52 +516,37 @@ def _positive(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The devices a run shards over: how many, how many on each host, and how the state is
-    sharded over them ("fsdp": over every device; "hsdp": over the devices of one host,
-    replicated across hosts, as ``get_sharded_mesh("hsdp")``). A plan of another layout is
-    this value replaced."""
+class Cluster:
+    """The devices a run has: how many, and how many on each host (the largest host's
+    count). How the run splits them is its ``Layout`` (``planning/layout.py``)."""
 
     devices: int
     devices_per_host: int
-    sharding: str = "fsdp"
 
     def __post_init__(self) -> None:
         _positive("devices", self.devices)
         _positive("devices_per_host", self.devices_per_host)
-        if self.sharding not in SHARDINGS:
-            raise XLAConfigError(f"memory plan: sharding={self.sharding!r} is not valid: "
-                                 f"expected one of {', '.join(repr(s) for s in SHARDINGS)}")
-        if self.sharding == "hsdp" and self.devices % self.devices_per_host:
-            raise XLAConfigError(
-                f"memory plan: HSDP shards within a host, so every host must hold the same "
-                f"number of devices: {self.devices} devices are not hosts of "
-                f"{self.devices_per_host}; give equal hosts, or shard over every device (fsdp)")
         object.__setattr__(self, "devices_per_host", min(self.devices_per_host, self.devices))
 
     @property
     def hosts(self) -> int:
         return math.ceil(self.devices / self.devices_per_host)
 
-    @property
-    def shards(self) -> int:
-        """The devices each tensor is split over."""
-        return self.devices_per_host if self.sharding == "hsdp" else self.devices
+    def tp_choices(self, model: ModelShape | None) -> list[int]:
+        """The TP degrees this cluster and model allow, smallest first: divisors of the
+        devices of a host (a group stays inside one) and of the whole job that divide the
+        model's heads, KV heads, MLP width and vocabulary. [1] without a model's shape."""
+        if model is None:
+            return [1]
+        sizes = [math.gcd(self.devices, self.devices_per_host), *model.tp_sizes().values()]
+        return divisors(math.gcd(*sizes))
 
-    @property
-    def replicas(self) -> int:
-        return self.devices // self.shards
 
-    def describe(self) -> str:
-        if self.sharding == "fsdp":
-            return f"FSDP over {self.devices} devices"
-        return (f"HSDP (sharded over the {self.shards} devices of a host, replicated over "
-                f"{self.replicas} hosts)")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"devices": self.devices, "devices_per_host": self.devices_per_host,
-                "hosts": self.hosts, "sharding": self.sharding, "shards": self.shards,
-                "replicas": self.replicas}
+def spread(layout: Layout, devices: int) -> str:
+    """How a plan splits its devices, for messages: 'FSDP over 64 devices', 'FSDP 8 x TP 8
+    (64 devices)', '2 replicas x FSDP 32 (64 devices)'."""
+    return f"FSDP over {devices} devices" if layout.trivial else \
+        f"{layout.describe()} ({devices} devices)"
 
 
 # The call that produces each (stack, parameter dtype), with torch.optim.AdamW over the model's
@@ -528,18 +619,22 @@ def precision(param_dtype: str = "fp32", optimizer_dtype: str | None = None, *,
 @dataclass(frozen=True)
 class MemoryPlan:
     """What each device and each host holds for a sharded run (bytes). Per device: its shard of
-    the parameters, gradients and AdamW state, and the gathered parameters FSDP2 holds at its
-    peak (the root unit and ``PREFETCH_LAYERS`` decoder layers, in the compute dtype). Per host:
-    its devices' shards at a sharded load; at a checkpoint, the staging pool's sets and the
-    memory tier's copies. ``request``: the arguments of ``plan_memory`` that made it (a remedy
-    is planned again from them)."""
+    the parameters, gradients and AdamW state (the tensor-parallel share of each, sharded over
+    the data-parallel devices), the gathered parameters FSDP2 holds at its peak (the root unit
+    and ``PREFETCH_LAYERS`` decoder layers, each device's tensor-parallel share, in the compute
+    dtype), the activations kept for backward and the logits. Per host: its devices' shards at
+    a sharded load; at a checkpoint, the staging pool's sets and the memory tier's copies.
+    ``layout``: how the ``cluster``'s devices split (``planning/layout.py``). ``request``: the
+    arguments of ``plan_memory`` that made it (a remedy is planned again from them)."""
 
     parameters: int
     layout: Layout
+    cluster: Cluster
     precision: Precision
     per_device: Mapping[str, int]
     per_host: Mapping[str, int]
     checkpoints: Mapping[str, Any]
+    activations: Mapping[str, Any] | None
     device_memory: DeviceMemory | None
     host_memory: HostMemory | None
     model: ModelShape | None
@@ -551,11 +646,12 @@ class MemoryPlan:
 
     @property
     def devices(self) -> int:
-        return self.layout.devices
+        return self.cluster.devices
 
     @property
     def sharding(self) -> str:
-        return self.layout.sharding
+        """"hsdp" when the layout replicates (``dp_replicate`` > 1), else "fsdp"."""
+        return "hsdp" if self.layout.dp_replicate > 1 else "fsdp"
 
     @property
     def device_share(self) -> float | None:
@@ -584,12 +680,16 @@ class MemoryPlan:
         """This plan's arguments with ``changes``, planned again."""
         return plan_memory(**{**self.request, **changes})
 
+    def tp_choices(self) -> list[int]:
+        """The TP degrees this plan's cluster and model allow (``Cluster.tp_choices``)."""
+        return self.cluster.tp_choices(self.model)
+
     def warnings(self) -> list[str]:
         """A line for each memory that fits with ``1 - TIGHT`` of it or less left."""
         out = []
         for what, share, have, used, left_for in (
                 ("device", self.device_share, self.device_memory, self.total,
-                 "activations, the runtime and the compiler"),
+                 "the runtime, the compiler and what is not counted"),
                 ("host", self.host_share, self.host_memory, self.per_host["peak"],
                  "the OS, Ray, data loading and the runtime")):
             if share is not None and TIGHT < share <= 1:
@@ -597,39 +697,61 @@ class MemoryPlan:
                            f"only {gib(have.bytes - used)} GiB for {left_for}")
         return out
 
-    def check(self, larger: Callable[..., Iterable[Scale]] | None = None) -> None:
+    def activations_said(self) -> str:
+        """'activations of 1 x 4096 tokens' and the like; 'activations not counted' without a
+        model's shape."""
+        a = self.activations
+        if a is None:
+            return "activations not counted"
+        return (f"activations of {a['micro_batch']} x {a['seq_len']} tokens"
+                + (", checkpointed" if a["activation_checkpointing"] else "")
+                + (", sequence-parallel" if a["sequence_parallel"] and self.layout.tp > 1 else ""))
+
+    def check(self, larger: Callable[..., Iterable[Scale]] | None = None,
+              tried: Sequence[MemoryPlan] = ()) -> None:
         """Refuse a plan that exceeds a known memory (the device's or the host's):
         XLAConfigError naming the figures and the changes that fit, each planned again before
-        it is offered (``remedies``). Nothing to check when neither memory is known."""
+        it is offered (``remedies``). Nothing to check when neither memory is known.
+        ``tried``: the plans ``pick_tp`` tried, said in the message; with them, the remedies
+        leave the TP degree to the pick too (``remedies(pick=True)``)."""
         if self.fits is not False:
             return
         what = (f"{self.model.model_type} ({self.parameters:,} parameters)" if self.model
                 else f"{self.parameters:,} parameters")
         over = []
         if self.device_share is not None and self.device_share > 1:
-            over.append(f"needs {gib(self.total)} GiB per device with {self.layout.describe()}, "
-                        f"but a {self.device_memory.device} has {gib(self.device_memory.bytes)} "
-                        "GiB (activations not counted)")
+            others = [p for p in tried if p is not self]
+            over.append(f"needs {gib(self.total)} GiB per device with "
+                        f"{spread(self.layout, self.devices)}, but a {self.device_memory.device} "
+                        f"has {gib(self.device_memory.bytes)} GiB ({self.activations_said()})"
+                        + ("; with " + ", ".join(f"TP {p.layout.tp}: {gib(p.total)} GiB"
+                                                 for p in others) if others else ""))
         if self.host_share is not None and self.host_share > 1:
             over.append(f"needs up to {gib(self.per_host['peak'])} GiB per host at a checkpoint "
                         f"({self.checkpoints['staged_sets']} staged sets"
                         + (", the memory tier's copies" if self.checkpoints["memory_every"] else "")
                         + f"), but a {self.host_memory.name} has {gib(self.host_memory.bytes)} GiB")
         over += [f"also, {w}" for w in self.warnings()]
-        fixes = remedies(self, larger)
+        fixes = remedies(self, larger, pick=bool(tried))
         raise XLAConfigError(f"memory plan: {what} " + "; ".join(over) + ": use "
                              + "; or ".join(fixes) + ".")
 
     def to_json(self) -> dict[str, Any]:
-        memory, host = self.device_memory, self.host_memory
+        memory, host, layout, cluster = (self.device_memory, self.host_memory, self.layout,
+                                         self.cluster)
         out: dict[str, Any] = {
             "parameters": self.parameters,
-            "layout": self.layout.to_json(),
+            "layout": {"devices": cluster.devices, "devices_per_host": cluster.devices_per_host,
+                       "hosts": cluster.hosts, "sharding": self.sharding,
+                       "shards": layout.dp_shard, "replicas": layout.dp_replicate,
+                       **{d: getattr(layout, d) for d in DIMS}, "text": layout.to_text(),
+                       "describe": layout.describe()},
             "dtypes": {k: v for k, v in self.precision.to_json().items() if k != "call"},
             "precision_call": self.precision.call,
             "per_device": dict(self.per_device),
             "per_host": dict(self.per_host),
             "checkpoints": dict(self.checkpoints),
+            "activations": None if self.activations is None else dict(self.activations),
             "device_memory": None if memory is None else {
                 "name": memory.name, "device": memory.device, "bytes": memory.bytes,
                 "source": memory.source},
@@ -637,7 +759,7 @@ class MemoryPlan:
                 "name": host.name, "bytes": host.bytes, "source": host.source},
             "fits": self.fits,
             "warnings": self.warnings(),
-            "not_counted": list(NOT_COUNTED),
+            "not_counted": list(not_counted(self)),
         }
         if self.model is not None:
             out["model"] = self.model.to_json()
@@ -645,34 +767,59 @@ class MemoryPlan:
 
 
 NOT_COUNTED = (
-    "activations (they depend on batch, sequence length and activation checkpointing)",
-    "the unsharded gradients of the layer being reduce-scattered in backward",
+    "the unsharded gradients of the layer being reduce-scattered in backward, and the "
+    "activations' gradients",
+    "the logits in the compute dtype the model returns, and the loss's temporaries beyond one "
+    "fp32 copy of them",
+    "attention that keeps its scores (eager attention, Gemma 2's soft-capping: s x s per head)",
     "collective and compiler buffers, and the runtime's own reserve",
     "FSDP2's padding of each parameter's first dimension to a multiple of the shards",
 )
+
+
+def not_counted(plan: MemoryPlan) -> tuple[str, ...]:
+    """What ``plan``'s figures leave out."""
+    if plan.activations is None:
+        return ("activations (a plain parameter count gives no model shape to count them "
+                "from)", *NOT_COUNTED)
+    return NOT_COUNTED
+
+
 HOST_AT_STEP = ("nothing model-sized: parameters, gradients and optimizer state stay on the "
                 "devices; the host holds batches, the runtime and compiled graphs")
+DEFAULT_SEQ_LEN = 4096
+DEFAULT_MICRO_BATCH = 1
 
 
 def plan_memory(parameters: int | ModelShape, *, devices: int, devices_per_host: int,
-                sharding: str = "fsdp", param_dtype: str = "fp32",
-                optimizer_dtype: str | None = None, grad_dtype: str | None = None,
-                compute_dtype: str | None = None, stack: str = "fsdp2",
-                layer_parameters: int = 0, root_parameters: int = 0,
+                sharding: str = "fsdp", tp: int = 1, dp_replicate: int = 1,
+                dp_shard: int = REST, seq_len: int = DEFAULT_SEQ_LEN,
+                micro_batch: int = DEFAULT_MICRO_BATCH, activation_checkpointing: bool = False,
+                sequence_parallel: bool = False, loss_parallel: bool = False,
+                param_dtype: str = "fp32", optimizer_dtype: str | None = None,
+                grad_dtype: str | None = None, compute_dtype: str | None = None,
+                stack: str = "fsdp2", layer_parameters: int = 0, root_parameters: int = 0,
                 memory: DeviceMemory | None = None, host: HostMemory | None = None,
                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                 memory_every: int | None = None) -> MemoryPlan:
     """The memory of a sharded run of ``parameters`` (a count, or a ``ModelShape``, which also
-    gives the layer and root sizes) over ``devices`` (``devices_per_host`` on each host).
+    gives the layer and root sizes, what TP splits and the activations) over ``devices``
+    (``devices_per_host`` on each host).
 
-    ``sharding``: "fsdp" shards over every device; "hsdp" over the devices of one host,
-    replicated across hosts (``get_sharded_mesh("hsdp")``). ``stack``, ``param_dtype``,
-    ``optimizer_dtype``, ``grad_dtype``, ``compute_dtype``: see ``precision`` (the default, fp32
-    parameters and AdamW state computing in bf16, is FSDP2's ``mixed_precision="bf16"`` over a
-    model in fp32). ``max_in_flight`` (``rtx.configure_reports``) and ``memory_every`` (the
-    config's memory tier, None: off) set what a host holds at a checkpoint. ``memory`` (see
-    ``device_memory``) and ``host`` (``host_memory``) are what ``MemoryPlan.check`` compares
-    with."""
+    The layout: ``tp``, ``dp_replicate`` and ``dp_shard`` as ``Parallelism`` takes them
+    (``dp_shard=-1``: what the others leave). ``sharding="hsdp"`` is HSDP over hosts,
+    ``get_sharded_mesh("hsdp")``: a replica per host (``dp_replicate`` = the hosts). A
+    tensor-parallel group stays inside a host; ``tp`` > 1 needs a ``ModelShape``.
+    Activations: ``seq_len`` tokens a sequence, ``micro_batch`` sequences a device and step,
+    with ``activation_checkpointing`` (each decoder layer recomputed in backward),
+    ``sequence_parallel`` (norms and the residual stream split over the TP group) and
+    ``loss_parallel`` (the logits split on the vocabulary): ``ModelShape.activation_bytes``.
+    ``stack``, ``param_dtype``, ``optimizer_dtype``, ``grad_dtype``, ``compute_dtype``: see
+    ``precision`` (the default, fp32 parameters and AdamW state computing in bf16, is FSDP2's
+    ``mixed_precision="bf16"`` over a model in fp32). ``max_in_flight``
+    (``rtx.configure_reports``) and ``memory_every`` (the config's memory tier, None: off) set
+    what a host holds at a checkpoint. ``memory`` (see ``device_memory``) and ``host``
+    (``host_memory``) are what ``MemoryPlan.check`` compares with."""
     request = dict(locals())  # the arguments, to plan a remedy again
     model = parameters if isinstance(parameters, ModelShape) else None
     if model is not None:
@@ -680,26 +827,72 @@ def plan_memory(parameters: int | ModelShape, *, devices: int, devices_per_host:
             model.parameters, model.layer_parameters, model.root_parameters)
     _positive("parameters", parameters)
     _positive("max_in_flight", max_in_flight)
+    _positive("seq_len", seq_len)
+    _positive("micro_batch", micro_batch)
     if memory_every is not None:
         _positive("memory_every", memory_every)
-    layout = Layout(devices, devices_per_host, sharding)
+    cluster = Cluster(devices, devices_per_host)
+    if sharding not in SHARDINGS:
+        raise XLAConfigError(f"memory plan: sharding={sharding!r} is not valid: expected one of "
+                             f"{', '.join(repr(s) for s in SHARDINGS)}")
+    if sharding == "hsdp":
+        if devices % cluster.devices_per_host:
+            raise XLAConfigError(
+                f"memory plan: HSDP shards within a host, so every host must hold the same "
+                f"number of devices: {devices} devices are not hosts of "
+                f"{cluster.devices_per_host}; give equal hosts, or shard over every device (fsdp)")
+        if dp_replicate != 1:
+            raise XLAConfigError(f"memory plan: sharding='hsdp' makes a replica of each host: "
+                                 f"give it or dp_replicate={dp_replicate}, not both")
+        dp_replicate = cluster.hosts
+    layout = Parallelism(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp).resolve(
+        devices, "memory plan")
+    if tp > 1:
+        if model is None:
+            raise XLAConfigError(f"memory plan: tp={tp} needs the model's shape (a ModelShape): "
+                                 "what tensor parallelism splits depends on its layers")
+        if cluster.devices_per_host % tp:
+            raise XLAConfigError(
+                f"memory plan: tp={tp} does not divide the {cluster.devices_per_host} devices of "
+                f"a host: a tensor-parallel group stays inside one. Use tp among "
+                f"{divisors(math.gcd(devices, cluster.devices_per_host))}")
+        layout.check_model(**model.tp_sizes(), owner="memory plan")
     dtypes = precision(param_dtype, optimizer_dtype, stack=stack, grad_dtype=grad_dtype,
                        compute_dtype=compute_dtype)
     size = {what: DTYPE_BYTES[getattr(dtypes, what)]
             for what in ("parameters", "gradients", "optimizer", "compute")}
-    shard = math.ceil(parameters / layout.shards)
+    if model is not None:
+        held, layer_parameters, root_parameters = (
+            model.tp_parameters(tp), model.layer_tp_parameters(tp), model.root_tp_parameters(tp))
+    else:
+        held = parameters
+    shard = math.ceil(held / layout.dp_shard)
     per_device = {
         "parameters": shard * size["parameters"],
         "gradients": shard * size["gradients"],
         "optimizer": shard * ADAMW_STATES * size["optimizer"],
         "gathered_root": root_parameters * size["compute"],
         "gathered_layers": PREFETCH_LAYERS * layer_parameters * size["compute"],
+        "activations": 0,
+        "logits": 0,
     }
+    activations = None
+    if model is not None:
+        counted = model.activation_bytes(
+            seq_len, micro_batch, tp=tp, sequence_parallel=sequence_parallel,
+            checkpointing=activation_checkpointing, loss_parallel=loss_parallel,
+            compute_bytes=size["compute"])
+        per_device["activations"] = counted["layers"] + counted["root"]
+        per_device["logits"] = counted["logits"]
+        activations = {"seq_len": seq_len, "micro_batch": micro_batch,
+                       "activation_checkpointing": activation_checkpointing,
+                       "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
+                       **counted}
     per_device["total"] = sum(per_device.values())
     # A checkpoint's host copy of one host's devices: their parameter and optimizer shards.
-    one_set = layout.devices_per_host * (per_device["parameters"] + per_device["optimizer"])
+    one_set = cluster.devices_per_host * (per_device["parameters"] + per_device["optimizer"])
     sets = max_in_flight + 1
-    peers = layout.hosts > 1
+    peers = cluster.hosts > 1
     tier = {"own": TIER_OWN_GENERATIONS if memory_every else 0,
             "peer": TIER_PEER_GENERATIONS if memory_every and peers else 0,
             # handed over: out through Ray's object store and the peer's in; under FSDPv2 also
@@ -708,7 +901,7 @@ def plan_memory(parameters: int | ModelShape, *, devices: int, devices_per_host:
     per_host = {
         # A sharded load reads each device's own shards, in the training dtype, through host
         # memory; a checkpoint stages every device's parameter and optimizer shards there.
-        "at_load": layout.devices_per_host * per_device["parameters"],
+        "at_load": cluster.devices_per_host * per_device["parameters"],
         "at_step": 0,
         "checkpoint_set": one_set,
         "staging": sets * one_set,
@@ -725,19 +918,20 @@ def plan_memory(parameters: int | ModelShape, *, devices: int, devices_per_host:
         per_host["staging"] + per_host["memory_tier_own"]
     checkpoints = {"max_in_flight": max_in_flight, "staged_sets": sets,
                    "memory_every": memory_every, "memory_tier_sets": tier}
-    return MemoryPlan(parameters=parameters, layout=layout, precision=dtypes,
+    return MemoryPlan(parameters=parameters, layout=layout, cluster=cluster, precision=dtypes,
                       per_device=per_device, per_host=per_host, checkpoints=checkpoints,
-                      device_memory=memory, host_memory=host, model=model, request=request)
+                      activations=activations, device_memory=memory, host_memory=host,
+                      model=model, request=request)
 
 
 # ---- remedies: only changes that were planned again and fit -------------------------------------
 
 @dataclass(frozen=True)
 class Scale:
-    """A larger cluster of the same hardware: its layout, what it is (``label``) and the plan
+    """A larger cluster of the same hardware: its devices, what it is (``label``) and the plan
     flags that describe it."""
 
-    layout: Layout
+    cluster: Cluster
     label: str
     flags: str
 
@@ -749,23 +943,22 @@ POD_CHIPS = {"v5e": 256, "v5litepod": 256, "v6e": 256, "v4": 4096}
 MAX_HOSTS = 100_000
 
 
-def larger_clusters(layout: Layout, at_least: int = 0, *, accelerator_type: str = "",
+def larger_clusters(cluster: Cluster, at_least: int = 0, *, accelerator_type: str = "",
                     spmd: bool = False) -> Iterator[Scale]:
-    """The clusters of the same hardware with more devices than ``layout`` (and at least
-    ``at_least``), smallest first, each sharded with FSDP over every device: for a TPU
-    accelerator type, its standard slice sizes (``tpu_slice``, up to the generation's pod);
-    otherwise any count of hosts like these. ``spmd``: one worker per host owns its devices
-    (the flags name its accelerators)."""
+    """The clusters of the same hardware with more devices than ``cluster`` (and at least
+    ``at_least``), smallest first: for a TPU accelerator type, its standard slice sizes
+    (``tpu_slice``, up to the generation's pod); otherwise any count of hosts like these.
+    ``spmd``: one worker per host owns its devices (the flags name its accelerators)."""
     try:
         current = tpu_slice(accelerator_type) if tpu_generation(accelerator_type) else None
     except ValueError:
         current = None
     if current is None:
-        per_host = layout.devices_per_host
-        start = max(layout.hosts + 1, math.ceil(at_least / per_host))
+        per_host = cluster.devices_per_host
+        start = max(cluster.hosts + 1, math.ceil(at_least / per_host))
         for hosts in range(start, max(start, MAX_HOSTS // per_host) + 1):
-            yield Scale(Layout(hosts * per_host, per_host), f"{hosts} hosts of {per_host} devices",
-                        f"--nodes {hosts}")
+            yield Scale(Cluster(hosts * per_host, per_host), f"{hosts} hosts of {per_host} "
+                        "devices", f"--nodes {hosts}")
         return
     generation = TPU_GENERATIONS[current.generation]
     prefix = re.match(r"[a-z0-9]+", accelerator_type.strip().lower()).group(0)
@@ -779,12 +972,34 @@ def larger_clusters(layout: Layout, at_least: int = 0, *, accelerator_type: str 
         if bigger.hosts * per_host < at_least:
             continue
         flags = f"--accelerator-type {name} --nodes {bigger.hosts}"
-        if per_host != layout.devices_per_host:
+        if per_host != cluster.devices_per_host:
             flags += (f" --accelerators-per-worker {bigger.chips_per_host}" if spmd
                       else f" --workers-per-node {per_host}")
-        yield Scale(Layout(bigger.hosts * per_host, per_host), f"a {name} slice "
+        yield Scale(Cluster(bigger.hosts * per_host, per_host), f"a {name} slice "
                     f"({bigger.hosts} host{'s' if bigger.hosts > 1 else ''} of {per_host} "
                     "devices)", flags)
+
+
+def pick_tp(parameters: int | ModelShape, *, devices: int, devices_per_host: int,
+            choices: Sequence[int] | None = None, **options: Any
+            ) -> tuple[MemoryPlan, list[MemoryPlan]]:
+    """The smallest TP degree whose plan fits a device with room (``TIGHT``), trying
+    ``choices`` (default ``Cluster.tp_choices``: within a host, dividing the model) smallest
+    first: (the plan picked, every plan tried up to it). Where none has room, the smallest
+    that fits at all; where none fits, TP 1's plan (its refusal offers what fits). With the
+    device's memory unknown, TP 1. ``options``: the rest of ``plan_memory``'s arguments."""
+    if choices is None:
+        choices = Cluster(devices, devices_per_host).tp_choices(
+            parameters if isinstance(parameters, ModelShape) else None)
+    tried = []
+    for tp in choices:
+        plan = plan_memory(parameters, devices=devices, devices_per_host=devices_per_host, tp=tp,
+                           **options)
+        tried.append(plan)
+        if plan.device_share is None or plan.device_share <= TIGHT:
+            return plan, tried
+    fitting = [p for p in tried if p.device_share <= 1]
+    return (fitting[0] if fitting else tried[0]), tried
 
 
 def _figures(plan: MemoryPlan) -> str:
@@ -795,38 +1010,68 @@ def _figures(plan: MemoryPlan) -> str:
 
 
 def _fewest_devices(plan: MemoryPlan) -> int | None:
-    """Fewest devices that could hold ``plan``'s state with room (FSDP over every one: the
-    gathered parameters do not shrink); None when the gathered parameters alone leave no room.
-    0 when the device's memory is unknown."""
+    """Fewest devices that could hold ``plan``'s state with room, at its TP degree with FSDP
+    over the rest (the gathered parameters and the activations do not shrink with more FSDP
+    devices); None when those alone leave no room. 0 when the device's memory is unknown."""
     if plan.device_memory is None:
         return 0
-    gathered = plan.per_device["gathered_root"] + plan.per_device["gathered_layers"]
-    room = TIGHT * plan.device_memory.bytes - gathered
-    state = plan.parameters * sum(DTYPE_BYTES[getattr(plan.precision, k)] * n for k, n in (
+    d = plan.per_device
+    fixed = d["gathered_root"] + d["gathered_layers"] + d["activations"] + d["logits"]
+    room = TIGHT * plan.device_memory.bytes - fixed
+    held = plan.model.tp_parameters(plan.layout.tp) if plan.model else plan.parameters
+    state = held * sum(DTYPE_BYTES[getattr(plan.precision, k)] * n for k, n in (
         ("parameters", 1), ("gradients", 1), ("optimizer", ADAMW_STATES)))
-    return math.ceil(state / room) if room > 0 else None
+    return math.ceil(state / room) * plan.layout.tp if room > 0 else None
 
 
 BF16 = {"param_dtype": "bf16", "optimizer_dtype": "bf16", "grad_dtype": None,
         "compute_dtype": None}
 
 
+def _and(parts: Sequence[str]) -> str:
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
+
+
+def _replan(plan: MemoryPlan, **changes: Any) -> MemoryPlan | None:
+    """``plan.replan(**changes)``; None for a layout these devices or this model refuse."""
+    try:
+        return plan.replan(**changes)
+    except XLAConfigError:
+        return None
+
+
 def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = None,
-             ) -> list[str]:
+             pick: bool = False) -> list[str]:
     """What makes ``plan`` fit, each planned again and offered only if it fits with room
-    (``MemoryPlan.roomy``), each with plan's flags and its figures: on the same devices, FSDP
-    instead of HSDP, bf16 parameters and AdamW state, one checkpoint in flight, the memory
-    tier off (the fewest of these that fit together); the smallest larger cluster that fits as
-    it is, and with bf16 where that is smaller (``larger(layout, at_least)``, default
-    ``larger_clusters``: more hosts like these); last, the flags for hardware with more
-    memory."""
+    (``MemoryPlan.roomy``), each with plan's flags and its figures: on the same devices, the
+    smallest larger TP degree (``MemoryPlan.tp_choices``), FSDP instead of HSDP, activation
+    checkpointing, sequence parallelism (with TP), bf16 parameters and AdamW state, one
+    checkpoint in flight, the memory tier off (the fewest of these, at the smallest TP, that fit
+    together); the smallest larger cluster that fits as it is, and where nothing fits these
+    devices the smallest that fits with activation checkpointing, sequence parallelism or bf16
+    (``larger(cluster, at_least)``, default ``larger_clusters``: more hosts like these);
+    last, the flags for hardware with more memory. ``pick``: the plan's TP was picked
+    (``pick_tp``), so is each remedy's, from TP 1 up, and its flags leave ``--tp`` out."""
     changes = []  # (flags, what, plan_memory arguments)
     if plan.sharding == "hsdp":
-        changes.append(("--sharding fsdp", f"FSDP over all {plan.devices} devices",
-                        {"sharding": "fsdp"}))
+        changes.append(("--sharding fsdp" if plan.request["sharding"] == "hsdp" else
+                        "--dp-replicate 1", f"FSDP over all {plan.devices} devices",
+                        {"sharding": "fsdp", "dp_replicate": 1, "dp_shard": REST}))
+    tps = [t for t in plan.tp_choices() if pick or t >= plan.layout.tp]
+
+    def tp_flags(tp: int) -> list[str]:
+        return [] if pick or tp == plan.layout.tp else [f"--tp {tp}"]
+
+    request = plan.request
+    if plan.activations is not None and not request["activation_checkpointing"]:
+        changes.append(("--activation-checkpointing", "activation checkpointing",
+                        {"activation_checkpointing": True}))
+    if plan.activations is not None and not request["sequence_parallel"] and max(tps) > 1:
+        changes.append(("--sequence-parallel", "sequence parallelism",
+                        {"sequence_parallel": True}))
     bf16 = (plan.precision.parameters, plan.precision.optimizer) != ("bf16", "bf16")
     bf16_flags = "--param-dtype bf16" + (" --optimizer-dtype bf16"
-                                         if plan.request["optimizer_dtype"] else "")
+                                         if request["optimizer_dtype"] else "")
     if bf16:
         changes.append((bf16_flags, "bf16 parameters and AdamW state", BF16))
     if plan.host_share is not None and plan.host_share > TIGHT:
@@ -837,43 +1082,75 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
             changes.append(("without --memory-every", "the memory tier off",
                             {"memory_every": None}))
     fixes: list[str] = []
-    fitting: list[set[int]] = []
-    for n in range(1, len(changes) + 1):
+    fitting: list[tuple[set[int], int]] = []  # (changes, TP degree) that fit
+    for n in range(len(changes) + 1):
         for chosen in itertools.combinations(range(len(changes)), n):
-            if any(f <= set(chosen) for f in fitting):
-                continue  # some of them fit already without the rest
-            again = plan.replan(**{k: v for i in chosen for k, v in changes[i][2].items()})
-            if again.fits and again.roomy:
-                fitting.append(set(chosen))
-                fixes.append(" with ".join(changes[i][1] for i in chosen) + " ("
-                             + " ".join(changes[i][0] for i in chosen) + f": {_figures(again)})")
+            picked = set(chosen)
+            with_sp = any("sequence_parallel" in changes[i][2] for i in chosen)
+            for tp in tps:
+                if any(f <= picked and (pick or t <= tp) for f, t in fitting):
+                    break  # as much fits with fewer changes (given, with a smaller TP)
+                if (not chosen and (pick or tp == plan.layout.tp)) or (with_sp and tp == 1):
+                    continue  # the plan itself (or, picked, every TP alone: all tried)
+                again = _replan(plan, tp=tp, **{k: v for i in chosen
+                                                for k, v in changes[i][2].items()})
+                if again is not None and again.fits and again.roomy:
+                    fitting.append((picked, tp))
+                    flags = tp_flags(tp) + [changes[i][0] for i in chosen]
+                    if tp > 1 if pick else tp != plan.layout.tp:  # the layout says it all
+                        what = _and([changes[i][1] for i in chosen
+                                     if "dp_replicate" not in changes[i][2]])
+                        what = spread(again.layout, again.devices) + (f" with {what}" if what
+                                                                      else "")
+                    else:
+                        what = _and([changes[i][1] for i in chosen])
+                    fixes.append(f"{what} ({' '.join(flags)}: {_figures(again)})")
+                    break
+    # A larger cluster, laid out with FSDP over its hosts and the smallest TP that fits: as
+    # the plan is; where nothing fits these devices, also the smallest cluster that fits with
+    # the other changes. When FSDP on these devices fits, that is the fix.
     larger = larger or larger_clusters
     found = None
-    # A larger cluster is sharded with FSDP: when FSDP on these devices fits, it is the fix.
-    passes = [] if plan.sharding == "hsdp" and {0} in fitting else [{}, BF16] if bf16 else [{}]
-    for extra in passes:
-        need = _fewest_devices(plan.replan(**extra))
-        if need is None:
+    clusters: list[tuple[tuple[int, ...], str]] = []  # each smaller than the one before
+    same = [f for f, _ in fitting]
+    others = [i for i, c in enumerate(changes) if c[2].keys() & {
+        "activation_checkpointing", "sequence_parallel", "param_dtype"}] if not fixes else []
+    passes = [] if plan.sharding == "hsdp" and {0} in same else [
+        chosen for n in range(len(others) + 1) for chosen in itertools.combinations(others, n)]
+    for chosen in passes:
+        extra = {k: v for i in chosen for k, v in changes[i][2].items()}
+        needs = [n for n in (_fewest_devices(p) for p in (
+            _replan(plan, tp=tp, **extra) for tp in plan.tp_choices()) if p is not None)
+            if n is not None]
+        if not needs:
             continue
-        for scale in larger(plan.layout, need):
-            if found is not None and scale.layout.devices >= found:
+        for scale in larger(plan.cluster, min(needs)):
+            if found is not None and scale.cluster.devices >= found:
                 break
-            again = plan.replan(devices=scale.layout.devices,
-                                devices_per_host=scale.layout.devices_per_host,
-                                sharding="fsdp", **extra)
-            if again.fits and again.roomy:
-                found = scale.layout.devices
-                flags = scale.flags + (" --sharding fsdp" if plan.sharding == "hsdp" else "") \
-                    + (f" {bf16_flags}" if extra else "")
-                fixes.append(f"{scale.label} with FSDP over every device"
-                             + (" and bf16 parameters and AdamW state" if extra else "")
-                             + f" ({flags}: {_figures(again)})")
-                break
-    if found is None and _fewest_devices(plan.replan(**BF16)) is None:
-        gathered = plan.per_device["gathered_root"] + plan.per_device["gathered_layers"]
-        fixes.append(f"tensor parallelism, which this plan does not model (the gathered "
-                     f"parameters alone need {gib(gathered)} GiB per device, so no number of "
-                     "FSDP devices fits)")
+            for tp in scale.cluster.tp_choices(plan.model):
+                again = _replan(plan, devices=scale.cluster.devices,
+                                devices_per_host=scale.cluster.devices_per_host, tp=tp,
+                                sharding="fsdp", dp_replicate=1, dp_shard=REST, **extra)
+                if again is not None and again.fits and again.roomy:
+                    break
+            else:
+                continue
+            found = scale.cluster.devices
+            flags = [scale.flags] + (["--sharding fsdp"] if request["sharding"] == "hsdp" else
+                                     ["--dp-replicate 1"] if plan.sharding == "hsdp" else []) \
+                + tp_flags(tp) + [changes[i][0] for i in chosen]
+            what = _and([spread(again.layout, again.devices)]
+                        + [changes[i][1] for i in chosen])
+            clusters.append((chosen, f"{scale.label} with {what} ({' '.join(flags)}: "
+                                     f"{_figures(again)})"))
+            break
+    # The cluster that fits as the plan is, and the smallest (with more changes).
+    fixes += [text for i, (chosen, text) in enumerate(clusters)
+              if (i == 0 and not chosen) or i == len(clusters) - 1]
+    if not fixes:
+        fixes.append(f"a shorter --seq-len or a smaller --micro-batch if that is enough (no "
+                     f"layout tried fits: TP among {tps}, with and without activation "
+                     "checkpointing, sequence parallelism and bf16 state, nor a larger cluster)")
     more = [flag for flag, share in (("--device-memory SIZE", plan.device_share),
                                      ("--host-memory SIZE", plan.host_share))
             if share is not None and share > 1]
@@ -881,8 +1158,9 @@ def remedies(plan: MemoryPlan, larger: Callable[..., Iterable[Scale]] | None = N
     return fixes
 
 
-def format_memory_table(plan: MemoryPlan) -> str:
-    """The plan as a readable table, in GiB with 2 decimals."""
+def format_memory_table(plan: MemoryPlan, tried: Sequence[MemoryPlan] = ()) -> str:
+    """The plan as a readable table, in GiB with 2 decimals; ``tried``: the plans ``pick_tp``
+    tried, said on the line after the layout."""
     d, h, t, c = plan.per_device, plan.per_host, plan.precision, plan.checkpoints
     lines = []
     model = plan.model
@@ -901,14 +1179,20 @@ def format_memory_table(plan: MemoryPlan) -> str:
                                          "not necessarily your model's)" if sizes else ""), 100)
     else:
         lines.append(f"Model: {plan.parameters:,} parameters")
-    layout = plan.layout
-    spread = (f"FSDP, each tensor sharded over all {layout.devices} devices"
-              if layout.sharding == "fsdp" else
-              f"HSDP, sharded over the {layout.shards} devices of a host, replicated over "
-              f"{layout.replicas} hosts")
-    lines.append(f"Layout: {layout.devices} devices on {layout.hosts} "
-                 f"host{'s' if layout.hosts > 1 else ''} (up to {layout.devices_per_host} a "
-                 f"host); {spread}")
+    layout, cluster = plan.layout, plan.cluster
+    how = (f"FSDP, each tensor sharded over all {cluster.devices} devices" if layout.trivial else
+           f"{layout.describe()} ({layout.to_text()})")
+    lines.append(f"Layout: {cluster.devices} devices on {cluster.hosts} "
+                 f"host{'s' if cluster.hosts > 1 else ''} (up to {cluster.devices_per_host} a "
+                 f"host); {how}")
+    if len(tried) > 1 or (tried and plan.device_memory is not None):
+        others = [p for p in tried if p is not plan]
+        lines += textwrap.wrap(
+            f"Picked TP {layout.tp}, the smallest that fits a device with "
+            f"{1 - TIGHT:.0%} left" + (": " + ", ".join(
+                f"TP {p.layout.tp} needs {gib(p.total)} GiB" for p in others)
+                + f" of {gib(plan.device_memory.bytes)}" if others else "")
+            + f" (TP among {plan.tp_choices()}; --tp N plans another)", 100)
     lines += textwrap.wrap(f"Precision: {t.parameters} parameters, {t.gradients} gradients, "
                            f"{t.optimizer} AdamW state, {t.compute} compute: {t.call}", 100)
     memory = plan.device_memory
@@ -919,6 +1203,21 @@ def format_memory_table(plan: MemoryPlan) -> str:
     lines.append(f"Host memory: {gib(host.bytes)} GiB per {host.name}" if host else
                  "Host memory: unknown (give --accelerator-type with a Trainium instance type, "
                  "or --host-memory, to check the fit)")
+    a = plan.activations
+    if a is not None:
+        tp = layout.tp
+        lines += textwrap.wrap(
+            f"Activations: {a['micro_batch']} x {a['seq_len']} tokens a device (--micro-batch, "
+            f"--seq-len); "
+            + (f"each layer recomputed in backward, keeping its input, plus one layer's "
+               f"{gib(a['per_layer'])} GiB" if a["activation_checkpointing"] else
+               f"{plan.model.num_hidden_layers} layers of {gib(a['per_layer'])} GiB, no "
+               "activation checkpointing (--activation-checkpointing)")
+            + ("" if tp == 1 else "; sequence-parallel norms and residual stream"
+               if a["sequence_parallel"] else "; no sequence parallelism (--sequence-parallel)")
+            + "; logits " + ("split on the vocabulary (--loss-parallel)" if a["loss_parallel"]
+                             and tp > 1 else "whole")
+            + " (ModelShape.activation_bytes: Korthikanti et al. 2022, adapted)", 100)
     tier = c["memory_tier_sets"]
     rows = [
         ("Per device", "", ""),
@@ -928,8 +1227,12 @@ def format_memory_table(plan: MemoryPlan) -> str:
         ("  gathered root (embedding, head)", t.compute, gib(d["gathered_root"])),
         (f"  gathered layers ({PREFETCH_LAYERS}, prefetch)", t.compute,
          gib(d["gathered_layers"])),
+        *([] if a is None else [
+            ("  activations" + (" (checkpointed)" if a["activation_checkpointing"] else ""),
+             t.compute, gib(d["activations"])),
+            ("  logits (for the loss)", "fp32", gib(d["logits"]))]),
         ("  total", "", gib(d["total"])),
-        (f"Per host ({layout.devices_per_host} devices)", "", ""),
+        (f"Per host ({cluster.devices_per_host} devices)", "", ""),
         ("  at load (own shards)", t.parameters, gib(h["at_load"])),
         ("  at a step", "", gib(h["at_step"])),
         ("  a checkpoint's host copy (one set)", "", gib(h["checkpoint_set"])),
@@ -956,7 +1259,7 @@ def format_memory_table(plan: MemoryPlan) -> str:
         + ("the memory tier (--memory-every, the config's memory_every) keeps its ranks' two "
            "generations" + (" and its peer node's two, and passes one of each through Ray's "
                             "object store while it hands them over (which spills to disk past "
-                            "the store's size)" if layout.hosts > 1 else
+                            "the store's size)" if cluster.hosts > 1 else
                             " (on one host there is no peer to copy to)")
            + ("; under FSDPv2 a generation is staged and formatted in the training process "
               "first" if plan.request["stack"] == "fsdpv2" else "")
@@ -975,8 +1278,8 @@ def format_memory_table(plan: MemoryPlan) -> str:
             verdict = f"fits, {gib(have.bytes - used)} GiB left"
         lines += textwrap.wrap(
             f"{what}: {gib(used)} of {gib(have.bytes)} GiB ({share:.0%}): {verdict}"
-            + ("" if share > 1 else " for activations, the runtime and the compiler"
+            + ("" if share > 1 else " for the runtime, the compiler and what is not counted"
                if what == "Device" else " for the OS, Ray, data loading and the runtime"), 100)
     lines += textwrap.wrap(f"At a step the host holds {HOST_AT_STEP}.", 100)
-    lines += textwrap.wrap("Not counted: " + "; ".join(NOT_COUNTED) + ".", 100)
+    lines += textwrap.wrap("Not counted: " + "; ".join(not_counted(plan)) + ".", 100)
     return "\n".join(lines)

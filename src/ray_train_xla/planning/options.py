@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from ray_train_xla.errors import XLAConfigError, config_error
+from ray_train_xla.errors import Term, XLAConfigError, config_error
 from ray_train_xla.planning.contract import (
     DEFAULT_TIMEOUT_S,
     EFA_ENV,
@@ -235,10 +235,14 @@ class XLAOptions:
             raise err("spmd", self.spmd, "True or False")
         wanted = Parallelism.of(self.parallelism)
         if wanted is not None and not self.spmd and (wanted.tp > 1 or wanted.dp_replicate > 1):
-            raise err("parallelism", wanted.to_dict(),
-                      "None without spmd=True: under torch_xla the layout is the SPMD mesh's axes "
-                      "(FSDPv2 x TP); pass spmd=True, or use TorchNeuronConfig / TorchTPUConfig "
-                      "(FSDP2 x TP)")
+            raise XLAConfigError(
+                Term(f"{self._owner}.parallelism={wanted.to_dict()!r} is not valid: expected "
+                     "None without spmd=True",
+                     f"the layout (--tp, --dp-replicate) is not valid with {self._owner}: "
+                     "expected it only with --spmd"),
+                ": under torch_xla the layout is the SPMD mesh's axes (FSDPv2 x TP); pass ",
+                Term("spmd=True", "--spmd"), ", or use ",
+                Term("TorchNeuronConfig / TorchTPUConfig", "--runtime native"), " (FSDP2 x TP).")
         if self.spmd and self.runtime == "xrt":
             raise err("spmd", self.spmd, "False with runtime='xrt' (SPMD needs PJRT)")
         n = self.cpu_devices_per_worker

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ray_train_xla.errors import config_error
+from ray_train_xla.errors import Term, config_error
 from ray_train_xla.planning.contract import (
     DEVICE_VAR,
     GROUP_START_VAR,
@@ -182,8 +182,10 @@ def plan(
 
 
 # How a layout's fix is said: which devices to add to each node.
-NODE_FIX = ("as many devices on every node as a multiple of tp (ScalingConfig: workers per node, "
-            "resources_per_worker)")
+NODE_FIX = Term("as many devices on every node as a multiple of tp (ScalingConfig: workers per "
+                "node, resources_per_worker)",
+                "as many devices on every node as a multiple of --tp (--workers-per-node, "
+                "--accelerators-per-worker)")
 
 
 def devices_per_worker(config: XLAOptions, place: WorkerPlace) -> int:
@@ -194,16 +196,50 @@ def devices_per_worker(config: XLAOptions, place: WorkerPlace) -> int:
     return len(place.accelerator_ids) or getattr(config, "cpu_devices_per_worker", None) or 1
 
 
-def plan_layout(config: XLAOptions, plans: Sequence[WorkerPlan], fix: str = NODE_FIX) -> Layout | None:
+def layout_owner(config: XLAOptions) -> Term:
+    """Who asks for a layout, as an error names it: the config's field, or plan's flags."""
+    owner = getattr(config, "_owner", "config")
+    return Term(f"{owner}(parallelism=...)", "the layout")
+
+
+def resolve_layout(wanted: Parallelism, node_of_device: Sequence[str], owner: str | Term,
+                   fix: str | Term = NODE_FIX) -> Layout:
+    """``wanted`` resolved for these devices (``node_of_device``: each device's node, in the
+    order of the ranks the process group uses) and checked against their nodes."""
+    layout = wanted.resolve(len(node_of_device), owner)
+    layout.check_nodes(node_of_device, owner, fix)
+    return layout
+
+
+def plan_layout(config: XLAOptions, plans: Sequence[WorkerPlan], fix: str | Term = NODE_FIX
+                ) -> Layout | None:
     """The config's ``parallelism`` resolved for the planned job (None when it gives none),
     checked against the nodes: the devices in the order of the ranks the process group uses
     (``RANK`` as planned: TorchTPU numbers them its own way), each with its node."""
-    owner = getattr(config, "_owner", "config")
-    wanted = Parallelism.of(getattr(config, "parallelism", None), f"{owner}(parallelism=...)")
+    owner = layout_owner(config)
+    wanted = Parallelism.of(getattr(config, "parallelism", None), owner)
     if wanted is None:
         return None
     ordered = sorted(plans, key=lambda p: int(p.env["RANK"]))
     nodes = [p.place.node_id for p in ordered for _ in range(devices_per_worker(config, p.place))]
-    layout = wanted.resolve(len(nodes), f"{owner}(parallelism=...)")
-    layout.check_nodes(nodes, f"{owner}(parallelism=...)", fix)
-    return layout
+    return resolve_layout(wanted, nodes, owner, fix)
+
+
+def worker_layouts(config: XLAOptions, plans: Sequence[WorkerPlan]) -> list[dict] | None:
+    """Each planned worker's place in its layout, in ``plans``' order (None without one): its
+    coordinates and data-parallel rank (``Layout.coordinates``, ``dp_rank``, from its planned
+    ``RANK``), or under SPMD, where a worker holds several devices, the first of its devices'
+    ranks in the layout and how many it holds."""
+    text = plans[0].env.get(LAYOUT_VAR) if plans else None
+    if text is None:
+        return None
+    layout = Layout.from_text(text)
+    if getattr(config, "spmd", False):
+        ordered = sorted(plans, key=lambda p: int(p.env["RANK"]))
+        first, start = {}, 0
+        for p in ordered:
+            first[id(p)] = (start, devices_per_worker(config, p.place))
+            start += first[id(p)][1]
+        return [{"first_device": first[id(p)][0], "devices": first[id(p)][1]} for p in plans]
+    return [{**layout.coordinates(int(p.env["RANK"])), "dp_rank": layout.dp_rank(int(p.env["RANK"]))}
+            for p in plans]

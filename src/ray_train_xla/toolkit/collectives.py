@@ -50,10 +50,14 @@ def pg_rank(ray_rank: int) -> int:
     return rt.group_ranks[1][ray_rank]
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op: str = "sum", dim: str | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over all workers and return the result on ``tensor``'s device.
 
-    ``op`` is "sum", "mean", "max", "min" or "product". The input is not modified.
+    ``op`` is "sum", "mean", "max", "min" or "product". The input is not modified. ``dim``: over
+    this worker's peers along one dimension of the layout only (``parallel.py``: "tp", "dp" for
+    both data-parallel dimensions, "dp_shard", "dp_replicate"), e.g. a loss over the
+    data-parallel ranks (``all_reduce(loss, "mean", dim="dp")``), which tensor-parallel peers
+    share.
 
     Under SPMD on an accelerator an XLA tensor is one global value (each worker holds the same
     logical tensor, XLA has already combined the devices' shards), so there is nothing to
@@ -63,6 +67,19 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """
     if op not in _XM_OPS:
         raise ValueError(f"all_reduce op={op!r} is not valid: expected one of {sorted(_XM_OPS)}")
+    if dim is not None:
+        from ray_train_xla.toolkit.parallel import group, group_size
+
+        size = group_size(dim)
+        if size == 1:
+            return tensor.clone()
+        if size != world_size():  # a part of the workers: the layout's group of this worker
+            import torch.distributed as dist
+
+            host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+            dist.all_reduce(host, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()),
+                            group=group(dim, host=host.device.type == "cpu"))
+            return (host / size if op == "mean" else host).to(tensor.device)
     n = world_size()
     if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()

@@ -147,15 +147,30 @@ def shared_with_tp_peers(batches: Iterable[Any]) -> Iterator[Any]:
     peers = layout.group(rank(), "tp")
     me, peer_group = peers.index(rank()), group("tp", host=True)
     own = iter(batches)
+    # Every peer starts its own shard's epoch now: Ray Data's split starts an epoch only once
+    # every consumer of the dataset asked for its first batch.
+    ready = next(own, None)
     step = 0
     while True:
         owner = step % layout.tp
-        box = [next(own, None) if owner == me else None]
+        box = [ready if owner == me else None]
         dist.broadcast_object_list(box, src=peers[owner], group=peer_group)
         if box[0] is None:  # the owner's shard ended: so did every peer's (equal shards)
             return
+        if owner == me:
+            ready = next(own, None)
         yield box[0]
         step += 1
+
+
+def group_size(dim: str) -> int:
+    """How many workers this worker's group along ``dim`` holds (``group``'s dims)."""
+    if dim not in GROUP_DIMS:
+        raise ValueError(f"dim={dim!r} is not valid: expected one of {GROUP_DIMS}")
+    layout = get_layout()
+    if runtime().ctx.spmd:  # a worker's devices share its process: the process group is the world
+        return world_size() if dim in ("dp", "dp_shard") else 1
+    return layout.dp if dim == "dp" else getattr(layout, dim)
 
 
 def _members(layout: Layout, dim: str) -> list[list[int]]:

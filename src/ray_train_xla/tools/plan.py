@@ -44,6 +44,17 @@ def _workers_per_node(text: str) -> list[int]:
     return counts
 
 
+def _dp_shard(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 and value != -1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1, or -1 for every device the "
+                                         f"others leave, got {text!r}")
+    return value
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -53,6 +64,8 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """``plan``: every worker's environment for a described topology."""
+    from ray_train_xla.planning.memory import DEFAULT_MICRO_BATCH, DEFAULT_SEQ_LEN
+
     plan = sub.add_parser(
         "plan",
         help="print the environment each worker would get",
@@ -60,13 +73,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "backend would, without Ray or hardware. Rendezvous values (MASTER_PORT, run id) are "
         "examples: the backend takes free ports and a fresh id at every fit(). With --model, "
         "plan memory instead of the environment: the topology is checked the same way, then "
-        "the model's parameters, gradients and AdamW state sharded over the devices (one per "
-        "worker; with --spmd every device of each worker), the layers FSDP gathers, and what "
-        "each host holds at load and at a checkpoint (the staging pool's sets, the memory "
-        "tier's copies), in GiB (2^30 bytes); a plan that does not fit the device's memory "
-        "(--accelerator-type or --device-memory) or the host's (a Trainium instance type, or "
-        "--host-memory) is refused with exit status 2, naming only changes that were planned "
-        "again and fit; one above 90% of either is a warning. Activations are not counted.",
+        "the model's parameters, gradients and AdamW state laid out over the devices (one per "
+        "worker; with --spmd every device of each worker), tensor parallelism inside a node "
+        "and FSDP over the rest, the layers FSDP gathers, the activations at --seq-len and "
+        "--micro-batch and the logits, and what each host holds at load and at a checkpoint "
+        "(the staging pool's sets, the memory tier's copies), in GiB (2^30 bytes). Without "
+        "--tp it picks the smallest TP that fits a device with 10% left. A plan that does not "
+        "fit the device's memory (--accelerator-type or --device-memory) or the host's (a "
+        "Trainium instance type, or --host-memory) is refused with exit status 2, naming only "
+        "changes that were planned again and fit; one above 90% of either is a warning.",
     )
     plan.add_argument(
         "--device", default="cpu", choices=["cpu", "neuron", "tpu"], help="device (default cpu)"
@@ -166,6 +181,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="extra variable for every worker (TorchXLAConfig.env); repeatable",
     )
     plan.add_argument(
+        "--tp", type=positive_int, default=None, metavar="N",
+        help="the config's parallelism: N devices per tensor-parallel group (parallelism={'tp': "
+        "N}), inside a node; the environment plan shows RAY_TRAIN_XLA_LAYOUT and each worker's "
+        "coordinates. With --model: plan this TP (default: the smallest that fits, within a "
+        "node). TorchXLAConfig only with --spmd",
+    )
+    plan.add_argument(
+        "--dp-replicate", type=positive_int, default=None, metavar="N",
+        help="the config's parallelism: N data-parallel replicas (HSDP), each sharding the "
+        "model over its devices (default 1)",
+    )
+    plan.add_argument(
+        "--dp-shard", type=_dp_shard, default=None, metavar="N",
+        help="the config's parallelism: N devices per replica's FSDP group (default -1: every "
+        "device --tp and --dp-replicate leave)",
+    )
+    plan.add_argument(
         "--model", default=None, metavar="PATH_OR_HUB_ID",
         help="plan memory for this Hugging Face decoder instead of the environment: a model "
         "directory holding config.json, a config.json, or a Hugging Face Hub id "
@@ -176,8 +208,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--sharding", default="fsdp", choices=["fsdp", "hsdp"],
-        help="with --model: fsdp shards over every device (default); hsdp shards within a node "
-        "and replicates across nodes (get_sharded_mesh('hsdp'))",
+        help="with --model: fsdp shards over every device the TP groups leave (default); hsdp "
+        "shards within a node and replicates across nodes (get_sharded_mesh('hsdp'), as "
+        "--dp-replicate <nodes>)",
+    )
+    plan.add_argument(
+        "--seq-len", type=positive_int, default=None, metavar="TOKENS",
+        help=f"with --model: tokens a sequence, for the activations (default {DEFAULT_SEQ_LEN})",
+    )
+    plan.add_argument(
+        "--micro-batch", type=positive_int, default=None, metavar="N",
+        help=f"with --model: sequences each device computes at once, for the activations "
+        f"(default {DEFAULT_MICRO_BATCH})",
+    )
+    plan.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="with --model: each decoder layer recomputed in backward "
+        "(prepare_sharded_model(..., activation_checkpointing=True)): a layer keeps its input",
+    )
+    plan.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="with --model and a TP above 1: the norms and the residual stream split on the "
+        "sequence over the tensor-parallel group (sequence parallelism)",
+    )
+    plan.add_argument(
+        "--loss-parallel", action="store_true",
+        help="with --model and a TP above 1: the logits stay split on the vocabulary for the "
+        "loss (torch's loss_parallel) instead of gathered whole",
     )
     plan.add_argument(
         "--param-dtype", default="fp32", choices=["fp32", "bf16"],
@@ -240,18 +297,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ray_train_xla.planning.options import XLAOptions
     from ray_train_xla.planning.planner import get_runtime
 
-    config = _native_options(args) if args.runtime == "native" else XLAOptions(
-        device=args.device,
-        runtime=args.runtime,
-        env=dict(args.env),
-        compile_cache=args.compile_cache,
-        neuron_parallel_compile=args.parallel_compile,
-        spmd=args.spmd,
-        cpu_devices_per_worker=args.cpu_devices_per_worker,
-        tpu_process_bounds=args.tpu_process_bounds,
-        peak_tflops=args.peak_tflops,
-        memory_every=args.memory_every,
-    )
+    with plan_flags():
+        config = _native_options(args) if args.runtime == "native" else XLAOptions(
+            device=args.device,
+            runtime=args.runtime,
+            env=dict(args.env),
+            compile_cache=args.compile_cache,
+            neuron_parallel_compile=args.parallel_compile,
+            spmd=args.spmd,
+            cpu_devices_per_worker=args.cpu_devices_per_worker,
+            tpu_process_bounds=args.tpu_process_bounds,
+            peak_tflops=args.peak_tflops,
+            memory_every=args.memory_every,
+            parallelism=parallelism(args),
+        )
     topology, facts = _describe_topology(args)
     runtime = get_runtime(args.device, args.runtime)
     if args.tpu_slices > 1 and not (args.runtime == "native" and args.device == "tpu"):
@@ -260,8 +319,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with plan_flags():
         runtime.check(config, topology)
     if args.model is not None:
-        return plan_memory(args, topology)
+        return plan_memory(args, config, topology)
     return plan_environment(args, config, runtime, topology, facts)
+
+
+def parallelism(args: argparse.Namespace):
+    """The config's ``parallelism`` as ``--tp``, ``--dp-replicate`` and ``--dp-shard`` give it;
+    None when none is given."""
+    from ray_train_xla.planning.layout import REST, Parallelism
+
+    if args.tp is None and args.dp_replicate is None and args.dp_shard is None:
+        return None
+    return Parallelism(tp=args.tp or 1, dp_replicate=args.dp_replicate or 1,
+                       dp_shard=REST if args.dp_shard is None else args.dp_shard)
 
 
 @contextlib.contextmanager
@@ -382,20 +452,26 @@ def _native_options(args: argparse.Namespace):
         if value:
             raise config_error(flag, value, "no value: it is a TorchXLAConfig option", owner=owner)
     return cls(device=args.device, env=dict(args.env), compile_cache=args.compile_cache,
-               peak_tflops=args.peak_tflops, memory_every=args.memory_every)
+               peak_tflops=args.peak_tflops, memory_every=args.memory_every,
+               parallelism=parallelism(args))
 
 
 def plan_environment(args: argparse.Namespace, config, runtime, topology, facts) -> int:
     """``plan``: every worker's environment, a table or (--json) one JSON object a worker; the
     memory plan's flags are refused."""
-    from ray_train_xla.planning.planner import Rendezvous, plan
+    from ray_train_xla.planning.planner import Rendezvous, plan, worker_layouts
 
     for flag, given in (("--sharding", args.sharding != "fsdp"),
                         ("--param-dtype", args.param_dtype != "fp32"),
                         ("--optimizer-dtype", args.optimizer_dtype is not None),
                         ("--device-memory", args.device_memory is not None),
                         ("--host-memory", args.host_memory is not None),
-                        ("--max-in-flight", args.max_in_flight != 2)):
+                        ("--max-in-flight", args.max_in_flight != 2),
+                        ("--seq-len", args.seq_len is not None),
+                        ("--micro-batch", args.micro_batch is not None),
+                        ("--activation-checkpointing", args.activation_checkpointing),
+                        ("--sequence-parallel", args.sequence_parallel),
+                        ("--loss-parallel", args.loss_parallel)):
         if given:
             raise CommandError(f"{flag} plans memory: use it with --model PATH_OR_HUB_ID")
     master = topology.workers[runtime.master_worker(topology)]
@@ -414,11 +490,14 @@ def plan_environment(args: argparse.Namespace, config, runtime, topology, facts)
     )
     with plan_flags():
         plans = plan(topology, config, rdzv, args.device, facts)
+    rows = [p.to_json() for p in plans]
+    for row, place in zip(rows, worker_layouts(config, plans) or ()):
+        row["layout"] = place  # the worker's coordinates (under SPMD: its devices)
     if args.json:
         # One worker per line: readable, greppable, and fast at thousands of workers.
-        sys.stdout.write("[\n" + ",\n".join(json.dumps(p.to_json()) for p in plans) + "\n]\n")
+        sys.stdout.write("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
         return 0
-    print(format_plan_table([p.to_json() for p in plans]))
+    print(format_plan_table(rows))
     peak = planned_peak(args)
     if peak:
         print(peak)
@@ -444,16 +523,37 @@ def planned_peak(args: argparse.Namespace) -> str:
 
 
 def format_plan_table(rows: Sequence[dict]) -> str:
-    """Variables shared by all workers once, then one row per worker with the rest."""
+    """Variables shared by all workers once, then one row per worker with the rest; with a
+    layout, the layout's line and each worker's coordinates and data-parallel rank (under
+    SPMD, the ranks of its devices in the layout)."""
+    from ray_train_xla.planning.contract import LAYOUT_VAR
+    from ray_train_xla.planning.layout import Layout
+
     keys = sorted({k for r in rows for k in r["env"]})
     shared = [k for k in keys if len({r["env"].get(k) for r in rows}) == 1
               and all(k in r["env"] for r in rows)]
     varying = [k for k in keys if k not in shared]
     lines = [f"{len(rows)} workers. Shared by every worker:"]
     lines += [f"  {k}={rows[0]['env'][k]}" for k in shared]
-    header = ["rank", "local", "node", *varying]
+    places = [r["layout"] for r in rows if "layout" in r]
+    columns: list[str] = []
+    if places:
+        columns = ["devices"] if "devices" in places[0] else [*places[0]]
+        lines.append(f"Layout: {Layout.from_text(rows[0]['env'][LAYOUT_VAR]).describe()} "
+                     f"({LAYOUT_VAR}; " + (
+                         "each worker holds several devices: their ranks in the layout"
+                         if columns == ["devices"] else "each worker's coordinates, from its "
+                         "RANK") + ", row-major, tp innermost)")
+
+    def place(r: dict) -> list[str]:
+        at = r.get("layout", {})
+        if columns == ["devices"]:
+            return [f"{at['first_device']}-{at['first_device'] + at['devices'] - 1}"]
+        return [str(at.get(c, "-")) for c in columns]
+
+    header = ["rank", "local", "node", *columns, *varying]
     table = [header] + [
-        [str(r["rank"]), str(r["local_rank"]), str(r["node_rank"]),
+        [str(r["rank"]), str(r["local_rank"]), str(r["node_rank"]), *place(r),
          *(r["env"].get(k, "-") for k in varying)]
         for r in rows
     ]
@@ -463,12 +563,17 @@ def format_plan_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def plan_memory(args: argparse.Namespace, topology) -> int:
-    """``plan --model``: the memory table (or JSON) of the described topology; a plan that does
-    not fit the device's or the host's memory raises XLAConfigError (exit status 2)."""
+def plan_memory(args: argparse.Namespace, config, topology) -> int:
+    """``plan --model``: the memory table (or JSON) of the described topology, at the layout
+    ``--tp`` / ``--dp-replicate`` / ``--dp-shard`` give, or with the smallest TP that fits
+    (``memory.pick_tp``); a plan that does not fit the device's or the host's memory raises
+    XLAConfigError (exit status 2)."""
     import functools
 
+    from ray_train_xla.errors import XLAConfigError
     from ray_train_xla.planning import memory
+    from ray_train_xla.planning.layout import REST, Parallelism
+    from ray_train_xla.planning.planner import layout_owner, resolve_layout
     from ray_train_xla.planning.runtimes.tpu import devices_per_chip
 
     if args.runtime != "native" and not args.spmd:
@@ -480,12 +585,16 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
             + (": give --accelerators-per-worker <chips per host>" if args.device == "tpu" else "")
             + "), or FSDP2 with --runtime native ("
             + ("TorchTPUConfig" if args.device == "tpu" else "TorchNeuronConfig") + ")")
+    if args.sharding == "hsdp" and args.dp_replicate is not None:
+        raise CommandError("--sharding hsdp makes a replica of each node: give it or "
+                           "--dp-replicate, not both")
     per_worker = 1
     if args.spmd:  # one worker owns every device of its host
         per_worker = args.accelerators_per_worker or args.cpu_devices_per_worker or 1
         if args.device == "tpu":
             per_worker *= devices_per_chip(args.accelerator_type)
-    per_node = {node: n * per_worker for node, n in Counter(w.node_id for w in topology.workers).items()}
+    node_of_device = [w.node_id for w in topology.workers for _ in range(per_worker)]
+    per_node = Counter(node_of_device)
     if args.sharding == "hsdp" and len(set(per_node.values())) > 1:
         raise CommandError(f"--sharding hsdp shards within a node, so every node needs the same "
                            f"number of workers, not {','.join(map(str, per_node.values()))}")
@@ -499,14 +608,51 @@ def plan_memory(args: argparse.Namespace, topology) -> int:
     if args.host_memory is not None:
         host = memory.HostMemory(host.name if host else "host", args.host_memory,
                                  "--host-memory")
-    plan = memory.plan_memory(
-        memory.model_shape(memory.load_model_config(args.model)),
-        devices=sum(per_node.values()), devices_per_host=max(per_node.values()),
-        sharding=args.sharding, param_dtype=args.param_dtype,
-        optimizer_dtype=args.optimizer_dtype, stack="fsdp2" if args.runtime == "native" else "fsdpv2",
+    shape = memory.model_shape(memory.load_model_config(args.model))
+    devices, per_host = len(node_of_device), max(per_node.values())
+    sizes = {"dp_replicate": args.dp_replicate or 1,
+             "dp_shard": REST if args.dp_shard is None else args.dp_shard}
+    owner = layout_owner(config)
+    if args.tp is not None:
+        with plan_flags():
+            layout = resolve_layout(Parallelism(tp=args.tp, **sizes), node_of_device, owner)
+            layout.check_model(**shape.tp_sizes(), owner=owner)
+        choices = [args.tp]
+    else:  # the TP degrees these nodes and this model allow, smallest first
+        choices = []
+        for tp in memory.Cluster(devices, per_host).tp_choices(shape):
+            try:
+                resolve_layout(Parallelism(tp=tp, **sizes), node_of_device, owner)
+            except XLAConfigError:
+                continue
+            choices.append(tp)
+        if not choices:  # even TP 1 is refused: say why
+            with plan_flags():
+                resolve_layout(Parallelism(**sizes), node_of_device, owner)
+    options = dict(
+        sharding=args.sharding, **sizes, param_dtype=args.param_dtype,
+        optimizer_dtype=args.optimizer_dtype,
+        stack="fsdp2" if args.runtime == "native" else "fsdpv2",
+        seq_len=args.seq_len or memory.DEFAULT_SEQ_LEN,
+        micro_batch=args.micro_batch or memory.DEFAULT_MICRO_BATCH,
+        activation_checkpointing=args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel,
         memory=found, host=host, max_in_flight=args.max_in_flight,
         memory_every=args.memory_every)
+    with plan_flags():
+        plan, tried = memory.pick_tp(shape, devices=devices, devices_per_host=per_host,
+                                     choices=choices, **options)
+    if args.tp is not None:
+        tried = []
     plan.check(functools.partial(memory.larger_clusters, accelerator_type=args.accelerator_type,
-                                 spmd=args.spmd))
-    print(json.dumps(plan.to_json()) if args.json else memory.format_memory_table(plan))
+                                 spmd=args.spmd), tried)
+    if args.json:
+        out = plan.to_json()
+        if tried:
+            out["picked"] = {"tp": plan.layout.tp, "choices": choices, "tried": [
+                {"tp": p.layout.tp, "total": p.total, "fits": p.fits, "roomy": p.roomy}
+                for p in tried]}
+        print(json.dumps(out))
+    else:
+        print(memory.format_memory_table(plan, tried))
     return 0
