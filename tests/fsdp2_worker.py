@@ -31,8 +31,10 @@ def block_class():
     return LlamaDecoderLayer
 
 
-def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+def optimizer(model: torch.nn.Module, eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW; ``eps=1e-4`` where float rounding must not be amplified (Adam divides by the root
+    of the squared gradients: near zero, by eps)."""
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=eps)
 
 
 def tokens(step: int) -> torch.Tensor:
@@ -51,15 +53,20 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
-    """The unsharded run: one process, plain torch on the CPU, the whole batch every step."""
+def reference(steps: int, eps: float = 1e-8, losses: list | None = None,
+              max_norm: float = 1.0) -> dict[str, torch.Tensor]:
+    """The unsharded run: one process, plain torch on the CPU, the whole batch every step, the
+    gradients clipped to ``max_norm`` (each step's loss appended to ``losses``)."""
     model = make_lm()
-    opt = optimizer(model)
+    opt = optimizer(model, eps)
     for step in range(steps):
         opt.zero_grad()
-        loss_of(model, tokens(step)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss = loss_of(model, tokens(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
+        if losses is not None:
+            losses.append(float(loss))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -268,9 +268,166 @@ def scenario_mismatch(out_dir: str) -> dict:
     return record
 
 
+TP_EPS = 1e-4  # AdamW's eps: near 1e-8 it amplifies float rounding of tiny gradients
+TP_CLIP = 0.5  # below the gradients' norm (about 0.63): clip_grad_norm_ clips each step
+
+
+def local_shards(param) -> list[tuple[int, torch.Tensor]]:
+    """(device, the part of ``param`` it holds) for every device, in device order."""
+    import torch_xla
+
+    shards = torch_xla._XLAC._get_local_shards([param])[0]
+    return sorted((int(str(dev).rpartition(":")[2]), t.cpu()) for t, dev in shards)
+
+
+def tp_train(model, opt, mesh, steps: int) -> tuple[list[float], list[str], list[float]]:
+    """``steps`` steps of fsdp2_worker's batches: the losses, the batches' specs and the
+    gradients' norms before clipping."""
+    import fsdp2_worker as w
+    import torch_xla
+
+    import ray_train_xla as rtx
+
+    losses, specs, norms = [], [], []
+    for step in range(steps):
+        ids = rtx.shard_batch(w.tokens(step), mesh)
+        specs.append(rtx.sharding_spec(ids))
+        opt.zero_grad()
+        loss = w.loss_of(model, ids)
+        loss.backward()
+        norm = rtx.clip_grad_norm_(model, TP_CLIP)
+        opt.step()
+        torch_xla.sync()
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return losses, specs, norms
+
+
+def scenario_tp(out_dir: str, ckpt: str) -> dict:
+    """TP 2 x FSDPv2 2 on 4 devices (the layout planned as the config's ``parallelism``
+    would be): fsdp2_worker's tiny Llama against plain torch with the whole batch; the specs of
+    the parameters, gradients and optimizer state and what each device holds; a sharded
+    checkpoint, restored into another TP 2 x FSDPv2 2 model (``parallelism={"tp": 2}``, per
+    block); ``load_pretrained`` under the layout; HSDP x TP (mesh data 2 x fsdp 1 x model 2)
+    against plain torch."""
+    import fsdp2_worker as w
+
+    import ray_train_xla as rtx
+    from ray_train_xla.planning.contract import LAYOUT_VAR
+    from ray_train_xla.toolkit.checkpoint.names import module_name
+    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
+    from ray_train_xla.toolkit.checkpoint.writer import save_sharded
+
+    devices = start_spmd()
+    os.environ[LAYOUT_VAR] = "dp_replicate=1,dp_shard=2,tp=2"  # as TorchXLAConfig(parallelism=) plans
+    model = rtx.prepare_sharded_model(w.make_lm())
+    mesh = rtx.get_sharded_mesh()
+    opt = w.optimizer(model, TP_EPS)
+    losses, batch_specs, norms = tp_train(model, opt, mesh, STEPS)
+    ref_losses: list = []
+    ref = w.reference(STEPS, TP_EPS, ref_losses, TP_CLIP)
+    params = {k.replace("_orig_module.", ""): p for k, p in model.named_parameters()}
+    got = plain_keys({k: v.cpu() for k, v in model.state_dict().items()})
+    exp_avg = {plain: opt.state[p]["exp_avg"] for plain, p in params.items()}
+    record = {
+        "devices": devices,
+        "layout": rtx.get_layout().to_text(),
+        "mesh": dict(mesh.shape()),
+        "wrapper": type(model).__name__,
+        "batch_specs": batch_specs,
+        "losses": losses, "ref_losses": ref_losses, "norms": norms,
+        "max_diff": max_diff(got, ref),
+        "diff_to_untrained": max_diff(got, w.reference(0)),
+        "specs": {k: rtx.sharding_spec(p) for k, p in params.items()},
+        "grad_specs": {k: rtx.sharding_spec(p.grad) for k, p in params.items()},
+        "exp_avg_specs": {k: rtx.sharding_spec(v) for k, v in exp_avg.items()},
+        "shard_shapes": {k: [list(t.shape) for _, t in local_shards(p)] for k, p in params.items()},
+    }
+    # Which part of each weight each device d (fsdp d // 2, model d % 2) holds.
+    q, o, emb = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                 "model.embed_tokens.weight")
+
+    def holds(name, rows_by, cols_by):
+        whole = got[name]
+        r, c = whole.shape[0] // 2, whole.shape[1] // 2
+        return all(torch.equal(t, whole[rows_by(d) * r:(rows_by(d) + 1) * r,
+                                        cols_by(d) * c:(cols_by(d) + 1) * c])
+                   for d, t in local_shards(params[name]))
+
+    def by_model(d):
+        return d % 2
+
+    def by_fsdp(d):
+        return d // 2
+
+    record["holds"] = {"colwise rows by model, columns by fsdp": holds(q, by_model, by_fsdp),
+                       "rowwise rows by fsdp, columns by model": holds(o, by_fsdp, by_model),
+                       "embedding vocabulary by model": holds(emb, by_model, by_fsdp),
+                       "control: colwise rows by fsdp": holds(q, by_fsdp, by_model)}
+    state = model.state_dict()
+    record["state_dict"] = {"whole_shapes": all(list(state[k].shape) == list(ref[plain].shape)
+                                                for k, plain in zip(state, plain_keys(state))),
+                            "q_spec": rtx.sharding_spec(state["_orig_module." + q])}
+    record["saved"] = save_sharded({"model": state, "optimizer": opt.state_dict(), "step": STEPS},
+                                   ckpt)
+    torch.save(cpu_state(model, opt), os.path.join(out_dir, "expected.pt"))
+    # The layout asked for again in the call; each block sharded on its own this time.
+    again = rtx.prepare_sharded_model(w.make_lm(), parallelism={"tp": 2},
+                                      auto_wrap_policy={w.block_class()})
+    again_opt = w.optimizer(again, TP_EPS)
+    record["blocks_specs"] = {module_name(k): rtx.sharding_spec(p) for k, p in again.named_parameters()}
+    record["restored_extra"] = load_sharded(ckpt, again, again_opt)
+    expected, restored = cpu_state(model, opt), cpu_state(again, again_opt)
+    record["restored_exact"] = (exact(restored["model"], expected["model"])
+                                and exact(restored["optimizer"], expected["optimizer"]))
+    record["refused"] = errors(
+        lambda: rtx.prepare_sharded_model(w.make_lm(), rtx.get_sharded_mesh((4, 1))),
+        lambda: rtx.configure_parallelism({"tp": 4}),
+        lambda: rtx.prepare_sharded_model(w.make_lm(), sequence_parallel=True))
+    # A Hugging Face directory read on the host, then split by the layout.
+    w.make_lm().save_pretrained(os.path.join(out_dir, "hf"))
+    with torch.device("meta"):
+        meta = type(w.make_lm())(w.lm_config())
+    loaded = rtx.load_pretrained(meta, os.path.join(out_dir, "hf"))
+    record["pretrained"] = {
+        "specs": {module_name(k): rtx.sharding_spec(p) for k, p in loaded.named_parameters()},
+        "exact": exact(plain_keys({k: v.cpu() for k, v in loaded.state_dict().items()}),
+                       w.reference(0))}
+    # Replicas x TP: parameters whole along "data", the batch split over it.
+    hsdp_mesh = rtx.get_sharded_mesh((2, 1, 2))
+    hsdp = rtx.prepare_sharded_model(w.make_lm(), hsdp_mesh)
+    hsdp_opt = w.optimizer(hsdp, TP_EPS)
+    hsdp_losses, hsdp_batch, _ = tp_train(hsdp, hsdp_opt, hsdp_mesh, STEPS)
+    hsdp_params = {k.replace("_orig_module.", ""): p for k, p in hsdp.named_parameters()}
+    record["hsdp"] = {
+        "mesh": dict(hsdp_mesh.shape()), "losses": hsdp_losses, "batch_specs": hsdp_batch,
+        "max_diff": max_diff(plain_keys({k: v.cpu() for k, v in hsdp.state_dict().items()}), ref),
+        "specs": {k: rtx.sharding_spec(hsdp_params[k]) for k in (q, o, emb, "model.norm.weight")}}
+    return record
+
+
+def scenario_tp_load(out_dir: str, ckpt: str) -> dict:
+    """scenario_tp's TP 2 x FSDPv2 2 checkpoint restored onto FSDPv2 over 4 devices (no TP)."""
+    import fsdp2_worker as w
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
+
+    start_spmd()
+    model = rtx.prepare_sharded_model(w.make_lm())
+    opt = w.optimizer(model, TP_EPS)
+    extra = load_sharded(ckpt, model, opt)
+    expected = torch.load(os.path.join(out_dir, "expected.pt"), weights_only=False)
+    got = cpu_state(model, opt)
+    return {"layout": rtx.get_layout().to_text(), "extra": extra,
+            "spec": rtx.sharding_spec(next(model.parameters())),
+            "model_exact": exact(got["model"], expected["model"]),
+            "optimizer_exact": exact(got["optimizer"], expected["optimizer"])}
+
+
 SCENARIOS = {"mismatch": scenario_mismatch, "train": scenario_train,
              "load": scenario_load, "refuse": scenario_refuse,
-             "train_load": scenario_train_load}
+             "train_load": scenario_train_load, "tp": scenario_tp, "tp_load": scenario_tp_load}
 
 if __name__ == "__main__":
     name, out = sys.argv[1], sys.argv[2]

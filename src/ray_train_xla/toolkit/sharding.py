@@ -129,23 +129,35 @@ def refuse_sharded(value: Any, helper: str, why: str, use: str = SHARDED_PATH, p
 def get_sharded_mesh(shape=None):
     """The mesh for :func:`prepare_sharded_model` over every device of the job.
 
-    torch_xla (``TorchXLAConfig(spmd=True)``): axes ("fsdp", "model"); by default every device
-    is on ``fsdp`` (parameters, gradients and optimizer state split N ways). Native configs
-    (FSDP2): a DeviceMesh over the workers, 1-D ``("fsdp",)`` by default; a 2-D ``shape``
-    ``(replicas, shards)`` gives ``("replicate", "fsdp")`` for HSDP, and ``"hsdp"`` one replica
-    per node (shards within a node, replicas across nodes). Under a layout of more than FSDP
-    (the config's ``parallelism``, ``configure_parallelism``), the layout's mesh, made once:
-    ``("dp_replicate", "dp_shard", "tp")``."""
+    torch_xla (``TorchXLAConfig(spmd=True)``): an SPMD mesh with axes ("fsdp", "model") of
+    the layout's sizes ``(dp_shard, tp)``: by default every device is on ``fsdp``
+    (parameters, gradients and optimizer state split N ways); under a layout with ``tp`` the
+    ``model`` axis is tensor parallelism, and with ``dp_replicate`` a ``data`` axis of replicas
+    comes first (``("data", "fsdp", "model")``). A ``shape`` of 2 or 3 sizes names those axes.
+    Native configs (FSDP2): a DeviceMesh over the workers, 1-D ``("fsdp",)`` by default; a 2-D
+    ``shape`` ``(replicas, shards)`` gives ``("replicate", "fsdp")`` for HSDP, and ``"hsdp"``
+    one replica per node (shards within a node, replicas across nodes). Under a layout of more
+    than FSDP (the config's ``parallelism``, ``configure_parallelism``), the layout's mesh,
+    made once: ``("dp_replicate", "dp_shard", "tp")``."""
+    from ray_train_xla.toolkit.parallel import get_layout
+
     if is_native():
         from ray_train_xla.toolkit.fsdp2 import native_mesh
-        from ray_train_xla.toolkit.parallel import device_mesh, get_layout
+        from ray_train_xla.toolkit.parallel import device_mesh
 
         if shape is None and not get_layout().trivial:
             return device_mesh()  # the layout's: ("dp_replicate", "dp_shard", "tp")
         return native_mesh(shape)
+    from ray_train_xla.toolkit.runtime import runtime
     from ray_train_xla.toolkit.spmd import get_mesh
 
-    return get_mesh(shape, FSDP_AXES)  # by default every device on "fsdp", the first axis
+    if shape is None:
+        # The layout's dimensions, row-major as its coordinates (tp innermost): one name each,
+        # torch_xla's ("fsdp" is the axis FSDPv2 shards over), "data" only with replicas.
+        layout = get_layout()
+        runtime().layout_used = True
+        shape = layout.shape if layout.dp_replicate > 1 else (layout.dp_shard, layout.tp)
+    return get_mesh(shape, ("data", *FSDP_AXES) if len(shape) == 3 else FSDP_AXES)
 
 
 def _xla_policy(policy):
@@ -161,12 +173,13 @@ def _xla_policy(policy):
 
 
 def shard_model_output(output: Any, mesh) -> None:
-    """FSDPv2's output sharding (the batch dimension over ``fsdp``) for what models return: a
-    tensor, a tuple whose first element is one, or a mapping such as a Hugging Face
-    ``ModelOutput`` (its ``logits``, else its first tensor). torch_xla's own default takes the
-    first two only."""
+    """FSDPv2's output sharding (the batch dimension over ``fsdp``, and ``data`` on a mesh with
+    replicas; whole over ``model``) for what models return: a tensor, a tuple whose first
+    element is one, or a mapping such as a Hugging Face ``ModelOutput`` (its ``logits``, else
+    its first tensor). torch_xla's own default takes the first two only."""
     import torch_xla.distributed.spmd as xs
-    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+    from ray_train_xla.toolkit.spmd import data_axes
 
     tensor = None
     if isinstance(output, torch.Tensor):
@@ -180,7 +193,33 @@ def shard_model_output(output: Any, mesh) -> None:
         raise RuntimeError(
             f"prepare_sharded_model: the model returned a {type(output).__name__}, which holds no "
             "tensor to shard over the batch; pass shard_output=fn(output, mesh) that marks it")
-    xs.mark_sharding(tensor, mesh, _prepare_spmd_partition_spec(tensor))
+    spec = (data_axes(mesh),) + (None,) * (tensor.dim() - 1) if tensor.dim() else ()
+    xs.mark_sharding(tensor, mesh, spec)
+
+
+def _mark_tensor_parallel(model: torch.nn.Module, mesh, tp: int, plan) -> torch.nn.Module:
+    """Move ``model`` to the XLA device and give the weights its TP plan splits their 2-D
+    partition specs on ``mesh`` (``model`` for tp, ``fsdp`` for FSDP): the plan of the native
+    path (``plan`` in ``parallelize_module``'s form, else a Hugging Face decoder's own), checked
+    the same way. FSDPv2 then shards what is left and skips what is marked."""
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    from ray_train_xla.toolkit.tensor_parallel import (
+        check_divisible,
+        expand,
+        partition_specs,
+        tp_plan,
+    )
+
+    styles = tp_plan(model) if plan is None else expand(plan, model, what="prepare_sharded_model")
+    check_divisible(model, styles, tp)
+    specs = partition_specs(model, styles, tp_axis="model", dp_axis="fsdp")
+    model = model.to(torch_xla.device())
+    for name, param in model.named_parameters():
+        if name in specs:
+            xs.mark_sharding(param, mesh, specs[name])
+    return model
 
 
 def prepare_sharded_model(
@@ -210,7 +249,13 @@ def prepare_sharded_model(
       ``shard_batch(batch, mesh)``. ``shard_output(output, mesh)`` marks the output's
       sharding (default :func:`shard_model_output`: tensors, tuples, Hugging Face outputs).
       The state dict's keys gain FSDPv2's ``_orig_module.`` prefix; checkpoints are written
-      under the plain names.
+      under the plain names. Under a layout with tensor parallelism (``parallelism``, or the
+      config's) the mesh's ``model`` axis is ``tp``: first the plan's weights get 2-D
+      partition specs (``tensor_parallel.partition_specs``: column-wise ``[out, in]`` is
+      ``("model", "fsdp")``, row-wise ``("fsdp", "model")``, the vocabulary over ``model``),
+      then FSDPv2 shards the rest over ``fsdp``; gradients and optimizer state follow each
+      parameter's sharding. ``tp_plan`` as on the native configs; with replicas
+      (``dp_replicate``) parameters are whole on each row of the mesh's ``data`` axis.
     - ``TorchNeuronConfig`` / ``TorchTPUConfig`` (and their CPU twins): FSDP2 (``fully_shard``)
       on a DeviceMesh (``fsdp2.py``); every worker starts from rank 0's values; each worker
       feeds its own batch (``prepare_data_loader``), ``optimizer.step()`` or
@@ -248,11 +293,12 @@ def prepare_sharded_model(
         return prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
                              mixed_precision=mixed_precision,
                              activation_checkpointing=activation_checkpointing)
-    if parallelism is not None or tp_plan is not None or sequence_parallel or loss_parallel:
-        raise ValueError("prepare_sharded_model: parallelism, tp_plan, sequence_parallel and "
-                         "loss_parallel shard with FSDP2 and DTensor: use TorchNeuronConfig or "
-                         "TorchTPUConfig (their CPU twins on the CPU)")
+    if sequence_parallel or loss_parallel:
+        raise ValueError("prepare_sharded_model: sequence_parallel and loss_parallel are DTensor "
+                         "styles (TorchNeuronConfig, TorchTPUConfig); under torch_xla SPMD XLA's "
+                         "sharding propagation places the activations: leave them off")
     from ray_train_xla.toolkit.checkpoint.names import remember
+    from ray_train_xla.toolkit.parallel import configure_parallelism, get_layout
     from ray_train_xla.toolkit.spmd import require_spmd
 
     require_spmd()
@@ -261,6 +307,9 @@ def prepare_sharded_model(
     if mixed_precision is not None:
         raise ValueError("prepare_sharded_model: mixed_precision is FSDP2's (native configs); "
                          "under torch_xla FSDPv2 cast the model (model.to(torch.bfloat16)) instead")
+    if activation_checkpointing and auto_wrap_policy is None:
+        raise ValueError("prepare_sharded_model: activation_checkpointing recomputes each "
+                         "block named by auto_wrap_policy; give auto_wrap_policy")
     for name, module in model.named_modules():
         if type(module).__name__ == FSDP_V1_CLASS:
             raise ShardedStateError(
@@ -269,15 +318,20 @@ def prepare_sharded_model(
     if isinstance(model, SpmdFullyShardedDataParallel):
         remember(model)
         return model
+    layout = configure_parallelism(parallelism) if parallelism is not None else get_layout()
     mesh = mesh if mesh is not None else get_sharded_mesh()
     if "fsdp" not in mesh.axis_names:
         raise ValueError(f"prepare_sharded_model: the mesh axes {mesh.axis_names} have no 'fsdp' axis; "
                          "build it with get_sharded_mesh(shape)")
+    tp = dict(mesh.shape()).get("model", 1)
+    if layout.tp > 1 and tp != layout.tp:
+        raise ValueError(f"prepare_sharded_model: the layout has tp={layout.tp}, but the mesh's "
+                         f"'model' axis has {tp} devices: leave mesh=None (get_sharded_mesh(), "
+                         "the layout's) or give one whose 'model' axis is tp")
+    if tp > 1 and (layout.tp > 1 or tp_plan is not None):
+        model = _mark_tensor_parallel(model, mesh, tp, tp_plan)
     kwargs = {}
     if activation_checkpointing:
-        if auto_wrap_policy is None:
-            raise ValueError("prepare_sharded_model: activation_checkpointing recomputes each "
-                             "block named by auto_wrap_policy; give auto_wrap_policy")
         from torch_xla.distributed.fsdp import checkpoint_module
 
         kwargs["auto_wrapper_callable"] = lambda m, *args, **kw: SpmdFullyShardedDataParallel(

@@ -47,18 +47,37 @@ def get_mesh(shape: Sequence[int] | None = None, axis_names: Sequence[str] = ("d
     return xs.Mesh(np.arange(devices), shape, axis_names)
 
 
-def shard_batch(batch: Any, mesh=None, axis: str | None = None) -> Any:
+# The data-parallel axes of a mesh, outermost first: "data" (replicas: get_mesh's, or HSDP's
+# under a layout with dp_replicate) and "fsdp" (FSDPv2's shards). "model" is tensor parallelism.
+DATA_AXES = ("data", "fsdp")
+
+
+def data_axes(mesh) -> str | tuple[str, ...]:
+    """The batch dimension's entry in a partition spec on ``mesh``: its data-parallel axes
+    (``DATA_AXES`` it has), one name or a tuple of them. Devices that differ only along the
+    other axes (``model``: tensor-parallel peers) hold the same rows."""
+    axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+    if not axes:
+        raise ValueError(f"the mesh axes {mesh.axis_names} have no data-parallel axis "
+                         f"({' or '.join(DATA_AXES)})")
+    return axes[0] if len(axes) == 1 else axes
+
+
+def shard_batch(batch: Any, mesh=None, axis: str | tuple[str, ...] | None = None) -> Any:
     """Move a batch (tensor, or a dict/list/tuple of tensors) to the XLA device and shard dim 0
-    of every tensor along the mesh's ``axis`` (default: ``data``, or ``fsdp`` on a mesh without
-    ``data`` such as ``get_sharded_mesh()``'s); other dims are replicated."""
+    of every tensor along the mesh's ``axis`` (a name or a tuple of names; default: the mesh's
+    data-parallel axes, :func:`data_axes`: ``data`` on ``get_mesh()``'s, ``fsdp`` on
+    ``get_sharded_mesh()``'s, both under a layout with ``dp_replicate``); other dims are
+    replicated, so tensor-parallel peers (the ``model`` axis) see the same rows."""
     import torch
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
     mesh = mesh if mesh is not None else get_mesh()
     if axis is None:
-        axis = "fsdp" if "data" not in mesh.axis_names and "fsdp" in mesh.axis_names else "data"
-    if axis not in mesh.axis_names:
+        axis = data_axes(mesh)
+    missing = [a for a in ((axis,) if isinstance(axis, str) else axis) if a not in mesh.axis_names]
+    if missing:
         raise ValueError(f"shard_batch: axis {axis!r} is not in the mesh axes {mesh.axis_names}")
 
     def one(value: Any) -> Any:

@@ -13,7 +13,9 @@ any other model takes a plan in ``parallelize_module``'s form (module path -> Pa
 ``*`` matching one path atom). TP peers (the ranks of one ``tp`` group) must be fed the same
 rows; the ranks of the data-parallel dims each their own.
 
-This module is only imported on native workers: it never imports torch_xla.
+Under torch_xla SPMD the same plan becomes partition specs (:func:`partition_specs`): the split
+each style makes, on the SPMD mesh's axes, which ``sharding.prepare_sharded_model`` marks before
+torch_xla's FSDPv2 shards the rest. This module never imports torch_xla.
 """
 
 from __future__ import annotations
@@ -275,6 +277,62 @@ def check_divisible(model: torch.nn.Module, styles: dict, tp: int) -> None:
             + "; ".join(f"{k}={v}" for k, v in bad.items())
             + f" of {type(model).__name__}: each device must hold whole heads and equal slices. "
             f"Valid tp: {', '.join(map(str, valid))}")
+
+
+# The dimension of a weight each style splits over the TP group: nn.Linear's weight is
+# [out_features, in_features], nn.Embedding's [num_embeddings, embedding_dim]. Column-wise
+# splits the output (Linear: out_features; Embedding: embedding_dim), row-wise the input
+# (Linear: in_features; Embedding: the vocabulary).
+_SPLIT_DIM = {("ColwiseParallel", torch.nn.Linear): 0, ("ColwiseParallel", torch.nn.Embedding): 1,
+              ("RowwiseParallel", torch.nn.Linear): 1, ("RowwiseParallel", torch.nn.Embedding): 0}
+
+
+def partition_specs(model: torch.nn.Module, styles: dict, tp_axis: str = "model",
+                    dp_axis: str = "fsdp") -> dict[str, tuple]:
+    """A plan (``styles``: module path -> torch ``ParallelStyle``, ``*`` expanded, as
+    :func:`tp_plan` and :func:`expand` give it) as torch_xla SPMD partition specs: for each
+    parameter the plan splits, by its name in ``model``, the dimension the style splits over
+    ``tp_axis`` and the other over ``dp_axis`` (FSDP). nn.Linear's weight ``[out, in]`` is
+    ``(tp, dp)`` column-wise and ``(dp, tp)`` row-wise; nn.Embedding's ``[vocab, dim]`` is
+    ``(tp, dp)`` row-wise (a vocabulary-parallel embedding) and ``(dp, tp)`` column-wise; a
+    column-wise bias is ``(tp,)``. A row-wise bias, norms and what ``SequenceParallel`` names
+    are whole on each TP peer: left out, for FSDPv2 to shard over ``dp_axis`` alone. Styles
+    place only parameters here (XLA's sharding propagation places the activations: a style's
+    input and output layouts change nothing). Raises ValueError for other styles, a module
+    that is not nn.Linear or nn.Embedding, or a tied parameter split two ways."""
+    modules = dict(model.named_modules())
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied parameter's first name
+    by_param: dict[int, tuple[str, tuple]] = {}
+    specs: dict[str, tuple] = {}
+    for key, style in styles.items():
+        kind = type(style).__name__
+        if kind == "SequenceParallel":
+            continue
+        if kind not in ("ColwiseParallel", "RowwiseParallel"):
+            raise ValueError(f"tp_plan: {key} has {kind}; under torch_xla SPMD a plan places "
+                             "parameters only: ColwiseParallel, RowwiseParallel, or "
+                             "SequenceParallel (left whole over tp)")
+        module = modules[key]
+        dim = next((d for (k, c), d in _SPLIT_DIM.items() if k == kind and isinstance(module, c)),
+                   None)
+        if dim is None:
+            raise ValueError(f"tp_plan: {key} is a {type(module).__name__}, but {kind} splits "
+                             "nn.Linear or nn.Embedding")
+        wanted = {"weight": (tp_axis, dp_axis) if dim == 0 else (dp_axis, tp_axis)}
+        if kind == "ColwiseParallel" and isinstance(module, torch.nn.Linear):
+            wanted["bias"] = (tp_axis,)
+        for attr, spec in wanted.items():
+            param = getattr(module, attr, None)
+            if param is None:
+                continue
+            name = f"{key}.{attr}"
+            first, before = by_param.setdefault(id(param), (name, spec))
+            if before != spec:
+                raise ValueError(f"tp_plan: {first} and {name} are one tied parameter, but the "
+                                 f"plan splits them differently ({before} and {spec}); give them "
+                                 "the same split or untie them")
+            specs[names[id(param)]] = spec
+    return specs
 
 
 def _ties(model: torch.nn.Module) -> list[list[str]]:
