@@ -148,6 +148,33 @@ def test_the_peak_table_is_keyed_by_device_and_generation():
         peak_tflops("v4", "fp16")
 
 
+def test_each_peak_is_its_sources_published_figure_and_the_arithmetic_it_states():
+    """Every entry's source names one published figure and the arithmetic that makes it one
+    device's; and the arithmetic holds (``plan`` prints the source beside the figure)."""
+    import re
+
+    number = r"([\d,]+(?:\.\d+)?)"
+    for key, peak in PEAKS.items():
+        found = re.search(rf": {number} BF16 .*?TFLOPS per (.+?); per device: BF16 {number}"
+                          rf"(?: ([x/]) {number} = {number})?", peak.source)
+        assert found, (key, peak.source)
+        published, _, first, op, by, result = found.groups()
+        value = float(published.replace(",", ""))
+        assert float(first.replace(",", "")) == value, (key, peak.source)
+        if op:
+            share = float(by) if op == "x" else 1 / float(by)
+            assert value * share == float(result.replace(",", "")) == peak.bf16, (key, peak.source)
+        else:
+            assert value == peak.bf16, (key, peak.source)
+    trn2 = PEAKS["trn2"].source
+    assert "neuron-core-v3.html: 79 BF16 and 158 cFP8 TFLOPS per NeuronCore-v3; per device: " \
+           "BF16 79 x 2 = 158, cFP8 158 x 2 = 316" in trn2
+    assert "667 BF16 and 1,299 FP8 per chip of 8 NeuronCore-v3 (83.4 and 162.4 a core), not " \
+           "8 x 79 = 632" in trn2
+    assert "671 BF16 per chip of 8 NeuronCore-v4 (83.9 a core)" in PEAKS["trn3"].source
+    assert 667 / 8 == pytest.approx(83.4, abs=0.05) and 671 / 8 == pytest.approx(83.9, abs=0.05)
+
+
 def test_the_trainium_peak_follows_the_instance_type_and_the_logical_core_config():
     """What a Neuron worker knows without a network: the instance type its firmware names, and
     NEURON_LOGICAL_NC_CONFIG (Trainium2 and 3 group 2 physical cores unless it says 1)."""

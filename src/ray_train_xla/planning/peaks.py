@@ -1,11 +1,18 @@
 """Published peak dense compute per device, the denominator of model FLOPs utilisation (MFU).
 
 Per device as PyTorch sees it, the unit a worker owns: a NeuronCore on Trainium (a logical one,
-two physical NeuronCore-v3, at Trainium2's default LNC=2), a chip on TPU v4 to v6e (v4 and v5p
-run their two TensorCores as one megacore device), half a chip on TPU v7x (each TensorCore is a
-device). Dense figures, in TFLOP/s; fp8 where the vendor publishes one. torchtitan's
-``get_peak_flops`` uses the same figures, but 90 for Trn1 (the NeuronCore-v2 page says "over
-90"; 190 per chip over 2 cores is 95).
+two physical NeuronCores at Trainium2's and Trainium3's default LNC=2), a chip on TPU v4 to v6e
+(v4 and v5p run their two TensorCores as one megacore device), half a chip on TPU v7x (each
+TensorCore is a device). Dense figures, in TFLOP/s; fp8 where the vendor publishes one (not
+for v4 to v6e, whose pages give bf16 and int8 only).
+
+Each entry is one published figure times the share of it that is one device, and its source
+says both (``tests/test_flops_local.py`` checks the arithmetic). Where the vendor publishes an
+exact figure per core, that is the one taken. The Trainium2 and Trainium3 chip pages do not
+agree with their cores' pages: 667 and 671 BF16 TFLOPS per chip of 8 cores (83.4 and 83.9 a
+core), where each core's page gives 79 (8 x 79 = 632); against a chip page's figure MFU would
+read 5% lower. The NeuronCore-v2 page says only "over 90": Trn1's chip figure, 190 over its 2
+cores, is taken.
 """
 
 from __future__ import annotations
@@ -23,32 +30,51 @@ class Peak:
     bf16: float
     fp8: float | None
     device: str
-    source: str
+    source: str  # the page, its figure and the arithmetic that gives ``bf16`` (and ``fp8``)
+
+
+def _published(page: str, bf16: float, fp8: float | None, fp8_name: str, per: str,
+               share: float, device: str, note: str = "") -> Peak:
+    """A device's peak from a figure published ``per`` unit: ``share`` units make a device."""
+    def times(value: float) -> str:
+        if share == 1:
+            return f"{value:,g}"
+        arithmetic = f"x {share:g}" if share > 1 else f"/ {1 / share:g}"
+        return f"{value:,g} {arithmetic} = {value * share:,g}"
+
+    figures = f"{bf16:,g} BF16" + (f" and {fp8:,g} {fp8_name}" if fp8 else "")
+    per_device = f"BF16 {times(bf16)}" + (f", {fp8_name} {times(fp8)}" if fp8 else "")
+    return Peak(bf16 * share, None if fp8 is None else fp8 * share, device,
+                f"{page}: {figures} TFLOPS per {per}; per device: {per_device}{note}")
 
 
 _NEURON = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/"
+_CORE_V3 = _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v3.html"
+_CORE_V4 = _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v4.html"
+_TRN2_CHIP = ("; the Trainium2 page gives 667 BF16 and 1,299 FP8 per chip of 8 NeuronCore-v3 "
+              "(83.4 and 162.4 a core), not 8 x 79 = 632: the core's figure is taken")
+_TRN3_CHIP = ("; the Trainium3 page gives 671 BF16 per chip of 8 NeuronCore-v4 (83.9 a core), "
+              "not 8 x 79 = 632: the core's figure is taken; its 315 MXFP8 a core is "
+              "microscaled, not fp8")
 _TPU = "https://cloud.google.com/tpu/docs/"
 PEAKS: dict[str, Peak] = {
-    "trn1": Peak(95.0, 95.0, "Trainium NeuronCore-v2",
-                 _NEURON + "general/arch/neuron-hardware/trainium.html: 190 TFLOPS FP16/BF16/"
-                 "cFP8 per chip of 2 NeuronCore-v2"),
-    "trn2": Peak(158.0, 316.0, "Trainium2 logical NeuronCore (LNC=2: 2 NeuronCore-v3)",
-                 _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v3.html: 79 dense "
-                 "BF16 TFLOPS and 158 cFP8 per NeuronCore-v3 (667 BF16 per chip of 8)"),
-    "trn2-lnc1": Peak(79.0, 158.0, "Trainium2 physical NeuronCore-v3 (LNC=1)",
-                      _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v3.html"),
-    "trn3": Peak(158.0, None, "Trainium3 logical NeuronCore (LNC=2: 2 NeuronCore-v4)",
-                 _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v4.html: 79 dense "
-                 "BF16 TFLOPS per NeuronCore-v4 (671 per chip of 8); its 315 MXFP8 is "
-                 "microscaled, not fp8"),
-    "trn3-lnc1": Peak(79.0, None, "Trainium3 physical NeuronCore-v4 (LNC=1)",
-                      _NEURON + "about-neuron/arch/neuron-hardware/neuron-core-v4.html"),
-    "v4": Peak(275.0, None, "TPU v4 chip", _TPU + "v4: 275 TFLOPS bf16 per chip"),
-    "v5e": Peak(197.0, None, "TPU v5e chip", _TPU + "v5e: 197 TFLOPS bf16 per chip"),
-    "v5p": Peak(459.0, 459.0, "TPU v5p chip", _TPU + "v5p-training: 459 TFLOPS bf16 per chip"),
-    "v6e": Peak(918.0, 918.0, "TPU v6e chip", _TPU + "v6e: 918 TFLOPS bf16 per chip"),
-    "v7x": Peak(1153.5, 2307.0, "TPU7x device (half a chip)",
-                _TPU + "tpu7x: 2,307 TFLOPS bf16 and 4,614 fp8 per chip of 2 devices"),
+    "trn1": _published(_NEURON + "general/arch/neuron-hardware/trainium.html", 190.0, 190.0,
+                       "cFP8", "chip of 2 NeuronCore-v2", 0.5, "Trainium NeuronCore-v2",
+                       " (the NeuronCore-v2 page says only \"over 90\")"),
+    "trn2": _published(_CORE_V3, 79.0, 158.0, "cFP8", "NeuronCore-v3", 2.0,
+                       "Trainium2 logical NeuronCore (LNC=2: 2 NeuronCore-v3)", _TRN2_CHIP),
+    "trn2-lnc1": _published(_CORE_V3, 79.0, 158.0, "cFP8", "NeuronCore-v3", 1.0,
+                            "Trainium2 physical NeuronCore-v3 (LNC=1)", _TRN2_CHIP),
+    "trn3": _published(_CORE_V4, 79.0, None, "", "NeuronCore-v4", 2.0,
+                       "Trainium3 logical NeuronCore (LNC=2: 2 NeuronCore-v4)", _TRN3_CHIP),
+    "trn3-lnc1": _published(_CORE_V4, 79.0, None, "", "NeuronCore-v4", 1.0,
+                            "Trainium3 physical NeuronCore-v4 (LNC=1)", _TRN3_CHIP),
+    "v4": _published(_TPU + "v4", 275.0, None, "", "chip", 1.0, "TPU v4 chip"),
+    "v5e": _published(_TPU + "v5e", 197.0, None, "", "chip", 1.0, "TPU v5e chip"),
+    "v5p": _published(_TPU + "v5p-training", 459.0, None, "", "chip", 1.0, "TPU v5p chip"),
+    "v6e": _published(_TPU + "v6e", 918.0, None, "", "chip", 1.0, "TPU v6e chip"),
+    "v7x": _published(_TPU + "tpu7x", 2307.0, 4614.0, "fp8", "chip of 2 devices", 0.5,
+                      "TPU7x device (half a chip)"),
 }
 
 
