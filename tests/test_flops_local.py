@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,7 +17,16 @@ import ray_train_xla as rtx
 from ray_train_xla.planning.peaks import LNC_VAR, PEAKS, device_peak, neuron_peak, peak_tflops
 from ray_train_xla.toolkit import runtime as rt_mod
 from ray_train_xla.toolkit.observability import timeline as tl_mod
-from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
+from ray_train_xla.toolkit.observability.flops import (
+    HF_DECODER,
+    NO_MODEL,
+    SIX_N,
+    THE_CALL,
+    batch_counts,
+    cpu_peak_tflops,
+    flops_rule,
+    note_model,
+)
 from ray_train_xla.toolkit.observability.timeline import Timeline
 from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
 
@@ -323,3 +333,182 @@ def test_count_flops_first_in_a_torch_xla_process_leaves_its_backward_working():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["32.0", "8.0"], out.stdout
+
+
+# ---- model FLOPs without configure_timeline: the model and the batches the package saw -----
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Hugging Face-style samples: ``{"input_ids": [SEQ]}``."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 64, (n, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i]}
+
+
+class _TinyLM(torch.nn.Module):
+    """A language model of one matmul over its embeddings: 6 x (64 x 16 + 64) FLOPs a token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+
+@pytest.fixture
+def a_device(monkeypatch):
+    """The XLA CPU device where torch_xla is installed, else the native configs' CPU twin."""
+    from ray_train_xla.planning import contract
+
+    if not HAS_TORCH_XLA:
+        monkeypatch.setenv(contract.RUNTIME_VAR, "native")
+        contract.reload()
+    yield
+    monkeypatch.delenv(contract.RUNTIME_VAR, raising=False)
+    contract.reload()
+
+
+def test_a_loop_of_the_toolkits_loader_and_model_reports_tflops_and_mfu_by_itself(a_device):
+    """prepare_data_loader + prepare_model and no configure_timeline(flops_per_step=...):
+    rtx.metrics() gives each step's model FLOPs (the model's FLOPs a token x the tokens of the
+    step's 2 accumulated batches; an evaluation batch under no_grad is no step's), TFLOP/s over
+    the step time the loop measured itself, and MFU against the peak given."""
+    rt_mod.begin()
+    tl = tl_mod.begin()
+    ends = []
+    try:
+        rtx.configure_timeline(peak_tflops=2.0)
+        torch.manual_seed(0)
+        model = rtx.prepare_model(_TinyLM())
+        loader = rtx.prepare_data_loader(torch.utils.data.DataLoader(_Tokens(24), batch_size=BATCH))
+        evaluation = rtx.prepare_data_loader(
+            torch.utils.data.DataLoader(_Tokens(4), batch_size=BATCH, shuffle=False))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = iter(loader)
+        for _ in range(3):
+            for _ in range(2):  # gradient accumulation: 2 batches a step
+                ids = next(batches)["input_ids"]
+                logits = model(ids)
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+            rtx.optimizer_step(opt)
+            ends.append(time.time())
+            opt.zero_grad()
+            with torch.no_grad():  # evaluation: its tokens are no training step's
+                for batch in evaluation:
+                    model(batch["input_ids"])
+        out = rtx.metrics()
+    finally:
+        tl_mod.end()
+        rt_mod.end()
+    per_token = 6 * (16 * 64 + 64)  # the embedding is a lookup
+    per_step = per_token * 2 * BATCH * SEQ
+    own_step_s = (ends[-1] - tl.begin) / 3  # the loop's own clock
+    assert out["timeline/steps"] == 3
+    assert out["timeline/step_time_s"] == pytest.approx(own_step_s, rel=0.01)
+    assert out["timeline/flops_per_step"] == per_step
+    assert out["timeline/flops_from"] == SIX_N
+    assert out["timeline/tokens_per_s"] == pytest.approx(2 * BATCH * SEQ / own_step_s, rel=0.01)
+    assert out["timeline/samples_per_s"] == pytest.approx(2 * BATCH / own_step_s, rel=0.01)
+    assert out["timeline/tflops_per_s"] == pytest.approx(per_step / own_step_s / 1e12, rel=0.01)
+    assert out["timeline/mfu"] == pytest.approx(per_step / own_step_s / 1e12 / 2.0, rel=0.01)
+    assert "timeline/mfu_missing" not in out
+
+
+def test_the_rules_6_x_trainable_parameters_per_sample_or_token_and_where_none_applies():
+    from transformers import LlamaForCausalLM
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    mlp[2].bias.requires_grad_(False)  # frozen: not counted
+    rule = flops_rule(mlp)
+    assert rule.name == SIX_N and rule.per_token == 6 * (8 * 16 + 16 + 16)
+    assert rule.flops(0, 0, samples=4) == 6 * 160 * 4 and rule.flops(12, 12 * 3, 4) == 6 * 160 * 12
+    lm = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100))
+    assert flops_rule(lm).per_token == 6 * (8 * 100 + 100)  # the embedding is a lookup
+    config = _llama()
+    with torch.device("meta"):
+        decoder = LlamaForCausalLM(config)
+    rule = flops_rule(decoder)
+    assert rule.name == HF_DECODER and rule.tokens_only
+    assert rule.flops(BATCH * SEQ, BATCH * SEQ * SEQ, BATCH) == \
+        rtx.model_flops_per_token(config, SEQ) * BATCH * SEQ
+    assert rule.flops(0, 0, samples=BATCH) is None  # a decoder needs tokens
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    assert "weights that 6 x parameters does not count (0 (Conv2d))" in flops_rule(conv)
+    # What a batch holds: input_ids of a mapping, a first tensor of token ids, else rows.
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    assert batch_counts({"attention_mask": ids, "input_ids": ids}) == (BATCH * SEQ,
+                                                                        BATCH * SEQ * SEQ, BATCH)
+    assert batch_counts(((ids, ids), torch.ones(BATCH))) == (BATCH * SEQ, BATCH * SEQ * SEQ, BATCH)
+    assert batch_counts((torch.zeros(BATCH, 8), torch.zeros(BATCH, 1))) == (0, 0, BATCH)
+    with torch.no_grad():
+        assert batch_counts({"input_ids": ids}) is None
+
+
+def test_without_the_model_or_the_loader_metrics_say_why_there_is_no_mfu_naming_the_call(
+        monkeypatch):
+    """Each reason the timeline cannot count a step's FLOPs, then the peak it cannot know, in
+    ``timeline/mfu_missing``, naming the one call that adds what is missing; a
+    configure_timeline(flops_per_step=...) that differs from what was counted wins, no error."""
+    monkeypatch.setattr(tl_mod, "instance_type", lambda: "")  # a Neuron worker off EC2: no peak
+    call = "rtx.configure_timeline(flops_per_step=...)"
+    rt_mod.begin()
+    clock = Clock(10.0)
+    tl = Timeline(device="neuron", clock=clock, options=lambda: runtime().options(TimelineOptions),
+                  model_flops=lambda: runtime().model_flops)
+
+    def step(*batches) -> dict:
+        for batch in batches:
+            tl.add_batch(batch)
+        clock.t += 0.5
+        tl.on_step(0)
+        return tl.report_metrics()
+
+    x = torch.zeros(4, 8)
+    try:
+        out = step(x)
+        assert "timeline/tflops_per_s" not in out
+        assert out["timeline/mfu_missing"] == f"no model FLOPs a step: {NO_MODEL}"
+        assert "the package saw no model" in NO_MODEL and call in NO_MODEL
+        model = torch.nn.Linear(8, 1)  # (the runtime holds the models it saw weakly)
+        note_model(model)
+        out = step()  # a batch of a loader of the user's own: not seen
+        assert out["timeline/mfu_missing"].startswith(
+            "no model FLOPs a step: no batch of these steps came from prepare_data_loader or "
+            "iter_xla_batches")
+        assert call in out["timeline/mfu_missing"]
+        out = step(x, x)
+        assert out["timeline/flops_per_step"] == 6 * 9 * 8 and out["timeline/flops_from"] == SIX_N
+        assert out["timeline/tflops_per_s"] == pytest.approx(6 * 9 * 8 / 0.5 / 1e12)
+        assert out["timeline/samples_per_s"] == 8 / 0.5
+        assert out["timeline/mfu_missing"] == (
+            "no peak TFLOP/s: no published peak for an instance type not named here "
+            "(/sys/devices/virtual/dmi/id/product_name unreadable); give the config's "
+            "peak_tflops= or rtx.configure_timeline(peak_tflops=...)")
+        tl_mod.configure_timeline(flops_per_step=1e12, peak_tflops=4.0)  # wins, no error
+        out = step(x)
+        assert out["timeline/flops_per_step"] == 1e12
+        assert out["timeline/flops_from"] == "configure_timeline"
+        assert out["timeline/mfu"] == pytest.approx(1e12 / 0.5 / 1e12 / 4.0)
+        assert "timeline/mfu_missing" not in out
+    finally:
+        rt_mod.end()
+    for models, why in (
+            ([torch.nn.Linear(8, 1), torch.nn.Conv1d(8, 1, 1)], "2 models were prepared (Conv1d, "
+                                                               "Linear): a step's FLOPs are not "
+                                                               "one model's"),
+            ([torch.nn.Conv1d(8, 1, 1)], "Conv1d has weights that 6 x parameters does not count")):
+        rt_mod.begin()
+        try:
+            for model in models:
+                note_model(model)
+            flops, reason = runtime().model_flops.per_step(0, 0, 4, 1)
+            assert flops is None and reason.startswith(why) and reason.endswith(THE_CALL)
+        finally:
+            rt_mod.end()

@@ -19,6 +19,7 @@ from ray_train_xla.toolkit import runtime as rt_mod
 from ray_train_xla.toolkit import steps
 from ray_train_xla.toolkit.observability import goodput
 from ray_train_xla.toolkit.observability import timeline as tl_mod
+from ray_train_xla.toolkit.observability.flops import NO_MODEL
 from ray_train_xla.toolkit.observability.timeline import Timeline
 from ray_train_xla.toolkit.run_storage import RunStorage
 from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
@@ -146,13 +147,19 @@ def test_mfu_over_productive_time_and_effective_mfu_of_a_run_with_a_failure(tmp_
     assert b.effective_mfu == pytest.approx(b.mfu * 1.8 / 5.0)
     table = format_table(result)
     assert f"MFU {result.mfu:.1%} over productive time, effective MFU {result.effective_mfu:.1%}" \
-        in table, table
+        f" (MFU x goodput); model FLOPs from configure_timeline" in table, table
     data = result.to_json()
     assert data["mfu"] == result.mfu and data["attempts"][0]["mfu"] == a.mfu
-    # Without model FLOPs: no MFU, and the table says nothing of it.
+    assert data["mfu_missing"] is None
+    # Without model FLOPs (no model the package prepared, no configure_timeline): no MFU, and
+    # the table says why, naming the call that adds it.
     write_run(tmp_path / "plain")
     plain = goodput.goodput_of(str(tmp_path / "plain"))
-    assert plain.mfu is None and plain.effective_mfu is None and "MFU" not in format_table(plain)
+    assert plain.mfu is None and plain.effective_mfu is None
+    why = f"no model FLOPs a step: {NO_MODEL} (4 of 4 workers)"
+    assert "add rtx.configure_timeline(flops_per_step=...)" in why
+    assert f"MFU: not measured: {why}" in format_table(plain).splitlines()
+    assert plain.to_json()["mfu_missing"] == why
 
 
 def write_straggled_run(run_dir, late=(0.0, 0.0, 0.05), steps=6, arrive=True,

@@ -21,7 +21,7 @@ import torch
 
 from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.device import get_device
-from ray_train_xla.toolkit.events import add_data_wait
+from ray_train_xla.toolkit.events import batch_handed_out
 from ray_train_xla.toolkit.parallel import data_parallel, shared_with_tp_peers
 
 RAGGED_MODES = ("drop", "pad")
@@ -520,10 +520,11 @@ def iter_xla_batches(
 
 def _timed(batches: Iterable[Any]) -> Iterator[Any]:
     """``batches``, the time the training thread waits for each one added to the step
-    timeline's data wait (``events.py``): two clock reads a batch."""
+    timeline's data wait, and each one's tokens to its step (``events.py``): two clock reads
+    and a look at the first tensor's shape a batch."""
     clock = time.perf_counter
     start = clock()  # from when the loop asks (the iterator is made at the first batch)
     for batch in batches:
-        add_data_wait(clock() - start)
+        batch_handed_out(clock() - start, batch)
         yield batch
         start = clock()

@@ -10,10 +10,12 @@ from ray_train_xla.toolkit.observability import timeline
 from ray_train_xla.toolkit.runtime import runtime
 
 
-def add_data_wait(seconds: float) -> None:
-    """The training thread waited ``seconds`` for a batch of the toolkit's loaders."""
+def batch_handed_out(seconds: float, batch: object) -> None:
+    """The training thread waited ``seconds`` for ``batch`` of the toolkit's loaders (its
+    tokens and samples count in this step's model FLOPs)."""
     if (tl := runtime().timeline) is not None:
         tl.data_s += seconds
+        tl.add_batch(batch)
 
 
 def add_stall(seconds: float) -> None:

@@ -25,6 +25,7 @@ from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, u
 from ray_train_xla.toolkit.collectives import broadcast
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
+from ray_train_xla.toolkit.observability.flops import note_model
 from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
 from ray_train_xla.toolkit.runtime import runtime
 from ray_train_xla.toolkit.sharding import find_sharded, refuse_sharded
@@ -51,6 +52,7 @@ def prepare_model(model: torch.nn.Module, bucket_mb: float = DEFAULT_BUCKET_MB) 
 
     Raises ShardedStateError for a sharded model (see ``prepare_sharded_model``)."""
     refuse_sharded(model, "prepare_model", "copies rank 0's parameters and buffers into every worker")
+    note_model(model)  # the timeline's model FLOPs (``observability/flops.py``)
     many = world_size() > 1
     on_host = many and spmd_global()
     model = model.cpu() if on_host else model.to(get_device())

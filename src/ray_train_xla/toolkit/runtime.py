@@ -99,6 +99,7 @@ class Runtime:
         self.warned_one_worker_check = False  # check_graphs_every with one worker, said once
         self.debug_log: Any = None  # compile_causes.DebugLog
         self.compile_monitor: Any = None  # metrics.CompileMonitor of metrics()
+        self.model_flops: Any = None  # flops.ModelFlops: the models the package prepared
         self.steps: Any = None  # steps.StepCounter
         self.host_groups: dict[str, Any] = {}  # collectives: gloo groups of the helpers
         self.host_groups_of: Any = None  # the default group they were made in

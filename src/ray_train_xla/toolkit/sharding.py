@@ -25,6 +25,7 @@ import torch
 
 from ray_train_xla.errors import ShardedStateError
 from ray_train_xla.toolkit.device import is_native
+from ray_train_xla.toolkit.observability.flops import note_model
 
 # The two layouts of sharded state a checkpoint holds: torch_xla SPMD tensors, DTensors.
 SPMD, DTENSOR = "spmd", "dtensor"
@@ -286,13 +287,16 @@ def prepare_sharded_model(
                              or loss_parallel):
             mesh, names = device_mesh(), DIMS
         if names == DIMS or "tp" in names:
-            return parallelize(model, mesh, tp_plan, sequence_parallel=sequence_parallel,
-                               loss_parallel=loss_parallel, auto_wrap_policy=auto_wrap_policy,
-                               mixed_precision=mixed_precision,
-                               activation_checkpointing=activation_checkpointing)
-        return prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                             mixed_precision=mixed_precision,
-                             activation_checkpointing=activation_checkpointing)
+            model = parallelize(model, mesh, tp_plan, sequence_parallel=sequence_parallel,
+                                loss_parallel=loss_parallel, auto_wrap_policy=auto_wrap_policy,
+                                mixed_precision=mixed_precision,
+                                activation_checkpointing=activation_checkpointing)
+        else:
+            model = prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
+                                  mixed_precision=mixed_precision,
+                                  activation_checkpointing=activation_checkpointing)
+        note_model(model)
+        return model
     if sequence_parallel or loss_parallel:
         raise ValueError("prepare_sharded_model: sequence_parallel and loss_parallel are DTensor "
                          "styles (TorchNeuronConfig, TorchTPUConfig); under torch_xla SPMD XLA's "
@@ -317,6 +321,7 @@ def prepare_sharded_model(
                 "does not run under SPMD; pass the unwrapped model.")
     if isinstance(model, SpmdFullyShardedDataParallel):
         remember(model)
+        note_model(model.module)
         return model
     layout = configure_parallelism(parallelism) if parallelism is not None else get_layout()
     mesh = mesh if mesh is not None else get_sharded_mesh()
@@ -340,4 +345,5 @@ def prepare_sharded_model(
         model, mesh=mesh, auto_wrap_policy=_xla_policy(auto_wrap_policy),
         shard_output=shard_output or shard_model_output, **kwargs)
     remember(wrapped)
+    note_model(model)
     return wrapped

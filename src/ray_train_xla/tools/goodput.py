@@ -49,7 +49,10 @@ def format_table(result: Goodput) -> str:
               f"goodput {result.goodput:.1%}"]
     if result.mfu is not None:
         lines.append(f"MFU {result.mfu:.1%} over productive time, effective MFU "
-                     f"{result.effective_mfu:.1%} (MFU x goodput)")
+                     f"{result.effective_mfu:.1%} (MFU x goodput); model FLOPs from "
+                     f"{result.flops_from or 'the workers'}")
+    else:
+        lines.append(f"MFU: not measured: {result.mfu_missing}")
     lines += ["", f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome"]
     for a in result.attempts:
         steps = max((w.steps for w in a.workers), default=0)
@@ -219,12 +222,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Read the goodput events every worker's step timeline wrote into the run's "
         "storage (RUN_PATH/goodput/, written by runs of this package's backend) and print the "
         "run's wall-clock time by bucket: productive, start-up, compilation, data wait, "
-        "checkpoint stall, lost to failures, restart, other; with model FLOPs "
-        "(configure_timeline(flops_per_step=...)) the MFU over productive time and effective "
-        "MFU (MFU x goodput); then one line per worker group (restarts and elastic resizes "
-        "start a new one), and the stragglers: ranks whose own time a step held the others "
-        "back. The wall clock starts at fit(). Exits 2 when RUN_PATH holds no goodput events, "
-        "1 when its storage cannot be read or FILE cannot be written.",
+        "checkpoint stall, lost to failures, restart, other; with model FLOPs (counted where "
+        "the package prepared the model and loaded the batches, else "
+        "configure_timeline(flops_per_step=...)) and a peak the MFU over productive time and "
+        "effective MFU (MFU x goodput), without them why not; then one line per worker group "
+        "(restarts and elastic resizes start a new one), and the stragglers: ranks whose own "
+        "time a step held the others back. The wall clock starts at fit(). Exits 2 when "
+        "RUN_PATH holds no goodput events, 1 when its storage cannot be read or FILE cannot be "
+        "written.",
     )
     goodput.add_argument("run_path", metavar="RUN_PATH",
                          help="the run's directory: RunConfig(storage_path=...)/<name>, a local "

@@ -154,6 +154,8 @@ class Goodput:
     buckets: dict[str, float]
     mfu: float | None = None  # over the run's productive time, None without model FLOPs
     threshold: float = 0.1  # of the step time, over which a rank is a straggler
+    flops_from: str = ""  # where the workers' model FLOPs came from (their rules)
+    mfu_missing: str | None = None  # why there is no MFU, naming the call that adds it
 
     @property
     def stragglers(self) -> list[Straggler]:
@@ -178,6 +180,7 @@ class Goodput:
             "run": self.run, "start": self.start, "end": self.end, "wall_s": self.wall,
             "goodput": self.goodput, "buckets_s": dict(self.buckets),
             "mfu": self.mfu, "effective_mfu": self.effective_mfu,
+            "flops_from": self.flops_from, "mfu_missing": self.mfu_missing,
             "straggler_threshold": self.threshold,
             "stragglers": [s.to_json() for s in self.stragglers],
             "attempts": [{"id": a.id, "start": a.start, "end": a.end, "outcome": a.outcome,
@@ -374,10 +377,14 @@ def compute(workers: list[Worker], run: str = "", straggler_threshold: float = 0
         for b in BUCKETS:
             totals[b] += attempt.buckets[b]
         previous_end = attempt.end if previous_end is None else max(previous_end, attempt.end)
+    every = [w for a in attempts for w in a.workers]
     result = Goodput(run=run, start=attempts[0].start, end=max(a.end for a in attempts),
-                     attempts=attempts, buckets=totals,
-                     mfu=mfu([w for a in attempts for w in a.workers], per_worker_of),
-                     threshold=straggler_threshold)
+                     attempts=attempts, buckets=totals, mfu=mfu(every, per_worker_of),
+                     threshold=straggler_threshold,
+                     flops_from=", ".join(sorted({str(w.header["flops_from"]) for w in every
+                                                  if w.header.get("flops_from")})))
+    if result.mfu is None:
+        result.mfu_missing = mfu_missing(every)
     for s in result.stragglers:
         s.share = s.excess_s / result.wall if result.wall > 0 else 0.0
     return result
@@ -394,6 +401,20 @@ def mfu(workers: list[Worker], buckets: list[dict[str, float]]) -> float | None:
             done += worker.productive_steps * float(flops)
             capacity += own["productive"] * float(peak) * 1e12
     return done / capacity if capacity else None
+
+
+def mfu_missing(workers: list[Worker]) -> str:
+    """Why no worker gave MFU: the reason most of them wrote (``mfu_missing`` of their
+    timelines, which names the call that adds it) and how many did."""
+    reasons: dict[str, int] = defaultdict(int)
+    for worker in workers:
+        if worker.header.get("mfu_missing"):
+            reasons[str(worker.header["mfu_missing"])] += 1
+    if not reasons:  # events written before the workers said
+        return ("no worker gave model FLOPs a step and a peak: add "
+                "rtx.configure_timeline(flops_per_step=..., peak_tflops=...)")
+    reason, count = max(reasons.items(), key=lambda item: item[1])
+    return f"{reason} ({count} of {len(workers)} workers)"
 
 
 def goodput_of(run_path: str, straggler_threshold: float = 0.1) -> Goodput:

@@ -8,7 +8,9 @@ batch (data wait), in ``save_checkpoint``, ``report`` and ``flush_reports`` (sta
 (the compile time, read again only when the compile counter moved: about 0.6 us) and its own
 time (``arrived``), which tells a slow rank where synchronous collectives give every rank the
 same step time. Step time is host time: XLA's queue is short, so in steady state the host
-waits for the device every step, without a forced sync.
+waits for the device every step, without a forced sync. The loaders also hand it each batch's
+tokens and samples (``add_batch``): with the model the package prepared (``flops.py``) they
+give each step's model FLOPs where ``configure_timeline`` gives none.
 
 A background thread, every ``interval_s``, drains the buffer into spans and events, reads
 device memory, sets the Ray metrics (``ray_metrics.py``) and, every ``storage_interval_s``, at
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray_train_xla.toolkit.observability.flops import NO_MODEL, batch_counts
 from ray_train_xla.toolkit.runtime import TimelineOptions, runtime
 
 logger = logging.getLogger(__name__)
@@ -54,9 +57,12 @@ def configure_timeline(samples_per_step: float | None = None, tokens_per_step: f
                        flops_per_step: float | None = None, peak_tflops: float | None = None,
                        straggler_threshold: float | None = None) -> None:
     """Say what one step of this worker processes (``samples_per_step``, ``tokens_per_step``:
-    then samples/s and tokens/s; ``flops_per_step``, the model FLOPs of its forward and
-    backward, from ``model_flops_per_token`` or ``count_flops``: then TFLOP/s and MFU against
-    ``peak_tflops``, by default the config's, else ``device_peak``), how often the background
+    samples/s and tokens/s; ``flops_per_step``, the model FLOPs of its forward and backward on
+    one device, from ``model_flops_per_token`` or ``count_flops``: TFLOP/s and MFU against
+    ``peak_tflops``, by default the config's, else ``device_peak``). Left unsaid, they are
+    counted from the batches of the toolkit's loaders and, for FLOPs, the model that
+    ``prepare_model``, ``prepare_sharded_model`` or ``load_pretrained`` prepared
+    (``flops.py``); a value given here wins. How often the background
     thread runs (``interval_s``: Ray metrics and memory, 5 s; ``storage_interval_s``: goodput
     events, 30 s, and always at checkpoints and at the end) and ``straggler_threshold`` (rank 0's
     Ray metric names the ranks whose own time exceeds the others' median by more than this share
@@ -172,9 +178,11 @@ class Timeline:
                  node: str = "", device: str = "", group_start: float = 0.0,
                  run_start: float = 0.0, storage: Any = None, run: str = "", export: Any = None,
                  compile_reader: Any = None, clock: Callable[[], float] = time.time,
-                 options: Callable[[], TimelineOptions] = TimelineOptions) -> None:
+                 options: Callable[[], TimelineOptions] = TimelineOptions,
+                 model_flops: Callable[[], Any] = lambda: None) -> None:
         self.attempt, self.rank, self.world = attempt, rank, world
         self._options = options  # configure_timeline's, as they are now
+        self._model_flops = model_flops  # flops.ModelFlops of the runtime (None: no model yet)
         self._xla_memory_info = [True]  # False once the XLA device said it has no statistics
         self.node, self.device, self.run = node, device, run
         self._clock = clock
@@ -184,6 +192,7 @@ class Timeline:
         self._storage, self._export = storage, export
         # The training thread's accumulators since the last boundary.
         self.data_s = self.stall_s = 0.0
+        self.tokens = self.token_positions = self.samples = 0  # of the loaders' batches
         self._last = self._prev_step_end = self.begin
         self._own: float | None = None  # this step's own time, once it arrived (``arrived``)
         self._step_stall = 0.0  # stall in this step's checkpoint records so far
@@ -193,9 +202,10 @@ class Timeline:
         self._buf: collections.deque = collections.deque(maxlen=BUFFER_RECORDS)
         self._appended = 0  # records appended (the training thread), to count drops
         self._commits: collections.deque = collections.deque()  # when Ray took each checkpoint
-        # What metrics() reports: steps, step s, data s, stall s, compile s since the start, and
-        # where each caller of metrics() read them last (its window starts there).
-        self._m = [0, 0.0, 0.0, 0.0, 0.0]
+        # What metrics() reports: steps, step s, data s, stall s, compile s, tokens, tokens x
+        # their sequence's length, samples since the start, and where each caller of metrics()
+        # read them last (its window starts there).
+        self._m = [0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0]
         self._read: dict[Any, list] = {}
         # The background side.
         self._lock = threading.Lock()
@@ -246,10 +256,23 @@ class Timeline:
         m[2] += data
         m[3] += stall
         m[4] += compile_s
+        m[5] += self.tokens
+        m[6] += self.token_positions
+        m[7] += self.samples
+        self.tokens = self.token_positions = self.samples = 0
         if kind == STEP:
             m[0] += 1
             m[1] += now - self._prev_step_end
             self._prev_step_end = now
+
+    def add_batch(self, batch: Any) -> None:
+        """A loader of the toolkit handed out ``batch``: its tokens and samples count in this
+        step (``flops.batch_counts``; not with gradients off)."""
+        counts = batch_counts(batch)
+        if counts is not None:
+            self.tokens += counts[0]
+            self.token_positions += counts[1]
+            self.samples += counts[2]
 
     def arrived(self) -> None:
         """This rank reached the step's gradient synchronisation (the first arrival counts): its
@@ -289,6 +312,37 @@ class Timeline:
         """The peak TFLOP/s MFU is taken against (``peak``); None when unknown."""
         return self.peak()[0]
 
+    def per_step(self, m: list | None = None) -> dict[str, Any]:
+        """What one step processed over the steps of ``m`` (a window of ``_m``; by default all
+        so far): ``samples_per_step`` and ``tokens_per_step`` (``configure_timeline``'s, else
+        the loaders' batches'), ``flops_per_step`` of one device with ``flops_from``, the rule
+        that gave them, or None with ``why``."""
+        m = self._m if m is None else m
+        options, steps = self._options(), m[0]
+        out: dict[str, Any] = {
+            "samples_per_step": options.samples_per_step or (m[7] / steps if steps else None),
+            "tokens_per_step": options.tokens_per_step or (m[5] / steps if steps else None)}
+        if options.flops_per_step:
+            out.update(flops_per_step=options.flops_per_step, flops_from="configure_timeline")
+            return out
+        model = self._model_flops()
+        flops, source = ((None, NO_MODEL) if model is None else
+                         model.per_step(m[5], m[6], m[7], steps) if steps else
+                         (None, "no step yet"))
+        out.update(flops_per_step=flops, **{"flops_from" if flops else "why": source})
+        return out
+
+    def mfu_missing(self, figures: dict[str, Any]) -> str | None:
+        """Why there is no MFU for ``figures`` (``per_step``), naming the call that adds it;
+        None when there is one."""
+        if not figures["flops_per_step"]:
+            return f"no model FLOPs a step: {figures['why']}"
+        peak, why = self.peak()
+        if not peak:
+            return (f"no peak TFLOP/s: {why}; give the config's peak_tflops= or "
+                    "rtx.configure_timeline(peak_tflops=...)")
+        return None
+
     def report_metrics(self, caller: Any = None) -> dict[str, float]:
         """The steps since ``caller``'s previous call, as ``timeline/...`` metrics (empty when
         none): each caller has its window, so two never take each other's steps."""
@@ -307,17 +361,23 @@ class Timeline:
             "timeline/compile_s": m[4] / n,
         }
         if step_s > 0:
-            options = self._options()
-            if options.samples_per_step:
-                out["timeline/samples_per_s"] = options.samples_per_step / step_s
-            if options.tokens_per_step:
-                out["timeline/tokens_per_s"] = options.tokens_per_step / step_s
-            if options.flops_per_step:
-                tflops = options.flops_per_step / step_s / 1e12
-                out["timeline/tflops_per_s"] = tflops
+            fig = self.per_step(m)
+            if fig["samples_per_step"]:
+                out["timeline/samples_per_s"] = fig["samples_per_step"] / step_s
+            if fig["tokens_per_step"]:
+                out["timeline/tokens_per_s"] = fig["tokens_per_step"] / step_s
+            flops = fig["flops_per_step"]
+            if flops:
+                tflops = flops / step_s / 1e12
+                out.update({"timeline/flops_per_step": flops,
+                            "timeline/flops_from": fig["flops_from"],
+                            "timeline/tflops_per_s": tflops})
                 peak = self.peak_tflops()
                 if peak:
                     out["timeline/mfu"] = tflops / peak
+            missing = self.mfu_missing(fig)
+            if missing:
+                out["timeline/mfu_missing"] = missing
         memory = self.memory
         if memory is not None:
             out["timeline/device_memory_bytes"], out["timeline/device_memory_peak_bytes"] = memory
@@ -382,9 +442,10 @@ class Timeline:
                     window = self._drain()
                     self._write()
                 if self._export is not None:
-                    flops = options.flops_per_step
-                    window.update(samples_per_step=options.samples_per_step,
-                                  tokens_per_step=options.tokens_per_step, flops_per_step=flops,
+                    fig = self.per_step()
+                    flops = fig["flops_per_step"]
+                    window.update(samples_per_step=fig["samples_per_step"],
+                                  tokens_per_step=fig["tokens_per_step"], flops_per_step=flops,
                                   peak_tflops=self.peak_tflops() if flops else None)
                     if (self.rank == 0 and self.world > 1 and self._storage is not None
                             and now >= next_stragglers):
@@ -487,11 +548,13 @@ class Timeline:
         if not force and now - self._last_write < self._options().storage_interval_s:
             return
         if self._part == 0:  # what one step processes may have been configured since
-            options = self._options()
-            self._header.update(samples_per_step=options.samples_per_step,
-                                tokens_per_step=options.tokens_per_step,
-                                flops_per_step=options.flops_per_step,
-                                peak_tflops=self.peak_tflops() if options.flops_per_step else None)
+            fig = self.per_step()
+            flops = fig["flops_per_step"]
+            self._header.update(samples_per_step=fig["samples_per_step"],
+                                tokens_per_step=fig["tokens_per_step"], flops_per_step=flops,
+                                flops_from=fig.get("flops_from"),
+                                peak_tflops=self.peak_tflops() if flops else None,
+                                mfu_missing=self.mfu_missing(fig))
             self._lines[0] = json.dumps(self._header)
         self._lines.append(json.dumps({"kind": "alive", "t": self._clock()}))
         try:
@@ -558,7 +621,7 @@ def begin() -> Timeline:
         run_start=ctx.run_start, storage=storage,
         run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
         export=ray_metrics.exporter() if ctx.planned else None, compile_reader=compile_reader,
-        options=lambda: rt.options(TimelineOptions))
+        options=lambda: rt.options(TimelineOptions), model_flops=lambda: rt.model_flops)
     steps.add_step_hook(tl.on_step)
     rt.timeline = tl
     tl.start()
