@@ -5,13 +5,14 @@ Two measurements, no Ray:
 - **per step, exactly**: what the timeline adds to one step on the training thread, timed over
   many calls: the step hook at ``step_done`` (clock, compile counter, buffer append), the
   arrival at the step's gradient synchronisation (``events.arrived``: a clock read, for the
-  stragglers) and the loader's wrapper (two clock reads), with the timeline on, less the same
-  calls with it off;
+  stragglers) and the loader's wrapper (two clock reads and a look at the batch's first tensor,
+  its tokens or rows, for the model FLOPs), with the timeline on, less the same calls with it
+  off, on the example's batch;
 - **side by side**: the example's MLP (``examples/train_mlp.py``: ``prepare_data_loader``,
   ``prepare_model``, ``optimizer_step``) on the XLA CPU device, rounds with the timeline on and
   off alternating in the same process (its background thread running, every 0.5 s here rather
-  than 5 s, to be seen, with TFLOP/s and MFU on: the MLP's model FLOPs a step and a peak),
-  steps/s per round.
+  than 5 s, to be seen, with TFLOP/s and MFU on: the model FLOPs the timeline counts itself and
+  the CPU's probed peak), steps/s per round.
 
 The target is a cost of at most 1% of the MLP step. Writes ``timeline.json`` and ``timeline.md``.
 
@@ -35,10 +36,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src", "ray_train_xla", "
 def hook_cost_us(calls: int) -> dict:
     """Microseconds the timeline adds per step: the step hook and the loader wrapper, with the
     timeline on, less the same with it off (the median of 7 alternating runs each)."""
+    import torch
+
     from ray_train_xla.toolkit import data, events, steps
     from ray_train_xla.toolkit.observability import timeline
 
-    batches = list(range(calls))
+    batch = (torch.zeros(32, 8), torch.zeros(32, 1))  # the example's batch (32 rows of 8)
+    batches = [batch] * calls
 
     def run() -> float:
         t0 = time.perf_counter()
@@ -106,16 +110,12 @@ def mlp_rounds(rounds: int, steps: int) -> dict:
         return n / (time.perf_counter() - t0)
 
     run(50)  # compile and warm up
-    # Model FLOPs of one step (forward and backward), counted by torch: TFLOP/s and MFU on.
-    flops = rtx.count_flops(lambda: torch.nn.functional.mse_loss(
-        torch.nn.Sequential(torch.nn.Linear(config["features"], config["hidden"]),
-                            torch.nn.ReLU(), torch.nn.Linear(config["hidden"], 1))(
-            x[:config["batch_size"]]), y[:config["batch_size"]]).backward())
     from ray_train_xla.toolkit.observability.flops import cpu_peak_tflops
 
     peak = cpu_peak_tflops()  # the CPU's matmul probe, as a CPU worker's timeline takes it
-    timeline.configure_timeline(samples_per_step=config["batch_size"], interval_s=0.5,
-                                flops_per_step=flops, peak_tflops=peak)
+    # The model FLOPs: the timeline counts them itself (the model prepare_model prepared, 6 x
+    # its trainable parameters a sample of prepare_data_loader's batches).
+    timeline.configure_timeline(interval_s=0.5, peak_tflops=peak)
     on, off = [], []
     for i in range(rounds):
         for kind in (("on", "off") if i % 2 else ("off", "on")):
@@ -133,7 +133,8 @@ def mlp_rounds(rounds: int, steps: int) -> dict:
             "median_on": statistics.median(on), "median_off": statistics.median(off),
             "median_ratio": statistics.median(ratios), "best_ratio": max(on) / max(off),
             "ms_per_step_off": 1000 / statistics.median(off),
-            "last_timeline_metrics": tl_metrics, "flops_per_step": flops, "peak_tflops": peak,
+            "last_timeline_metrics": tl_metrics,
+            "flops_per_step": tl_metrics.get("timeline/flops_per_step"), "peak_tflops": peak,
             "batch_size": config["batch_size"],
             "hidden": config["hidden"], "features": config["features"]}
 
@@ -178,18 +179,21 @@ off {hook['off_us']:.2f} us, per call) | |
 | on / off per round, median [min-max] | {mlp['median_ratio']:.3f} [{lo:.3f}-{hi:.3f}] |
 | fastest round on / fastest round off | {mlp['best_ratio']:.3f} |
 | the last round's `timeline/tflops_per_s`, `timeline/mfu` \
-({mlp['flops_per_step']:.4g} FLOPs a step, the CPU probe's peak {mlp['peak_tflops']:.3g} TFLOP/s) | \
+({mlp['flops_per_step']:.4g} FLOPs a step, counted by the timeline: \
+{mlp['last_timeline_metrics'].get('timeline/flops_from')}; the CPU probe's peak \
+{mlp['peak_tflops']:.3g} TFLOP/s) | \
 {mlp['last_timeline_metrics'].get('timeline/tflops_per_s', 0):.3g}, \
 {mlp['last_timeline_metrics'].get('timeline/mfu', 0):.3%} |
 
 The first figure is exact: what the step hook (`step_done`: wall clock, compile counter,
 buffer append), the arrival at the gradient synchronisation (`events.arrived`: a clock read)
-and the loader wrapper (two clock reads) add per step, over {args.calls:,} calls. TFLOP/s and
-MFU add nothing on the step: they are computed where `metrics()` and the background thread
-read the window. The rounds run the example's MLP (`prepare_data_loader`, `prepare_model`,
-`optimizer_step`) with the timeline on and off in turn, with model FLOPs and a peak, its
-background thread waking every 0.5 s (5 s by default); on a shared 2-core machine their spread
-is wider than the cost measured above (the fastest rounds, the least disturbed, compare best).
+and the loader wrapper (two clock reads, and the tokens or rows of the batch's first tensor) add
+per step, over {args.calls:,} calls of the example's batch. TFLOP/s and MFU add nothing else on
+the step: they are computed where `metrics()` and the background thread read the window. The
+rounds run the example's MLP (`prepare_data_loader`, `prepare_model`, `optimizer_step`) with the
+timeline on and off in turn, with the model FLOPs it counts and a peak, its background thread
+waking every 0.5 s (5 s by default); on a shared 2-core machine their spread is wider than the
+cost measured above (the fastest rounds, the least disturbed, compare best).
 """
     with open(os.path.join(args.out, "timeline.md"), "w") as f:
         f.write(md)

@@ -31,9 +31,12 @@ FAIL_AT = 6  # the first attempt fails after this step (3 steps after its checkp
 ROW_SLEEP_S = 0.005  # per row: 0.04 s per batch of 8
 BATCH = 8
 RUN_NAME = "audit"
-# A step of Linear(4, 1) on a batch of 8: the forward's matmul and the weight's gradient, each
-# 2 x 8 x 4 x 1 FLOPs (the input needs no gradient); the peak MFU is taken against.
-STEP_FLOPS, PEAK_TFLOPS = 128, 1e-6
+# The model FLOPs of a step, as the timeline counts them itself (no flops_per_step given): the
+# model prepare_model prepared, Linear(4, 1), is no Hugging Face decoder, so 6 x its 5 trainable
+# parameters for each of the 8 samples of prepare_data_loader's batch. torch's FlopCounterMode
+# counts 128 for the step (the forward's matmul and the weight's gradient, each 2 x 8 x 4 x 1;
+# no input gradient, no bias matmul). The peak MFU is taken against.
+STEP_FLOPS, COUNTED_FLOPS, PEAK_TFLOPS = 6 * 5 * BATCH, 128, 1e-6
 SLOW_S = 0.1  # rank 1's sleep before each step's all-reduce in the restarted group
 # Every rank's work in every step besides the loader (its 8 sleeps of 5 ms vary by a few ms):
 # the straggler threshold, 10% of the step time, stays well above that noise.
@@ -82,7 +85,7 @@ def audit_loop(config: dict) -> None:
 
     t_fn = time.time()
     compiled_at_start = _compile_total()
-    rtx.configure_timeline(samples_per_step=BATCH, interval_s=0.3, storage_interval_s=1.0)
+    rtx.configure_timeline(interval_s=0.3, storage_interval_s=1.0)
 
     class Slow(torch.utils.data.Dataset):
         def __len__(self):
@@ -104,7 +107,7 @@ def audit_loop(config: dict) -> None:
     xb0, yb0 = torch.ones(BATCH, 4), torch.ones(BATCH, 1)  # the same step, on the CPU
     rec["counted_flops"] = rtx.count_flops(
         lambda: torch.nn.functional.mse_loss(torch.nn.Linear(4, 1)(xb0), yb0).backward())
-    rtx.configure_timeline(flops_per_step=STEP_FLOPS, peak_tflops=PEAK_TFLOPS)
+    rtx.configure_timeline(peak_tflops=PEAK_TFLOPS)  # the model FLOPs: counted by the timeline
 
     def timeline_window() -> dict:  # one call site: one window of metrics()
         return {k: v for k, v in rtx.metrics().items() if k.startswith("timeline/")}
@@ -245,12 +248,16 @@ def test_goodput_matches_the_wall_clock_audit(audited_run, tmp_path, capsys):
 
 
 def test_tflops_and_mfu_are_the_known_flops_over_the_steps_the_worker_timed(audited_run):
+    """Without configure_timeline(flops_per_step=...): the model and the batches the package
+    saw give each step's FLOPs, and TFLOP/s and MFU follow (in Prometheus too, below)."""
     for rank in (0, 1):
         rec = audited_run["records"][("a1", rank)]
-        assert rec["counted_flops"] == STEP_FLOPS  # torch's FlopCounterMode agrees
+        assert rec["counted_flops"] == COUNTED_FLOPS  # torch's FlopCounterMode's, for the record
         ends = [t_end for t_end, _, _ in rec["steps"]]
         window = rec["timeline"]  # the steps after the attempt's first, as metrics() saw them
         assert window["timeline/steps"] == len(ends) - 1
+        assert window["timeline/flops_per_step"] == STEP_FLOPS
+        assert window["timeline/flops_from"] == "6 x trainable parameters"
         expected = STEP_FLOPS * (len(ends) - 1) / (ends[-1] - ends[0]) / 1e12
         assert window["timeline/tflops_per_s"] == pytest.approx(expected, rel=0.01), (rank, window)
         assert window["timeline/mfu"] == pytest.approx(expected / PEAK_TFLOPS, rel=0.01)

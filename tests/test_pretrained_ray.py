@@ -141,6 +141,12 @@ def load_train_export(config):
         optimizer.step()
         record["step_ends"].append(time.time())
     record["tied_after_step"] = model.lm_head.weight is model.model.embed_tokens.weight
+    # The model load_pretrained sharded is the one whose FLOPs the timeline counts, by its
+    # config: a step of the rows' tokens, as a loader of the toolkit would have handed them.
+    from ray_train_xla.toolkit.runtime import runtime
+
+    record["flops"] = runtime().model_flops.per_step(rows.numel(), rows.numel() * rows.shape[1],
+                                                     len(rows), 1)
     with torch.no_grad():
         trained = model(input_ids=probe, use_cache=False).logits
     with PeakGrowth() as export:
@@ -252,6 +258,19 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
 
     result = goodput_of(os.path.join(root, "run"))
     assert [max(w.steps for w in a.workers) for a in result.attempts] == [STEPS]
+    # No batch came from the toolkit's loaders: no MFU, and goodput says why. The model's FLOPs
+    # were known: the config's, counted on the sharded model (every weight whole).
+    assert result.mfu is None and result.mfu_missing.startswith(
+        "no model FLOPs a step: no batch of these steps came from prepare_data_loader"), \
+        result.mfu_missing
+    from transformers import AutoConfig
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.observability.flops import HF_DECODER
+
+    seq = PROBE.shape[1]
+    per_token = rtx.model_flops_per_token(AutoConfig.from_pretrained(source), seq)
+    assert {tuple(r["flops"]) for r in records} == {(per_token * seq, HF_DECODER)}
     looped = sum(r["step_ends"][-1] - r["step_ends"][0] for r in records) / len(records)
     assert result.buckets["productive"] == pytest.approx(looped, abs=0.01 * result.wall), (
         result.buckets, looped)
