@@ -512,3 +512,28 @@ def test_without_the_model_or_the_loader_metrics_say_why_there_is_no_mfu_naming_
             assert flops is None and reason.startswith(why) and reason.endswith(THE_CALL)
         finally:
             rt_mod.end()
+
+
+@pytest.mark.skipif(not HAS_TORCH_XLA, reason="torch_xla is not installed")
+def test_a_worker_that_drives_several_devices_counts_one_devices_share(monkeypatch):
+    """Under SPMD on an accelerator one process feeds every device of its host: its batch's
+    FLOPs are over those devices, as the peak is one device's."""
+    import torch_xla.runtime as xr
+
+    from ray_train_xla.planning import contract
+    from ray_train_xla.toolkit.observability.flops import ModelFlops
+
+    monkeypatch.setattr(xr, "addressable_runtime_device_count", lambda: 4)
+    model = torch.nn.Linear(8, 1)
+    try:
+        for spmd, device, devices in (("1", "tpu", 4), ("1", "cpu", 1), ("0", "tpu", 1)):
+            monkeypatch.setenv(contract.SPMD_VAR, spmd)
+            monkeypatch.setenv(contract.DEVICE_VAR, device)
+            contract.reload()
+            counted = ModelFlops()
+            counted.note(model)
+            assert counted.per_step(0, 0, 8, 1) == (6 * 9 * 8 / devices, SIX_N), (spmd, device)
+    finally:
+        monkeypatch.delenv(contract.SPMD_VAR)
+        monkeypatch.delenv(contract.DEVICE_VAR)
+        contract.reload()
