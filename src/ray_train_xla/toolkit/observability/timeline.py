@@ -343,7 +343,7 @@ class Timeline:
                     "rtx.configure_timeline(peak_tflops=...)")
         return None
 
-    def report_metrics(self, caller: Any = None) -> dict[str, float]:
+    def report_metrics(self, caller: Any = None) -> dict[str, Any]:
         """The steps since ``caller``'s previous call, as ``timeline/...`` metrics (empty when
         none): each caller has its window, so two never take each other's steps."""
         totals, last = list(self._m), self._read.get(caller)
@@ -586,7 +586,7 @@ def active() -> Timeline | None:
     return runtime().timeline
 
 
-def report_metrics(caller: Any = None) -> dict[str, float]:
+def report_metrics(caller: Any = None) -> dict[str, Any]:
     """``timeline/...`` metrics of the steps since ``caller``'s previous call (``metrics()`` adds them)."""
     tl = runtime().timeline
     return tl.report_metrics(caller) if tl is not None else {}
