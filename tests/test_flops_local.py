@@ -514,26 +514,33 @@ def test_without_the_model_or_the_loader_metrics_say_why_there_is_no_mfu_naming_
             rt_mod.end()
 
 
-@pytest.mark.skipif(not HAS_TORCH_XLA, reason="torch_xla is not installed")
-def test_a_worker_that_drives_several_devices_counts_one_devices_share(monkeypatch):
-    """Under SPMD on an accelerator one process feeds every device of its host: its batch's
-    FLOPs are over those devices, as the peak is one device's."""
-    import torch_xla.runtime as xr
-
+def test_one_devices_share_of_a_batch_it_computes_with_others(monkeypatch):
+    """One device's FLOPs: under SPMD on an accelerator one process feeds every device of its
+    host (its batch's FLOPs are over those devices, as the peak is one device's); with tensor
+    parallelism the tp peers train on the same batch, each on its share of the model."""
     from ray_train_xla.planning import contract
     from ray_train_xla.toolkit.observability.flops import ModelFlops
 
-    monkeypatch.setattr(xr, "addressable_runtime_device_count", lambda: 4)
+    cases = [("0", "cpu", "", 1), ("0", "cpu", "dp_replicate=1,dp_shard=2,tp=2", 2)]
+    if HAS_TORCH_XLA:
+        import torch_xla.runtime as xr
+
+        monkeypatch.setattr(xr, "addressable_runtime_device_count", lambda: 4)
+        cases += [("1", "tpu", "", 4), ("1", "cpu", "", 1)]
     model = torch.nn.Linear(8, 1)
     try:
-        for spmd, device, devices in (("1", "tpu", 4), ("1", "cpu", 1), ("0", "tpu", 1)):
+        for spmd, device, layout, devices in cases:
             monkeypatch.setenv(contract.SPMD_VAR, spmd)
             monkeypatch.setenv(contract.DEVICE_VAR, device)
+            monkeypatch.setenv(contract.LAYOUT_VAR, layout)
+            monkeypatch.setenv("WORLD_SIZE", "4")
             contract.reload()
+            rt_mod.begin()
             counted = ModelFlops()
             counted.note(model)
-            assert counted.per_step(0, 0, 8, 1) == (6 * 9 * 8 / devices, SIX_N), (spmd, device)
+            assert counted.per_step(0, 0, 8, 1) == (6 * 9 * 8 / devices, SIX_N), (spmd, layout)
+            rt_mod.end()
     finally:
-        monkeypatch.delenv(contract.SPMD_VAR)
-        monkeypatch.delenv(contract.DEVICE_VAR)
+        for var in (contract.SPMD_VAR, contract.DEVICE_VAR, contract.LAYOUT_VAR, "WORLD_SIZE"):
+            monkeypatch.delenv(var)
         contract.reload()

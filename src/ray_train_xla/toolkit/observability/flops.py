@@ -139,12 +139,13 @@ NO_MODEL = ("the package saw no model (prepare_model, prepare_sharded_model and 
 
 class ModelFlops:
     """The models the package prepared on this worker, each with its rule (``flops_rule``), and
-    the devices this worker drives (held by the runtime; see the module docstring)."""
+    the devices its batches' FLOPs are spread over (held by the runtime; see the module
+    docstring)."""
 
     def __init__(self) -> None:
         self.models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()  # (the timeline's thread reads them)
-        self.devices = _devices()
+        self.devices: int | None = None  # ``_devices()``, at the first step counted
 
     def note(self, model: Any) -> None:
         """``prepare_model``, ``prepare_sharded_model`` or ``load_pretrained`` was given
@@ -184,19 +185,27 @@ class ModelFlops:
         if flops is None:
             return None, (f"the model is counted per token ({rule.name}) but the batches hold "
                           f"no input_ids; {THE_CALL}")
+        if self.devices is None:
+            self.devices = _devices()
         return flops / steps / self.devices, rule.name
 
 
 def _devices() -> int:
-    """The devices this worker drives: under SPMD on an accelerator a process feeds every device
-    of its host (its batch is theirs), else one."""
+    """The devices one batch of this worker's loaders is computed on: under SPMD on an
+    accelerator a process feeds every device of its host (its batch is theirs); with tensor
+    parallelism the ``tp`` peers that share each batch (each computes its share of the model);
+    else one."""
     from ray_train_xla.planning.contract import worker_context
 
-    if not worker_context().spmd_global or "torch_xla" not in sys.modules:
-        return 1
-    import torch_xla.runtime as xr
+    if worker_context().spmd:
+        if not worker_context().spmd_global or "torch_xla" not in sys.modules:
+            return 1
+        import torch_xla.runtime as xr
 
-    return max(1, xr.addressable_runtime_device_count())
+        return max(1, xr.addressable_runtime_device_count())
+    from ray_train_xla.toolkit.parallel import get_layout
+
+    return get_layout().tp
 
 
 def note_model(model: Any) -> None:
