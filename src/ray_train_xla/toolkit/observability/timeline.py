@@ -570,7 +570,8 @@ class Timeline:
             self._lines.pop()  # the heartbeat stays only in what was written
         self._last_write = now
         self._dirty = False
-        if len(self._lines) >= PART_LINES or self._bytes >= PART_BYTES:
+        header = len(self._lines[0]) + 1 if self._part == 0 and self._lines else 0
+        if len(self._lines) >= PART_LINES or self._bytes + header >= PART_BYTES:
             self._part += 1
             self._lines, self._bytes = [], 0
 
