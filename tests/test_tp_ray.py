@@ -78,6 +78,10 @@ def train_tp(config):
     record["ray_data"] = [[int(x) for x in b["id"]] for b in
                           rtx.iter_xla_batches(shard, batch_size=2, to_device=False)]
     model = rtx.prepare_sharded_model(w.make_lm(), auto_wrap_policy={w.block_class()})
+    # The model FLOPs the timeline counts for one device, a step of 3 sequences of 16 tokens.
+    from ray_train_xla.toolkit.runtime import runtime
+
+    record["flops"] = list(runtime().model_flops.per_step(3 * 16, 3 * 16 * 16, 3, 1))
     opt = _optimizer(model)
     dp_rank, dp = rtx.data_parallel()
     losses = []
@@ -162,6 +166,19 @@ def test_tensor_parallel_peers_train_on_the_same_rows(runs):
             assert peers[0] == peers[1], (key, peers)
         rows = [x for peers in groups for batch in peers[0] for x in batch]
         assert sorted(rows) == list(range(ROWS)), (key, rows)
+
+
+def test_a_tensor_parallel_devices_model_flops_are_its_share_of_its_batch(runs):
+    """The model prepare_sharded_model split over TP 2 x FSDP 2 is counted whole, by its
+    config; each device computes half of it on its group's batch."""
+    import fsdp2_worker as w
+
+    import ray_train_xla as rtx
+    from ray_train_xla.toolkit.observability.flops import HF_DECODER
+
+    per_token = rtx.model_flops_per_token(w.lm_config(32), 16)
+    for r in runs["tp2"]:
+        assert r["flops"] == [per_token * 3 * 16 / 2, HF_DECODER], r["flops"]
 
 
 def test_tp2_fsdp2_trains_as_torchs_unsharded_run(runs):
