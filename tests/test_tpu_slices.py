@@ -401,3 +401,15 @@ def test_a_host_holds_at_most_its_chips_and_unknown_types_are_refused():
         tpu_plan(unknown, spmd=True)
     assert str(info.value).startswith("the TPU slice the hosts report (accelerator type v9z-64, "
                                       "topology 2x4x4) is not valid")
+
+
+def test_a_topology_without_a_generation_counts_hosts_as_torchtpu_does():
+    """No accelerator type to say a host's chips: a host holds at most the slice's extent along
+    each axis, as TorchTPU's own host count (1x2x2: two hosts of two chips); a known
+    generation keeps its hosts of 2x2 chips and refuses the same topology."""
+    from ray_train_xla.planning.runtimes.tpu import tpu_slice
+
+    found = tpu_slice("", "1x2x2", hosts=2)
+    assert found.host_chips == (1, 2, 1) and found.hosts == 2
+    with pytest.raises(ValueError, match="not a grid of hosts of 2x2 chips"):
+        tpu_slice("v4-8", "1x2x2", hosts=2)

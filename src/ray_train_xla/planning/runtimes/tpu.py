@@ -250,6 +250,10 @@ def tpu_slice(accelerator_type: str = "", topology: str = "",
     if (single and hosts and hosts > 1 and total == hosts * math.prod(MULTI_HOST_CHIPS)
             and (gen is None or shape in gen.split_shapes)):
         host_chips = MULTI_HOST_CHIPS  # the same slice as 2 VMs of 4 chips
+    if gen is None and any(t % c for t, c in zip(grid, host_chips)):
+        # No generation to say a host's chips: as TorchTPU counts hosts without one, a host
+        # holds at most the slice's extent along each axis (1x2x2: two hosts of 1x2 chips).
+        host_chips = tuple(min(t, c) for t, c in zip(grid, host_chips))
     if any(t % c for t, c in zip(grid, host_chips)):
         raise ValueError(f"TPU topology {shape} is not a grid of hosts of "
                          f"{'x'.join(map(str, host_chips[:2]))} chips")
