@@ -20,14 +20,7 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit.stacks import stack
-
-
-def is_native() -> bool:
-    """True on a ``TorchNeuronConfig`` or ``TorchTPUConfig`` worker (native neuron or tpu, or
-    their CPU twin)."""
-    return worker_context().native
 
 
 def get_device() -> torch.device:

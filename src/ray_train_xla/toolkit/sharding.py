@@ -140,7 +140,7 @@ def get_sharded_mesh(shape=None):
     one replica per node (shards within a node, replicas across nodes). Under a layout of more
     than FSDP (the config's ``parallelism``, ``configure_parallelism``), the layout's mesh,
     made once: ``("dp_replicate", "dp_shard", "tp")``."""
-    return stack().sharded_mesh(shape)
+    return {DTENSOR: dtensor_sharded_mesh, SPMD: spmd_sharded_mesh}[stack().sharded](shape)
 
 
 def dtensor_sharded_mesh(shape=None):
@@ -279,7 +279,8 @@ def prepare_sharded_model(
       vocabulary (compute the loss and backward inside
       ``torch.distributed.tensor.parallel.loss_parallel()``).
     """
-    return stack().prepare_sharded_model(
+    prepare = {DTENSOR: prepare_dtensor, SPMD: prepare_fsdpv2}[stack().sharded]
+    return prepare(
         model, mesh, auto_wrap_policy=auto_wrap_policy, shard_output=shard_output,
         mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
         parallelism=parallelism, tp_plan=tp_plan, sequence_parallel=sequence_parallel,

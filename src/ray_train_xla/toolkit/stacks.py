@@ -33,6 +33,9 @@ class Stack:
 
     name = ""
     native = False  # DTensor and FSDP2; torch_xla never imported
+    # The kind of sharded state this stack makes (``sharding.SPMD``, ``sharding.DTENSOR``):
+    # which implementation of ``prepare_sharded_model`` and of sharded checkpoints applies.
+    sharded = "spmd"
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
@@ -75,13 +78,6 @@ class Stack:
 
         dist.barrier()
 
-    def prepare_sharded_model(self, model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
-        """``prepare_sharded_model`` on this stack (``sharding.py``)."""
-        raise NotImplementedError
-
-    def sharded_mesh(self, shape):
-        """``get_sharded_mesh`` on this stack (``sharding.py``)."""
-        raise NotImplementedError
 
 
 class XLAStack(Stack):
@@ -118,15 +114,6 @@ class XLAStack(Stack):
 
         xm.rendezvous(tag)
 
-    def prepare_sharded_model(self, model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
-        from ray_train_xla.toolkit.sharding import prepare_fsdpv2
-
-        return prepare_fsdpv2(model, mesh, **options)
-
-    def sharded_mesh(self, shape):
-        from ray_train_xla.toolkit.sharding import spmd_sharded_mesh
-
-        return spmd_sharded_mesh(shape)
 
     def over_process_group(self) -> bool:
         # Under SPMD on an accelerator a CPU tensor is host-local: it crosses the hosts through
@@ -174,6 +161,7 @@ class NativeStack(Stack):
 
     name = "native"
     native = True
+    sharded = "dtensor"
 
     def device(self) -> torch.device:
         if self.ctx.device == "neuron":
@@ -193,15 +181,6 @@ class NativeStack(Stack):
     def comm_device(self, tensor: torch.Tensor) -> torch.device:
         return tensor.device  # the neuron and tpu_dist groups take device tensors; gloo CPU ones
 
-    def prepare_sharded_model(self, model: torch.nn.Module, mesh, **options) -> torch.nn.Module:
-        from ray_train_xla.toolkit.sharding import prepare_dtensor
-
-        return prepare_dtensor(model, mesh, **options)
-
-    def sharded_mesh(self, shape):
-        from ray_train_xla.toolkit.sharding import dtensor_sharded_mesh
-
-        return dtensor_sharded_mesh(shape)
 
     def device_memory(self, state: list[bool]) -> tuple[float, float] | None:
         dev = self.device()
