@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.toolkit import device as _device
-from ray_train_xla.toolkit.ranks import rank, spmd_global, uses_host_collectives, world_size
+from ray_train_xla.toolkit.ranks import rank, spmd_global, world_size
 from ray_train_xla.toolkit.runtime import runtime
+from ray_train_xla.toolkit.stacks import stack
 
 _XM_OPS = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "product": "mul"}
 
@@ -76,17 +76,17 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", dim: str | None = None) ->
         if size != world_size():  # a part of the workers: the layout's group of this worker
             import torch.distributed as dist
 
-            host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+            host = tensor.detach().to(stack().comm_device(tensor), copy=True)
             dist.all_reduce(host, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()),
                             group=group(dim, host=host.device.type == "cpu"))
             return (host / size if op == "mean" else host).to(tensor.device)
     n = world_size()
     if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
-    if uses_host_collectives() or spmd_global() or _device.is_native():
+    if stack().over_process_group():
         import torch.distributed as dist
 
-        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+        host = tensor.detach().to(stack().comm_device(tensor), copy=True)
         dist.all_reduce(host, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()))
         if op == "mean":
             host = host / n
@@ -107,10 +107,10 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raise ValueError(f"broadcast src={src} is not valid: expected a rank in [0, {n})")
     if n == 1 or (spmd_global() and tensor.device.type == "xla"):
         return tensor.clone()
-    if uses_host_collectives() or spmd_global() or _device.is_native():
+    if stack().over_process_group():
         import torch.distributed as dist
 
-        host = tensor.detach().to(_device.comm_device(tensor), copy=True)
+        host = tensor.detach().to(stack().comm_device(tensor), copy=True)
         dist.broadcast(host, src=pg_rank(src))
         return host.to(tensor.device)
     import torch_xla.core.xla_model as xm
@@ -130,14 +130,7 @@ def rendezvous(tag: str) -> None:
     """
     if world_size() == 1:
         return
-    if uses_host_collectives() or _device.is_native():
-        import torch.distributed as dist
-
-        dist.barrier()
-        return
-    import torch_xla.core.xla_model as xm
-
-    xm.rendezvous(tag)
+    stack().barrier(tag)
 
 
 def group_timeout():

@@ -12,17 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.events import batch_handed_out
 from ray_train_xla.toolkit.parallel import data_parallel, shared_with_tp_peers
+from ray_train_xla.toolkit.stacks import stack
 
 RAGGED_MODES = ("drop", "pad")
 
@@ -335,16 +334,7 @@ def _use_background(background: bool | None) -> bool:
     """Background transfer (MpDeviceLoader) hides host-to-device copies on accelerators; on the
     XLA CPU device the copy stays in host memory and the loader's threads only compete with the
     step for the cores (measured: 0.76 of a synchronous loop), so "auto" skips it there."""
-    if _device.is_native():
-        return False  # MpDeviceLoader is torch_xla's; native batches are copied in the loop
-    if background is not None:
-        return background
-    device = os.environ.get("PJRT_DEVICE", "")  # torch_xla's own variable, as it reads it
-    if not device:
-        import torch_xla.runtime as xr
-
-        device = xr.device_type() or ""
-    return device.upper() != "CPU"
+    return stack().background_loader(background)  # native: copied in the loop (no MpDeviceLoader)
 
 
 def move_to_device(value: Any, device: torch.device) -> Any:

@@ -1,5 +1,5 @@
-"""The device layer of the worker helpers: which device family this worker runs, and the few
-operations that differ between them.
+"""The device layer of the worker helpers: this worker's device and the few operations that
+differ between stacks, each asked of the worker's stack object (``stacks.py``).
 
 - ``xla`` (``TorchXLAConfig``): torch_xla's device; ``sync`` cuts the lazy graph.
 - ``native`` (``TorchNeuronConfig``, ``TorchTPUConfig``): the native ``neuron`` or ``tpu``
@@ -20,67 +20,31 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.planning.contract import worker_context
-
-
-def is_native() -> bool:
-    """True on a ``TorchNeuronConfig`` or ``TorchTPUConfig`` worker (native neuron or tpu, or
-    their CPU twin)."""
-    return worker_context().native
+from ray_train_xla.toolkit.stacks import stack
 
 
 def get_device() -> torch.device:
     """This worker's device: the XLA device (``torch_xla.device()``; ``xm.xla_device()`` on
     torch_xla 1.x, XRT), ``neuron:<local rank>``, ``tpu:0`` (TorchTPU binds every process to
     device 0, its one chip), or ``cpu``."""
-    if not is_native():
-        import torch_xla
-
-        if hasattr(torch_xla, "device"):
-            return torch_xla.device()
-        import torch_xla.core.xla_model as xm
-
-        return xm.xla_device()
-    if worker_context().device == "neuron":
-        import torch_neuronx
-
-        return torch.device("neuron", torch_neuronx.current_device())
-    if worker_context().device == "tpu":
-        return torch.device("tpu", 0)
-    return torch.device("cpu")
+    return stack().device()
 
 
 def sync() -> None:
     """Cut and run the pending XLA graph (``torch_xla.sync()``; ``xm.mark_step()`` on torch_xla
     1.x); nothing to do on an eager (native) device."""
-    if is_native():
-        return
-    import torch_xla
-
-    if hasattr(torch_xla, "sync"):
-        torch_xla.sync()
-        return
-    import torch_xla.core.xla_model as xm
-
-    xm.mark_step()
+    stack().sync()
 
 
 def wait() -> None:
     """Block until the device has finished the work queued so far."""
-    if not is_native():
-        import torch_xla.core.xla_model as xm
-
-        xm.wait_device_ops()
-    elif worker_context().device in ("neuron", "tpu"):
-        module = getattr(torch, worker_context().device, None)  # torch.neuron, torch.tpu
-        if module is not None and hasattr(module, "synchronize"):
-            module.synchronize()
+    stack().wait()
 
 
 def comm_device(tensor: torch.Tensor) -> torch.device:
     """Where a torch.distributed collective on ``tensor`` runs: on its own device on the native
     path (``neuron``, ``tpu_dist``, or ``gloo`` on CPU), on a host copy on the XLA path (gloo)."""
-    return tensor.device if is_native() else torch.device("cpu")
+    return stack().comm_device(tensor)
 
 
 def to_cpu(value: Any) -> Any:

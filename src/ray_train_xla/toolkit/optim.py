@@ -19,16 +19,16 @@ import weakref
 
 import torch
 
-from ray_train_xla.toolkit import device as _device
 from ray_train_xla.toolkit import events
 from ray_train_xla.toolkit.buckets import DEFAULT_BUCKET_MB, buckets, flatten, unflatten_into
 from ray_train_xla.toolkit.collectives import broadcast
 from ray_train_xla.toolkit.device import get_device
 from ray_train_xla.toolkit.device import sync as _sync  # optimizer_step has a `sync` argument
 from ray_train_xla.toolkit.observability.flops import note_model
-from ray_train_xla.toolkit.ranks import spmd_global, uses_host_collectives, world_size
+from ray_train_xla.toolkit.ranks import spmd_global, world_size
 from ray_train_xla.toolkit.runtime import runtime
 from ray_train_xla.toolkit.sharding import find_sharded, refuse_sharded
+from ray_train_xla.toolkit.stacks import stack
 from ray_train_xla.toolkit.steps import marks_own_step, step_done
 
 SHARDED_STEP = ("optimizer.step() followed by torch_xla.sync(): with SPMD/FSDPv2 (prepare_sharded_model) "
@@ -94,7 +94,7 @@ def _grad_mark(p: torch.Tensor) -> tuple:
 def _fsdp2_params(params: list) -> bool:
     """True when every one of ``params`` is a parameter of a model FSDP2 shards (its gradients
     are reduce-scattered in backward); False when none is."""
-    if not params or not _device.is_native():
+    if not params or not stack().native:
         return False
     from torch.distributed.fsdp import FSDPModule
 
@@ -117,7 +117,7 @@ def _refuse_sharded_params(optimizer: torch.optim.Optimizer) -> bool:
         groups = {f"param_groups[{g}].params": group["params"]
                   for g, group in enumerate(optimizer.param_groups)}
         refuse_sharded(groups, "optimizer_step", "averages every gradient over all workers",
-                       use=SHARDED_STEP_NATIVE if _device.is_native() else SHARDED_STEP)
+                       use=SHARDED_STEP_NATIVE if stack().native else SHARDED_STEP)
     checked[optimizer] = (count, fsdp2)
     return fsdp2
 
@@ -184,7 +184,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
 
 
 def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
-    if not (uses_host_collectives() or _device.is_native()):
+    if not stack().over_process_group():
         import torch_xla.core.xla_model as xm
 
         events.arrived()
@@ -199,7 +199,7 @@ def _reduce(optimizer: torch.optim.Optimizer, n: int, bucket_mb: float) -> None:
     _sync()
     events.arrived()  # this rank's own part of the step is done: the first collective
     for bucket, flat in zip(groups, flats):
-        host = flat.to(_device.comm_device(flat))
+        host = flat.to(stack().comm_device(flat))
         dist.all_reduce(host, op=dist.ReduceOp.SUM)
         host.div_(n)
         unflatten_into(host.to(flat.device), bucket)

@@ -33,7 +33,8 @@ import torch
 
 from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.planning.hub import INDEX_FILE, SOURCES, TOKENIZER_FILES, hub_id, snapshot
-from ray_train_xla.toolkit.device import get_device, is_native
+from ray_train_xla.toolkit.device import get_device
+from ray_train_xla.toolkit.stacks import stack
 
 SAFETENSORS_SUFFIX = ".safetensors"
 # Largest output file of an export, as Transformers' save_pretrained defaults on the Hub.
@@ -322,7 +323,7 @@ def load_pretrained(
              "tp_plan": tp_plan, "sequence_parallel": sequence_parallel}
     # FSDP2 shards the model first, each rank reading its slices; torch_xla FSDPv2: one process
     # per host reads the model once, on the CPU, then shards it.
-    native = is_native()
+    native = stack().native
     if native:
         model = prepare_sharded_model(model, mesh, **shard)
     materialize(model, get_device() if native else "cpu")
@@ -518,7 +519,7 @@ def export_pretrained(model: torch.nn.Module, out_dir: str, *, source: str | Non
         consolidate_safetensors_files_on_every_rank,
     )
 
-    if not is_native() and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
+    if not stack().native and any(type(m).__name__ == "SpmdFullyShardedDataParallel"
                                 for m in model.modules()):
         raise ValueError("export_pretrained: a torch_xla FSDPv2 model's state is SPMD tensors under "
                          "_orig_module. names; save a checkpoint (rtx.save_checkpoint) and export it "

@@ -108,6 +108,7 @@ class Runtime:
         self.reduced: Any = None  # optim: gradients clip_grad_norm_ averaged (by parameter id)
         self.checked: Any = None  # optim: optimizers checked for sharding (weak)
         self.prepared: Any = None  # checkpoint.names.PreparedModels
+        self.stack: Any = None  # stacks: this worker's Stack, for the plan it was made from
         self.meshes: dict[tuple[int, ...], Any] = {}  # fsdp2: the device mesh of each shape
         self.layout: Any = None  # parallel: the layout configure_parallelism set
         self.layout_used = False  # parallel: a helper used the layout (it may not change)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ray_train_xla.errors import ShardedStateError
-from ray_train_xla.toolkit.device import is_native
 from ray_train_xla.toolkit.observability.flops import note_model
+from ray_train_xla.toolkit.stacks import stack
 
 # The two layouts of sharded state a checkpoint holds: torch_xla SPMD tensors, DTensors.
 SPMD, DTENSOR = "spmd", "dtensor"
@@ -140,15 +140,22 @@ def get_sharded_mesh(shape=None):
     one replica per node (shards within a node, replicas across nodes). Under a layout of more
     than FSDP (the config's ``parallelism``, ``configure_parallelism``), the layout's mesh,
     made once: ``("dp_replicate", "dp_shard", "tp")``."""
+    return {DTENSOR: dtensor_sharded_mesh, SPMD: spmd_sharded_mesh}[stack().sharded](shape)
+
+
+def dtensor_sharded_mesh(shape=None):
+    """``get_sharded_mesh`` on the native stacks (FSDP2)."""
+    from ray_train_xla.toolkit.fsdp2 import native_mesh
+    from ray_train_xla.toolkit.parallel import device_mesh, get_layout
+
+    if shape is None and not get_layout().trivial:
+        return device_mesh()  # the layout's: ("dp_replicate", "dp_shard", "tp")
+    return native_mesh(shape)
+
+
+def spmd_sharded_mesh(shape=None):
+    """``get_sharded_mesh`` under torch_xla SPMD (FSDPv2)."""
     from ray_train_xla.toolkit.parallel import get_layout
-
-    if is_native():
-        from ray_train_xla.toolkit.fsdp2 import native_mesh
-        from ray_train_xla.toolkit.parallel import device_mesh
-
-        if shape is None and not get_layout().trivial:
-            return device_mesh()  # the layout's: ("dp_replicate", "dp_shard", "tp")
-        return native_mesh(shape)
     from ray_train_xla.toolkit.runtime import runtime
     from ray_train_xla.toolkit.spmd import get_mesh
 
@@ -272,31 +279,49 @@ def prepare_sharded_model(
       vocabulary (compute the loss and backward inside
       ``torch.distributed.tensor.parallel.loss_parallel()``).
     """
-    if is_native():
-        from ray_train_xla.planning.layout import DIMS
-        from ray_train_xla.toolkit.fsdp2 import prepare_fsdp2
-        from ray_train_xla.toolkit.parallel import configure_parallelism, device_mesh, get_layout
-        from ray_train_xla.toolkit.tensor_parallel import parallelize
+    prepare = {DTENSOR: prepare_dtensor, SPMD: prepare_fsdpv2}[stack().sharded]
+    return prepare(
+        model, mesh, auto_wrap_policy=auto_wrap_policy, shard_output=shard_output,
+        mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+        parallelism=parallelism, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel)
 
-        if shard_output is not None:
-            raise ValueError("prepare_sharded_model: shard_output is torch_xla FSDPv2's; FSDP2 "
-                             "(native configs) returns the model's own outputs")
-        layout = configure_parallelism(parallelism) if parallelism is not None else get_layout()
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh is None and (not layout.trivial or tp_plan is not None or sequence_parallel
-                             or loss_parallel):
-            mesh, names = device_mesh(), DIMS
-        if names == DIMS or "tp" in names:
-            model = parallelize(model, mesh, tp_plan, sequence_parallel=sequence_parallel,
-                                loss_parallel=loss_parallel, auto_wrap_policy=auto_wrap_policy,
-                                mixed_precision=mixed_precision,
-                                activation_checkpointing=activation_checkpointing)
-        else:
-            model = prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
-                                  mixed_precision=mixed_precision,
-                                  activation_checkpointing=activation_checkpointing)
-        note_model(model)
-        return model
+
+def prepare_dtensor(model: torch.nn.Module, mesh, *, auto_wrap_policy, shard_output,
+                    mixed_precision, activation_checkpointing, parallelism, tp_plan,
+                    sequence_parallel, loss_parallel) -> torch.nn.Module:
+    """``prepare_sharded_model`` on the native stacks: FSDP2, with TP under a layout."""
+    from ray_train_xla.planning.layout import DIMS
+    from ray_train_xla.toolkit.fsdp2 import prepare_fsdp2
+    from ray_train_xla.toolkit.parallel import configure_parallelism, device_mesh, get_layout
+    from ray_train_xla.toolkit.tensor_parallel import parallelize
+
+    if shard_output is not None:
+        raise ValueError("prepare_sharded_model: shard_output is torch_xla FSDPv2's; FSDP2 "
+                         "(native configs) returns the model's own outputs")
+    layout = configure_parallelism(parallelism) if parallelism is not None else get_layout()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None and (not layout.trivial or tp_plan is not None or sequence_parallel
+                         or loss_parallel):
+        mesh, names = device_mesh(), DIMS
+    if names == DIMS or "tp" in names:
+        model = parallelize(model, mesh, tp_plan, sequence_parallel=sequence_parallel,
+                            loss_parallel=loss_parallel, auto_wrap_policy=auto_wrap_policy,
+                            mixed_precision=mixed_precision,
+                            activation_checkpointing=activation_checkpointing)
+    else:
+        model = prepare_fsdp2(model, mesh, auto_wrap_policy=auto_wrap_policy,
+                              mixed_precision=mixed_precision,
+                              activation_checkpointing=activation_checkpointing)
+    note_model(model)
+    return model
+
+
+def prepare_fsdpv2(model: torch.nn.Module, mesh, *, auto_wrap_policy, shard_output,
+                   mixed_precision, activation_checkpointing, parallelism, tp_plan,
+                   sequence_parallel, loss_parallel) -> torch.nn.Module:
+    """``prepare_sharded_model`` under torch_xla SPMD: FSDPv2, with TP partition specs under a
+    layout."""
     if sequence_parallel or loss_parallel:
         raise ValueError("prepare_sharded_model: sequence_parallel and loss_parallel are DTensor "
                          "styles (TorchNeuronConfig, TorchTPUConfig); under torch_xla SPMD XLA's "

@@ -18,9 +18,9 @@ class Counters:
     its buffer is full). Raises ``ImportError`` without torch_xla on the XLA stack."""
 
     def __init__(self) -> None:
-        from ray_train_xla.toolkit import device as _device
+        from ray_train_xla.toolkit.stacks import stack
 
-        self.native = _device.is_native()
+        self.native = stack().native
         if self.native:
             # Dynamo is imported by the first torch.compile: until then nothing was compiled, and
             # importing it here would cost every worker about a CPU second at its start.

@@ -126,34 +126,15 @@ def device_peak(device: str) -> tuple[float | None, str]:
 # ---- device memory, off the step path ---------------------------------------------------------
 
 def device_memory(xla_info: list[bool]) -> tuple[float, float] | None:
-    """(bytes in use, peak bytes) of this worker's device: torch_xla's memory info where the
-    device reports it (``xla_info[0]``: False once it said it has none), the native device's
-    allocator, else this process's resident memory; None when nothing can be read."""
-    from ray_train_xla.toolkit import device as _device
+    """(bytes in use, peak bytes) of this worker's device: what its stack reads from the device
+    (torch_xla's memory info, ``xla_info[0]`` False once it said it has none; the native
+    device's allocator), else this process's resident memory; None when nothing can be read."""
+    from ray_train_xla.toolkit.stacks import stack
 
+    found = None
     with contextlib.suppress(Exception):  # (the XLA CPU device has no allocator stats: RSS)
-        if not _device.is_native():
-            if not xla_info[0]:
-                return _process_memory()
-            import torch_xla.core.xla_model as xm
-
-            try:
-                info = xm.get_memory_info(_device.get_device())
-            except RuntimeError:  # the XLA CPU device: "GetAllocatorStats is not supported"
-                xla_info[0] = False
-                return _process_memory()
-            used = float(info.get("bytes_used", 0))
-            return used, float(info.get("peak_bytes_used", used))
-        import torch
-
-        dev = _device.get_device()
-        if dev.type != "cpu":
-            mod = getattr(torch, dev.type, None)
-            if not hasattr(mod, "memory_allocated"):
-                mod = getattr(torch, "accelerator", None)
-            if hasattr(mod, "memory_allocated"):
-                return float(mod.memory_allocated()), float(mod.max_memory_allocated())
-    return _process_memory()
+        found = stack().device_memory(xla_info)
+    return found if found is not None else _process_memory()
 
 
 def _process_memory() -> tuple[float, float] | None:
