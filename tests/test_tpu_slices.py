@@ -333,7 +333,7 @@ API_WORDS = ("num_workers", "resources_per_worker", "ScalingConfig", "device='tp
      ["'2x8' is not a v6e slice: expected one of 1x1, 2x2, 2x4, 4x4"]),
     (["--accelerator-type", "v9z-16", "--nodes", "4"],
      ["--accelerator-type v9z-16 is not valid", "not of a generation this package knows",
-      "v6e: v6e-1, v6e-4", "v7x-32", "v5p-12288"]),
+      "v2, v3, v4, v5p, v5litepod, v6e, v7x", "'TPU generations and slices'"]),
     (["--accelerator-type", "v9z-16", "--tpu-topology", "4x4", "--nodes", "4"],
      ["not of a generation this package knows"]),
     (["--accelerator-type", "v6e-24", "--nodes", "6"],

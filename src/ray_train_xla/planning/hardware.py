@@ -237,11 +237,6 @@ def devices_per_chip(accelerator_type: str) -> int:
     return gen.devices_per_chip if gen else 1
 
 
-def tpu_types_text() -> str:
-    """The known TPU generations and their slice sizes, for an error message."""
-    return "; ".join(f"{g.name}: {', '.join(g.sizes())}" for g in TPU_GENERATIONS.values())
-
-
 def tpu_generation_of_pci(device_id: str) -> TPUGeneration | None:
     """The generation whose chips have this PCI device id (v4 and later; v2 and v3 share one)."""
     matches = [g for g in TPU_GENERATIONS.values() if g.pci_device_id == device_id]

@@ -66,7 +66,6 @@ from ray_train_xla.planning.hardware import (
     devices_per_chip,
     tpu_generation,
     tpu_generation_spec,
-    tpu_types_text,
 )
 from ray_train_xla.planning.options import check_compile_cache
 from ray_train_xla.planning.runtimes.base import (
@@ -204,8 +203,9 @@ def tpu_slice(accelerator_type: str = "", topology: str = "",
         gen = tpu_generation_spec(accelerator_type)
         if gen is None:
             raise ValueError(f"TPU accelerator type {accelerator_type!r} is not of a generation "
-                             f"this package knows ({', '.join(TPU_GENERATIONS)}): expected one "
-                             f"of {tpu_types_text()}")
+                             f"this package knows: expected one of {', '.join(TPU_GENERATIONS)}, "
+                             "with a slice size, e.g. v5p-32, v6e-16, tpu7x-32 (docs/spmd-tpu.md, "
+                             "'TPU generations and slices', lists each generation's sizes)")
         if match.group(2):
             size = int(match.group(2))
             if size % gen.cores_per_chip:
