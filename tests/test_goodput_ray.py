@@ -311,9 +311,14 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
                    for ln in mine for n in [ln.split("{")[0]]), lines
         assert all('device="cpu"' in ln and 'node="' in ln for ln in mine
                    if not ln.startswith("ray_train_xla_straggler"))
-    # Rank 0 named rank 1 a straggler, with about its sleep a step.
+    # Rank 0 named rank 1 a straggler, with about its sleep a step. The live figure covers the
+    # steps every rank had written when rank 0 last read them (a prefix of the attempt; the test
+    # above compares the whole attempt's figure with the loops' own timing to 10 ms): a difference
+    # of medians over some of the same steps, so within what those steps allow, and never the
+    # overshoot of comparing files that lag each other (3 times the sleep, before).
     [named] = [ln for ln in lines if ln.startswith("ray_train_xla_straggler_excess_seconds")
                and 'rank="1"' in ln]
     value = float(named.split()[-1])
-    assert value >= 0.9 * SLOW_S, named
-    assert value == pytest.approx(_timed_excess(audited_run["records"]), abs=0.1 * SLOW_S), named
+    slow, fast = (audited_run["records"][("a1", r)]["own"] for r in (1, 0))
+    assert 0.9 * SLOW_S <= value <= 1.5 * SLOW_S, named
+    assert min(slow) - max(fast) <= value <= max(slow) - min(fast), (named, slow, fast)
