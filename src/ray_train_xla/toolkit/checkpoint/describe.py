@@ -127,7 +127,7 @@ def kind_of(entries: Mapping[str, Any], helper: str, found: list | None = None):
     sharded = (found for key, value in entries.items() for found in walk_sharded(
         value, key if isinstance(value, torch.nn.Module) else f"{key}."))
     for path, desc in sharded:
-        kind = next((layout for start, layout in LAYOUTS if desc.startswith(start)), None)
+        kind = next((k for start, k in LAYOUTS if desc.startswith(start)), None)
         if kind is None:
             raise ShardedStateError(
                 f"{helper}: {path} is {desc}. The sharded checkpoint handles SPMD tensors (FSDPv2 "
@@ -171,7 +171,7 @@ def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> Check
     parts = {k: v.state_dict() if isinstance(v, torch.nn.Module) else v for k, v in modules.items()}
     osds = {k: v.state_dict() if isinstance(v, torch.optim.Optimizer) else v
             for k, v in optimizers.items()}
-    if kind.layout is None:  # replicated: the state dicts as given
+    if not kind.sharded:  # replicated: the state dicts as given
         return CheckpointState(kind, [ModelPart(k, dict(s)) for k, s in parts.items()],
                                [OptimizerPart(k, s) for k, s in osds.items()], extras)
     named = {k: (name_optimizer_state(s, optimizer_param_names(holders[k], optimizers[k], helper))

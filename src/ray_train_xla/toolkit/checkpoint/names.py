@@ -12,7 +12,9 @@ another order.
 come from the state dict's ``param_names`` (torch writes them for an optimizer built from
 ``model.named_parameters()``), or, for an optimizer over a model that ``prepare_sharded_model``
 prepared, from a hook that adds them: the first ``step()`` of such an optimizer registers a
-``state_dict`` post-hook writing ``param_names`` for its parameters.
+``state_dict`` post-hook writing ``param_names`` for its parameters. Given the optimizer itself,
+as an entry of its own (``describe.py``), its parameters' names are those they have in the
+module given beside it.
 
 Format versions (``sharded.json``; ``format.py`` says what each holds): 3 holds any number of
 model parts and optimizers, each under its entry; 2 is the named form above for one ``model``

@@ -283,7 +283,7 @@ class RankSlots:
         """Generation ``gen`` (``staged``: its kind's ``stage`` with :meth:`stager`, whose
         copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
         as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
-        checkpoint's own small files are the caller's (``writer.write_small_files``)."""
+        checkpoint's own small files are the caller's (``format.write_small_files``)."""
         try:
             views = staged.copied(timeout_s)  # an overlapped snapshot: copied by now, or soon
         except TimeoutError:

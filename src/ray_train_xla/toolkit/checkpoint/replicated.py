@@ -23,7 +23,8 @@ from ray_train_xla.toolkit.device import sync, to_cpu
 class Replicated:
     """Replicated state: rank 0 writes ``checkpoint.pt``; a restore loads whole tensors."""
 
-    layout = None
+    layout = None  # what sharded.json says: none, no shards
+    sharded = False  # every rank writes its own shards
     in_place = False
     writer_process = False
 

@@ -85,7 +85,7 @@ def _save_checkpoint(state, metrics, filename: str, wait: bool) -> dict[str, Any
     after = functools.partial(tier.note_storage, gen) if gen is not None and rank() == 0 else None
     write = None
     kind = described.kind
-    if kind.layout is not None or rank() == 0:  # replicated state: rank 0 writes it
+    if kind.sharded or rank() == 0:  # replicated state: rank 0 writes it
         options = reporting.report_options()
         # device -> host now, or while the next forward and backward run (the next optimizer
         # step waits for it); the files are written later, by the writer

@@ -38,7 +38,8 @@ class Shards:
     """What both kinds of sharded state share: every rank stages, writes and restores its own
     shards. A kind sets what differs (the methods below its docstring's first line)."""
 
-    layout = ""
+    layout = ""  # what sharded.json says
+    sharded = True  # every rank writes its own shards
     in_place = False  # the memory tier writes it rank by rank, in place (rank_files.py)
     writer_process = False  # torch's writer process writes it (dcp.async_save)
 

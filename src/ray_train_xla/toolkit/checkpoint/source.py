@@ -159,6 +159,7 @@ class FileSource(Source):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._state: dict[str, Any] | None = None
+        self._groups: dict[str, list] = {}
 
     def rest(self) -> dict[str, Any]:
         """The state the file holds (CPU tensors). Raises FileNotFoundError naming the
@@ -184,18 +185,18 @@ class FileSource(Source):
         slices; checked against the targets first."""
         state = self.rest()
         whole = {k: named_model_state(state.get(k) or {}) for k in target if k not in optimizers}
-        whole.update({k: {"state": positional_names(state[k], optimizers[k])["state"]}
-                      for k in optimizers if k in state})  # (an optimizer it lacks: left as is)
+        named = {k: positional_names(state[k], optimizers[k]) for k in optimizers if k in state}
+        whole.update({k: {"state": v["state"]} for k, v in named.items()})  # (one it lacks: as is)
+        self._groups = {k: v["param_groups"] for k, v in named.items()}
         for key in whole:
             check_fits(flat_specs(whole[key], f"{key}."), flat_specs(target[key], f"{key}."),
                        f"load_checkpoint: {where}", f"the {key}")
         return Plan({k: v for k, v in target.items() if k in whole}, WholeReader(whole))
 
     def groups(self) -> dict[str, list]:
-        """Each optimizer's parameter groups, by entry, its parameters by position."""
-        state = self.rest()
-        return {k: v["param_groups"] for k, v in state.items()
-                if isinstance(v, dict) and "param_groups" in v}
+        """Each optimizer's parameter groups, by entry, its parameters named by position (as
+        the last :meth:`plan` named them)."""
+        return self._groups
 
     def read_whole(self, target) -> dict[str, Any]:
         """The state the file holds."""

@@ -7,7 +7,7 @@ torch's writer process (``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS`
 Python per worker, started at its first save, joining a gloo group of every rank's writers; the
 snapshot's host buffers move into shared memory once, the staging pool reuses them, and the
 snapshot is taken as it is: ``AsIs``). Rank 0 adds the checkpoint's small files
-(:func:`write_small_files`). Replicated state: rank 0 writes ``checkpoint.pt`` with
+(``format.write_small_files``). Replicated state: rank 0 writes ``checkpoint.pt`` with
 ``torch.save`` (:func:`write_replicated`), in the reporter's thread or through its
 :class:`SaveProcess`, a spawned Python handed the snapshot through a pipe, its tensors in shared
 memory. The memory tier has a :class:`SaveProcess` of its own per worker (``memory/tier.py``).

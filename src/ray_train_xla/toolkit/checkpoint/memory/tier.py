@@ -149,7 +149,7 @@ class MemoryTier:
             self._shared = _shared_root()  # once: it stays
         # DTensor state is written in place, rank by rank, when every rank has shared memory;
         # replicated state is formatted by the tier's writer process once it takes work.
-        writer = self._writer_ready() if kind.layout is None else None
+        writer = self._writer_ready() if not kind.sharded else None
         busy, everywhere = self.poll(bool(self._shared) if kind.in_place else writer is not None)
         if busy:
             self.skipped += 1
@@ -162,7 +162,7 @@ class MemoryTier:
             files.write_by(writer, os.path.join(self._shared, self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
-        if kind.layout is not None:
+        if kind.sharded:
             slots = self._in_place() if kind.in_place and everywhere else None
             if slots is None:
                 self._drop_slots()  # another way now: the store lets go of them too
