@@ -122,12 +122,19 @@ def _load(rank: int, world: int, port: int, root: str) -> None:
 
 
 def _spawn(fn, world: int, root: str) -> None:
+    """``fn`` on ``world`` ranks, forked from a server that imported torch and Transformers
+    once (``forkserver``: a fresh process, not this one)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch.distributed.checkpoint", "transformers.models.llama.modeling_llama",
+         "ray_train_xla.toolkit.tensor_parallel", "ray_train_xla.toolkit.checkpoint.seam"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(fn, args=(world, port, root), nprocs=world)
+    mp.start_processes(fn, args=(world, port, root), nprocs=world, start_method="forkserver")
 
 
 def test_several_models_and_optimizers_reshard_from_tp2_fsdp2_to_fsdp2_on_fewer_ranks(tmp_path):
