@@ -160,7 +160,20 @@ def test_several_models_and_optimizers_reshard_from_tp2_fsdp2_to_fsdp2_on_fewer_
         assert r["plain"] == [STEPS, True]  # a replicated file into the shards, by position
 
 
-def test_replicated_entries_are_saved_as_state_dicts_and_restored_in_place(tmp_path):
+@pytest.fixture
+def native_cpu(monkeypatch):
+    """This process as a native config's CPU twin (no torch_xla)."""
+    from ray_train_xla.planning import contract
+
+    monkeypatch.setenv(contract.RUNTIME_VAR, "native")
+    monkeypatch.setenv(contract.DEVICE_VAR, "cpu")
+    contract.reload()
+    yield
+    monkeypatch.undo()
+    contract.reload()
+
+
+def test_replicated_entries_are_saved_as_state_dicts_and_restored_in_place(tmp_path, native_cpu):
     """Replicated state, in one process: modules, optimizers and a scheduler as entries are
     written as their state dicts (``checkpoint.pt`` loads with plain torch), and restored in
     place; the positional form returns the whole file, the mapping form the rest; an entry
