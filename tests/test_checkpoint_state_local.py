@@ -216,5 +216,8 @@ def test_replicated_entries_are_saved_as_state_dicts_and_restored_in_place(tmp_p
 
     with pytest.raises(TypeError, match=r"cannot restore the entries 'step' \(int\)"):
         load_sharded(str(tmp_path), {"model": fresh, "step": 7})
+    other = torch.nn.Linear(4, 3)
+    before = other.weight.detach().clone()
     with pytest.raises(CheckpointMismatchError, match="has no 'warmup' to restore"):
-        load_sharded(str(tmp_path), {"model": fresh, "warmup": fresh_sched})
+        load_sharded(str(tmp_path), {"model": other, "warmup": fresh_sched})
+    assert torch.equal(other.weight, before)  # refused before anything was loaded

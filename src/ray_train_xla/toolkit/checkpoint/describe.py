@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.names import (
     module_name,
     name_optimizer_state,
@@ -85,16 +84,11 @@ class CheckpointState:
         """The entries of the model parts and the optimizers."""
         return [p.key for p in self.models] + [o.key for o in self.optimizers]
 
-    def restored(self, saved: Mapping[str, Any], where: str) -> dict[str, Any]:
+    def restored(self, saved: Mapping[str, Any]) -> dict[str, Any]:
         """A restore's last step: give each object (an LR scheduler, ...) its saved state
-        (``load_state_dict``) and return what is left of the ``saved`` entries (all of a
-        replicated checkpoint for a restore given a model and an optimizer, not a mapping).
-        Raises ``CheckpointMismatchError`` naming the objects' entries the checkpoint lacks."""
-        missing = sorted(set(self.objects) - set(saved))
-        if missing:
-            raise CheckpointMismatchError(
-                f"load_checkpoint: {where} has no {', '.join(map(repr, missing))} to restore "
-                f"(it holds {sorted(saved)})")
+        (``load_state_dict``; the kind checked first that ``saved`` holds it) and return what is
+        left of the ``saved`` entries (all of a replicated checkpoint for a restore given a model
+        and an optimizer, not a mapping)."""
         for key, obj in self.objects.items():
             obj.load_state_dict(saved[key])
         taken = set(self.keys()) | set(self.objects)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.source import check_whole
 from ray_train_xla.toolkit.checkpoint.staging import Staged, shared_pool, tensors_in
 from ray_train_xla.toolkit.checkpoint.writer import save_process, write_file
@@ -56,15 +57,21 @@ class Replicated:
         reads every shard). Returns what ``target.restored`` gives of the saved state. Raises
         ``CheckpointMismatchError`` before anything is loaded when the saved state does not
         fit."""
+        where = f"load_checkpoint: {source.where}"
+        saved = source.rest()
+        missing = sorted(set(target.objects) - set(saved))
+        if missing:  # an object's entry: before anything is read
+            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
+                                          f"restore (it holds {sorted(saved)})")
         state = source.read_whole(target)
-        check_whole(state, target, f"load_checkpoint: {source.where}")
+        check_whole(state, target, where)
         for part in target.models:
             part.module.load_state_dict(state[part.key])  # into the parameters, on their device
         for part in target.optimizers:
             if part.key in state:  # onto each parameter's (XLA) device
                 part.optimizer.load_state_dict(state[part.key])
         sync()
-        return target.restored(source.rest(), source.where)
+        return target.restored(saved)
 
 
 REPLICATED = Replicated()

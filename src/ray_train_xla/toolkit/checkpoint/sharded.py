@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.errors import ShardedStateError
+from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
 from ray_train_xla.toolkit.checkpoint.names import index_optimizer_state
 from ray_train_xla.toolkit.checkpoint.staging import Staged, stage_dtensors
 from ray_train_xla.toolkit.checkpoint.writer import process_info, write_staged
@@ -91,6 +91,11 @@ class Shards:
         import torch.distributed.checkpoint as dcp
 
         where = f"load_checkpoint: {source.where}"
+        saved = source.rest()
+        missing = sorted(set(target.objects) - set(saved))
+        if missing:  # an object's entry: before anything is read
+            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
+                                          f"restore (it holds {sorted(saved)})")
         for part in target.optimizers:
             if part.names is None:
                 raise ShardedStateError(
@@ -129,7 +134,7 @@ class Shards:
             named = {"state": loaded[part.key]["state"], "param_groups": saved_groups}
             part.optimizer.load_state_dict(index_optimizer_state(named, osd, part.names, where))
         self.done()
-        return target.restored(source.rest(), source.where)
+        return target.restored(saved)
 
 
 class DTensorShards(Shards):

@@ -82,6 +82,7 @@ class ShardedSource(Source):
         import json
 
         super().__init__(*args, **kwargs)
+        self._rest: dict[str, Any] | None = None
         marker = read_file(self.path, SHARDED_MARKER, self.filesystem)
         # 1: written before names (names.py)
         self.version = 1 if marker is None else int(json.loads(marker).get("format_version", 1))
@@ -123,8 +124,10 @@ class ShardedSource(Source):
 
     def rest(self) -> dict[str, Any]:
         """The rest of the saved state (``extra.pt``: step, epoch, an LR scheduler's, ...)."""
-        extra = load_small(self.path, EXTRA_FILE, self.filesystem)
-        return {} if extra is None else extra
+        if self._rest is None:
+            extra = load_small(self.path, EXTRA_FILE, self.filesystem)
+            self._rest = {} if extra is None else extra
+        return self._rest
 
     def read_whole(self, target) -> dict[str, Any]:
         """The target's entries whole (every rank reads every shard), in the form of its own
