@@ -160,10 +160,7 @@ def measure(args) -> dict:
     import ray_train_xla as rtx
     from ray_train_xla.planning import contract
     from ray_train_xla.toolkit.checkpoint import memory
-    from ray_train_xla.toolkit.checkpoint.seam import _load_from
-    from ray_train_xla.toolkit.checkpoint.sharded import describe
-    from ray_train_xla.toolkit.checkpoint.staging import stage
-    from ray_train_xla.toolkit.checkpoint.writer import write_staged
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded, save_sharded
 
     torch.set_num_threads(1)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -269,7 +266,7 @@ def measure(args) -> dict:
         rtx.keep_in_memory(state, 1)
         memory.flush_memory()
         directory = os.path.join(root, "checkpoint")
-        written = write_staged(stage(describe(state)), directory)
+        written = save_sharded(state, directory)
         state_bytes = written["bytes"]
         slow = slow_filesystem(STORAGE_BPS)
         fresh, fresh_opt = build(width, layers, 1)
@@ -281,7 +278,7 @@ def measure(args) -> dict:
             times["memory"].append(time.perf_counter() - t)
             assert memory.memory_tier().restored is not None
             t = time.perf_counter()
-            _load_from(directory, slow, "bench", fresh, fresh_opt, "checkpoint.pt", "dtensor")
+            load_sharded(directory, fresh, fresh_opt, filesystem=slow)
             times["storage"].append(time.perf_counter() - t)
         out["restore"] = {"state_mb": state_bytes / MB, "storage_mb_per_s": STORAGE_BPS / MB,
                           "memory_s": statistics.median(times["memory"]),

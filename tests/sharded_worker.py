@@ -112,7 +112,7 @@ def errors(*calls) -> list[str]:
 def scenario_train(out_dir: str, save: str = "") -> dict:
     """FSDPv2 on all devices vs one device; the replicated helpers refuse it; optionally save."""
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.writer import save_sharded
+    from ray_train_xla.toolkit.checkpoint.seam import save_sharded
 
     devices = start_spmd()
     mesh, model, opt, to_device, sync = sharded_setup()
@@ -137,7 +137,7 @@ def scenario_train(out_dir: str, save: str = "") -> dict:
 def scenario_load(out_dir: str, ckpt: str, *mesh_shape: str) -> dict:
     """Restore the checkpoint onto this process's devices and mesh; compare with what was saved."""
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded
 
     devices = start_spmd()
     mesh, model, opt, to_device, sync = sharded_setup(tuple(int(d) for d in mesh_shape) or None)
@@ -207,8 +207,8 @@ def scenario_mismatch(out_dir: str) -> dict:
     import torch_xla
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
-    from ray_train_xla.toolkit.checkpoint.writer import save_sharded, write_replicated
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded, save_sharded
+    from ray_train_xla.toolkit.checkpoint.writer import write_replicated
     from ray_train_xla.toolkit.device import to_cpu
 
     start_spmd()

@@ -184,6 +184,44 @@ def test_the_config_saved_in_the_checkpoint(capsys, tmp_path, kind):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("kind", ["sharded", "replicated"])
+def test_another_model_of_the_checkpoint_by_its_entry(capsys, tmp_path, kind):
+    """A checkpoint of two models (``save_checkpoint({"model": model, "ema": ema, ...})``):
+    ``--model ema`` exports the second, to either format; an entry it does not hold is named."""
+    import torch.distributed.checkpoint as dcp
+
+    model, ema = tiny_llama(tie=True), tiny_llama(tie=False)
+    ckpt = tmp_path / "ckpt"
+    if kind == "sharded":  # as format version 3 writes it: each model under its entry
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model.state_dict(), "ema": ema.state_dict()},
+                     checkpoint_id=str(ckpt), no_dist=True)
+        torch.save({"step": 1, "hf_config": ema.config.to_dict()}, ckpt / "extra.pt")
+        (ckpt / "sharded.json").write_text(json.dumps(
+            {"format_version": 3, "keys": ["ema", "model"], "models": ["model", "ema"],
+             "optimizers": []}))
+    else:
+        save_replicated(ckpt, model.state_dict(), {"ema": ema.state_dict(), "step": 1,
+                                                   "hf_config": ema.config.to_dict()})
+    code, stdout, err = run(capsys, ["consolidate", str(ckpt), str(tmp_path / "hf"), "--hf",
+                                     "--model", "ema", "--json"])
+    assert code == 0, err
+    assert json.loads(stdout)["model"] == "ema"
+    assert_same_model(tmp_path / "hf", ema, tie=False)
+    code, _, err = run(capsys, ["consolidate", str(ckpt), str(tmp_path / "ema.safetensors"),
+                                "--model", "ema"])
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "ema.safetensors"))
+    assert sorted(got) == sorted(ema.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in ema.state_dict().items())
+    line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "x.safetensors"),
+                               "--model", "reference"], 2)
+    assert f"checkpoint {ckpt} has no model entry 'reference' to consolidate" in line
+
+
 def test_a_checkpoint_that_does_not_fit_the_config_writes_nothing(capsys, tmp_path):
     model = tiny_llama(tie=False)
     state = state_of(model, "_orig_module.")

@@ -365,7 +365,8 @@ def test_sharded_checkpoints_hold_every_ranks_shards_under_module_names(runs):
     import json
 
     marker = json.loads(runs["back_marker"])
-    assert marker["layout"] == "dtensor" and marker["format_version"] == 2 and marker["workers"] == 3
+    assert marker["layout"] == "dtensor" and marker["format_version"] == 3 and marker["workers"] == 3
+    assert marker["models"] == ["model"] and marker["optimizers"] == ["optimizer"]
 
 
 @pytest.mark.native

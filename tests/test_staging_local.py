@@ -34,9 +34,13 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     import ray_train_xla as rtx
 
     faulthandler.enable()
-    from ray_train_xla.toolkit.checkpoint.sharded import describe, load_sharded
-    from ray_train_xla.toolkit.checkpoint.staging import pool, stage
+    from ray_train_xla.toolkit.checkpoint.describe import describe
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded
+    from ray_train_xla.toolkit.checkpoint.staging import pool
     from ray_train_xla.toolkit.checkpoint.writer import write_staged
+
+    def stage(state, **options):  # a save's second step: by the state's kind
+        return state.kind.stage(state, **options)
 
     dist.init_process_group("gloo")
 
@@ -172,7 +176,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             return pickle.load(f)
 
     own = load(os.path.join(c14, rank_files.rank_metadata_file(rank)))
-    named = describe(state)["named"]
+    described = describe(state)
+    named = {**{p.key: p.state for p in described.models},
+             **{o.key: o.state for o in described.optimizers}}
     with open(os.path.join(c14, rank_files.rank_data_file(rank)), "rb") as f:
         data = f.read()
     chunks = []
@@ -199,7 +205,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
                 md.planner_data
 
         by_rank["same_as_torch"] = described(merged) == described(theirs)
-        write_small_files(LocalFiles(), c14, staged, sorted(staged["tree"]), world)
+        write_small_files(LocalFiles(), c14, staged, world)
     dist.barrier()
     extra = load_sharded(c14, fresh, fresh_opt)
     by_rank["exact"] = extra["step"] == 14 and all(
@@ -334,13 +340,16 @@ def test_replicated_saves_by_the_writer_process(tmp_path):
     )
 
     from ray_train_xla.errors import ReportError
-    from ray_train_xla.toolkit.checkpoint.replicated import load_replicated
-    from ray_train_xla.toolkit.checkpoint.sharded import describe
-    from ray_train_xla.toolkit.checkpoint.staging import stage
+    from ray_train_xla.toolkit.checkpoint.describe import describe
+    from ray_train_xla.toolkit.checkpoint.source import FileSource
 
     def stage_shared(state):
-        staged = stage(describe(state), shared=True)
-        return staged["state"], staged["release"]
+        described = describe(state)
+        staged = described.kind.stage(described, shared=True)
+        return staged.state, staged.release
+
+    def load_replicated(path, filename, where, filesystem=None):
+        return FileSource(path, filesystem, where, filename).rest()
     from ray_train_xla.toolkit.checkpoint.staging import shared_pool
     from ray_train_xla.toolkit.checkpoint.writer import (
         save_process,
@@ -446,7 +455,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
     from ray_train_xla.toolkit.checkpoint.files import MemoryFiles
     from ray_train_xla.toolkit.checkpoint.format import reader_for
     from ray_train_xla.toolkit.checkpoint.memory import store
-    from ray_train_xla.toolkit.checkpoint.staging import split_dtensors
+    from ray_train_xla.toolkit.checkpoint.staging import Staged, split_dtensors
 
     def stamps():
         out = []
@@ -466,7 +475,7 @@ def test_rank_by_rank_in_place_writes_each_generation_into_its_slot_and_keeps_it
         views, _ = slots.stager(n)(shards)
         assert stamps()[(n - 1) % 2] == -1  # being written
         files = MemoryFiles()
-        slots.write({"state": views, "tree": tree, "specs": specs}, files, n, 30)
+        slots.write(Staged(None, views, tree=tree, specs=specs), files, n, 30)
         out = tmp_path / f"g{n}"
         copy_out(files, str(out))
         assert sorted(os.listdir(out)) == ["__0.metadata", "__0_0.distcp", "__0_1.distcp"]

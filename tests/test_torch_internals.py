@@ -308,7 +308,6 @@ CALLS = {
     "torch._disable_dynamo": (1, []),
     "torch.distributed._composable.checkpoint": (1, []),
     "torch_xla.experimental.distributed_checkpoint._helpers._sharded_cpu_state_dict": (1, []),
-    "torch_xla.experimental.distributed_checkpoint._helpers.flatten_state_dict": (1, []),
 }
 
 

@@ -4,11 +4,17 @@ from the config's ``parallelism``, each rank's mesh coordinates, the rows each r
 (``prepare_data_loader`` and Ray Data), a tiny Hugging Face Llama trained TP 2 x FSDP 2 against
 torch's unsharded run, and its checkpoint resharded into other layouts.
 
-Two fits: ``tp2`` trains and saves; ``reshard`` loads that checkpoint into FSDP 4, TP 4 and
+Two fits: ``tp2`` trains, keeps its state in the memory tier and restores it from there into a
+second model, and saves it (the model, the optimizer and an LR scheduler as entries of their
+own) through the writer process; ``reshard`` loads that checkpoint into FSDP 4, TP 4 and
 HSDP 2 x TP 2 meshes on the same 4 workers and compares every tensor, bit for bit, by name.
+``consolidate --hf`` exports the checkpoint, which ``from_pretrained`` loads with the trained
+model's logits. (Fewer workers of another layout: ``test_checkpoint_state_local.py``.)
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -66,7 +72,8 @@ def train_tp(config):
     from ray_train_xla.toolkit.parallel import device_mesh
 
     layout = rtx.get_layout()
-    record = {"layout": layout.to_text(), "coords": layout.coordinates(rtx.rank()),
+    record = {"rank": rtx.rank(), "layout": layout.to_text(),
+              "coords": layout.coordinates(rtx.rank()),
               "mesh_coords": device_mesh().get_coordinate(), "dp": list(rtx.data_parallel()),
               "node": ray.get_runtime_context().get_node_id()}  # the IP is every node's here
     # prepare_data_loader: this rank's rows, by data-parallel rank (two epochs' first batches).
@@ -94,16 +101,38 @@ def train_tp(config):
         losses.append(float(rtx.all_reduce(loss.detach(), "mean", dim="dp")))  # over dp ranks
     record["tp_sum"] = float(rtx.all_reduce(torch.tensor(float(rtx.rank())), dim="tp"))
     ref_losses, ref = _reference()
+    # An LR scheduler, stepped once after training (the reference has none): saved with the rest.
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched.step()
     state = w.named_state(model, opt)
     record["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
     record["diff"] = w.max_diff(state["model"], ref)
     record["moved"] = w.max_diff(state["model"], w.make_lm().state_dict())
     record["placements"] = {n: str(p.placements) for n, p in model.named_parameters()
                             if n.endswith(("q_proj.weight", "o_proj.weight", "input_layernorm.weight"))}
-    rtx.save_checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "step": STEPS}, {"step": STEPS}, wait=True)
+    entries = {"model": model, "optimizer": opt, "scheduler": sched}
+    # The memory tier: kept in this node's shared memory rank by rank, and restored from there
+    # into a model and optimizer of the same layout (no checkpoint given: memory first).
+    from ray_train_xla.toolkit.checkpoint.memory import memory_tier
+
+    assert rtx.keep_in_memory({**entries, "step": STEPS}, STEPS) is True
+    memory_tier().wait()
+    fresh = rtx.prepare_sharded_model(w.make_lm(), auto_wrap_policy={w.block_class()})
+    fresh_opt = _optimizer(fresh)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    rest = rtx.load_checkpoint({"model": fresh, "optimizer": fresh_opt, "scheduler": fresh_sched})
+    record["memory"] = {"restored": memory_tier().restored is not None,
+                        "by_rank": memory_tier().by_rank, "rest": rest,
+                        "exact": w.exact(w.named_state(fresh, fresh_opt), state),
+                        "scheduler": fresh_sched.state_dict() == sched.state_dict()}
+    written = rtx.save_checkpoint({**entries, "step": STEPS}, {"step": STEPS}, wait=True)
+    from ray_train_xla.toolkit.checkpoint.writer import writer_process_pid
+
+    # written by torch's writer process (a process of its own), this rank's shards only
+    record["writer_process"] = writer_process_pid() not in (None, os.getpid())
+    record["written"] = sorted(written["files"])
     if rtx.rank() == 0:
-        torch.save(state, config["dump"])
+        torch.save({**state, "scheduler": sched.state_dict()}, config["dump"])
     write_record(config, f"rank{rtx.rank()}", record)
 
 
@@ -116,12 +145,19 @@ def reshard(config):
     from ray_train_xla.toolkit.tensor_parallel import parallelize
 
     saved = torch.load(config["dump"], weights_only=False)
+    scheduler = saved.pop("scheduler")
     record = {}
     for name, shape in (("fsdp4", (1, 4, 1)), ("tp4", (1, 1, 4)), ("hsdp2_tp2", (2, 1, 2))):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         model = parallelize(w.make_lm(hidden=32), mesh, auto_wrap_policy={w.block_class()})
         opt = _optimizer(model)
-        extra = rtx.load_checkpoint(model, opt, checkpoint=config["checkpoint"])
+        if name == "tp4":  # its entries: the scheduler given its state too
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            extra = rtx.load_checkpoint({"model": model, "optimizer": opt, "scheduler": sched},
+                                        checkpoint=config["checkpoint"])
+            record["scheduler"] = sched.state_dict() == scheduler
+        else:
+            extra = rtx.load_checkpoint(model, opt, checkpoint=config["checkpoint"])
         record[name] = {"exact": w.exact(w.named_state(model, opt), saved),
                         "step": extra.get("step")}
     write_record(config, f"rank{rtx.rank()}", record)
@@ -134,13 +170,13 @@ def runs(two_nodes, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("tp")
     dump = str(tmp / "tp2.pt")
-    result, tp2 = fit(train_tp, torch_config=_config(parallelism={"tp": 2}),
+    result, tp2 = fit(train_tp, torch_config=_config(parallelism={"tp": 2}, memory_every=1),
                       scaling_config=neuron_scaling(4), loop_config={"dump": dump},
                       datasets={"rows": ray.data.range(ROWS)})
     _, moved = fit(reshard, torch_config=_config(), scaling_config=neuron_scaling(4),
                    loop_config={"dump": dump, "checkpoint": ray.train.Checkpoint(result.checkpoint.path)})
     return {"tp2": sorted(tp2, key=lambda r: r["coords"]["tp"] + 2 * r["coords"]["dp_shard"]),
-            "reshard": moved}
+            "reshard": moved, "checkpoint": result.checkpoint.path, "dump": dump}
 
 
 def test_the_layout_is_planned_and_the_mesh_follows_it(runs):
@@ -197,3 +233,32 @@ def test_the_checkpoint_reshards_into_other_layouts_bit_for_bit(runs):
     for r in runs["reshard"]:
         for name in ("fsdp4", "tp4", "hsdp2_tp2"):
             assert r[name] == {"exact": True, "step": STEPS}, (name, r[name])
+        assert r["scheduler"] is True
+
+
+def test_the_writer_process_and_the_memory_tier_keep_the_tp_state_bit_for_bit(runs):
+    for r in runs["tp2"]:
+        # the storage checkpoint: this rank's shards (its own data file), by the writer process
+        assert r["writer_process"] is True and f"__{r['rank']}_0.distcp" in r["written"], r
+        # memory: kept rank by rank in place, restored from memory into the same layout
+        m = r["memory"]
+        assert m["restored"] is True and m["by_rank"] == 1, m
+        assert m["exact"] is True and m["scheduler"] is True and m["rest"] == {"step": STEPS}, m
+
+
+def test_consolidate_hf_of_a_tp_checkpoint_loads_with_the_trained_models_logits(runs, tmp_path):
+    import fsdp2_worker as w
+    from transformers import AutoModelForCausalLM
+
+    from ray_train_xla.tools.consolidate import consolidate_hf
+
+    w.lm_config().save_pretrained(tmp_path / "config")
+    consolidate_hf(runs["checkpoint"], str(tmp_path / "hf"), config=str(tmp_path / "config"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = w.make_lm().eval()
+    trained.load_state_dict(torch.load(runs["dump"], weights_only=False)["model"])
+    ids = w.tokens(99)
+    with torch.no_grad():
+        want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert not torch.allclose(want, w.make_lm().eval()(input_ids=ids).logits, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -73,9 +73,11 @@ def plain_model_state(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+                timeout_s: float = DEFAULT_TIMEOUT_S, model: str = "model") -> dict[str, Any]:
     """Write the full model of ``checkpoint`` (a local checkpoint directory, or a URI Ray Train
     can read) to ``out`` (safetensors) and optionally ``torch_file``; returns a summary.
+    ``model``: the checkpoint's entry to write (another model saved beside the one under
+    ``"model"``, e.g. ``{"ema": ema}``).
 
     ``timeout_s`` bounds the first answer of a URI's storage. Each output is written to a
     temporary file next to it, created before the checkpoint is read (an output that cannot be
@@ -94,14 +96,14 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
         if torch_file:
             outputs[torch_file] = _reserve(torch_file, "--torch file")
         if remote:
-            sharded, model, _ = _read_remote(checkpoint, filesystem, path)
+            sharded, tensors, _ = _read_remote(checkpoint, filesystem, path, entry=model)
         else:
-            sharded, model, _ = _read_model(checkpoint)
+            sharded, tensors, _ = _read_model(checkpoint, entry=model)
         source = checkpoint if remote else os.path.abspath(checkpoint)
         metadata = {"format": "pt", "source": json.dumps({"checkpoint": source, "sharded": sharded})}
-        _write(lambda p: _save_safetensors(model, p, metadata), outputs[out], out)
+        _write(lambda p: _save_safetensors(tensors, p, metadata), outputs[out], out)
         if torch_file:
-            _write(lambda p: torch.save(model, p), outputs[torch_file], torch_file)
+            _write(lambda p: torch.save(tensors, p), outputs[torch_file], torch_file)
     finally:
         for tmp in outputs.values():
             if os.path.exists(tmp):
@@ -109,8 +111,9 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
     return {
         "checkpoint": checkpoint,
         "sharded": sharded,
-        "tensors": len(model),
-        "parameters": sum(t.numel() for t in model.values()),
+        "model": model,
+        "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()),
         "bytes": os.path.getsize(out),
         "out": out,
         "torch_file": torch_file,
@@ -120,11 +123,12 @@ def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
 def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                    timeout_s: float = DEFAULT_TIMEOUT_S, dtype: Any = None,
-                   filesystem: Any = None) -> dict[str, Any]:
+                   filesystem: Any = None, model: str = "model") -> dict[str, Any]:
     """Write the model of ``checkpoint`` (a local checkpoint directory, a URI Ray Train can
     read, or a path on ``filesystem``: a pyarrow filesystem such as Ray's
     ``Checkpoint.filesystem``) into ``out_dir`` in the layout of Hugging Face Transformers'
-    ``save_pretrained``; returns a summary.
+    ``save_pretrained``; returns a summary. ``model``: the checkpoint's entry to write, as
+    :func:`consolidate`'s.
 
     The model's config comes from ``config`` (a directory holding ``config.json``, or a
     ``config.json`` file), else from the checkpoint's ``hf_config`` entry. The model is built
@@ -167,7 +171,7 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
             hf_config = _config_of(transformers, config_dict, config_name)
         tmp = _reserve(out_dir, "OUT_DIR", directory=True)
         try:
-            source = _model_source(checkpoint, path, filesystem)
+            source = _model_source(checkpoint, path, filesystem, model)
             if hf_config is None:
                 if HF_CONFIG_KEY not in source.extras:
                     raise NotConsolidatableError(
@@ -178,10 +182,10 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
                 config_name = f"the checkpoint's {HF_CONFIG_KEY}"
                 hf_config = _config_of(transformers, source.extras[HF_CONFIG_KEY], config_name)
             export_dtype = export_dtype or _config_dtype(hf_config) or _dominant_dtype(source.specs)
-            model, plan, tied = _hf_plan(transformers, hf_config, source, export_dtype, checkpoint,
+            built, plan, tied = _hf_plan(transformers, hf_config, source, export_dtype, checkpoint,
                                          config_name)
             try:
-                written = _write_hf(tmp, model, hf_config, plan, source, export_dtype, shard_bytes)
+                written = _write_hf(tmp, built, hf_config, plan, source, export_dtype, shard_bytes)
                 if config is not None and os.path.isdir(config):
                     copy_tokenizer_files(config, tmp)
                 files = _move_into(tmp, out_dir)
@@ -195,10 +199,11 @@ def consolidate_hf(checkpoint: str, out_dir: str, config: str | None = None,
             "sharded": source.sharded,
             "out_dir": out_dir,
             "config": config_name,
-            "architecture": type(model).__name__,
+            "model": model,
+            "architecture": type(built).__name__,
             "dtype": str(export_dtype).replace("torch.", ""),
             "tensors": written["tensors"],
-            "parameters": model.num_parameters(),
+            "parameters": built.num_parameters(),
             "tied": sorted(tied),
             "files": files,
             "shards": len(weights),
@@ -358,8 +363,9 @@ class _Source(NamedTuple):
     extras: dict
 
 
-def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
-    """The :class:`_Source` of the checkpoint directory ``path`` (on ``filesystem`` if given)."""
+def _model_source(checkpoint: str, path: str, filesystem, entry: str = "model") -> _Source:
+    """The :class:`_Source` of the checkpoint directory ``path`` (on ``filesystem`` if given):
+    its model ``entry``."""
     from ray_train_xla.toolkit.checkpoint import stream
 
     def plain(name: str) -> str:
@@ -367,11 +373,9 @@ def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
 
     with _reading(checkpoint, checkpoint):
         if stream.read_file(path, METADATA_FILE, filesystem) is not None:
-            tensors = stream.ModelTensors(path, filesystem, rename=plain)
+            tensors = stream.ModelTensors(path, filesystem, top=entry, rename=plain)
             if not tensors.entries:
-                raise NotConsolidatableError(
-                    f"checkpoint {checkpoint} has no 'model' entry to consolidate (save_checkpoint("
-                    "{'model': model.state_dict(), ...}) writes one)")
+                raise NotConsolidatableError(_no_entry(checkpoint, entry))
             rest = stream.load_small(path, EXTRA_FILE, filesystem)
             extras = {HF_CONFIG_KEY: rest[HF_CONFIG_KEY]} if (
                 isinstance(rest, Mapping) and HF_CONFIG_KEY in rest) else {}
@@ -384,12 +388,12 @@ def _model_source(checkpoint: str, path: str, filesystem) -> _Source:
             import io
 
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-            sharded, model, extras = False, state.get("model"), state
+            sharded, model, extras = False, state.get(entry), state
             if not isinstance(model, Mapping):
-                raise NotConsolidatableError(f"checkpoint {checkpoint} has no 'model' entry")
+                raise NotConsolidatableError(_no_entry(checkpoint, entry))
             model = plain_model_state(dict(model))
         else:
-            sharded, model, extras = _read_model(path, checkpoint, (HF_CONFIG_KEY,))
+            sharded, model, extras = _read_model(path, checkpoint, (HF_CONFIG_KEY,), entry)
     model = {k.replace(CHECKPOINT_WRAPPER_PREFIX, ""): v for k, v in model.items()}
     extras = {k: extras[k] for k in (HF_CONFIG_KEY,) if k in extras}
     return _Source(sharded, {k: (tuple(v.shape), v.dtype) for k, v in model.items()},
@@ -523,30 +527,36 @@ def _check_directory(name: str, exists: bool, is_dir: bool) -> None:
         raise NotConsolidatableError(f"checkpoint {name} is a file: name the checkpoint's directory")
 
 
-def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str, ...] = ()
-                ) -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
-    """(sharded, the model's full tensors, the ``extra_keys`` entries of the rest of the state
-    that it holds) of the checkpoint directory ``checkpoint`` (``name``: what to call it in
-    errors, default the directory)."""
+def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str, ...] = (),
+                entry: str = "model") -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
+    """(sharded, the full tensors of its model ``entry``, the ``extra_keys`` entries of the rest
+    of the state that it holds) of the checkpoint directory ``checkpoint`` (``name``: what to
+    call it in errors, default the directory)."""
     name = name or checkpoint
     sharded = is_sharded_checkpoint(checkpoint)
     with _reading(checkpoint, name):
-        state = read_full_state(checkpoint, keys=("model",) if sharded else ("model", *extra_keys))
+        state = read_full_state(checkpoint, keys=(entry,) if sharded else (entry, *extra_keys))
         extra_file = os.path.join(checkpoint, EXTRA_FILE)
         if sharded and extra_keys and os.path.exists(extra_file):
             rest = torch.load(extra_file, map_location="cpu", weights_only=False)
             if isinstance(rest, Mapping):
                 state.update({k: rest[k] for k in extra_keys if k in rest})
-    if "model" not in state:
+    if entry not in state:
+        raise NotConsolidatableError(_no_entry(name, entry))
+    if not isinstance(state[entry], Mapping):
         raise NotConsolidatableError(
-            f"checkpoint {name} has no 'model' entry to consolidate (save_checkpoint("
-            "{'model': model.state_dict(), ...}) writes one)")
-    if not isinstance(state["model"], Mapping):
-        raise NotConsolidatableError(
-            f"checkpoint {name}: its 'model' entry is a {type(state['model']).__name__}, "
-            "not a state dict (save model.state_dict())")
+            f"checkpoint {name}: its {entry!r} entry is a {type(state[entry]).__name__}, "
+            "not a state dict (save model.state_dict(), or the model itself)")
     extras = {k: state[k] for k in extra_keys if k in state}
-    return sharded, plain_model_state(dict(state["model"])), extras
+    return sharded, plain_model_state(dict(state[entry])), extras
+
+
+def _no_entry(name: str, entry: str) -> str:
+    """The message for a checkpoint without the model ``entry``."""
+    if entry == "model":
+        return (f"checkpoint {name} has no 'model' entry to consolidate (save_checkpoint("
+                "{'model': model.state_dict(), ...}) writes one; --model names another)")
+    return f"checkpoint {name} has no model entry {entry!r} to consolidate"
 
 
 @contextlib.contextmanager
@@ -654,15 +664,15 @@ def _look(uri: str, timeout_s: float):
     return filesystem, path
 
 
-def _read_remote(uri: str, filesystem, path: str, extra_keys: tuple[str, ...] = ()
-                 ) -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
+def _read_remote(uri: str, filesystem, path: str, extra_keys: tuple[str, ...] = (),
+                 entry: str = "model") -> tuple[bool, dict[str, torch.Tensor], dict[str, Any]]:
     """_read_model of the checkpoint at ``uri``, downloaded by Ray Train's Checkpoint."""
     import pyarrow
     import ray.train
 
     try:
         with ray.train.Checkpoint(path, filesystem=filesystem).as_directory() as local:
-            return _read_model(local, uri, extra_keys)
+            return _read_model(local, uri, extra_keys, entry)
     except (OSError, pyarrow.ArrowException) as exc:  # the download failed
         raise ConsolidateError(f"cannot read checkpoint {uri}: {_one_line(exc)}") from exc
 

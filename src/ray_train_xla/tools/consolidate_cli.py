@@ -47,6 +47,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                              help="checkpoint directory (or a URI Ray Train can read, e.g. s3://...)")
     consolidate.add_argument("out", metavar="OUT",
                              help="safetensors file to write (with --hf: the directory)")
+    consolidate.add_argument(
+        "--model", metavar="ENTRY", default="model",
+        help="the checkpoint's model to write: the entry it was saved under, e.g. ema for "
+        "save_checkpoint({'model': model, 'ema': ema, ...}) (default model)",
+    )
     consolidate.add_argument("--torch", dest="torch_file", metavar="FILE", default=None,
                              help="also write the same tensors with torch.save to FILE")
     consolidate.add_argument(
@@ -92,10 +97,10 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
                 args.checkpoint, args.out, config=args.config,
                 max_shard_size=(tool.DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None
                                 else args.max_shard_size),
-                timeout_s=args.timeout, dtype=args.dtype)
+                timeout_s=args.timeout, dtype=args.dtype, model=args.model)
         else:
             summary = tool.consolidate(args.checkpoint, args.out, torch_file=args.torch_file,
-                                       timeout_s=args.timeout)
+                                       timeout_s=args.timeout, model=args.model)
     except tool.ConsolidateError as exc:
         raise CommandError(str(exc), exc.exit_code) from exc
     kind = "sharded" if summary["sharded"] else "replicated"

@@ -3,11 +3,19 @@
 - replicated: one plain torch file, ``checkpoint.pt`` (rank 0 writes it), that loads without
   torch_xla or this package;
 - sharded: ``torch.distributed.checkpoint``'s ``.metadata`` (rank 0) and one
-  ``__<rank>_0.distcp`` file per rank holding ``model`` (under the plain module's names) and
-  ``optimizer.state`` (under the same names; see ``names.py``), ``param_groups.pt`` (rank 0:
-  the optimizer's parameter groups, hyperparameters and names), ``extra.pt`` (rank 0: the small
-  replicated rest of the state, e.g. the step) and ``sharded.json`` (what wrote it, and the
-  format version).
+  ``__<rank>_0.distcp`` file per rank holding each model part under its entry (``model``, and
+  others a state names, e.g. ``ema``), under the plain module's names, and each optimizer's
+  ``<entry>.state`` (under the same names; see ``names.py``), ``param_groups.pt`` (rank 0:
+  each optimizer's parameter groups, hyperparameters and names, by entry), ``extra.pt`` (rank
+  0: the small replicated rest of the state, e.g. the step and an LR scheduler's state) and
+  ``sharded.json`` (what wrote it, the format version, and which entries are model parts and
+  optimizers).
+
+Format versions (``sharded.json``'s ``format_version``, ``names.FORMAT_VERSION`` the one
+written; :class:`Source` reads every one): 3
+has any number of model parts and optimizers (``param_groups.pt`` a dict by entry); 2 one
+``model`` and one ``optimizer`` (``param_groups.pt`` its list); 1 (no version) FSDPv2's prefixed
+model keys and the optimizer state under positions (``names.py``).
 
 Reading needs torch (CPU) and neither Ray nor torch_xla.
 
@@ -34,8 +42,6 @@ SHARDED_MARKER = "sharded.json"
 EXTRA_FILE = "extra.pt"
 GROUPS_FILE = "param_groups.pt"
 METADATA_FILE = ".metadata"
-# Entries of the state that may hold shards; everything else is small and replicated.
-SHARDED_KEYS = ("model", "optimizer")
 
 
 class NotACheckpointError(FileNotFoundError):
@@ -143,6 +149,32 @@ def saved_specs(metadata: Any) -> dict[str, Spec]:
             for key, md in metadata.state_dict_metadata.items()}
 
 
+def write_small_files(files, directory: str, staged, world: int) -> None:
+    """(rank 0) A sharded checkpoint's own files beside DCP's (the module docstring): the rest of the
+    state (``staged``: a ``staging.Staged``), each optimizer's parameter groups, and the marker
+    that says how the shards were written and which entries are model parts and optimizers."""
+    import json
+
+    from ray_train_xla.toolkit.checkpoint.files import save_file
+    from ray_train_xla.toolkit.checkpoint.names import FORMAT_VERSION
+
+    marker = json.dumps({
+        "format": "torch.distributed.checkpoint",
+        "format_version": FORMAT_VERSION,
+        "names": "module",
+        "layout": staged.kind.layout,
+        "workers": world,
+        "devices": staged.devices or world,
+        "keys": sorted([*staged.models, *staged.optimizers]),
+        "models": staged.models,
+        "optimizers": staged.optimizers,
+    })
+    save_file(files, directory, EXTRA_FILE, staged.extra)
+    if staged.optimizers:
+        save_file(files, directory, GROUPS_FILE, staged.groups)
+    save_file(files, directory, SHARDED_MARKER, marker.encode())
+
+
 def is_sharded_checkpoint(path: str, filesystem=None) -> bool:
     """True when the directory holds a sharded checkpoint (DCP's ``.metadata``, or rank 0's own
     of one the memory tier wrote rank by rank, ``rank_files.py``); ``filesystem``: a pyarrow
@@ -205,8 +237,8 @@ def reader_for(path: str, filesystem=None):
     from ray_train_xla.toolkit.checkpoint.files import ArrowFileSystem, has_file
     from ray_train_xla.toolkit.checkpoint.rank_files import SlotReader, rank_metadata_file
 
-    if not has_file(path, METADATA_FILE, filesystem) and \
-            has_file(path, rank_metadata_file(0), filesystem):
+    if (not has_file(path, METADATA_FILE, filesystem)
+            and has_file(path, rank_metadata_file(0), filesystem)):
         reader = SlotReader(path, filesystem)
     elif filesystem is None:
         reader = FileSystemReader(path)

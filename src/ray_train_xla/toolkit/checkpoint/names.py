@@ -12,11 +12,15 @@ another order.
 come from the state dict's ``param_names`` (torch writes them for an optimizer built from
 ``model.named_parameters()``), or, for an optimizer over a model that ``prepare_sharded_model``
 prepared, from a hook that adds them: the first ``step()`` of such an optimizer registers a
-``state_dict`` post-hook writing ``param_names`` for its parameters.
+``state_dict`` post-hook writing ``param_names`` for its parameters. Given the optimizer itself,
+as an entry of its own (``describe.py``), its parameters' names are those they have in the
+module given beside it.
 
-Format versions (``sharded.json``): 2 is the named form above; 1 (no version: written before)
-holds FSDPv2's prefixed model keys and the optimizer state under positions, matched here by
-position against the optimizer it is loaded into.
+Format versions (``sharded.json``; ``format.py`` says what each holds): 3 holds any number of
+model parts and optimizers, each under its entry; 2 is the named form above for one ``model``
+and one ``optimizer``; 1 (no version: written before) holds FSDPv2's prefixed model keys and the
+optimizer state under positions, matched here by position against the optimizer it is loaded
+into.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
 from ray_train_xla.toolkit.runtime import runtime
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 WRAPPER_PREFIXES = ("_orig_module.", "_checkpoint_wrapped_module.")
 
 

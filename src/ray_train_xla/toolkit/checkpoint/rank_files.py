@@ -34,7 +34,6 @@ import mmap
 import os
 import pickle
 import secrets
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -177,8 +176,8 @@ class SlotReader(_Storage, StorageReader):
                 # through a tensor of its own, from which the part the target needs is copied.
                 target, size = planner.resolve_tensor(item).detach(), sizes[item.storage_index]
                 dtype = entries[item.storage_index.fqn].properties.dtype
-                whole = target.device.type == "cpu" and target.dtype == dtype and \
-                    target.is_contiguous() and target.shape == size
+                whole = (target.device.type == "cpu" and target.dtype == dtype
+                         and target.is_contiguous() and target.shape == size)
                 chunk = target if whole else torch.empty(size, dtype=dtype)
                 if where.length and f.readinto(
                         chunk.reshape(-1).view(torch.uint8).numpy()) != where.length:
@@ -238,7 +237,7 @@ class RankSlots:
 
     def stager(self, gen: int):
         """What copies generation ``gen``'s shards (a staging function for
-        ``staging.stage``): into the slot whose turn it is, stamped -1 meanwhile."""
+        ``Shards.stage``): into the slot whose turn it is, stamped -1 meanwhile."""
 
         def stage(tensors: list[torch.Tensor]):
             key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -281,17 +280,16 @@ class RankSlots:
         return self.slots[turn]
 
     def write(self, staged: dict[str, Any], files, gen: int, timeout_s: float) -> None:
-        """Generation ``gen`` (``staged``: ``staging.stage`` with :meth:`stager`, whose
+        """Generation ``gen`` (``staged``: its kind's ``stage`` with :meth:`stager`, whose
         copy is waited for at most ``timeout_s``) into ``files`` (a ``MemoryFiles``): the slot
         as the rank's data file, its small file and its metadata; the slot stamped ``gen``. The
-        checkpoint's own small files are the caller's (``writer.write_small_files``)."""
-        if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
-            try:
-                staged["state"], staged["release"] = staged["state"].result(timeout=timeout_s)
-            except TimeoutError:
-                raise TimeoutError(f"the snapshot was not copied into the slot within "
-                                   f"timeout_s={timeout_s:g}") from None
-        views, tree, specs = staged["state"], staged["tree"], staged["specs"]
+        checkpoint's own small files are the caller's (``format.write_small_files``)."""
+        try:
+            views = staged.copied(timeout_s)  # an overlapped snapshot: copied by now, or soon
+        except TimeoutError:
+            raise TimeoutError(f"the snapshot was not copied into the slot within "
+                               f"timeout_s={timeout_s:g}") from None
+        tree, specs = staged.tree, staged.specs
         writer = self._writer
         writer.slot = self.slots[self._turn]
         key = (self.key, structure(tree),
@@ -318,10 +316,10 @@ class RankSlots:
             planner.set_up_planner(join_dtensors(tree, views, specs), is_coordinator=True)
             writer.finish(metadata, [tensors + writer.write_data(small, planner).wait()])
             pickled = pickle.dumps(writer.metadata)
-            files.files[files.concat_path(ROOT, rank_small_file(self.rank))] = \
-                writer.small.getvalue()
-        files.files[files.concat_path(ROOT, rank_data_file(self.rank))] = \
-            SlotFile(writer.slot.path, writer.slot.size)
+            small_file = files.concat_path(ROOT, rank_small_file(self.rank))
+            files.files[small_file] = writer.small.getvalue()
+        data_file = files.concat_path(ROOT, rank_data_file(self.rank))
+        files.files[data_file] = SlotFile(writer.slot.path, writer.slot.size)
         files.files[files.concat_path(ROOT, rank_metadata_file(self.rank))] = pickled
         writer.slot.stamp(gen)
         self._turn ^= 1
@@ -343,8 +341,8 @@ def merge_metadata(parts: list[Any]):
     for part in parts:
         for fqn, entry in part.state_dict_metadata.items():
             if fqn not in tensors:
-                tensors[fqn] = dataclasses.replace(entry, chunks=list(entry.chunks)) \
-                    if isinstance(entry, TensorStorageMetadata) else entry
+                tensors[fqn] = (dataclasses.replace(entry, chunks=list(entry.chunks))
+                                if isinstance(entry, TensorStorageMetadata) else entry)
             elif isinstance(entry, TensorStorageMetadata):
                 have = {tuple(c.offsets) for c in tensors[fqn].chunks}
                 tensors[fqn].chunks.extend(c for c in entry.chunks if tuple(c.offsets) not in have)

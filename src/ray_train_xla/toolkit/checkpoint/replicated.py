@@ -1,66 +1,80 @@
-"""Replicated checkpoints: every worker holds the whole model; rank 0 writes one plain torch file.
+"""Replicated state: every worker holds the whole model; rank 0 writes one plain torch file.
+Its kind (``REPLICATED``, ``describe.kind_of`` picks it) stages, writes and restores it.
 
 Saving follows the rules that avoid the known torch_xla hangs: every worker syncs the graph (so
 nothing collective is left pending, done by the caller), then only rank 0 copies the state to
-the CPU (``staging.stage``) and writes it with ``torch.save`` (``writer.write_replicated``); no
-torch_xla collective and no ``xm.save`` rendezvous runs in a branch that only rank 0 takes. The
-file needs neither torch_xla nor this package to load. Here: its loading and checks.
+the CPU (:meth:`Replicated.stage`) and writes it with ``torch.save`` (``writer.write_replicated``,
+in the reporter's thread or its writer process); no torch_xla collective and no ``xm.save``
+rendezvous runs in a branch that only rank 0 takes. The file needs neither torch_xla nor this
+package to load. A restore reads it, or every tensor of a sharded checkpoint whole, into the
+replicated model and optimizer.
 """
 
 from __future__ import annotations
 
-import io
-import os
 from typing import Any
 
-import torch
-
-from ray_train_xla.toolkit.checkpoint.format import check_fits, flat_specs
-
-FSDP_V2_PREFIX = "_orig_module."
-
-
-def load_replicated(path: str, filename: str, where: str, filesystem=None) -> dict[str, Any]:
-    """The state in ``path/filename`` (CPU tensors; ``filesystem``: a pyarrow filesystem the
-    directory is on, default the local one). ``where`` names the checkpoint and worker in the
-    error when the file is missing."""
-    from ray_train_xla.toolkit.checkpoint.files import read_file
-
-    file = os.path.join(path, filename)
-    data = read_file(path, filename, filesystem) if filesystem is not None else None
-    if data is None and (filesystem is not None or not os.path.exists(file)):
-        found = sorted(os.listdir(path)) if filesystem is None else "other files"
-        raise FileNotFoundError(
-            f"{where} has no {filename!r} (found {found}); was it written by save_checkpoint()?")
-    # weights_only: the file comes from shared storage; plain tensors, containers and
-    # numbers (what save_checkpoint writes) load without unpickling arbitrary objects.
-    return torch.load(file if data is None else io.BytesIO(data), map_location="cpu",
-                      weights_only=True)
+from ray_train_xla.errors import CheckpointMismatchError
+from ray_train_xla.toolkit.checkpoint.source import check_whole
+from ray_train_xla.toolkit.checkpoint.staging import Staged, shared_pool, tensors_in
+from ray_train_xla.toolkit.checkpoint.writer import save_process, write_file
+from ray_train_xla.toolkit.device import sync, to_cpu
 
 
-def _model_specs(state: Any) -> dict:
-    """Flat specs of a model state dict (``model.<name>``), under the unwrapped model's names
-    (an FSDPv2 model loads the plain model's keys)."""
-    return {k.replace(FSDP_V2_PREFIX, ""): v for k, v in flat_specs(state, "model.").items()}
+class Replicated:
+    """Replicated state: rank 0 writes ``checkpoint.pt``; a restore loads whole tensors."""
+
+    layout = None  # what sharded.json says: none, no shards
+    sharded = False  # every rank writes its own shards
+    in_place = False
+    writer_process = False
+
+    def stage(self, state, overlap: bool = False, shared: bool = False, stager=None) -> Staged:
+        """Rank 0's host copy of ``state`` (``describe.CheckpointState``) as one plain file
+        holds it. ``shared``: tensors with storage (the CPU, the native devices) in shared
+        buffers reused from save to save, for a writer process; torch_xla's move into shared
+        memory when handed to the process."""
+        whole = {**{p.key: p.state for p in state.models},
+                 **{o.key: o.state for o in state.optimizers}, **state.extras}
+        if shared and not any(t.device.type == "xla" for t in tensors_in(whole)):
+            copy, release = shared_pool().stage(whole)
+            return Staged(self, copy, release)
+        return Staged(self, to_cpu(whole))
+
+    def writer(self, staged: Staged, filename: str, writer_process: bool = False):
+        """``write(directory, filesystem)``: rank 0 writes ``filename``, through its save
+        process where ``writer_process`` (started at the first save, in the background)."""
+        process = save_process() if writer_process else None
+
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_file(staged, directory, filename, filesystem, process)
+
+        return write
+
+    def restore(self, target, source) -> dict[str, Any]:
+        """Load ``target`` (``describe.CheckpointState``) whole from ``source`` (either format,
+        ``source.py``): the plain file, or every tensor of a sharded checkpoint (every rank
+        reads every shard). Returns what ``target.restored`` gives of the saved state. Raises
+        ``CheckpointMismatchError`` before anything is loaded when the saved state does not
+        fit."""
+        where = f"load_checkpoint: {source.where}"
+        saved = source.rest()
+        missing = sorted(set(target.objects) - set(saved))
+        if missing:  # an object's entry: before anything is read
+            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
+                                          f"restore (it holds {sorted(saved)})")
+        state = source.read_whole(target)
+        check_whole(state, target, where)
+        for part in target.models:
+            part.module.load_state_dict(state[part.key])  # into the parameters, on their device
+        for part in target.optimizers:
+            if part.key in state:  # onto each parameter's (XLA) device
+                part.optimizer.load_state_dict(state[part.key])
+        sync()
+        return target.restored(saved)
 
 
-def check_replicated(state: Any, model: torch.nn.Module | None,
-                     optimizer: torch.optim.Optimizer | None, where: str) -> None:
-    """Raise ``CheckpointMismatchError`` (``format.check_fits``) unless the loaded ``state``
-    fits: ``state["model"]`` every tensor of ``model``'s state dict, of the same shape and dtype
-    (``load_state_dict`` would cast a dtype silently), no key missing on either side; and
-    ``state["optimizer"]["state"]`` the optimizer's state, when the optimizer has some.
-    ``where`` names the checkpoint and the worker."""
-    if model is not None:
-        if not isinstance(state.get("model"), dict):
-            check_fits({}, {"model": None}, f"load_checkpoint: {where}", "the model")
-        check_fits(_model_specs(state["model"]), _model_specs(model.state_dict()),
-                   f"load_checkpoint: {where}", "the model")
-    if optimizer is not None and optimizer.state:
-        saved = state.get("optimizer")
-        saved_state = saved.get("state") if isinstance(saved, dict) else None
-        if saved_state is None:
-            check_fits({}, {"optimizer": None}, f"load_checkpoint: {where}", "the optimizer")
-        check_fits(flat_specs(saved_state, "optimizer.state."),
-                   flat_specs(optimizer.state_dict()["state"], "optimizer.state."),
-                   f"load_checkpoint: {where}", "the optimizer")
+REPLICATED = Replicated()
+
+
+__all__ = ["REPLICATED", "Replicated"]

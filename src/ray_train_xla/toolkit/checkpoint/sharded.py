@@ -1,287 +1,256 @@
-"""Sharded checkpoints: every rank writes only its own shards with ``torch.distributed.checkpoint``.
-Here: what a state is (:func:`describe`, a save's first step, for every layout) and the loading
-of both layouts; the writing is ``writer.py``'s.
+"""Sharded state: every rank writes and reads only its own shards with
+``torch.distributed.checkpoint``. Two kinds, one object each (``describe.kind_of`` picks it),
+one format (``format.py``, names in ``names.py``), so that either restores onto another mesh,
+device count, worker count or layout:
 
-Two layouts of sharded state, one format (``format.py``, names in ``names.py``, so that either
-restores onto another mesh, device count, worker count or layout):
+- ``SPMD_SHARDS``: torch_xla SPMD tensors (FSDPv2, ``TorchXLAConfig(spmd=True)``), through
+  torch_xla's ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the shards its devices
+  hold and reads back exactly the pieces its devices need;
+- ``DTENSOR_SHARDS``: DTensors (FSDP2 and tensor parallelism on the native stacks,
+  ``TorchNeuronConfig`` / ``TorchTPUConfig`` and their CPU twins, any placements on any mesh),
+  through DCP's default planners, and on loading torch's own ``get_state_dict`` /
+  ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
 
-- ``spmd``: torch_xla SPMD tensors (FSDPv2, ``TorchXLAConfig(spmd=True)``), through torch_xla's
-  ``SPMDSavePlanner`` / ``SPMDLoadPlanner``: a rank writes the shards its devices hold and reads
-  back exactly the pieces its devices need;
-- ``dtensor``: DTensors (FSDP2 on the native stacks, ``TorchNeuronConfig`` / ``TorchTPUConfig``
-  and their CPU twins), through DCP's default planners, and on loading torch's own
-  ``get_state_dict`` / ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
-
-torch_xla is imported only for the ``spmd`` layout: native workers never import it.
+Each kind stages a save (``stage``), gives its writer (``writer``) and restores (``restore``): a
+sharded checkpoint in place, each rank reading the pieces its shards need; a replicated one
+(``checkpoint.pt``) by every rank taking its shards of the whole tensors. torch_xla is imported
+only for SPMD state: native workers never import it.
 """
 
 from __future__ import annotations
 
-import io
-import json
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ray_train_xla.toolkit.checkpoint.files import load_small, read_file
-from ray_train_xla.toolkit.checkpoint.format import (
-    EXTRA_FILE,
-    GROUPS_FILE,
-    SHARDED_KEYS,
-    SHARDED_MARKER,
-    check_fits,
-    reader_for,
-    saved_specs,
-    spec_of,
-)
-from ray_train_xla.toolkit.checkpoint.names import (
-    FORMAT_VERSION,
-    index_optimizer_state,
-    module_name,
-    name_optimizer_state,
-    named_model_state,
-    named_optimizer_state,
-    optimizer_param_names,
-)
-from ray_train_xla.toolkit.sharding import DTENSOR, SPMD, ShardedStateError, walk_sharded
+from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
+from ray_train_xla.toolkit.checkpoint.names import index_optimizer_state
+from ray_train_xla.toolkit.checkpoint.staging import Staged, stage_dtensors
+from ray_train_xla.toolkit.checkpoint.writer import process_info, write_staged
+from ray_train_xla.toolkit.collectives import host_group
+from ray_train_xla.toolkit.device import to_cpu
+from ray_train_xla.toolkit.sharding import DTENSOR, SPMD
 
 
-def layout_of(desc: str) -> str | None:
-    """The layout of a sharded thing (``walk_sharded``'s description): spmd, dtensor, or None
-    for sharded state neither restores (torch_xla FSDP v1 flat shards)."""
-    if desc.startswith(("an SPMD tensor", "an XLAShardedTensor", "a torch_xla FSDPv2 module")):
-        return SPMD
-    if desc.startswith("a DTensor"):
-        return DTENSOR
-    return None
+class Shards:
+    """What both kinds of sharded state share: every rank stages, writes and restores its own
+    shards. A kind sets what differs (the methods below its docstring's first line)."""
+
+    layout = ""  # what sharded.json says
+    sharded = True  # every rank writes its own shards
+    in_place = False  # the memory tier writes it rank by rank, in place (rank_files.py)
+    writer_process = False  # torch's writer process writes it (dcp.async_save)
+
+    # -- a save
+    def stage(self, state, overlap: bool = False, shared: bool = False, stager=None) -> Staged:
+        """Copy ``state`` (``describe.CheckpointState``) to host memory: the part of a save
+        that must happen before training goes on."""
+        raise NotImplementedError
+
+    def writer(self, staged: Staged, filename: str, writer_process: bool = False):
+        """``write(directory, filesystem)``: every rank writes its shards with DCP, collectively
+        over a gloo group of its own (made here, on the training thread: every rank, in order),
+        through torch's writer process where ``writer_process`` and the kind allows."""
+        group = host_group("checkpoint")
+
+        def write(directory: str, filesystem) -> dict[str, Any]:
+            return write_staged(staged, directory, group, filesystem, writer_process,
+                                self.save_planner())
+
+        return write
+
+    def save_planner(self):
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        return DefaultSavePlanner()
+
+    # -- what a restore needs of the kind
+    def prime(self, optimizer) -> None:
+        """Give an optimizer without state its state (a zero-gradient step at a learning rate
+        of 0, which moves no parameter), for DCP to load into in place."""
+        raise NotImplementedError
+
+    def load_args(self) -> dict[str, Any]:
+        """The planner and process group of ``dcp.load``."""
+        return {}
+
+    def done(self) -> None:
+        """After a restore: nothing left pending on the device."""
+
+    # -- a restore
+    def restore(self, target, source) -> dict[str, Any]:
+        """Fill ``target`` (``describe.CheckpointState``) in place from ``source`` (either
+        format, ``source.py``): DCP reads into the targets' own tensors the pieces their shards
+        need (of a replicated checkpoint: the slices of its whole tensors); then the optimizers
+        take the saved parameter groups. Returns what ``target.restored`` gives of the saved
+        rest. Raises ``CheckpointMismatchError`` naming every tensor whose saved shape or dtype
+        differs, and every key missing on either side, before anything is read: the models
+        first; an optimizer primed for the check is left without state again."""
+        import torch.distributed.checkpoint as dcp
+
+        where = f"load_checkpoint: {source.where}"
+        saved = source.rest()
+        missing = sorted(set(target.objects) - set(saved))
+        if missing:  # an object's entry: before anything is read
+            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
+                                          f"restore (it holds {sorted(saved)})")
+        for part in target.optimizers:
+            if part.names is None:
+                raise ShardedStateError(
+                    f"{where}: the optimizer {part.key!r} steps parameters that no model given "
+                    "holds; its sharded state is named by them: pass the model it steps")
+        primed = [p.optimizer for p in target.optimizers if not p.optimizer.state]
+        for optimizer in primed:
+            self.prime(optimizer)
+        loaded = {p.key: p.state for p in target.models}
+        for part in target.optimizers:  # the optimizer's own state tensors, by name
+            params = [p for group in part.optimizer.param_groups for p in group["params"]]
+            loaded[part.key] = {"state": {n: part.optimizer.state[p] for p, n in zip(
+                params, (n for group in part.names for n in group)) if p in part.optimizer.state}}
+        try:
+            plan = source.plan(loaded, {p.key: p.names for p in target.optimizers}, source.where)
+        except Exception:
+            for optimizer in primed:  # as it was: without state
+                optimizer.state.clear()
+            raise
+        state = plan.state if plan is not None else {}
+        for optimizer in primed:  # one the checkpoint has no state for: as it was
+            if not any(p.optimizer is optimizer and p.key in state for p in target.optimizers):
+                optimizer.state.clear()
+        if plan is not None:
+            dcp.load(plan.state, storage_reader=plan.reader, no_dist=not process_info()[0],
+                     **self.load_args())
+        groups = source.groups()
+        for part in target.models:  # DCP filled its tensors in place: the module's own again
+            part.module.load_state_dict({k: loaded[part.key][n] for k, n in part.keys.items()})
+        for part in target.optimizers:
+            if part.key not in state:
+                continue
+            osd = part.optimizer.state_dict()
+            saved_groups = groups.get(part.key) or [{**g, "params": list(names)} for g, names
+                                                    in zip(osd["param_groups"], part.names)]
+            named = {"state": loaded[part.key]["state"], "param_groups": saved_groups}
+            part.optimizer.load_state_dict(index_optimizer_state(named, osd, part.names, where))
+        self.done()
+        return target.restored(saved)
 
 
-def sharded_layout(state: Any, helper: str, found: list | None = None) -> str | None:
-    """spmd or dtensor for sharded ``state``, None for replicated state. Raises
-    ShardedStateError for state that mixes the two or holds FSDP v1 shards. ``found``: the
-    sharded things seen (``walk_sharded``'s), appended to it."""
-    layouts: dict[str, str] = {}
-    for path, desc in walk_sharded(state, ""):
-        kind = layout_of(desc)
-        if kind is None:
-            raise ShardedStateError(
-                f"{helper}: {path} is {desc}. The sharded checkpoint handles SPMD tensors (FSDPv2 "
-                "under TorchXLAConfig(spmd=True)) and DTensors (FSDP2 on the native configs); save "
-                "this state with its own library's per-rank checkpoint, or shard the model with "
-                "rtx.prepare_sharded_model(model).")
-        layouts.setdefault(kind, path)
-        if found is not None:
-            found.append((path, desc))
-    if len(layouts) > 1:
-        raise ShardedStateError(
-            f"{helper}: the state mixes torch_xla SPMD tensors ({layouts[SPMD]}) and DTensors "
-            f"({layouts[DTENSOR]}); a checkpoint holds one kind")
-    return next(iter(layouts), None)
+class DTensorShards(Shards):
+    """DTensors: FSDP2 and tensor parallelism, any placements on any mesh. Staged by their local
+    shards into the reused host buffers, while the next step runs where ``overlap``
+    (``staging.py``); written by torch's writer process where asked; restored in place, DCP
+    coordinating over a gloo group of its own."""
+
+    layout = DTENSOR
+    in_place = True
+    writer_process = True
+
+    def stage(self, state, overlap: bool = False, shared: bool = False, stager=None) -> Staged:
+        models, optimizers = [p.key for p in state.models], [o.key for o in state.optimizers]
+        groups = {o.key: o.groups for o in state.optimizers}
+        entries = {**{p.key: p.state for p in state.models},
+                   **{o.key: o.state for o in state.optimizers}}
+        extra = to_cpu(state.extras)
+        tree, specs, copy, release = stage_dtensors(entries, overlap, stager)
+        return Staged(self, copy, release, groups, extra, models, optimizers, tree, specs)
+
+    def prime(self, optimizer) -> None:
+        # As torch's own get_optimizer_state_dict primes an optimizer, by public calls.
+        with _at_zero_lr(optimizer):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.requires_grad:
+                        param.grad = torch.zeros_like(param)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def load_args(self) -> dict[str, Any]:
+        return {"process_group": host_group("load")}
 
 
-def process_info() -> tuple[bool, int, int]:
-    """(whether a process group is initialised, this rank, the world size)."""
-    if dist.is_available() and dist.is_initialized():
-        return True, dist.get_rank(), dist.get_world_size()
-    return False, 0, 1
+class SPMDShards(Shards):
+    """torch_xla SPMD tensors (FSDPv2): staged in one transfer of the local shards (as torch_xla's
+    ``CheckpointManager`` does), written and read with torch_xla's SPMD planners in the
+    reporter's thread, restored through the module's own ``load_state_dict``."""
 
+    layout = SPMD
 
-def describe(state: Mapping[str, Any], helper: str = "save_checkpoint") -> dict[str, Any]:
-    """A save's first step: what ``state`` is, found once. ``layout``: spmd, dtensor, or None
-    for replicated state, which is kept whole (``state``). Sharded state is split into
-    ``named`` (``state["model"]`` and ``state["optimizer"]``'s state under the module's names),
-    ``groups`` (the optimizer's parameter groups, which rank 0 writes as one small file) and
-    ``extra`` (the rest of ``state``). Raises ShardedStateError as :func:`sharded_layout`
-    does, and for sharded tensors outside the model's and the optimizer's state."""
-    found: list[tuple[str, str]] = []
-    layout = sharded_layout(state, helper, found)
-    if layout is None:
-        return {"layout": None, "state": dict(state)}
-    for path, what in found:
-        if not any(path == k or path.startswith(f"{k}.") for k in SHARDED_KEYS):
-            raise ShardedStateError(
-                f"{helper}: state entry {path} is {what}; sharded tensors must be under "
-                f"{' or '.join(repr(k) for k in SHARDED_KEYS)} (the model's and optimizer's "
-                "state dicts)")
-    named: dict[str, Any] = {}
-    groups = None
-    if "model" in state:
-        named["model"] = named_model_state(state["model"])
-    if "optimizer" in state:
-        optim = named_optimizer_state(state["optimizer"])
-        named["optimizer"], groups = {"state": optim["state"]}, optim["param_groups"]
-    return {"layout": layout, "named": named, "groups": groups,
-            "extra": {k: v for k, v in state.items() if k not in SHARDED_KEYS}}
+    def stage(self, state, overlap: bool = False, shared: bool = False, stager=None) -> Staged:
+        import torch_xla
+        import torch_xla.runtime as xr
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
+        models, optimizers = [p.key for p in state.models], [o.key for o in state.optimizers]
+        groups = {o.key: o.groups for o in state.optimizers}
+        entries = {**{p.key: p.state for p in state.models},
+                   **{o.key: o.state for o in state.optimizers}}
+        extra = to_cpu(state.extras)
+        torch_xla.sync()
+        # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
+        return Staged(self, _sharded_cpu_state_dict(entries), None, groups, extra, models,
+                      optimizers, devices=xr.global_runtime_device_count())
 
-# ---- loading ------------------------------------------------------------------------------
+    def save_planner(self):
+        import dataclasses
+        from collections import ChainMap
 
-def format_version(directory: str, filesystem=None) -> int:
-    """The format version of a sharded checkpoint (1: written before names, see names.py)."""
-    marker = read_file(directory, SHARDED_MARKER, filesystem)
-    return 1 if marker is None else int(json.loads(marker).get("format_version", 1))
+        from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+        from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
+        class BalancedSPMDSavePlanner(SPMDSavePlanner):
+            """SPMDSavePlanner whose duplicate shards go to the rank with the least to write
+            (torch_xla's own keeps every duplicate on the lowest rank)."""
 
-def _top_key(metadata, key: str) -> str:
-    mappings = metadata.planner_data or {}
-    return str(mappings[key][0]) if key in mappings else key.split(".")[0]
+            def create_global_plan(self, all_plans):
+                from torch.distributed.checkpoint.default_planner import (
+                    create_default_global_save_plan,
+                )
 
+                all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
+                global_plan, metadata = create_default_global_save_plan(
+                    all_plans, rewrite_index_hints=False)
+                mappings = dict(ChainMap(*[p.planner_data for p in global_plan]))
+                return global_plan, dataclasses.replace(metadata, planner_data=mappings)
 
-def _flatten(target: dict[str, Any], layout: str) -> dict[str, Any]:
-    """The flat keys DCP gives ``target``'s entries under the planner of ``layout``."""
-    if layout == SPMD:
-        from torch_xla.experimental.distributed_checkpoint._helpers import flatten_state_dict
-    else:
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    flat, _ = flatten_state_dict(target)
-    return flat
+        return BalancedSPMDSavePlanner()
 
+    def prime(self, optimizer) -> None:
+        from torch_xla.experimental.distributed_checkpoint import prime_optimizer
 
-def _check_target(metadata, target: dict[str, Any], layout: str, directory: str) -> None:
-    """Every tensor of ``target`` of the shape and dtype the checkpoint saved, no key missing
-    on either side (``format.check_fits``), before DCP reads anything: torch_xla's
-    SPMDLoadPlanner compares sizes only for unsharded tensors."""
-    saved = saved_specs(metadata)
-    # Only the entries loaded: a checkpoint with an optimizer loads into a model alone.
-    saved = {k: v for k, v in saved.items() if _top_key(metadata, k) in target}
-    check_fits(saved, {k: spec_of(v) for k, v in _flatten(target, layout).items()},
-               f"load_checkpoint: the sharded checkpoint {directory}",
-               " and ".join(f"the {k}" for k in sorted(target)))
+        with _at_zero_lr(optimizer):
+            prime_optimizer(optimizer)
 
-
-def _in_saved_keys(target: dict[str, Any], order: list[str], metadata, version: int) -> dict[str, Any]:
-    """``target`` (named) under the keys a format-1 checkpoint used: FSDPv2's prefixed model
-    keys, the optimizer state by position (``order``: the optimizer's parameter names in its
-    order). Format 2 and later: ``target`` itself."""
-    if version >= FORMAT_VERSION:
-        return target
-    out: dict[str, Any] = {}
-    if "model" in target:
-        keys = [k[len("model."):] for k in metadata.state_dict_metadata
-                if _top_key(metadata, k) == "model"]
-        saved = {module_name(k): k for k in keys}
-        out["model"] = {saved.get(n, n): v for n, v in target["model"].items()}
-    if "optimizer" in target:
-        position = {n: i for i, n in enumerate(order)}
-        out["optimizer"] = {"state": {position[n]: v
-                                      for n, v in target["optimizer"]["state"].items()}}
-    return out
-
-
-def read_groups(directory: str, filesystem=None) -> list | None:
-    """The optimizer's parameter groups a sharded checkpoint holds (``param_groups.pt``, format
-    2 and later), None when it has none."""
-    data = read_file(directory, GROUPS_FILE, filesystem)
-    return None if data is None else torch.load(io.BytesIO(data), map_location="cpu",
-                                                weights_only=True)
-
-
-def load_sharded(
-    directory: str,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    process_group=None,
-    filesystem=None,
-) -> dict[str, Any]:
-    """Restore sharded ``model`` and ``optimizer`` in place from a :func:`save_sharded`
-    directory of either layout, onto whatever mesh, device count and worker count they now
-    have. Call it on every rank (``process_group``: the gloo group DCP coordinates through,
-    default the default group; ``filesystem``: a pyarrow filesystem the directory is on, default
-    the local one).
-
-    Returns the rest of the saved state (``extra.pt``: step, epoch, ...). Raises
-    ``CheckpointMismatchError`` naming every tensor whose saved shape or dtype differs from the
-    model's or optimizer's, and every key missing on either side, before anything is read.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    layout = sharded_layout({"model": model, "optimizer": optimizer}, "load_checkpoint") or DTENSOR
-    reader, metadata = reader_for(directory, filesystem)
-    version = format_version(directory, filesystem)
-    saved = {_top_key(metadata, k) for k in metadata.state_dict_metadata}
-    wanted = [k for k, v in (("model", model), ("optimizer", optimizer)) if v is not None]
-    missing = sorted(set(wanted) - saved)
-    if missing:
-        raise KeyError(f"load_checkpoint: the sharded checkpoint {directory} has no {missing} "
-                       f"(it holds {sorted(saved)})")
-    if not wanted:
-        return read_extra(directory, filesystem)
-    names = optimizer_param_names(model, optimizer, "load_checkpoint") if optimizer else []
-    order = [n for group in names for n in group]
-    target: dict[str, Any] = {}
-    if model is not None:
-        target["model"] = _model_target(model, layout)
-        # Before priming the optimizer, which steps the parameters.
-        _check_target(metadata, _in_saved_keys(target, order, metadata, version), layout, directory)
-    if optimizer is not None:
-        target["optimizer"] = _optimizer_target(model, optimizer, names, layout)
-    loaded = _in_saved_keys(target, order, metadata, version)
-    _check_target(metadata, loaded, layout, directory)
-    planner = None
-    if layout == SPMD:
+    def load_args(self) -> dict[str, Any]:
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
-        planner, process_group = SPMDLoadPlanner(), None
-    dcp.load(loaded, storage_reader=reader, planner=planner, process_group=process_group,
-             no_dist=not process_info()[0])
-    groups = read_groups(directory, filesystem) if version >= FORMAT_VERSION else None
-    _apply(model, optimizer, target, groups, names, layout,
-           f"load_checkpoint: the sharded checkpoint {directory}")
-    return read_extra(directory, filesystem)
+        return {"planner": SPMDLoadPlanner(), "process_group": None}
 
-
-def read_extra(directory: str, filesystem=None) -> dict[str, Any]:
-    """The rest of the state a sharded checkpoint holds (``extra.pt``: step, epoch, ...)."""
-    extra = load_small(directory, EXTRA_FILE, filesystem)
-    return {} if extra is None else extra
-
-
-def _model_target(model: torch.nn.Module, layout: str) -> dict[str, Any]:
-    if layout == SPMD:
-        return named_model_state(model.state_dict())
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return named_model_state(get_model_state_dict(model))
-
-
-def _optimizer_target(model, optimizer, names, layout: str) -> dict[str, Any]:
-    """The optimizer's state, named, for DCP to load into in place (primed first: a zero-grad
-    step creates the state an optimizer has none of before its first step)."""
-    if layout == SPMD:
-        if not optimizer.state:
-            from torch_xla.experimental.distributed_checkpoint import prime_optimizer
-
-            prime_optimizer(optimizer)
-        return {"state": name_optimizer_state(optimizer.state_dict(), names)["state"]}
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    named = get_optimizer_state_dict(model, optimizer)  # primes an empty state
-    return {"state": {module_name(k): v for k, v in named["state"].items()}}
-
-
-def _apply(model, optimizer, target, groups, names, layout: str, where: str) -> None:
-    """Put what DCP read into ``target`` into the model and optimizer: DCP filled the
-    tensors in place; the saved parameter groups (learning rates, ...) are set here."""
-    if model is not None:
-        by_name = target["model"]
-        if layout == SPMD:
-            model.load_state_dict({k: by_name[module_name(k)] for k in model.state_dict()})
-        else:
-            from torch.distributed.checkpoint.state_dict import (
-                get_model_state_dict,
-                set_model_state_dict,
-            )
-
-            set_model_state_dict(model, {k: by_name[module_name(k)]
-                                         for k in get_model_state_dict(model)})
-    if optimizer is not None:
-        osd = optimizer.state_dict()
-        named = {"state": target["optimizer"]["state"],
-                 "param_groups": groups or name_optimizer_state(osd, names)["param_groups"]}
-        optimizer.load_state_dict(index_optimizer_state(named, osd, names, where))
-    if layout == SPMD:
+    def done(self) -> None:
         import torch_xla
 
         torch_xla.sync()
+
+
+@contextlib.contextmanager
+def _at_zero_lr(optimizer) -> Iterator[None]:
+    """Each parameter group's learning rate 0 inside (a step moves no parameter, weight decay
+    included), as it was after."""
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+
+
+DTENSOR_SHARDS, SPMD_SHARDS = DTensorShards(), SPMDShards()
+
+
+__all__ = ["DTENSOR_SHARDS", "SPMD_SHARDS", "DTensorShards", "SPMDShards", "Shards",
+           "process_info"]

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,9 +48,7 @@ import torch
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit import events
-from ray_train_xla.toolkit.device import to_cpu
 from ray_train_xla.toolkit.runtime import runtime
-from ray_train_xla.toolkit.sharding import DTENSOR
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -206,44 +204,62 @@ def shared_pool() -> StagingPool:
     return runtime().part("shared_pool", lambda: StagingPool(pin_memory=False, share_memory=True))
 
 
-# ---- the save's second step: the state described (``sharded.describe``) copied to host memory
+# ---- the save's second step: a described state (``describe.py``) copied to host memory, by
+# its kind (``replicated.Replicated.stage``, ``sharded.Shards.stage``)
 
-def stage(desc: dict[str, Any], overlap: bool = False, shared: bool = False,
-          stager=None) -> dict[str, Any]:
-    """Copy a described state (``sharded.describe``) to host memory: the only part of a save
-    that must happen before training goes on. Returns what the writers write (``writer.py``):
-    ``layout``, ``state`` (the copy), ``release`` (gives its buffers back once written, or
-    None) and, for sharded state, ``groups`` and ``extra``. ``overlap``: DTensors are copied in
-    the background while the loop goes on, the next optimizer step waiting for the copy
-    (:class:`Snapshots`). ``shared``: replicated state in shared memory, for a writer process.
-    ``stager``: what copies DTensor state's local shards (default: the pool's
+@dataclass
+class Staged:
+    """A snapshot in host memory: what the writers write (``writer.py``).
+
+    ``state``: the host copy (replicated state: the state as saved; SPMD shards: DCP's state
+    dict; DTensor shards: their local shards, a list, made DTensors again by
+    :meth:`host_state`), or, while an overlapped copy runs, a future of (shards, release).
+    ``release`` gives its buffers back once written (or None). Sharded state also has
+    ``groups`` (each optimizer's parameter groups, by entry), ``extra`` (the replicated rest),
+    its ``models`` and ``optimizers`` (the entries), and DTensor shards ``tree`` and ``specs``
+    (:func:`split_dtensors`); SPMD shards the ``devices`` they are spread over."""
+
+    kind: Any
+    state: Any
+    release: Callable[[], None] | None = None
+    groups: dict[str, Any] | None = None
+    extra: dict[str, Any] | None = None
+    models: list[str] = field(default_factory=list)
+    optimizers: list[str] = field(default_factory=list)
+    tree: Any = None
+    specs: list | None = None
+    devices: int | None = None  # what the shards were spread over, when not one per worker
+
+    def copied(self, timeout_s: float | None = None) -> Any:
+        """The host copy, once an overlapped copy is done (waited for at most ``timeout_s``)."""
+        if isinstance(self.state, Future):
+            self.state, self.release = self.state.result(timeout=timeout_s)
+        return self.state
+
+    def host_state(self) -> Any:
+        """What DCP writes: the host copy, DTensor shards made DTensors again over it."""
+        state = self.copied()
+        return state if self.specs is None else join_dtensors(self.tree, state, self.specs)
+
+    def give_back(self) -> None:
+        """Give the snapshot's buffers back to the pool (once written, or failed)."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
+def stage_dtensors(state: Any, overlap: bool = False, stager=None) -> tuple[Any, Any, list, Any]:
+    """(``state`` with each tensor a marker, what makes each a DTensor again, the host copy of
+    the local shards or a future of (it, release), release or None): the copy of DTensor state,
+    in the background where ``overlap`` (the next optimizer step waits for it,
+    :class:`Snapshots`). ``stager``: what copies the local shards (default: the pool's
     ``stage_tensors``)."""
-    layout = desc["layout"]
-    if layout is None:
-        state = desc["state"]
-        if shared and not any(t.device.type == "xla" for t in tensors_in(state)):
-            # Tensors with storage (the CPU, the native devices) into shared buffers reused from
-            # save to save; torch_xla's move into shared memory when handed to the process.
-            state, release = shared_pool().stage(state)
-            return {"layout": None, "state": state, "release": release}
-        return {"layout": None, "state": to_cpu(state), "release": None}
-    extra = to_cpu(desc["extra"])
-    if layout != DTENSOR:
-        import torch_xla
-        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
-
-        torch_xla.sync()
-        # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-        return {"layout": layout, "state": _sharded_cpu_state_dict(desc["named"]),
-                "groups": desc["groups"], "extra": extra, "release": None}
-    tree, shards, specs = split_dtensors(desc["named"])
+    tree, shards, specs = split_dtensors(state)
     stager = stager or pool().stage_tensors
-    if overlap:  # a future of (staged, release): the writer waits for it
-        staged, release = snapshots().submit(stager, shards), None
-    else:
-        staged, release = stager(shards)
-    return {"layout": layout, "state": staged, "tree": tree, "specs": specs,
-            "groups": desc["groups"], "extra": extra, "release": release}
+    if overlap:
+        return tree, specs, snapshots().submit(stager, shards), None
+    staged, release = stager(shards)
+    return tree, specs, staged, release
 
 
 class Snapshots:
@@ -293,8 +309,8 @@ class Snapshots:
         def before_step(optimizer, args, kwargs) -> None:
             self.wait()
 
-        hook = torch._disable_dynamo(before_step) if hasattr(torch, "_disable_dynamo") \
-            else before_step
+        hook = (torch._disable_dynamo(before_step) if hasattr(torch, "_disable_dynamo")
+                else before_step)
         self._hook = register_optimizer_step_pre_hook(hook)
 
     def close(self) -> None:

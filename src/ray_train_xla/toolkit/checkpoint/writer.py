@@ -1,4 +1,5 @@
-"""The writers: a save's third step (``writer_for``), run by the background reporter.
+"""The writers: a save's third step, the one its kind gives (``Replicated.writer``,
+``Shards.writer``), run by the background reporter.
 
 Sharded state: every rank writes its shards with ``torch.distributed.checkpoint``
 (:func:`write_staged`), in the reporter's thread or, for DTensors in a process group, through
@@ -6,7 +7,7 @@ torch's writer process (``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS`
 Python per worker, started at its first save, joining a gloo group of every rank's writers; the
 snapshot's host buffers move into shared memory once, the staging pool reuses them, and the
 snapshot is taken as it is: ``AsIs``). Rank 0 adds the checkpoint's small files
-(:func:`write_small_files`). Replicated state: rank 0 writes ``checkpoint.pt`` with
+(``format.write_small_files``). Replicated state: rank 0 writes ``checkpoint.pt`` with
 ``torch.save`` (:func:`write_replicated`), in the reporter's thread or through its
 :class:`SaveProcess`, a spawned Python handed the snapshot through a pipe, its tensors in shared
 memory. The memory tier has a :class:`SaveProcess` of its own per worker (``memory/tier.py``).
@@ -21,14 +22,10 @@ reporter's thread instead (docs/sharded-models.md, "Asynchronous save").
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import multiprocessing
 import os
 import time
-from collections import ChainMap
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -37,10 +34,8 @@ import torch.multiprocessing as mp
 from ray_train_xla.errors import ReportError
 from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.toolkit.checkpoint.files import MemoryFiles, files_at, save_file
-from ray_train_xla.toolkit.checkpoint.format import EXTRA_FILE, GROUPS_FILE, SHARDED_MARKER
-from ray_train_xla.toolkit.checkpoint.names import FORMAT_VERSION
-from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, SPMD, describe, process_info
-from ray_train_xla.toolkit.checkpoint.staging import join_dtensors, stage
+from ray_train_xla.toolkit.checkpoint.format import write_small_files
+from ray_train_xla.toolkit.checkpoint.staging import Staged
 from ray_train_xla.toolkit.runtime import runtime
 
 # A writer process starts with this many threads in its thread pools (OMP_NUM_THREADS; its
@@ -51,128 +46,55 @@ PROCESS_PREFIX = "ray_train_xla-"  # the names of the processes this package sta
 _FIX = "configure_reports(writer_process=False) writes in the training process instead"
 
 
-# ---- the save's third step: the writers of a staged save (``staging.stage``)
+# ---- the save's third step: the writers of a staged save (``staging.Staged``), which its kind
+# hands to the background reporter (``replicated.Replicated.writer``, ``sharded.Shards.writer``)
 
-def writer_for(staged: dict[str, Any], filename: str, group=None,
-               writer_process: bool = False) -> Callable[[str, Any], dict[str, Any]]:
-    """The one writer of a staged save: ``write(directory, filesystem)`` writes it and returns
-    what this rank wrote (``{"files", "bytes"}``); the background reporter calls it.
-    ``filesystem``: None for the local file system, a pyarrow filesystem (the run's storage) or
-    a ``files.MemoryFiles`` (host memory). Sharded state: every rank writes its shards with DCP,
-    collectively over ``group`` (default: the default group), DTensors through this worker's
-    writer process where ``writer_process``. Replicated state (rank 0): ``filename``, through
-    the save process where ``writer_process``."""
-    if staged["layout"] is not None:
-        def write(directory: str, filesystem) -> dict[str, Any]:
-            return write_staged(staged, directory, group, filesystem=filesystem,
-                                writer_process=writer_process)
-    elif not writer_process:
-        def write(directory: str, filesystem) -> dict[str, Any]:
-            return write_replicated(staged["state"], directory, filename, filesystem)
-    else:
-        process = save_process()  # started at the first save, in the background
-
-        def write(directory: str, filesystem) -> dict[str, Any]:
-            try:
-                return save_replicated(process, staged["state"], directory, filename, filesystem,
-                                       worker_context().timeout_s, 0)
-            finally:
-                if staged["release"] is not None:
-                    staged["release"]()
-    return write
-
-
-def _save_planner(layout: str):
-    if layout != SPMD:
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
-        return DefaultSavePlanner()
-    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
-
-    class BalancedSPMDSavePlanner(SPMDSavePlanner):
-        """SPMDSavePlanner whose duplicate shards go to the rank with the least to write
-        (torch_xla's own keeps every duplicate on the lowest rank)."""
-
-        def create_global_plan(self, all_plans):
-            from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
-            all_plans = dedup_save_plans(all_plans, save_to_lowest_rank=False)
-            global_plan, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
-            mappings = dict(ChainMap(*[p.planner_data for p in global_plan]))
-            return global_plan, dataclasses.replace(metadata, planner_data=mappings)
-
-    return BalancedSPMDSavePlanner()
-
-
-def write_staged(staged: dict[str, Any], directory: str, process_group=None,
-                 filesystem=None, writer_process: bool = False) -> dict[str, Any]:
+def write_staged(staged: Staged, directory: str, process_group=None, filesystem=None,
+                 writer_process: bool = False, planner=None) -> dict[str, Any]:
     """Write staged sharded state into ``directory`` with ``torch.distributed.checkpoint``
-    (collective: every rank calls it, in the same order; the arguments as :func:`writer_for`'s).
-    Returns what this rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers
-    go back to the staging pool once the shards are written (or the write failed)."""
+    (collective: every rank calls it, in the same order, over ``process_group``, default the
+    default group; ``filesystem``: None for the local file system, a pyarrow filesystem (the
+    run's storage) or a ``files.MemoryFiles`` (host memory); ``writer_process``: DTensors
+    through this worker's writer process; ``planner``: DCP's save planner, default its own).
+    Rank 0 adds the checkpoint's small files (``format.write_small_files``). Returns what this
+    rank wrote: ``{"files": [...], "bytes": n}``. The snapshot's host buffers go back to the
+    staging pool once the shards are written (or the write failed)."""
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = process_info()
-    if isinstance(staged["state"], Future):  # an overlapped snapshot: copied by now, or soon
-        staged["state"], staged["release"] = staged["state"].result()
-    if staged.get("specs") is not None:  # DTensors again, over their staged local shards
-        if isinstance(filesystem, MemoryFiles):  # the data file's size, and some for its headers
-            filesystem.expected_bytes = sum(t.numel() * t.element_size()
-                                            for t in staged["state"]) + (1 << 20)
-
-        staged["state"] = join_dtensors(staged.pop("tree"), staged["state"], staged.pop("specs"))
     files = files_at(filesystem)
     files.mkdir(directory)
     before = files.sizes(directory)
     try:
-        if distributed and staged["layout"] == DTENSOR and writer_process and \
-                not isinstance(files, MemoryFiles):
-            save_in_writer_process(staged["state"], files.dcp_writer(directory), directory,
+        if (distributed and writer_process and staged.kind.writer_process
+                and not isinstance(files, MemoryFiles)):
+            save_in_writer_process(staged, files.dcp_writer(directory), directory,
                                    process_group, worker_context().timeout_s, rank)
         else:
-            dcp.save(staged["state"], storage_writer=files.dcp_writer(directory),
-                     planner=_save_planner(staged["layout"]), process_group=process_group,
+            if isinstance(files, MemoryFiles) and staged.specs is not None:
+                # the data file's size, and some for its headers
+                files.expected_bytes = (1 << 20) + sum(t.numel() * t.element_size()
+                                                       for t in staged.copied())
+            # an overlapped snapshot: copied by now, or soon
+            dcp.save(staged.host_state(), storage_writer=files.dcp_writer(directory),
+                     planner=planner or dcp.DefaultSavePlanner(), process_group=process_group,
                      no_dist=not distributed)
     finally:
-        if staged.get("release") is not None:
-            staged["release"]()
+        staged.give_back()
     if rank == 0:
-        write_small_files(files, directory, staged, sorted(staged["state"]), world)
+        write_small_files(files, directory, staged, world)
     after = files.sizes(directory)
     new = sorted(set(after) - set(before))
     return {"files": new, "bytes": sum(after[f] for f in new)}
 
 
-def write_small_files(files, directory: str, staged: dict[str, Any], keys: list[str],
-                      world: int) -> None:
-    """(rank 0) The checkpoint's own files beside DCP's: the rest of the state, the optimizer's
-    param groups, and the marker that says how the shards were written."""
-    devices = world
-    if staged["layout"] == SPMD:
-        import torch_xla.runtime as xr
+def process_info() -> tuple[bool, int, int]:
+    """(whether a process group is initialised, this rank, the world size)."""
+    import torch.distributed as dist
 
-        devices = xr.global_runtime_device_count()
-    marker = json.dumps({
-        "format": "torch.distributed.checkpoint",
-        "format_version": FORMAT_VERSION,
-        "names": "module",
-        "layout": staged["layout"],
-        "workers": world,
-        "devices": devices,
-        "keys": keys,
-    })
-    save_file(files, directory, EXTRA_FILE, staged["extra"])
-    if staged["groups"] is not None:
-        save_file(files, directory, GROUPS_FILE, staged["groups"])
-    save_file(files, directory, SHARDED_MARKER, marker.encode())
-
-
-def save_sharded(state: Mapping[str, Any], directory: str) -> dict[str, Any]:
-    """Write this rank's shards of ``state["model"]`` / ``state["optimizer"]`` into ``directory``
-    (and, on rank 0, the rest of ``state`` and the metadata), in this thread: the three steps
-    at once. Call it on every rank. Returns what this rank wrote, as :func:`write_staged`."""
-    return write_staged(stage(describe(state)), directory)
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank(), dist.get_world_size()
+    return False, 0, 1
 
 
 def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
@@ -183,6 +105,20 @@ def write_replicated(cpu_state: dict[str, Any], directory: str, filename: str,
     files.mkdir(directory)
     save_file(files, directory, filename, cpu_state)
     return {"files": [filename], "bytes": files.sizes(directory)[filename]}
+
+
+def write_file(staged: Staged, directory: str, filename: str, filesystem,
+               process: SaveProcess | None = None) -> dict[str, Any]:
+    """Write a replicated snapshot (``staged``) as ``directory/filename``: by ``process`` (the
+    worker's save process) once it takes saves, else in this thread, so that no save waits for
+    the process to start. Its buffers go back to the pool once written (or failed)."""
+    try:
+        if process is not None and process.ready():
+            return process.save(staged.state, directory, filename, filesystem,
+                                worker_context().timeout_s, 0)
+        return write_replicated(staged.state, directory, filename, filesystem)
+    finally:
+        staged.give_back()
 
 
 def _as_is_stager():
@@ -202,14 +138,16 @@ def _as_is_stager():
     return AsIs()
 
 
-def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str,
+def save_in_writer_process(staged: Staged, storage_writer, directory: str,
                            process_group, timeout_s: float, rank: int) -> None:
-    """Write ``state`` (host DTensors) with ``storage_writer`` (DCP's, into ``directory``)
-    through this worker's writer process; collective over ``process_group`` like ``dcp.save``.
-    Raises ``ReportError`` when the writer fails, dies or takes longer than ``timeout_s``."""
+    """Write ``staged`` (host DTensors, once copied) with ``storage_writer`` (DCP's, into
+    ``directory``) through this worker's writer process; collective over ``process_group``
+    like ``dcp.save``. Raises ``ReportError`` when the writer fails, dies or takes longer than
+    ``timeout_s``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+    state = staged.host_state()  # an overlapped snapshot: copied by now, or soon
     tracker = _torch_writer()
     tracker.before_save()  # torch starts its writer process at the first save
     try:
@@ -224,8 +162,8 @@ def save_in_writer_process(state: dict[str, Any], storage_writer, directory: str
                           f"{directory} within timeout_s={timeout_s:g}; {_FIX}") from None
     except Exception as exc:
         process = tracker.find()
-        dead = "" if process is None or process.is_alive() else \
-            f" (it is dead: pid {process.pid}, exit code {process.exitcode})"
+        dead = ("" if process is None or process.is_alive() else
+                f" (it is dead: pid {process.pid}, exit code {process.exitcode})")
         raise ReportError(f"rank {rank}: the checkpoint writer process failed on {directory}"
                           f"{dead}: {type(exc).__name__}: {exc}; {_FIX}") from exc
     tracker.find()

@@ -139,8 +139,8 @@ class MemoryStore:
                 if slot_stamp(files[name]) != gen:
                     raise ValueError(f"rank {rank}: its slot {path} holds generation "
                                      f"{slot_stamp(files[name])}, not {gen}")
-        tier_dirs = [os.path.dirname(p) for p in slots.values()] + \
-            [os.path.dirname(os.path.dirname(p)) for p in shared.values()]
+        tier_dirs = ([os.path.dirname(p) for p in slots.values()]
+                     + [os.path.dirname(os.path.dirname(p)) for p in shared.values()])
         if tier_dirs:  # the node's other tiers once, at this store's first take
             _remove_stale(tier_dirs[0], gen, every_tier=not self._swept)
             self._swept = True
@@ -195,8 +195,8 @@ class MemoryStore:
         """Whether rank ``rank``'s files of ``gen`` are still held here as that generation
         (asked after a read of a slot: it was not written again meanwhile)."""
         with self._lock:
-            return gen in self._gens and rank in self._gens[gen]["ranks"] and \
-                self._valid(gen, rank)
+            return (gen in self._gens and rank in self._gens[gen]["ranks"]
+                    and self._valid(gen, rank))
 
     def note_storage(self, gen: int) -> None:
         with self._lock:

@@ -23,12 +23,12 @@ from ray.util import list_named_actors
 
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit import events, reporting
+from ray_train_xla.toolkit.checkpoint.describe import describe
 from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles, SlotFile
+from ray_train_xla.toolkit.checkpoint.format import write_small_files
 from ray_train_xla.toolkit.checkpoint.memory.restore import StoreFiles
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE, STORE_PREFIX, store_name
-from ray_train_xla.toolkit.checkpoint.sharded import DTENSOR, describe
-from ray_train_xla.toolkit.checkpoint.staging import stage
-from ray_train_xla.toolkit.checkpoint.writer import SaveProcess, write_small_files, write_staged
+from ray_train_xla.toolkit.checkpoint.writer import SaveProcess, write_staged
 from ray_train_xla.toolkit.collectives import host_group
 from ray_train_xla.toolkit.device import sync
 from ray_train_xla.toolkit.runtime import runtime
@@ -143,15 +143,14 @@ class MemoryTier:
     def keep(self, state: Mapping[str, Any]) -> bool:
         """Keep ``state`` as the next generation; False (nothing kept) while the previous one
         is still being kept somewhere: the loop never waits for the memory tier."""
-        desc = describe(state, "keep_in_memory")
-        layout = desc["layout"]
+        described = describe(state, "keep_in_memory")
+        kind = described.kind
         if self._shared is None:
             self._shared = _shared_root()  # once: it stays
         # DTensor state is written in place, rank by rank, when every rank has shared memory;
         # replicated state is formatted by the tier's writer process once it takes work.
-        writer = self._writer_ready() if layout is None else None
-        busy, everywhere = self.poll(bool(self._shared) if layout == DTENSOR
-                                     else writer is not None)
+        writer = self._writer_ready() if not kind.sharded else None
+        busy, everywhere = self.poll(bool(self._shared) if kind.in_place else writer is not None)
         if busy:
             self.skipped += 1
             return False
@@ -163,34 +162,35 @@ class MemoryTier:
             files.write_by(writer, os.path.join(self._shared, self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
         group = host_group("memory") if self.world > 1 else None
-        if layout is not None:
-            slots = self._in_place() if layout == DTENSOR and everywhere else None
+        if kind.sharded:
+            slots = self._in_place() if kind.in_place and everywhere else None
             if slots is None:
                 self._drop_slots()  # another way now: the store lets go of them too
             try:
-                staged = stage(desc, overlap=reporting.report_options().overlap_snapshots,
-                               stager=slots.stager(gen) if slots is not None else None)
+                staged = kind.stage(described, overlap=reporting.report_options().overlap_snapshots,
+                                    stager=slots.stager(gen) if slots is not None else None)
             except Exception as exc:  # copied here (no overlap): its error is this call's
                 self._fail(exc, gen)
+
+            planner = kind.save_planner() if slots is None else None
 
             def write() -> None:
                 if slots is not None:
                     slots.write(staged, files, gen, self.timeout_s)
                     if self.rank == 0:
-                        write_small_files(files, ROOT, staged, sorted(staged["tree"]), self.world)
+                        write_small_files(files, ROOT, staged, self.world)
                     self.by_rank += 1
                 else:
-                    write_staged(staged, ROOT, group, filesystem=files)
+                    write_staged(staged, ROOT, group, files, planner=planner)
         else:
-            staged = stage(desc, shared=writer is not None) if self.rank == 0 else None
+            staged = kind.stage(described, shared=writer is not None) if self.rank == 0 else None
 
             def write() -> None:
                 if staged is not None:
                     try:
-                        files.save("checkpoint.pt", staged["state"])
+                        files.save("checkpoint.pt", staged.state)
                     finally:
-                        if staged["release"] is not None:
-                            staged["release"]()
+                        staged.give_back()
 
         self._pending = self._pool.submit(self._put, gen, write, files, group, time.time())
         return True
