@@ -7,7 +7,12 @@ under ``TorchNeuronConfig`` / ``TorchTPUConfig`` (one worker per NeuronCore or c
 changes. Each decoder layer (``LlamaDecoderLayer``, or the model's ``_no_split_modules``) is
 sharded on its own; ``--hsdp`` (FSDP2 only) shards within a node and replicates across nodes,
 ``--activation-checkpointing`` recomputes each layer in the backward pass, and
-``--compile-cache DIR`` gives the config object its shared compile cache.
+``--compile-cache DIR`` gives the config object its shared compile cache. ``--tp N`` (FSDP2
+only: ``--config neuron|tpu``) is the config's ``parallelism={"tp": N}``: each group of N
+consecutive workers (inside a node) splits every layer by the model's own Hugging Face TP plan,
+FSDP2 shards over the groups, and the data is split by data-parallel rank, the peers of a group
+training on the same rows (``rtx.iter_xla_batches``); ``--sequence-parallel`` also splits the
+norms and the residual stream over the sequence.
 
 Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors), on a filesystem
 every node reads (read in place), since Ray Data's tokenizing tasks read its tokenizer too (in
@@ -60,6 +65,7 @@ check of the command line before Ray starts.
     python examples/finetune_hf.py --config neuron --workers 2 --steps 40   # FSDP2, CPU workers
     python examples/finetune_hf.py --config tpu --workers 2 --crash-at 20   # fail once, resume
     python examples/finetune_hf.py --config neuron --workers 2 --seq-len 256 --pack --corpus-lines 1200
+    python examples/finetune_hf.py --config neuron --workers 4 --tp 2 --sequence-parallel  # TP 2 x FSDP 2
     python examples/finetune_hf.py --config neuron --device neuron --workers 32 \\
         --accelerators-per-worker 1 --address auto --storage-path /fsx/runs --model /fsx/llama \\
         --corpus-lines 4000 --seq-len 1024 --hsdp --activation-checkpointing \\
@@ -117,6 +123,9 @@ def ft_config(**overrides) -> dict:
         # For the model-building lines: HSDP (get_sharded_mesh("hsdp"), native configs only) and
         # activation checkpointing (prepare_sharded_model(..., activation_checkpointing=True)).
         "hsdp": False, "activation_checkpointing": False,
+        # Tensor parallelism is the config's parallelism (torch_config(..., tp=N)); sequence
+        # parallelism is the model-building call's (prepare_sharded_model / load_pretrained).
+        "sequence_parallel": False,
         "crash_at": None, "marker_dir": None, "out_dir": None, "seed": 0,
     }
     config.update(overrides)
@@ -575,7 +584,11 @@ def train_loop(config: dict) -> None:
             model = rtx.prepare_sharded_model(model, mesh, **options)
     else:
         mesh = None
+        # The layout is the config's parallelism: with --tp, TP over each group of tp workers,
+        # then FSDP2 over the groups (the default mesh); else FSDP2 (or HSDP) over every worker.
         shards = rtx.get_sharded_mesh("hsdp") if config.get("hsdp") else None
+        if config.get("sequence_parallel"):
+            options["sequence_parallel"] = True
         if config["model"]:
             # bf16 parameters; gradients reduced in fp32.
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -596,6 +609,10 @@ def train_loop(config: dict) -> None:
     step = state["step"] if state else 0
     epoch, position = (state["epoch"], state["position"]) if state else (0, 0)
     rank, out_dir = rtx.rank(), config.get("out_dir")
+    # Which batch this worker trains on: its data-parallel rank, shared with its tensor-parallel
+    # peers (iter_xla_batches hands them the same batches); tp peers of a group (1 without TP).
+    dp_rank, dp = rtx.data_parallel()
+    tp = 1 if spmd else rtx.world_size() // dp
 
     def log(record: dict) -> None:  # for tests: what this rank did, one JSON line each
         if out_dir:
@@ -603,7 +620,7 @@ def train_loop(config: dict) -> None:
                 f.write(json.dumps(record) + "\n")
 
     log({"event": "start", "resumed_from": step if state else None, "epoch": epoch,
-         "position": position})
+         "position": position, "dp": [dp_rank, dp]})
     train_shard = ray.train.get_dataset_shard("train")
     eval_shard = ray.train.get_dataset_shard("eval")
     batch_size, accum = config["batch_size"], config["accum"]
@@ -641,6 +658,8 @@ def train_loop(config: dict) -> None:
                 rtx.sync()
         model.train()
         both = torch.stack([total.detach().float().cpu(), torch.tensor(float(count))])
+        # Summed over every worker: tensor-parallel peers add the same batches tp times to
+        # both sums, which leaves their ratio the loss over the data-parallel ranks' rows.
         if rtx.world_size() > 1 and not spmd:
             both = rtx.all_reduce(both.to(device)).cpu()
         return float(both[0] / both[1]) if both[1] else float("nan")
@@ -675,20 +694,26 @@ def train_loop(config: dict) -> None:
         optimizer.step()
         rtx.sync()
         step += 1
-        log({"event": "step", "step": step, "epoch": epoch, "position": position, "rows": rows})
+        if out_dir:  # (the loss read only for tests: on XLA a transfer from the device)
+            log({"event": "step", "step": step, "epoch": epoch, "position": position,
+                 "rows": rows, "loss": float(step_loss.detach().float().cpu())})
         last = step >= config["steps"]
         do_eval = step % config["eval_every"] == 0 or last
         do_ckpt = step % config["checkpoint_every"] == 0 or last
         if do_eval or do_ckpt:
             seconds = time.perf_counter() - interval_start
-            # This step's loss (the mean over the workers) and the tokens of every worker.
+            # This step's loss (the mean over the data-parallel ranks) and the tokens trained
+            # on since the last report (every data-parallel rank's). Summed over every worker,
+            # each data-parallel rank's values come tp times (its tensor-parallel peers hold
+            # the same loss and tokens).
             summed = torch.stack([step_loss.detach().float().cpu(), torch.tensor(float(tokens))])
             if rtx.world_size() > 1 and not spmd:
                 summed = rtx.all_reduce(summed.to(device)).cpu()
-            report = {"step": step, "epoch": epoch,
-                      "loss": float(summed[0]) / (1 if spmd else rtx.world_size()),
+            copies = 1 if spmd else rtx.world_size()
+            trained = float(summed[1]) / (1 if spmd else tp)
+            report = {"step": step, "epoch": epoch, "loss": float(summed[0]) / copies,
                       "grad_norm": float(grad_norm.float().cpu()), "lr": lr_at(step - 1, config),
-                      "tokens_per_s": float(summed[1]) / seconds, "bf16": bf16}
+                      "tokens": trained, "tokens_per_s": trained / seconds, "bf16": bf16}
             if do_eval:
                 report["eval_loss"] = evaluate()
             report.update(monitor.metrics(step))  # after the eval: its graphs count here
@@ -730,21 +755,23 @@ def probe_ids(vocab: int):
 
 
 def torch_config(name: str, device: str, devices: int | None = None,
-                 compile_cache: str | None = None):
+                 compile_cache: str | None = None, tp: int = 1):
     """The config object: the only thing that differs between backends. ``compile_cache`` is
     each config's own: ``NEURON_COMPILE_CACHE_URL`` (xla on Neuron: a path or s3:// URL),
     torch_xla's persistent cache (xla on TPU: a directory), ``TORCH_NEURONX_NEFF_CACHE_DIR``
-    (neuron) or ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (tpu), shared by every node."""
+    (neuron) or ``TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT`` (tpu), shared by every node. ``tp``
+    above 1: the layout, ``parallelism={"tp": tp}`` (FSDP over what the groups leave)."""
     from ray_train_xla import TorchNeuronConfig, TorchTPUConfig, TorchXLAConfig
 
+    layout = {"parallelism": {"tp": tp}} if tp > 1 else {}
     if name == "xla":
         if device == "cpu":
             return TorchXLAConfig(device="cpu", spmd=True, cpu_devices_per_worker=devices or 4,
-                                  timeout_s=300)
-        return TorchXLAConfig(device=device, spmd=True, compile_cache=compile_cache)
+                                  timeout_s=300, **layout)
+        return TorchXLAConfig(device=device, spmd=True, compile_cache=compile_cache, **layout)
     if name == "neuron":
-        return TorchNeuronConfig(device=device, timeout_s=300, compile_cache=compile_cache)
-    return TorchTPUConfig(device=device, timeout_s=300, compile_cache=compile_cache)
+        return TorchNeuronConfig(device=device, timeout_s=300, compile_cache=compile_cache, **layout)
+    return TorchTPUConfig(device=device, timeout_s=300, compile_cache=compile_cache, **layout)
 
 
 def scaling_config(name: str, device: str, workers: int, per_worker: int = 1,
@@ -879,6 +906,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hsdp", action="store_true",
                         help="HSDP: shards within a node, replicas across nodes "
                         "(get_sharded_mesh('hsdp'); --config neuron or tpu)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor parallelism (--config neuron or tpu): each group of N "
+                        "consecutive workers, inside a node, splits every layer by the model's "
+                        "own Hugging Face TP plan and trains on the same rows; FSDP2 shards over "
+                        "the groups (the config's parallelism={'tp': N}). N divides --workers and "
+                        "the model's heads, KV heads, MLP width and vocabulary (default 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: the norms and the residual stream between the layers "
+                        "split over the sequence within each tensor-parallel group")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder layer in the backward pass: less memory, "
                         "about a third more compute")
@@ -947,6 +983,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--crash-at {args.crash_at} is not a checkpoint step (a multiple of "
                      f"--checkpoint-every {args.checkpoint_every}): the restart would go back "
                      "to the checkpoint before it")
+    check_layout(parser, args)
     if args.hsdp and args.config == "xla":
         parser.error("--hsdp is FSDP2's (get_sharded_mesh('hsdp'), --config neuron or tpu): "
                      "FSDPv2 under TorchXLAConfig(spmd=True) shards over the one 'fsdp' axis of "
@@ -969,6 +1006,74 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not (args.export or args.no_export) and "://" in args.storage_path:
         parser.error(f"--storage-path {args.storage_path} is remote: give --export DIR (a local "
                      "directory for the Hugging Face model) or --no-export")
+
+
+def check_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tp and --sequence-parallel against the config, the workers and the buckets."""
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp}: give 1 (no tensor parallelism) or more")
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel splits the sequence over each tensor-parallel group: "
+                     "give --tp 2 or more")
+    if args.tp == 1:
+        return
+    if args.config == "xla":
+        parser.error(f"--tp {args.tp} with --config xla: tensor parallelism under torch_xla SPMD "
+                     "(FSDPv2 x TP) is not in this ray_train_xla yet; use --config neuron or "
+                     "--config tpu (FSDP2 x TP: TorchNeuronConfig / TorchTPUConfig with "
+                     f"parallelism={{'tp': {args.tp}}}; their CPU twins with --device cpu)")
+    if args.workers % args.tp:
+        fitting = [d for d in range(1, args.workers + 1) if args.workers % d == 0]
+        parser.error(f"--tp {args.tp} does not divide --workers {args.workers}: the workers "
+                     f"form groups of --tp; give --tp among {fitting}, or --workers a multiple "
+                     f"of {args.tp}")
+    if args.hsdp:
+        parser.error("--hsdp with --tp: get_sharded_mesh('hsdp') has no tensor-parallel "
+                     "dimension; give one of them (replicas with TP are the config's "
+                     "parallelism={'tp': N, 'dp_replicate': R} in a training function of your own)")
+    if args.sequence_parallel:
+        odd = [b for b in buckets_for(args.seq_len) if b % args.tp]
+        if odd:
+            parser.error(f"--sequence-parallel splits each row's {', '.join(map(str, odd))} "
+                         f"tokens (the buckets of --seq-len {args.seq_len}) into --tp {args.tp} "
+                         "equal slices: give a --tp that divides 8 (the buckets are multiples of "
+                         "8)")
+
+
+def check_model_layout(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       config: dict) -> None:
+    """--tp against the model's sizes (its config.json, or the built-in model's): each worker
+    of a tensor-parallel group holds whole heads and equal parts of the MLP and vocabulary."""
+    if args.tp == 1:
+        return
+    from ray_train_xla.errors import XLAConfigError
+    from ray_train_xla.planning.layout import Layout
+
+    if config["model"] is None:
+        sizes = {"heads": config["heads"], "kv_heads": config["heads"], "mlp": config["ff"],
+                 "vocab": BYTE_VOCAB}
+        owner = "the built-in model"
+    else:
+        from ray_train_xla.planning.hub import hub_id
+        from ray_train_xla.planning.memory import load_model_config
+
+        if hub_id(config["model"]) is None and not os.path.exists(config["model"]):
+            return  # a directory only the cluster's workers see: they check it
+        try:
+            hf = load_model_config(config["model"])
+        except XLAConfigError as e:
+            parser.error(f"--model {config['model']}: {e.for_plan()}")
+        hf = hf.get("text_config") or hf
+        heads = hf.get("num_attention_heads")
+        sizes = {"heads": heads, "kv_heads": hf.get("num_key_value_heads") or heads,
+                 "mlp": hf.get("intermediate_size"), "vocab": hf.get("vocab_size")}
+        if not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+            return  # not a decoder of the usual shape: the workers check what their plan splits
+        owner = f"--model {config['model']}"
+    try:
+        Layout(dp_shard=args.workers // args.tp, tp=args.tp).check_model(owner=owner, **sizes)
+    except XLAConfigError as e:
+        parser.error(e.for_plan())
 
 
 def check_examples(parser: argparse.ArgumentParser, args: argparse.Namespace, examples: list) -> None:
@@ -1017,7 +1122,7 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, l
             parser.error("this ray_train_xla has no tools.consolidate.consolidate_hf to write "
                          "the Hugging Face model: pass --no-export")
     try:
-        torch_config(args.config, args.device, args.devices, args.compile_cache)
+        torch_config(args.config, args.device, args.devices, args.compile_cache, args.tp)
     except ValueError as e:  # XLAConfigError names the option and what it takes
         parser.error(str(e))
     if args.model and "://" in args.model:
@@ -1057,7 +1162,8 @@ def validate(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict, l
                        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                        precision=args.precision, hsdp=args.hsdp,
                        activation_checkpointing=args.activation_checkpointing,
-                       crash_at=args.crash_at)
+                       sequence_parallel=args.sequence_parallel, crash_at=args.crash_at)
+    check_model_layout(parser, args, config)
     return args, config, examples
 
 
@@ -1075,7 +1181,8 @@ def main(argv: list[str] | None = None) -> None:
                  num_cpus=max(os.cpu_count() or 1, args.workers + 2))
     try:
         trainer = build_trainer(
-            config, torch_config(args.config, args.device, args.devices, args.compile_cache),
+            config, torch_config(args.config, args.device, args.devices, args.compile_cache,
+                                 args.tp),
             scaling_config(args.config, args.device, args.workers,
                            args.accelerators_per_worker or 1, args.tpu_topology,
                            args.accelerator_type),

@@ -194,3 +194,25 @@ def test_tier_goodput_results_are_the_benchmarks_own():
         assert tiers == ({"memory"} if run["memory_tier"] else {"storage"}), run["restores"]
         assert run["failures"] >= 3 and run["wall_s"] >= 6 * 60
         assert f"goodput {run['goodput']:.1%}" in run["printed"]
+
+
+def test_tp_results_are_the_benchmarks_own():
+    """bench_tp's committed figures: the markdown is what it writes from its json, the summary
+    is the one its raw records give, each fit ran the layout it is named for, and the layouts
+    trained the same model on the same rows (their losses agree)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_tp
+
+    with open(os.path.join(ROOT, "benchmarks", "results", "tp.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "benchmarks", "results", "tp.md")) as f:
+        assert f.read() == bench_tp.markdown(results)
+    assert bench_tp.summarise(results) == results["summary"]
+    expected = {"fsdp": ["dp_replicate=1,dp_shard=4,tp=1"], "tp": ["dp_replicate=1,dp_shard=2,tp=2"],
+                "control": ["dp_replicate=1,dp_shard=4,tp=1"]}
+    assert {k: v["layout"] for k, v in results["summary"]["layouts"].items()} == expected
+    for fits in results["rounds"]:
+        for ranks in fits.values():
+            assert len(ranks) == bench_tp.WORKERS
+            assert all(len(r["step_s"]) == results["steps"] for r in ranks)
+    assert results["summary"]["loss_max_diff"] < 1e-4

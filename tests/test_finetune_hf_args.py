@@ -287,3 +287,49 @@ def test_a_hugging_face_hub_id_is_accepted_and_checked_before_ray(ft, tmp_path, 
     with pytest.raises(SystemExit):
         ft.validate(["--config", "neuron", "--model", "no-such-dir", "--no-export"])
     assert "or a Hugging Face Hub id" in capsys.readouterr().err
+
+
+def test_tp_makes_the_layout_of_the_native_configs_and_refuses_what_cannot_split(ft, tmp_path,
+                                                                                  capsys):
+    """``--tp N`` is the config's ``parallelism={"tp": N}`` on neuron and tpu (sequence
+    parallelism the training function's); what cannot be laid out is refused before Ray starts,
+    naming the flag and the sizes that fit."""
+    args, config, _ = ft.validate(["--config", "neuron", "--workers", "4", "--tp", "2",
+                                   "--sequence-parallel", "--no-export"])
+    assert args.tp == 2 and config["sequence_parallel"] is True
+    for name in ("neuron", "tpu"):
+        assert ft.torch_config(name, "cpu", tp=2).parallelism == {"tp": 2}
+        assert ft.torch_config(name, "cpu").parallelism is None
+    assert ft.validate(["--no-export"])[1]["sequence_parallel"] is False
+
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit):
+            ft.validate([*argv, "--no-export"])
+        return capsys.readouterr().err
+
+    assert "--tp 2 with --config xla" in refused("--config", "xla", "--tp", "2")
+    assert "use --config neuron or --config tpu" in refused("--config", "xla", "--tp", "2")
+    assert "--tp 3 does not divide --workers 4: the workers form groups of --tp; give --tp " \
+           "among [1, 2, 4]" in refused("--config", "neuron", "--workers", "4", "--tp", "3")
+    assert "--tp 0: give 1" in refused("--config", "neuron", "--tp", "0")
+    assert "--hsdp with --tp" in refused("--config", "tpu", "--tp", "2", "--hsdp")
+    assert "give --tp 2 or more" in refused("--config", "neuron", "--sequence-parallel")
+    assert "into --tp 3 equal slices" in refused("--config", "neuron", "--workers", "6", "--tp",
+                                                "3", "--sequence-parallel",
+                                                "--corpus-lines", "2000")
+    # The model's sizes: the built-in model's 4 heads, a --model directory's config.json.
+    err = refused("--config", "neuron", "--workers", "8", "--tp", "8", "--corpus-lines", "2000")
+    assert "the built-in model: --tp 8 does not divide the model's 4 attention heads" in err
+    assert "Use --tp among [1, 2, 4]" in err
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 256, "vocab_size": 1024, "hidden_size": 64}))
+    (model / "model.safetensors").write_bytes(b"")
+    err = refused("--config", "neuron", "--workers", "4", "--tp", "4", "--model", str(model))
+    assert f"--model {model}: --tp 4 does not divide the model's 2 key/value heads" in err
+    assert "Use --tp among [1, 2]" in err
+    args, config, _ = ft.validate(["--config", "neuron", "--workers", "4", "--tp", "2",
+                                   "--model", str(model), "--no-export"])
+    assert config["model"] == str(model)

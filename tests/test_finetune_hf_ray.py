@@ -1,12 +1,14 @@
 """examples/finetune_hf.py through real Ray Train (the shared one-node cluster): the same
 training function fine-tunes a small random Llama with Ray Data batches under
 ``TorchXLAConfig(spmd=True)`` (FSDPv2, one worker on 4 virtual XLA CPU devices),
-``TorchNeuronConfig(device="cpu")`` and ``TorchTPUConfig(device="cpu")`` (FSDP2, 2 workers). Each
-run fails once after its step-4 checkpoint and resumes from it within the same fit
-(``FailureConfig``). Three fits, one per config, shared by the tests of that config, each on
-another kind of data: the generated text (xla), JSON-lines chats (neuron: loss on the assistant
-turns only) and prompt/completion pairs (tpu: loss on the completions only), checked row by row
-against what the data implies.
+``TorchNeuronConfig(device="cpu", parallelism={"tp": 2})`` (``--tp 2 --sequence-parallel``: TP 2
+x FSDP 2 on 4 workers) and ``TorchTPUConfig(device="cpu")`` (FSDP2, 2 workers). Each run fails
+once after its step-4 checkpoint and resumes from it within the same fit (``FailureConfig``).
+Three fits, one per config, shared by the tests of that config, each on another kind of data:
+the generated text (xla), JSON-lines chats (neuron: loss on the assistant turns only) and
+prompt/completion pairs (tpu: loss on the completions only), checked row by row against what
+the data implies; under TP, the rows of each tensor-parallel group's peers and the reports'
+loss and tokens against the data-parallel ranks'.
 
 The export test (``consolidate_hf``, then ``from_pretrained``) is skipped while
 ``ray_train_xla.tools.consolidate.consolidate_hf`` cannot be imported."""
@@ -26,6 +28,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.beside]
 STEPS, CRASH_AT = 8, 4
 BUCKETS = [64, 128]
 DATA = {"xla": "text", "neuron": "messages", "tpu": "completion"}
+WORKERS = {"xla": 1, "neuron": 4, "tpu": 2}
+TP = {"neuron": 2}  # --tp 2 --sequence-parallel: TP 2 x FSDP 2
 
 
 def examples_of(ft, kind: str, lines: int = 120) -> list[dict]:
@@ -117,28 +121,30 @@ NATIVE_ONLY = (pytest.mark.native, pytest.mark.native_only)
 def run(request, cluster, tmp_path_factory):
     """One fit of the example on this config: 8 steps, a crash after step 4, a resume. The xla
     and tpu runs start from a pretrained directory (``--model``: loaded by slices; tied
-    embeddings on tpu)."""
+    embeddings on tpu); the neuron run is TP 2 x FSDP 2 with sequence parallelism."""
     name = request.param
     ft = example()
     tmp = tmp_path_factory.mktemp(f"finetune-{name}")
     out = tmp / "out"
     out.mkdir()
-    workers = 1 if name == "xla" else 2
+    workers, tp = WORKERS[name], TP.get(name, 1)
     model = pretrained_dir(tmp / "pretrained", tie=name == "tpu") if name != "neuron" else None
     # Two buckets (the example's default has three): fewer graphs for XLA to compile here, and
     # still more than one length to pad to.
     # lr: the tiny random model's default (3e-3), cosine decay and weight decay as in a real run.
     config = ft.ft_config(steps=STEPS, crash_at=CRASH_AT, checkpoint_every=4, eval_every=2,
                           warmup=2, batch_size=4, buckets=BUCKETS, marker_dir=str(tmp),
-                          out_dir=str(out), model=model, lr=3e-3)
-    examples = examples_of(ft, DATA[name])
+                          out_dir=str(out), model=model, lr=3e-3, sequence_parallel=tp > 1)
+    # Every worker's shard of the held-out 10% holds a batch.
+    examples = examples_of(ft, DATA[name], lines=max(120, 60 * workers))
     trainer = ft.build_trainer(
-        config, ft.torch_config(name, "cpu", 4 if name == "xla" else None),
+        config, ft.torch_config(name, "cpu", 4 if name == "xla" else None, tp=tp),
         ft.scaling_config(name, "cpu", workers), str(tmp / "results"), f"finetune-{name}",
         examples=examples, max_failures=1)
     result = trainer.fit()
     return SimpleNamespace(name=name, ft=ft, result=result, logs=read_logs(str(out)),
-                           out=out, tmp=tmp, workers=workers, config=config, examples=examples,
+                           out=out, tmp=tmp, workers=workers, tp=tp, config=config,
+                           examples=examples,
                            model=model, run_path=str(tmp / "results" / f"finetune-{name}"))
 
 
@@ -221,3 +227,34 @@ def test_export_loads_with_from_pretrained_and_gives_the_trained_logits(run, tmp
         initial = untrained(input_ids=run.ft.probe_ids(model.config.vocab_size)).logits
     assert not torch.allclose(trained, initial, atol=1e-3)  # it trained
     assert torch.allclose(logits, trained, atol=1e-4, rtol=1e-4), (logits - trained).abs().max()
+
+
+def test_tensor_parallel_peers_train_on_the_same_rows_and_reports_count_each_batch_once(run):
+    """Under ``--tp 2`` (the neuron run): the peers of a tensor-parallel group train on the same
+    rows every step, the two data-parallel ranks on rows of their own, and each report's loss
+    is the mean of the data-parallel ranks' losses and its tokens theirs, counted once."""
+    if run.tp == 1:
+        pytest.skip("this run has no tensor parallelism")
+    by_dp: dict[int, list[dict]] = {}
+    for rank, events in run.logs.items():
+        starts = [e for e in events if e["event"] == "start"]
+        assert {tuple(s["dp"]) for s in starts} == {(rank // run.tp, run.workers // run.tp)}, rank
+        by_dp.setdefault(rank // run.tp, []).append(
+            {e["step"]: e for e in events if e["event"] == "step"})
+    dp = len(by_dp)
+    assert dp == run.workers // run.tp == 2
+    for peers in by_dp.values():
+        for step in range(1, STEPS + 1):
+            assert len({json.dumps(p[step]["rows"]) for p in peers}) == 1, step
+            assert len({p[step]["loss"] for p in peers}) == 1, step
+    first = [by_dp[d][0] for d in range(dp)]
+    for step in range(1, CRASH_AT + 1):  # the first attempt's rows, apart per dp rank
+        seen = [{i for i, _ in steps[step]["rows"]} for steps in first]
+        assert not seen[0] & seen[1], step
+    reports = [e for e in run.logs[0] if e["event"] == "report"]
+    for before, report in zip([0] + [r["step"] for r in reports], reports):
+        step = report["step"]
+        assert report["loss"] == pytest.approx(
+            sum(steps[step]["loss"] for steps in first) / dp, rel=1e-5)
+        assert report["tokens"] == sum(n for steps in first for s in range(before + 1, step + 1)
+                                       for _, n in steps[s]["rows"])

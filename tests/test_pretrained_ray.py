@@ -3,15 +3,16 @@ shared one-node cluster), 4 CPU workers a fit:
 
 - ``TorchNeuronConfig(device="cpu")``: a Llama of 160M parameters (320 MB in bf16, 3
   safetensors files) with untied embeddings;
-- ``TorchTPUConfig(device="cpu")``: a Qwen2 of 175M parameters (349 MB in bf16) with tied
-  embeddings.
+- ``TorchTPUConfig(device="cpu", parallelism={"tp": 2})``: a Qwen2 of 175M parameters (349 MB
+  in bf16) with tied embeddings, laid out TP 2 x FSDP 2 (each worker reads its slices of both).
 
 Each worker first tries a checkpoint that does not fit (a renamed key, a wrong shape): refused
 before anything is allocated. Then it builds the model on the meta device, loads it sharded in
 bf16 (``rtx.load_pretrained``), measures its own peak memory growth during the load, computes
 the logits of a fixed batch (in fp32, from the bf16 weights), takes two SGD steps on its top
-block, norm and head with the rest frozen (a plain ``optimizer.step()``) and exports the
-trained model from all four workers in the stored dtype (``rtx.export_pretrained``), measuring
+block, norm and head with the rest frozen (a plain ``optimizer.step()``; the rows of its
+data-parallel rank, which tensor-parallel peers share) and exports the trained model from all
+four workers in the stored dtype (``rtx.export_pretrained``), measuring
 again. The Llama is read as a Hugging Face Hub id from a cache laid out by hand (offline:
 ``HF_HUB_OFFLINE=1`` on the workers), the Qwen2 from a ``file://`` URI: each fetched once per
 node, the node's other workers waiting for it. The driver compares the logits with
@@ -42,6 +43,8 @@ PROBE = (torch.arange(64).reshape(4, 16) * 7 + 3) % 32000
 SHARD = "120MB"  # the source's largest file: 3 files of the 336 MB Llama
 EXPORT_SHARD = 100 * 10**6
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # of the laid-out Hub cache
+# FSDP 4 (the neuron run) and TP 2 x FSDP 2 (the tpu run), under the same memory bounds.
+LAYOUTS = {"neuron": None, "tpu": {"tp": 2}}
 
 
 def llama_config():
@@ -99,7 +102,7 @@ def load_train_export(config):
 
     import ray_train_xla as rtx
 
-    record = {"rank": rtx.rank()}
+    record = {"rank": rtx.rank(), "layout": rtx.get_layout().to_text()}
     with torch.device("meta"):
         bad = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config["bad"]))
     try:
@@ -124,6 +127,9 @@ def load_train_export(config):
     record["load_growth"] = load.bytes
     record["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
     record["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    record["placements"] = {n: str(p.placements) for n, p in model.named_parameters()
+                            if n.startswith("model.layers.0.") and n.endswith(
+                                ("q_proj.weight", "o_proj.weight"))}
     probe = torch.tensor(config["probe"])
     with torch.no_grad():
         logits = model(input_ids=probe, use_cache=False).logits
@@ -133,7 +139,8 @@ def load_train_export(config):
     for part in (model.model.layers[-1], model.model.norm, model.lm_head):
         part.requires_grad_(True)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    rows = probe[rtx.rank() % len(probe):][:1]
+    dp_rank, _ = rtx.data_parallel()  # tensor-parallel peers feed the same rows
+    rows = probe[dp_rank % len(probe):][:1]
     record["step_ends"] = []
     for _ in range(STEPS):  # a plain optimizer.step(), as the documented FSDP2 loop
         optimizer.zero_grad()
@@ -194,7 +201,8 @@ def run(kind: str, mismatched: str):
     for name in os.listdir(source):
         os.symlink(os.path.join(source, name), os.path.join(snapshot, name))
     torch_config = (TorchNeuronConfig if kind == "neuron" else TorchTPUConfig)(
-        device="cpu", timeout_s=300, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": hub})
+        device="cpu", timeout_s=300, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": hub},
+        parallelism=LAYOUTS[kind])
     from ray.train import RunConfig
 
     _, records = fit(load_train_export, torch_config=torch_config,
@@ -219,6 +227,17 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
     records = sorted((r for r in records if "rank" in r), key=lambda r: r["rank"])
     assert [r["rank"] for r in records] == list(range(WORKERS))
     assert all(r["hf_offline"] for r in records)  # env=... reached huggingface_hub's import
+    tp = (LAYOUTS[kind] or {}).get("tp", 1)
+    assert {r["layout"] for r in records} == {f"dp_replicate=1,dp_shard={WORKERS // tp},tp={tp}"}
+    for r in records:  # over tp, q_proj split by its output rows, o_proj by its input columns
+        placements = r["placements"]
+        assert len(placements) == 2, placements
+        for name, value in placements.items():  # (dp_shard's, tp's); FSDP's may be strided
+            if tp == 1:
+                assert value == "(Shard(dim=0),)", (name, value)
+            else:
+                assert value.count("Shard(") == 2 and value.endswith(
+                    f" Shard(dim={1 if 'o_proj' in name else 0}))"), (name, value)
     if kind == "tpu":  # one copy for the node's four workers, nothing else left in the cache
         copies = os.listdir(os.path.join(root, "cache"))
         assert len(copies) == 1 and {r["path"] for r in records} == {
@@ -241,7 +260,7 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
         assert r["param_dtypes"] == ["torch.bfloat16"]
         # The export holds a few tensors at a time, never the model.
         assert r["export_growth"] <= 3 * largest + 100 * 2**20, (r["rank"], r["export_growth"] / 2**20)
-    print(f"{kind}: model {model_bytes / 2**20:.0f} MiB; load growth per worker "
+    print(f"{kind} ({layout_name(tp)}): model {model_bytes / 2**20:.0f} MiB; load growth per worker "
           f"{[round(r['load_growth'] / 2**20) for r in records]} MiB (bound {budget / 2**20:.0f}); "
           f"export growth {[round(r['export_growth'] / 2**20) for r in records]} MiB "
           f"(largest tensor {largest / 2**20:.0f} MiB)")
@@ -302,9 +321,13 @@ def check(kind: str, mismatched: str, tied: bool) -> None:
     torch.testing.assert_close(got, logits["trained"], atol=2e-4, rtol=1e-4)
 
 
+def layout_name(tp: int) -> str:
+    return f"TP {tp} x FSDP {WORKERS // tp}" if tp > 1 else f"FSDP {WORKERS}"
+
+
 def test_llama_loads_sharded_and_exports_on_the_neuron_twin(cluster, mismatched):
     check("neuron", mismatched, tied=False)
 
 
-def test_tied_qwen2_loads_sharded_and_exports_on_the_tpu_twin(cluster, mismatched):
+def test_tied_qwen2_loads_tp2_fsdp2_and_exports_on_the_tpu_twin(cluster, mismatched):
     check("tpu", mismatched, tied=True)
