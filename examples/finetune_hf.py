@@ -7,12 +7,13 @@ under ``TorchNeuronConfig`` / ``TorchTPUConfig`` (one worker per NeuronCore or c
 changes. Each decoder layer (``LlamaDecoderLayer``, or the model's ``_no_split_modules``) is
 sharded on its own; ``--hsdp`` (FSDP2 only) shards within a node and replicates across nodes,
 ``--activation-checkpointing`` recomputes each layer in the backward pass, and
-``--compile-cache DIR`` gives the config object its shared compile cache. ``--tp N`` (FSDP2
-only: ``--config neuron|tpu``) is the config's ``parallelism={"tp": N}``: each group of N
-consecutive workers (inside a node) splits every layer by the model's own Hugging Face TP plan,
-FSDP2 shards over the groups, and the data is split by data-parallel rank, the peers of a group
-training on the same rows (``rtx.iter_xla_batches``); ``--sequence-parallel`` also splits the
-norms and the residual stream over the sequence.
+``--compile-cache DIR`` gives the config object its shared compile cache. ``--tp N`` is the
+config's ``parallelism={"tp": N}``: under FSDP2 each group of N consecutive workers (inside a
+node) splits every layer by the model's own Hugging Face TP plan, FSDP2 shards over the groups,
+and the data is split by data-parallel rank, the peers of a group training on the same rows
+(``rtx.iter_xla_batches``; ``--sequence-parallel`` also splits the norms and the residual
+stream over the sequence); under FSDPv2 the SPMD mesh gets a ``model`` axis of N devices for the
+same plan as partition specs, beside ``fsdp``.
 
 Model: ``--model PATH``, a directory ``save_pretrained`` wrote (safetensors), on a filesystem
 every node reads (read in place), since Ray Data's tokenizing tasks read its tokenizer too (in
@@ -620,7 +621,8 @@ def train_loop(config: dict) -> None:
                 f.write(json.dumps(record) + "\n")
 
     log({"event": "start", "resumed_from": step if state else None, "epoch": epoch,
-         "position": position, "dp": [dp_rank, dp]})
+         "position": position, "dp": [dp_rank, dp],
+         "layout": rtx.get_layout().to_text(), "mesh": dict(mesh.shape()) if spmd else None})
     train_shard = ray.train.get_dataset_shard("train")
     eval_shard = ray.train.get_dataset_shard("eval")
     batch_size, accum = config["batch_size"], config["accum"]
@@ -907,14 +909,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="HSDP: shards within a node, replicas across nodes "
                         "(get_sharded_mesh('hsdp'); --config neuron or tpu)")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="tensor parallelism (--config neuron or tpu): each group of N "
-                        "consecutive workers, inside a node, splits every layer by the model's "
-                        "own Hugging Face TP plan and trains on the same rows; FSDP2 shards over "
-                        "the groups (the config's parallelism={'tp': N}). N divides --workers and "
-                        "the model's heads, KV heads, MLP width and vocabulary (default 1)")
+                        help="tensor parallelism, the config's parallelism={'tp': N}: "
+                        "neuron, tpu: each group of N consecutive workers, inside a node, splits "
+                        "every layer by the model's own Hugging Face TP plan and trains on the "
+                        "same rows, and FSDP2 shards over the groups (N divides --workers); xla: "
+                        "the SPMD mesh's 'model' axis of N devices beside FSDPv2's 'fsdp' (N "
+                        "divides the devices). N divides the model's heads, KV heads, MLP width "
+                        "and vocabulary (default 1)")
     parser.add_argument("--sequence-parallel", action="store_true",
-                        help="with --tp: the norms and the residual stream between the layers "
-                        "split over the sequence within each tensor-parallel group")
+                        help="with --tp (--config neuron or tpu): the norms and the residual "
+                        "stream between the layers split over the sequence within each "
+                        "tensor-parallel group")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder layer in the backward pass: less memory, "
                         "about a third more compute")
@@ -1017,11 +1022,18 @@ def check_layout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                      "give --tp 2 or more")
     if args.tp == 1:
         return
-    if args.config == "xla":
-        parser.error(f"--tp {args.tp} with --config xla: tensor parallelism under torch_xla SPMD "
-                     "(FSDPv2 x TP) is not in this ray_train_xla yet; use --config neuron or "
-                     "--config tpu (FSDP2 x TP: TorchNeuronConfig / TorchTPUConfig with "
-                     f"parallelism={{'tp': {args.tp}}}; their CPU twins with --device cpu)")
+    if args.config == "xla":  # TP x FSDPv2 over the SPMD mesh's devices, one process a host
+        if args.sequence_parallel:
+            parser.error("--sequence-parallel is a DTensor style (--config neuron or tpu): under "
+                         "torch_xla SPMD, XLA's sharding propagation places the activations; "
+                         "leave it off")
+        devices = args.devices or 4
+        if args.device == "cpu" and devices % args.tp:
+            parser.error(f"--tp {args.tp} does not divide the SPMD worker's --devices {devices}: "
+                         f"give --tp among {[d for d in range(1, devices + 1) if devices % d == 0]}")
+        if args.hsdp:
+            parser.error("--hsdp is FSDP2's (--config neuron or tpu)")
+        return
     if args.workers % args.tp:
         fitting = [d for d in range(1, args.workers + 1) if args.workers % d == 0]
         parser.error(f"--tp {args.tp} does not divide --workers {args.workers}: the workers "

@@ -315,8 +315,7 @@ def scenario_tp(out_dir: str, ckpt: str) -> dict:
     import ray_train_xla as rtx
     from ray_train_xla.planning.contract import LAYOUT_VAR
     from ray_train_xla.toolkit.checkpoint.names import module_name
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
-    from ray_train_xla.toolkit.checkpoint.writer import save_sharded
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded, save_sharded
 
     devices = start_spmd()
     os.environ[LAYOUT_VAR] = "dp_replicate=1,dp_shard=2,tp=2"  # as TorchXLAConfig(parallelism=) plans
@@ -368,6 +367,7 @@ def scenario_tp(out_dir: str, ckpt: str) -> dict:
     record["state_dict"] = {"whole_shapes": all(list(state[k].shape) == list(ref[plain].shape)
                                                 for k, plain in zip(state, plain_keys(state))),
                             "q_spec": rtx.sharding_spec(state["_orig_module." + q])}
+    record["ckpt"] = ckpt
     record["saved"] = save_sharded({"model": state, "optimizer": opt.state_dict(), "step": STEPS},
                                    ckpt)
     torch.save(cpu_state(model, opt), os.path.join(out_dir, "expected.pt"))
@@ -411,7 +411,7 @@ def scenario_tp_load(out_dir: str, ckpt: str) -> dict:
     import fsdp2_worker as w
 
     import ray_train_xla as rtx
-    from ray_train_xla.toolkit.checkpoint.sharded import load_sharded
+    from ray_train_xla.toolkit.checkpoint.seam import load_sharded
 
     start_spmd()
     model = rtx.prepare_sharded_model(w.make_lm())

@@ -29,7 +29,7 @@ STEPS, CRASH_AT = 8, 4
 BUCKETS = [64, 128]
 DATA = {"xla": "text", "neuron": "messages", "tpu": "completion"}
 WORKERS = {"xla": 1, "neuron": 4, "tpu": 2}
-TP = {"neuron": 2}  # --tp 2 --sequence-parallel: TP 2 x FSDP 2
+TP = {"neuron": 2, "xla": 2}  # neuron: --tp 2 --sequence-parallel, TP 2 x FSDP 2; xla: TP 2 x FSDPv2 2
 
 
 def examples_of(ft, kind: str, lines: int = 120) -> list[dict]:
@@ -121,7 +121,8 @@ NATIVE_ONLY = (pytest.mark.native, pytest.mark.native_only)
 def run(request, cluster, tmp_path_factory):
     """One fit of the example on this config: 8 steps, a crash after step 4, a resume. The xla
     and tpu runs start from a pretrained directory (``--model``: loaded by slices; tied
-    embeddings on tpu); the neuron run is TP 2 x FSDP 2 with sequence parallelism."""
+    embeddings on tpu); the neuron run is TP 2 x FSDP 2 with sequence parallelism, the xla run
+    TP 2 x FSDPv2 2 on its 4 devices."""
     name = request.param
     ft = example()
     tmp = tmp_path_factory.mktemp(f"finetune-{name}")
@@ -134,7 +135,8 @@ def run(request, cluster, tmp_path_factory):
     # lr: the tiny random model's default (3e-3), cosine decay and weight decay as in a real run.
     config = ft.ft_config(steps=STEPS, crash_at=CRASH_AT, checkpoint_every=4, eval_every=2,
                           warmup=2, batch_size=4, buckets=BUCKETS, marker_dir=str(tmp),
-                          out_dir=str(out), model=model, lr=3e-3, sequence_parallel=tp > 1)
+                          out_dir=str(out), model=model, lr=3e-3,
+                          sequence_parallel=name == "neuron")
     # Every worker's shard of the held-out 10% holds a batch.
     examples = examples_of(ft, DATA[name], lines=max(120, 60 * workers))
     trainer = ft.build_trainer(
@@ -157,6 +159,12 @@ def test_trains_fails_once_and_resumes_from_its_checkpoint(run):
         # A fresh start, then one restart from the step-4 checkpoint at the data position that
         # step reached; every step trained exactly once.
         assert [s["resumed_from"] for s in starts] == [None, CRASH_AT], rank
+        # The layout each attempt ran: the config's parallelism, on the stack's mesh.
+        devices = 4 if run.name == "xla" else run.workers
+        assert {s["layout"] for s in starts} == {
+            f"dp_replicate=1,dp_shard={devices // run.tp},tp={run.tp}"}, rank
+        mesh = {"fsdp": devices // run.tp, "model": run.tp} if run.name == "xla" else None
+        assert [s["mesh"] for s in starts] == [mesh] * 2, rank
         at_crash = next(s for s in steps if s["step"] == CRASH_AT)
         assert (starts[1]["epoch"], starts[1]["position"]) == (at_crash["epoch"],
                                                                at_crash["position"])
@@ -233,8 +241,9 @@ def test_tensor_parallel_peers_train_on_the_same_rows_and_reports_count_each_bat
     """Under ``--tp 2`` (the neuron run): the peers of a tensor-parallel group train on the same
     rows every step, the two data-parallel ranks on rows of their own, and each report's loss
     is the mean of the data-parallel ranks' losses and its tokens theirs, counted once."""
-    if run.tp == 1:
-        pytest.skip("this run has no tensor parallelism")
+    if run.tp == 1 or run.name == "xla":
+        pytest.skip("no tensor-parallel peers among the workers (the xla run is one SPMD process; "
+                    "test_xla_tp_local checks its batches' partition specs)")
     by_dp: dict[int, list[dict]] = {}
     for rank, events in run.logs.items():
         starts = [e for e in events if e["event"] == "start"]

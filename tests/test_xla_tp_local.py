@@ -81,6 +81,17 @@ def test_sharded_checkpoint_of_tp_restores_on_tp_and_on_fsdpv2(runs):
     assert rec["state_dict"] == {"whole_shapes": True, "q_spec": COLWISE}
     assert {".metadata", "__0_0.distcp", "extra.pt", "sharded.json"} <= set(rec["saved"]["files"])
     assert rec["restored_extra"] == {"step": 3} and rec["restored_exact"]
+    # Each chunk once: the norms, whole over "model", are held by both devices of a TP group.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(rec["ckpt"]).read_metadata()
+    tensors = {k: md for k, md in metadata.state_dict_metadata.items()
+               if isinstance(md, TensorStorageMetadata)}
+    norms = [k for k in tensors if k.endswith("norm.weight")]
+    assert norms and all(len(tensors[k].chunks) == 2 for k in norms), norms
+    for key, md in tensors.items():
+        assert sum(c.sizes.numel() for c in md.chunks) == md.size.numel(), (key, md.chunks)
     assert load["layout"] == "dp_replicate=1,dp_shard=4,tp=1"
     assert load["spec"] == "{devices=[4,1]0,1,2,3}"
     assert load["extra"] == {"step": 3}

@@ -189,8 +189,8 @@ class SPMDShards(Shards):
         extra = to_cpu(state.extras)
         torch_xla.sync()
         # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-        return Staged(self, _sharded_cpu_state_dict(entries), None, groups, extra, models,
-                      optimizers, devices=xr.global_runtime_device_count())
+        return Staged(self, _one_copy_per_chunk(_sharded_cpu_state_dict(entries)), None, groups,
+                      extra, models, optimizers, devices=xr.global_runtime_device_count())
 
     def save_planner(self):
         import dataclasses
@@ -231,6 +231,30 @@ class SPMDShards(Shards):
         import torch_xla
 
         torch_xla.sync()
+
+
+def _one_copy_per_chunk(tree):
+    """``tree`` with each local shards' object (``shards``, ``global_shape``) keeping one shard
+    per chunk of the tensor: torch_xla lists a chunk once per local device that holds it (a
+    tensor replicated over the mesh's ``model`` axis under TP, or over replicas), and its
+    planner would write and declare every copy, so the metadata would count the tensor's
+    elements twice. DCP keeps one copy of a chunk that several processes hold."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            _one_copy_per_chunk(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            _one_copy_per_chunk(value)
+    elif hasattr(tree, "shards") and hasattr(tree, "global_shape"):
+        seen, kept = set(), []
+        for shard in sorted(tree.shards, key=lambda s: s.replica_id):
+            chunk = ("...",) if shard.indices is Ellipsis else tuple(
+                (s.start, s.stop) for s in shard.indices)
+            if chunk not in seen:
+                seen.add(chunk)
+                kept.append(shard)
+        tree.shards = kept
+    return tree
 
 
 @contextlib.contextmanager
