@@ -221,3 +221,8 @@ def test_replicated_entries_are_saved_as_state_dicts_and_restored_in_place(tmp_p
     with pytest.raises(CheckpointMismatchError, match="has no 'warmup' to restore"):
         load_sharded(str(tmp_path), {"model": other, "warmup": fresh_sched})
     assert torch.equal(other.weight, before)  # refused before anything was loaded
+    # An optimizer under an entry the file lacks: refused too, not left fresh without a word.
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="has no 'opt' to restore"):
+        load_sharded(str(tmp_path), {"model": other, "opt": other_opt})
+    assert torch.equal(other.weight, before) and not other_opt.state

@@ -191,18 +191,20 @@ def test_another_model_of_the_checkpoint_by_its_entry(capsys, tmp_path, kind):
     import torch.distributed.checkpoint as dcp
 
     model, ema = tiny_llama(tie=True), tiny_llama(tie=False)
+    opt = {"state": {"lm_head.weight": {"exp_avg": torch.ones(2)}}}  # an optimizer's entry
     ckpt = tmp_path / "ckpt"
     if kind == "sharded":  # as format version 3 writes it: each model under its entry
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save({"model": model.state_dict(), "ema": ema.state_dict()},
+            dcp.save({"model": model.state_dict(), "ema": ema.state_dict(), "optimizer": opt},
                      checkpoint_id=str(ckpt), no_dist=True)
         torch.save({"step": 1, "hf_config": ema.config.to_dict()}, ckpt / "extra.pt")
         (ckpt / "sharded.json").write_text(json.dumps(
-            {"format_version": 3, "keys": ["ema", "model"], "models": ["model", "ema"],
-             "optimizers": []}))
+            {"format_version": 3, "keys": ["ema", "model", "optimizer"],
+             "models": ["model", "ema"], "optimizers": ["optimizer"]}))
     else:
         save_replicated(ckpt, model.state_dict(), {"ema": ema.state_dict(), "step": 1,
+                                                   "optimizer": opt,
                                                    "hf_config": ema.config.to_dict()})
     code, stdout, err = run(capsys, ["consolidate", str(ckpt), str(tmp_path / "hf"), "--hf",
                                      "--model", "ema", "--json"])
@@ -220,6 +222,10 @@ def test_another_model_of_the_checkpoint_by_its_entry(capsys, tmp_path, kind):
     line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "x.safetensors"),
                                "--model", "reference"], 2)
     assert f"checkpoint {ckpt} has no model entry 'reference' to consolidate" in line
+    line = error_line(capsys, ["consolidate", str(ckpt), str(tmp_path / "y.safetensors"),
+                               "--model", "optimizer"], 2)
+    assert f"checkpoint {ckpt}: its 'optimizer' entry is not a model's state dict" in line
+    assert not (tmp_path / "y.safetensors").exists()
 
 
 def test_a_checkpoint_that_does_not_fit_the_config_writes_nothing(capsys, tmp_path):

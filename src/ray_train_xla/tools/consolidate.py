@@ -66,10 +66,19 @@ class NotConsolidatableError(ConsolidateError):
     exit_code = 2
 
 
-def plain_model_state(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Model tensors under the unwrapped model's names (FSDPv2 prefixes removed), contiguous."""
-    return {key.replace(FSDP_V2_PREFIX, ""): value.detach().to("cpu").contiguous()
-            for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+def plain_model_state(model_state: dict[str, Any], name: str, entry: str) -> dict[str, torch.Tensor]:
+    """Model tensors under the unwrapped model's names (FSDPv2 prefixes removed), contiguous.
+    Raises ``NotConsolidatableError`` when the entry is no model's state dict (an optimizer's
+    or a scheduler's: nested, or without a tensor)."""
+    nested = sorted(k for k, v in model_state.items() if isinstance(v, Mapping))
+    tensors = {key.replace(FSDP_V2_PREFIX, ""): value.detach().to("cpu").contiguous()
+               for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    if nested or not tensors:
+        raise NotConsolidatableError(
+            f"checkpoint {name}: its {entry!r} entry is not a model's state dict ("
+            + (f"it nests {nested[:3]}, as an optimizer's does" if nested else "no tensor")
+            + "): give --model the entry a model was saved under")
+    return tensors
 
 
 def consolidate(checkpoint: str, out: str, torch_file: str | None = None,
@@ -391,7 +400,7 @@ def _model_source(checkpoint: str, path: str, filesystem, entry: str = "model") 
             sharded, model, extras = False, state.get(entry), state
             if not isinstance(model, Mapping):
                 raise NotConsolidatableError(_no_entry(checkpoint, entry))
-            model = plain_model_state(dict(model))
+            model = plain_model_state(dict(model), checkpoint, entry)
         else:
             sharded, model, extras = _read_model(path, checkpoint, (HF_CONFIG_KEY,), entry)
     model = {k.replace(CHECKPOINT_WRAPPER_PREFIX, ""): v for k, v in model.items()}
@@ -548,7 +557,7 @@ def _read_model(checkpoint: str, name: str | None = None, extra_keys: tuple[str,
             f"checkpoint {name}: its {entry!r} entry is a {type(state[entry]).__name__}, "
             "not a state dict (save model.state_dict(), or the model itself)")
     extras = {k: state[k] for k in extra_keys if k in state}
-    return sharded, plain_model_state(dict(state[entry])), extras
+    return sharded, plain_model_state(dict(state[entry]), name, entry), extras
 
 
 def _no_entry(name: str, entry: str) -> str:

@@ -55,14 +55,13 @@ class ModelPart:
 class OptimizerPart:
     """An optimizer in a checkpoint, under its entry's name. A save's ``state`` (sharded state:
     ``{"state": {name: {...}}}``) and ``groups`` (its parameter groups, parameters by name); a
-    restore's ``optimizer``, the ``model`` part whose parameters it steps and their ``names``
-    (per group; None when no part given holds them)."""
+    restore's ``optimizer`` and the names of the parameters it steps in the model part that
+    holds them (``names``, per group; None when no part given holds them)."""
 
     key: str
     state: dict[str, Any] | None = None
     groups: list[dict[str, Any]] | None = None
     optimizer: torch.optim.Optimizer | None = None
-    model: ModelPart | None = None
     names: list[list[str]] | None = None
 
 
@@ -218,9 +217,7 @@ def target(model: Any = None, optimizer: torch.optim.Optimizer | None = None,
     for key, value in optimizers.items():
         held = next((m for m in models.values() if m.module is holders[key]), None)
         names = None if held is None else optimizer_param_names(held.module, value, helper)
-        # given with a model (not a mapping): that model's, named when a restore needs them
-        fallback = next(iter(models.values()), None) if whole_back else None
-        parts.append(OptimizerPart(key, optimizer=value, model=held or fallback, names=names))
+        parts.append(OptimizerPart(key, optimizer=value, names=names))
     return CheckpointState(kind, list(models.values()), parts, objects=objects,
                            whole_back=whole_back)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.source import check_whole
 from ray_train_xla.toolkit.checkpoint.staging import Staged, shared_pool, tensors_in
 from ray_train_xla.toolkit.checkpoint.writer import save_process, write_file
@@ -58,11 +57,8 @@ class Replicated:
         ``CheckpointMismatchError`` before anything is loaded when the saved state does not
         fit."""
         where = f"load_checkpoint: {source.where}"
+        source.require(target)  # every entry it restores: before anything is read
         saved = source.rest()
-        missing = sorted(set(target.objects) - set(saved))
-        if missing:  # an object's entry: before anything is read
-            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
-                                          f"restore (it holds {sorted(saved)})")
         state = source.read_whole(target)
         check_whole(state, target, where)
         for part in target.models:

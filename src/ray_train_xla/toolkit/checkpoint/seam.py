@@ -110,17 +110,19 @@ def load_checkpoint(
     (step, epoch, ...); a sharded one returns the rest of the state. ``model`` may instead be a
     mapping of the entries to restore in place (modules, optimizers, objects with
     ``load_state_dict`` such as an LR scheduler), ``{"model": model, "ema": ema, "optimizer":
-    opt, "scheduler": sched}``: it returns the saved entries it was not given.
+    opt, "scheduler": sched}``: it returns the rest of the saved state (and, from a replicated
+    file, the models and optimizers it was not given).
 
     Any checkpoint loads into any model: a sharded checkpoint (FSDPv2, FSDP2, tensor parallel)
     restores in place onto the shards a sharded model and optimizer have now (any mesh,
     placements, device or worker count), or whole into a replicated model; a replicated
     checkpoint fills a sharded model's shards. Parameters and optimizer state are matched by the
-    module's parameter names (a replicated file's optimizer state, which has no names, by
-    position). Raises ``CheckpointMismatchError`` (before anything is loaded) naming every
-    tensor whose saved shape or dtype differs from the model's or the optimizer's, every key the
-    checkpoint lacks and every saved tensor the model has no place for; ShardedStateError for
-    torch_xla FSDP v1 models.
+    module's parameter names (a replicated file's optimizer state by the ``param_names`` its
+    state dict carries, into sharded targets; else by position). Raises
+    ``CheckpointMismatchError`` (before anything is loaded) naming every entry given that the
+    checkpoint lacks, every tensor whose saved shape or dtype differs from the model's or the
+    optimizer's, every key the checkpoint lacks and every saved tensor the model has no place
+    for; ShardedStateError for torch_xla FSDP v1 models.
     """
     restoring = target(model, optimizer, "load_checkpoint")
     with _source(checkpoint, filename) as source:

@@ -8,8 +8,9 @@ device count, worker count or layout:
   hold and reads back exactly the pieces its devices need;
 - ``DTENSOR_SHARDS``: DTensors (FSDP2 and tensor parallelism on the native stacks,
   ``TorchNeuronConfig`` / ``TorchTPUConfig`` and their CPU twins, any placements on any mesh),
-  through DCP's default planners, and on loading torch's own ``get_state_dict`` /
-  ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``).
+  through DCP's default planners, read into the modules' own state dicts (``describe.py``)
+  and given back with ``load_state_dict``; the optimizers' state under their parameters'
+  names, primed first (``names.py``).
 
 Each kind stages a save (``stage``), gives its writer (``writer``) and restores (``restore``): a
 sharded checkpoint in place, each rank reading the pieces its shards need; a replicated one
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ray_train_xla.errors import CheckpointMismatchError, ShardedStateError
+from ray_train_xla.errors import ShardedStateError
 from ray_train_xla.toolkit.checkpoint.names import index_optimizer_state
 from ray_train_xla.toolkit.checkpoint.staging import Staged, stage_dtensors
 from ray_train_xla.toolkit.checkpoint.writer import process_info, write_staged
@@ -91,11 +92,8 @@ class Shards:
         import torch.distributed.checkpoint as dcp
 
         where = f"load_checkpoint: {source.where}"
+        source.require(target)  # every entry it restores: before anything is read
         saved = source.rest()
-        missing = sorted(set(target.objects) - set(saved))
-        if missing:  # an object's entry: before anything is read
-            raise CheckpointMismatchError(f"{where} has no {', '.join(map(repr, missing))} to "
-                                          f"restore (it holds {sorted(saved)})")
         for part in target.optimizers:
             if part.names is None:
                 raise ShardedStateError(

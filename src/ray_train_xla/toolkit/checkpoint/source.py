@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint import StorageReader
 
+from ray_train_xla.errors import CheckpointMismatchError
 from ray_train_xla.toolkit.checkpoint.files import load_small, read_file
 from ray_train_xla.toolkit.checkpoint.format import (
     CHECKPOINT_FILE,
@@ -65,18 +66,26 @@ def open_source(path: str, filesystem=None, where: str = "", filename: str = CHE
 class Source:
     """What both formats share: where the checkpoint lies."""
 
-    sharded = False
-
     def __init__(self, path: str, filesystem=None, where: str = "",
                  filename: str = CHECKPOINT_FILE) -> None:
         self.path, self.filesystem, self.filename = path, filesystem, filename
         self.where = where or f"checkpoint {path}"
 
+    def require(self, target) -> None:
+        """Raise ``CheckpointMismatchError`` before anything is read when the checkpoint lacks an
+        entry ``target`` restores (a model, an optimizer, an object with ``load_state_dict``):
+        none is left as it was without a word."""
+        held = self.entries()
+        wanted = [p.key for p in target.models] + [o.key for o in target.optimizers]
+        missing = [k for k in wanted + list(target.objects) if k not in held]
+        if missing:
+            raise CheckpointMismatchError(
+                f"load_checkpoint: {self.where} has no {', '.join(map(repr, missing))} to "
+                f"restore (it holds {sorted(held)})")
+
 
 class ShardedSource(Source):
     """A sharded checkpoint: DCP's files, ``param_groups.pt``, ``extra.pt``, ``sharded.json``."""
-
-    sharded = True
 
     def __init__(self, *args, **kwargs) -> None:
         import json
@@ -101,8 +110,8 @@ class ShardedSource(Source):
         reader, metadata = reader_for(self.path, self.filesystem)
         saved = {_top_key(metadata, k) for k in metadata.state_dict_metadata}
         missing = sorted(set(target) - saved)
-        if missing:
-            raise KeyError(f"{what} has no {missing} (it holds {sorted(saved)})")
+        if missing:  # (Source.require refused it before: a caller of its own)
+            raise CheckpointMismatchError(f"{what} has no {missing} (it holds {sorted(saved)})")
         if not target:
             return None
         state = in_saved_keys(target, optimizers, metadata, self.version)
@@ -113,6 +122,11 @@ class ShardedSource(Source):
                        {k: spec_of(v) for k, v in flatten_state_dict(entries)[0].items()}, what,
                        " and ".join(f"the {k}" for k in sorted(entries)))
         return Plan(state, reader)
+
+    def entries(self) -> set[str]:
+        """The entries the checkpoint holds: its sharded tensors' and the rest's."""
+        _, metadata = reader_for(self.path, self.filesystem)
+        return {_top_key(metadata, k) for k in metadata.state_dict_metadata} | set(self.rest())
 
     def groups(self) -> dict[str, list]:
         """Each optimizer's parameter groups (``param_groups.pt``), by entry; {} before format 2."""
@@ -181,6 +195,10 @@ class FileSource(Source):
                                      map_location="cpu", weights_only=True)
         return self._state
 
+    def entries(self) -> set[str]:
+        """The entries the file holds."""
+        return set(self.rest())
+
     def plan(self, target: dict[str, Any], optimizers: Mapping[str, list[list[str]]],
              where: str = "") -> Plan | None:
         """What ``dcp.load`` reads into sharded targets (as :meth:`ShardedSource.plan`): the
@@ -189,7 +207,7 @@ class FileSource(Source):
         state = self.rest()
         whole = {k: named_model_state(state.get(k) or {}) for k in target if k not in optimizers}
         named = {k: positional_names(state[k], optimizers[k]) for k in optimizers if k in state}
-        whole.update({k: {"state": v["state"]} for k, v in named.items()})  # (one it lacks: as is)
+        whole.update({k: {"state": v["state"]} for k, v in named.items()})
         self._groups = {k: v["param_groups"] for k, v in named.items()}
         for key in whole:
             check_fits(flat_specs(whole[key], f"{key}."), flat_specs(target[key], f"{key}."),
