@@ -1083,7 +1083,7 @@ def check_model_layout(parser: argparse.ArgumentParser, args: argparse.Namespace
             return  # not a decoder of the usual shape: the workers check what their plan splits
         owner = f"--model {config['model']}"
     try:
-        Layout(dp_shard=args.workers // args.tp, tp=args.tp).check_model(owner=owner, **sizes)
+        Layout(tp=args.tp).check_model(owner=owner, **sizes)  # (the model's sizes: tp's alone)
     except XLAConfigError as e:
         parser.error(e.for_plan())
 

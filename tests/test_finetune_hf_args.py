@@ -297,18 +297,24 @@ def test_tp_makes_the_layout_of_the_native_configs_and_refuses_what_cannot_split
     args, config, _ = ft.validate(["--config", "neuron", "--workers", "4", "--tp", "2",
                                    "--sequence-parallel", "--no-export"])
     assert args.tp == 2 and config["sequence_parallel"] is True
-    for name in ("neuron", "tpu"):
+    for name in ("xla", "neuron", "tpu"):
         assert ft.torch_config(name, "cpu", tp=2).parallelism == {"tp": 2}
         assert ft.torch_config(name, "cpu").parallelism is None
     assert ft.validate(["--no-export"])[1]["sequence_parallel"] is False
+    args, config, _ = ft.validate(["--config", "xla", "--tp", "2", "--no-export"])  # TP x FSDPv2
+    assert args.tp == 2 and config["sequence_parallel"] is False
 
     def refused(*argv) -> str:
         with pytest.raises(SystemExit):
             ft.validate([*argv, "--no-export"])
         return capsys.readouterr().err
 
-    assert "--tp 2 with --config xla" in refused("--config", "xla", "--tp", "2")
-    assert "use --config neuron or --config tpu" in refused("--config", "xla", "--tp", "2")
+    assert "--sequence-parallel is a DTensor style (--config neuron or tpu)" in refused(
+        "--config", "xla", "--tp", "2", "--sequence-parallel")
+    assert "--tp 3 does not divide the SPMD worker's --devices 4: give --tp among [1, 2, 4]" \
+        in refused("--config", "xla", "--tp", "3")
+    assert "the built-in model: --tp 8 does not divide the model's 4 attention heads" in refused(
+        "--config", "xla", "--devices", "8", "--batch-size", "8", "--tp", "8")
     assert "--tp 3 does not divide --workers 4: the workers form groups of --tp; give --tp " \
            "among [1, 2, 4]" in refused("--config", "neuron", "--workers", "4", "--tp", "3")
     assert "--tp 0: give 1" in refused("--config", "neuron", "--tp", "0")
