@@ -4,10 +4,11 @@ from the config's ``parallelism``, each rank's mesh coordinates, the rows each r
 (``prepare_data_loader`` and Ray Data), a tiny Hugging Face Llama trained TP 2 x FSDP 2 against
 torch's unsharded run, and its checkpoint resharded into other layouts.
 
-Two fits: ``tp2`` trains, keeps its state in the memory tier and restores it from there into a
-second model, and saves it (the model, the optimizer and an LR scheduler as entries of their
-own) through the writer process; ``reshard`` loads that checkpoint into FSDP 4, TP 4 and
-HSDP 2 x TP 2 meshes on the same 4 workers and compares every tensor, bit for bit, by name.
+Two fits: ``tp2`` trains, keeps its state in the memory tier and fails; restarted, it trains
+again, restores the first attempt's state from memory into a second model, and saves it (the
+model, the optimizer and an LR scheduler as entries of their own) through the writer process;
+``reshard`` loads that checkpoint into FSDP 4, TP 4 and HSDP 2 x TP 2 meshes on the same 4
+workers and compares every tensor, bit for bit, by name.
 ``consolidate --hf`` exports the checkpoint, which ``from_pretrained`` loads with the trained
 model's logits. (Fewer workers of another layout: ``test_checkpoint_state_local.py``.)
 """
@@ -111,18 +112,27 @@ def train_tp(config):
     record["placements"] = {n: str(p.placements) for n, p in model.named_parameters()
                             if n.endswith(("q_proj.weight", "o_proj.weight", "input_layernorm.weight"))}
     entries = {"model": model, "optimizer": opt, "scheduler": sched}
-    # The memory tier: kept in this node's shared memory rank by rank, and restored from there
-    # into a model and optimizer of the same layout (no checkpoint given: memory first).
+    # The memory tier across a failure: the first attempt keeps its state in host memory (rank
+    # by rank, in place) and fails; Ray Train restarts the group, whose second attempt trains
+    # the same steps again and restores the first one's state from memory (no checkpoint was
+    # reported: memory first) into a model and optimizer of the same layout.
     from ray_train_xla.toolkit.checkpoint.memory import memory_tier
 
-    assert rtx.keep_in_memory({**entries, "step": STEPS}, STEPS) is True
-    memory_tier().wait()
+    failed = config["dump"] + ".failed"
+    if not os.path.exists(failed):
+        assert rtx.keep_in_memory({**entries, "step": STEPS}, STEPS) is True
+        memory_tier().wait()
+        write_record(config, f"kept{rtx.rank()}", {"kept": rtx.rank(),
+                                                   "by_rank": memory_tier().by_rank})
+        rtx.rendezvous("kept")
+        if rtx.rank() == 0:
+            open(failed, "w").close()
+        raise RuntimeError("injected failure after the memory tier kept the last step")
     fresh = rtx.prepare_sharded_model(w.make_lm(), auto_wrap_policy={w.block_class()})
     fresh_opt = _optimizer(fresh)
     fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
     rest = rtx.load_checkpoint({"model": fresh, "optimizer": fresh_opt, "scheduler": fresh_sched})
-    record["memory"] = {"restored": memory_tier().restored is not None,
-                        "by_rank": memory_tier().by_rank, "rest": rest,
+    record["memory"] = {"restored": memory_tier().restored is not None, "rest": rest,
                         "exact": w.exact(w.named_state(fresh, fresh_opt), state),
                         "scheduler": fresh_sched.state_dict() == sched.state_dict()}
     written = rtx.save_checkpoint({**entries, "step": STEPS}, {"step": STEPS}, wait=True)
@@ -170,13 +180,18 @@ def runs(two_nodes, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("tp")
     dump = str(tmp / "tp2.pt")
-    result, tp2 = fit(train_tp, torch_config=_config(parallelism={"tp": 2}, memory_every=1),
-                      scaling_config=neuron_scaling(4), loop_config={"dump": dump},
-                      datasets={"rows": ray.data.range(ROWS)})
+    result, records = fit(train_tp, torch_config=_config(parallelism={"tp": 2}, memory_every=1),
+                          scaling_config=neuron_scaling(4), loop_config={"dump": dump},
+                          datasets={"rows": ray.data.range(ROWS)},
+                          run_config=ray.train.RunConfig(
+                              storage_path=str(tmp / "results"),
+                              failure_config=ray.train.FailureConfig(max_failures=1)))
+    kept = [r for r in records if "kept" in r]  # the first attempt's, before it failed
+    tp2 = [r for r in records if "kept" not in r]
     _, moved = fit(reshard, torch_config=_config(), scaling_config=neuron_scaling(4),
                    loop_config={"dump": dump, "checkpoint": ray.train.Checkpoint(result.checkpoint.path)})
     return {"tp2": sorted(tp2, key=lambda r: r["coords"]["tp"] + 2 * r["coords"]["dp_shard"]),
-            "reshard": moved, "checkpoint": result.checkpoint.path, "dump": dump}
+            "reshard": moved, "checkpoint": result.checkpoint.path, "dump": dump, "kept": kept}
 
 
 def test_the_layout_is_planned_and_the_mesh_follows_it(runs):
@@ -240,10 +255,13 @@ def test_the_writer_process_and_the_memory_tier_keep_the_tp_state_bit_for_bit(ru
     for r in runs["tp2"]:
         # the storage checkpoint: this rank's shards (its own data file), by the writer process
         assert r["writer_process"] is True and f"__{r['rank']}_0.distcp" in r["written"], r
-        # memory: kept rank by rank in place, restored from memory into the same layout
+        # memory: kept rank by rank in place by the attempt that failed, restored from memory
+        # after the restart into the same layout, bit for bit
         m = r["memory"]
-        assert m["restored"] is True and m["by_rank"] == 1, m
+        assert m["restored"] is True, m
         assert m["exact"] is True and m["scheduler"] is True and m["rest"] == {"step": STEPS}, m
+    assert sorted(k["kept"] for k in runs["kept"]) == [0, 1, 2, 3]
+    assert all(k["by_rank"] == 1 for k in runs["kept"]), runs["kept"]
 
 
 def test_consolidate_hf_of_a_tp_checkpoint_loads_with_the_trained_models_logits(runs, tmp_path):
