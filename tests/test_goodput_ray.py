@@ -282,11 +282,12 @@ def test_the_slow_rank_is_named_with_its_excess_and_none_where_no_rank_is_slow(a
     assert first.measured == 2 and first.stragglers == [], first.stragglers
     [slow] = restarted.stragglers
     assert slow.rank == 1 and slow.steps >= 3
-    # Its excess is the sleep (on a loaded machine every wait stretches, so: at least the sleep,
-    # and what the loops timed themselves, within 10% of the sleep).
+    # Its excess is what the loops timed themselves over the same steps, within 10% of the
+    # sleep, and about the sleep (medians of 6 steps: on a loaded machine the slow rank's sleep
+    # and the other's work stretch by tens of ms).
     timed = _timed_excess(audited_run["records"])
-    assert slow.excess_per_step_s >= 0.9 * SLOW_S, slow
     assert slow.excess_per_step_s == pytest.approx(timed, abs=0.1 * SLOW_S), (slow, timed)
+    assert 0.5 * SLOW_S <= slow.excess_per_step_s <= 1.5 * SLOW_S, slow
     assert slow.excess_s == pytest.approx(slow.excess_per_step_s * slow.steps)
     assert slow.share == pytest.approx(slow.excess_s / result.wall)
     assert main(["goodput", audited_run["run_path"]]) == 0
@@ -320,5 +321,7 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
                and 'rank="1"' in ln]
     value = float(named.split()[-1])
     slow, fast = (audited_run["records"][("a1", r)]["own"] for r in (1, 0))
-    assert 0.9 * SLOW_S <= value <= 1.5 * SLOW_S, named
-    assert min(slow) - max(fast) <= value <= max(slow) - min(fast), (named, slow, fast)
+    assert 0.5 * SLOW_S <= value <= 1.5 * SLOW_S, named
+    # (the timeline's own times and the loops' differ by where each starts its clock: < 5 ms)
+    assert min(slow) - max(fast) - 0.005 <= value <= max(slow) - min(fast) + 0.005, (
+        named, slow, fast)
