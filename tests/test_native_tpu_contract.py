@@ -269,6 +269,10 @@ CASES = {
     "v6e-1host": ("v6e", lambda: host_facts("", [0], per_host=8)),
     "v5p-4hosts": ("v5p", lambda: host_facts("2x2x4", SHUFFLED)),
     "v6e-4hosts": ("v6e", lambda: host_facts("4x4", SHUFFLED)),
+    # The hosts' accelerator type alone (no topology reported): its standard topology, 4x4.
+    "v6e-4hosts-by-type": ("v6e", lambda: [
+        f.__class__(**{**f.__dict__, "tpu_topology": "", "tpu_accelerator_type": "v6e-16"})
+        for f in host_facts("4x4", SHUFFLED)]),
     "v6e-2slices": ("v6e", lambda: (
         host_facts("4x4", SHUFFLED, slice_name="b", ip_base=2, node_prefix="b")
         + host_facts("4x4", [1, 3, 0, 2], slice_name="a", ip_base=1, node_prefix="a"))),
