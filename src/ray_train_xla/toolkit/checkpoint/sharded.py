@@ -146,13 +146,9 @@ class DTensorShards(Shards):
     writer_process = True
 
     def stage(self, state, overlap: bool = False, shared: bool = False, stager=None) -> Staged:
-        models, optimizers = [p.key for p in state.models], [o.key for o in state.optimizers]
-        groups = {o.key: o.groups for o in state.optimizers}
-        entries = {**{p.key: p.state for p in state.models},
-                   **{o.key: o.state for o in state.optimizers}}
-        extra = to_cpu(state.extras)
+        entries, names = _entries(state)
         tree, specs, copy, release = stage_dtensors(entries, overlap, stager)
-        return Staged(self, copy, release, groups, extra, models, optimizers, tree, specs)
+        return Staged(self, copy, release, *names, tree, specs)
 
     def prime(self, optimizer) -> None:
         # As torch's own get_optimizer_state_dict primes an optimizer, by public calls.
@@ -180,15 +176,11 @@ class SPMDShards(Shards):
         import torch_xla.runtime as xr
         from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
 
-        models, optimizers = [p.key for p in state.models], [o.key for o in state.optimizers]
-        groups = {o.key: o.groups for o in state.optimizers}
-        entries = {**{p.key: p.state for p in state.models},
-                   **{o.key: o.state for o in state.optimizers}}
-        extra = to_cpu(state.extras)
+        entries, names = _entries(state)
         torch_xla.sync()
         # As torch_xla's CheckpointManager.save_async: local shards to CPU, in one transfer.
-        return Staged(self, _one_copy_per_chunk(_sharded_cpu_state_dict(entries)), None, groups,
-                      extra, models, optimizers, devices=xr.global_runtime_device_count())
+        return Staged(self, _one_copy_per_chunk(_sharded_cpu_state_dict(entries)), None, *names,
+                      devices=xr.global_runtime_device_count())
 
     def save_planner(self):
         import dataclasses
@@ -229,6 +221,16 @@ class SPMDShards(Shards):
         import torch_xla
 
         torch_xla.sync()
+
+
+def _entries(state) -> tuple[dict[str, Any], tuple]:
+    """A save's sharded entries (each model part's and optimizer's state, by entry), and what
+    ``Staged`` takes after the copy and its release: the optimizers' parameter groups, the
+    replicated rest (on the CPU), the model and optimizer entries."""
+    entries = {**{p.key: p.state for p in state.models},
+               **{o.key: o.state for o in state.optimizers}}
+    return entries, ({o.key: o.groups for o in state.optimizers}, to_cpu(state.extras),
+                     [p.key for p in state.models], [o.key for o in state.optimizers])
 
 
 def _one_copy_per_chunk(tree):
