@@ -111,3 +111,34 @@ def mean_diff(a: dict, b: dict) -> float:
     """The mean absolute difference over every element of every tensor."""
     total = sum(float((a[k].float() - b[k].float()).abs().sum()) for k in b)
     return total / sum(b[k].numel() for k in b)
+
+
+def assert_consolidated_hf(checkpoint: str, dump: str, tmp_path) -> None:
+    """``consolidate_hf`` of ``checkpoint`` (this module's Llama) loads with
+    ``from_pretrained`` and gives the logits of the trained model dumped at ``dump``."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_train_xla.tools.consolidate import consolidate_hf
+
+    lm_config().save_pretrained(tmp_path / "config")
+    consolidate_hf(checkpoint, str(tmp_path / "hf"), config=str(tmp_path / "config"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trained = make_lm().eval()
+    trained.load_state_dict(torch.load(dump, weights_only=False)["model"])
+    ids = tokens(99)
+    with torch.no_grad():
+        want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert not torch.allclose(want, make_lm().eval()(input_ids=ids).logits, atol=1e-3)  # trained
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def native_cpu_env(rank: int, world: int, port: int, run: str, timeout_s: int) -> None:
+    """This process as rank ``rank`` of ``world`` on one host, the native CPU twin over gloo,
+    as the config plans it (for ranks started without Ray)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), RAY_TRAIN_XLA_DEVICE="cpu",
+                      RAY_TRAIN_XLA_RUNTIME="native", RAY_TRAIN_XLA_PG_BACKEND="gloo",
+                      TORCHELASTIC_RUN_ID=f"{run}-{port}", RAY_TRAIN_XLA_TIMEOUT_S=str(timeout_s))

@@ -24,11 +24,9 @@ STEPS = 2
 
 
 def _env(rank: int, world: int, port: int, run: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), RAY_TRAIN_XLA_DEVICE="cpu",
-                      RAY_TRAIN_XLA_RUNTIME="native", RAY_TRAIN_XLA_PG_BACKEND="gloo",
-                      TORCHELASTIC_RUN_ID=f"{run}-{port}", RAY_TRAIN_XLA_TIMEOUT_S="60")
+    from fsdp2_worker import native_cpu_env
+
+    native_cpu_env(rank, world, port, run, 60)
 
 
 def _entries(shape):

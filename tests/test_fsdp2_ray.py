@@ -427,20 +427,8 @@ def test_checkpoints_cross_the_replicated_sharded_seam_both_ways(runs):
 @pytest.mark.native
 def test_consolidate_hf_of_an_fsdp2_checkpoint_loads_with_the_trained_models_logits(runs, tmp_path):
     import fsdp2_worker as w
-    from transformers import AutoModelForCausalLM
 
-    from ray_train_xla.tools.consolidate import consolidate_hf
-
-    w.lm_config().save_pretrained(tmp_path / "config")
-    consolidate_hf(runs["ckpt4"], str(tmp_path / "hf"), config=str(tmp_path / "config"))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    trained = w.make_lm().eval()
-    trained.load_state_dict(torch.load(runs["dump4"], weights_only=False)["model"])
-    ids = w.tokens(99)
-    with torch.no_grad():
-        want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
-    assert not torch.allclose(want, w.make_lm().eval()(input_ids=ids).logits, atol=1e-3)  # trained
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    w.assert_consolidated_hf(runs['ckpt4'], runs['dump4'], tmp_path)
 
 
 def test_spmd_on_four_virtual_cpu_devices_matches_plain_training(runs):

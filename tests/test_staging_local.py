@@ -22,11 +22,9 @@ Pair = collections.namedtuple("Pair", "a b")  # pickled by reference, as torch.s
 
 
 def _worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), RAY_TRAIN_XLA_DEVICE="cpu",
-                      RAY_TRAIN_XLA_RUNTIME="native", RAY_TRAIN_XLA_PG_BACKEND="gloo",
-                      TORCHELASTIC_RUN_ID=f"staging-{port}", RAY_TRAIN_XLA_TIMEOUT_S="30")
+    from fsdp2_worker import native_cpu_env
+
+    native_cpu_env(rank, world, port, "staging", 30)
     import faulthandler
 
     import torch.distributed as dist

@@ -266,17 +266,5 @@ def test_the_writer_process_and_the_memory_tier_keep_the_tp_state_bit_for_bit(ru
 
 def test_consolidate_hf_of_a_tp_checkpoint_loads_with_the_trained_models_logits(runs, tmp_path):
     import fsdp2_worker as w
-    from transformers import AutoModelForCausalLM
 
-    from ray_train_xla.tools.consolidate import consolidate_hf
-
-    w.lm_config().save_pretrained(tmp_path / "config")
-    consolidate_hf(runs["checkpoint"], str(tmp_path / "hf"), config=str(tmp_path / "config"))
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    trained = w.make_lm().eval()
-    trained.load_state_dict(torch.load(runs["dump"], weights_only=False)["model"])
-    ids = w.tokens(99)
-    with torch.no_grad():
-        want, got = trained(input_ids=ids).logits, exported(input_ids=ids).logits
-    assert not torch.allclose(want, w.make_lm().eval()(input_ids=ids).logits, atol=1e-3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    w.assert_consolidated_hf(runs['checkpoint'], runs['dump'], tmp_path)
