@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.13
+pytestmark = pytest.mark.native  # `make test-native` runs it again on torch 2.14.1
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src", "ray_train_xla")
