@@ -68,6 +68,28 @@ def test_other_samplers_are_refused_with_a_clear_error():
         per_worker(lambda: DataLoader(TensorDataset(ROWS), batch_size=1, sampler=EveryOther()), 2)
 
 
+def test_a_distributed_sampler_is_kept_when_it_splits_by_data_parallel_rank_else_refused(
+        monkeypatch):
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ray_train_xla.planning.contract import LAYOUT_VAR
+
+    def loader(replicas):  # split by the worker's global rank
+        return lambda: DataLoader(TensorDataset(ROWS), batch_size=1, sampler=DistributedSampler(
+            ROWS, num_replicas=replicas, rank=int(os.environ["RANK"]), shuffle=False))
+
+    kept = per_worker(loader(2), 2)
+    assert values(kept[0]) == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert values(kept[1]) == [1.0, 3.0, 5.0, 7.0, 9.0]
+    with pytest.raises(ValueError, match=r"splits the rows num_replicas=4 ways \(rank=0\), but "
+                                         r"this worker is data-parallel rank 0 of 2"):
+        per_worker(loader(4), 2)
+    # TP 2 on 2 workers: one data-parallel rank; a sampler by global rank would split the peers.
+    monkeypatch.setenv(LAYOUT_VAR, "dp_replicate=1,dp_shard=1,tp=2")
+    with pytest.raises(ValueError, match="data-parallel rank 0 of 1"):
+        per_worker(loader(2), 2)
+
+
 def test_pad_masks_count_every_row_once_across_four_workers():
     shards = per_worker(lambda: DataLoader(TensorDataset(ROWS), batch_size=2), 4, ragged="pad")
     assert [len(s) for s in shards] == [2, 2, 2, 2]  # every worker steps as often

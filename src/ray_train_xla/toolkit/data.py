@@ -363,8 +363,9 @@ def prepare_data_loader(
 
     The loader's sampler decides what is sharded: the whole dataset (``SequentialSampler``,
     ``RandomSampler``), a ``SubsetRandomSampler``'s indices only, a ``WeightedRandomSampler``'s
-    weighted draws; a ``DistributedSampler`` you built is kept. Other samplers are refused (a
-    ValueError) rather than replaced. The rows are split by data-parallel rank
+    weighted draws; a ``DistributedSampler`` you built is kept when it splits by
+    ``data_parallel()`` (else a ValueError). Other samplers are refused (a ValueError) rather
+    than replaced. The rows are split by data-parallel rank
     (``data_parallel()``: the worker's rank, except that tensor-parallel peers share one and
     get the same rows): each gets ``ceil(rows / dp)`` rows, the last ones repeated from the
     start when the rows do not divide evenly (as ``DistributedSampler``).
@@ -420,6 +421,13 @@ def prepare_data_loader(
         rebuilt = _rebuild(loader, sampler, sampler.per_worker, pad, drop_last=False)
         return XLADataLoader(rebuilt, sampler, to_device, background)
     if given is not None:
+        if (given.num_replicas, given.rank) != (dp, dp_rank):  # not another split, silently
+            raise ValueError(
+                f"prepare_data_loader: the DataLoader's DistributedSampler splits the rows "
+                f"num_replicas={given.num_replicas} ways (rank={given.rank}), but this worker "
+                f"is data-parallel rank {dp_rank} of {dp} (tensor-parallel peers read the same "
+                "rows): build it with rtx.data_parallel(), DistributedSampler(dataset, "
+                "num_replicas=dp, rank=dp_rank), or give the DataLoader its plain sampler")
         # Its k-th index is position rank + k * num_replicas of its padded order.
         n, r, w = len(given.dataset), given.rank, given.num_replicas
         sampler = _GivenDistributed(given, lambda k: r + k * w < n) if pad else given
