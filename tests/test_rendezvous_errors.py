@@ -168,7 +168,7 @@ print(json.dumps({"text": text, "ports": ports}))
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["text"].startswith(" gloo listeners as published: rank 0: "), got
     assert "rank 1: none" in got["text"]
-    published = int(got["text"].split("rank 0: ")[1].split(" ")[0].rsplit(":", 1)[1])
+    published = int(got["text"].split("rank 0: ")[1].split(";")[0].rsplit(":", 1)[1])
     assert published in got["ports"], got  # the port gloo listens on in that process
 
 

@@ -20,7 +20,8 @@ MUTATORS = {"append", "appendleft", "extend", "add", "update", "clear", "pop", "
             "setdefault", "remove", "discard", "insert", "popleft"}
 # The module-level state there is, each with why it is there.
 ALLOWED = {
-    "toolkit/runtime.py": {"_current": "this worker's runtime", "_lock": "a lock"},
+    "toolkit/runtime.py": {"_current": "this worker's runtime", "_lock": "a lock",
+                           "_world": "this process's world: its ranks, generation and store"},
     "__init__.py": {"<globals()>": "the lazy export cache (a name, once imported)"},
     "planning/contract.py": {"_cached": "the plan as the environment says it (a cache of the "
                                         "environment, keyed by it: it never says otherwise)"},

@@ -37,7 +37,8 @@ _EXPORTS = {
     **dict.fromkeys(("Layout", "Parallelism"), "ray_train_xla.planning.layout"),
     **dict.fromkeys(("XLAConfigError", "WorkerSetupError", "XLAInitError", "RendezvousTimeoutError",
                      "NeuronCompileError", "ShardedStateError", "CheckpointMismatchError",
-                     "ReportError"), "ray_train_xla.errors"),
+                     "ReportError", "RecoveryError"), "ray_train_xla.errors"),
+    "recoverable": "ray_train_xla.startup.recovery",
 }
 _TOOLKIT = "ray_train_xla.toolkit"
 

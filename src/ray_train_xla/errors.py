@@ -72,6 +72,12 @@ def config_error(field_name: str, value: Any, expected: str | Iterable[str] | Te
                           *more, ".")
 
 
+class RecoveryError(RuntimeError):
+    """Recovery in place (``recovery="in_place"``) cannot go on: its budget is spent, a fault
+    repeated at the same step, or the training function took a step after a recovery without
+    ``load_checkpoint``. The run fails with it (its cause: the fault)."""
+
+
 class ReportError(RuntimeError):
     """A report or checkpoint handed to the background reporter failed, or could not be made
     within ``timeout_s``; raised in the training function at its next report and at its end."""

@@ -73,13 +73,17 @@ PROFILE_STEPS_VAR = "RAY_TRAIN_XLA_PROFILE_STEPS"
 MEMORY_EVERY_VAR = "RAY_TRAIN_XLA_MEMORY_EVERY"
 MEMORY_TIER_VAR = "RAY_TRAIN_XLA_MEMORY_TIER"
 MEMORY_NODES_VAR = "RAY_TRAIN_XLA_MEMORY_NODES"
+# recovery="in_place": "in_place:<max_in_place_restarts>" (``startup/recovery.py``); absent: a
+# fault fails the worker and Ray Train restarts the group.
+RECOVERY_VAR = "RAY_TRAIN_XLA_RECOVERY"
 # peak_tflops=X: the peak TFLOP/s of one device that MFU is taken against (the timeline's).
 PEAK_TFLOPS_VAR = "RAY_TRAIN_XLA_PEAK_TFLOPS"
 # parallelism=...: the layout resolved for the job (``planning/layout.py``, ``Layout.to_text``).
 LAYOUT_VAR = "RAY_TRAIN_XLA_LAYOUT"
 OUR_VARS = (DEVICE_VAR, RUNTIME_VAR, PG_BACKEND_VAR, INIT_METHOD_VAR, TIMEOUT_VAR, SPMD_VAR,
             DEVMODE_VAR, PARALLEL_COMPILE_VAR, GROUP_START_VAR, RUN_START_VAR, PROFILE_STEPS_VAR,
-            MEMORY_EVERY_VAR, MEMORY_TIER_VAR, MEMORY_NODES_VAR, PEAK_TFLOPS_VAR, LAYOUT_VAR)
+            MEMORY_EVERY_VAR, MEMORY_TIER_VAR, MEMORY_NODES_VAR, RECOVERY_VAR, PEAK_TFLOPS_VAR,
+            LAYOUT_VAR)
 # Not planned: a knob users may set (where XRT server records live, ``startup/xrt.py``).
 STATE_DIR_VAR = "RAY_TRAIN_XLA_STATE_DIR"
 
@@ -232,6 +236,7 @@ class WorkerContext:
     memory_every: int = 0  # 0: no memory tier
     memory_tier: str = ""
     memory_nodes: tuple[str, ...] = ()
+    in_place_restarts: int = 0  # recovery="in_place": its budget; 0: recovery by Ray's restart
     peak_tflops: float = 0.0  # 0.0: the config gives none
     layout: str = ""  # Layout.to_text() of the config's parallelism; "" when it gives none
 
@@ -263,6 +268,7 @@ class WorkerContext:
             memory_every=_int(e, MEMORY_EVERY_VAR, 0),
             memory_tier=e.get(MEMORY_TIER_VAR, ""),
             memory_nodes=tuple(n for n in e.get(MEMORY_NODES_VAR, "").split(",") if n),
+            in_place_restarts=_in_place(e.get(RECOVERY_VAR, "")),
             peak_tflops=_float(e, PEAK_TFLOPS_VAR, 0.0),
             layout=e.get(LAYOUT_VAR, ""),
         )
@@ -287,6 +293,12 @@ class WorkerContext:
         """This worker, named for an error message."""
         return (f"worker rank {self.rank} (local rank {self.local_rank}, node "
                 f"{node or socket.gethostname()}, pid {os.getpid()})")
+
+
+def _in_place(text: str) -> int:
+    """The budget of ``RECOVERY_VAR`` ("in_place:N"), 0 when it is absent."""
+    kind, _, budget = text.partition(":")
+    return int(budget) if kind == "in_place" and budget.isdigit() else 0
 
 
 _cached: tuple[tuple, WorkerContext] | None = None

@@ -171,12 +171,42 @@ def check_shared_options(options: Any, err: Callable[[str, Any, Any], Exception]
         raise err("memory_every", every,
                   "None (no memory tier) or an int >= 1: rtx.keep_in_memory(state, step) keeps "
                   "the state of every step that is a multiple of it")
+    check_recovery(options, err)
     peak = options.peak_tflops
     if peak is not None and not (_is_number(peak) and 0 < peak < float("inf")):
         raise err("peak_tflops", peak,
                   "None (the device's published peak, or on CPU a matmul probe) or a number > 0: "
                   "the peak dense TFLOP/s of one device, which MFU is taken against")
     Parallelism.of(options.parallelism, f"{options._owner}: parallelism")
+
+
+RECOVERIES = ("restart", "in_place")
+
+
+def check_recovery(options: Any, err: Callable[[str, Any, Any], Exception]) -> None:
+    """``recovery`` and ``max_in_place_restarts``: recovery in place restores from the memory
+    tier, so it needs ``memory_every``; torch_xla on an accelerator cannot start its device
+    runtime again inside a process (its PJRT client lives as long as the process)."""
+    if options.recovery not in RECOVERIES:
+        raise err("recovery", options.recovery,
+                  "'restart' (Ray Train restarts the worker group, the default) or 'in_place' "
+                  "(every rank re-enters rtx.recoverable(train_func) in its own process)")
+    budget = options.max_in_place_restarts
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise err("max_in_place_restarts", budget,
+                  "an int >= 1: the faults recovered in place before one fails the run")
+    if options.recovery != "in_place":
+        return
+    if not options.memory_every:
+        raise err("recovery", options.recovery,
+                  "'restart' without memory_every: recovery in place restores from the memory "
+                  "tier; set memory_every=N as well")
+    if options.runtime != NATIVE and options.device in ("neuron", "tpu"):
+        raise err("recovery", options.recovery,
+                  f"'restart' with device={options.device!r}: torch_xla's device runtime (its "
+                  "PJRT client) starts once per process, so a process cannot join a new world "
+                  "on the device; use TorchNeuronConfig or TorchTPUConfig (native) for "
+                  "recovery in place")
 
 
 @dataclass(kw_only=True)
@@ -196,6 +226,8 @@ class XLAOptions:
     compile_causes: bool = False
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    recovery: str = "restart"
+    max_in_place_restarts: int = 3
     peak_tflops: float | None = None
     parallelism: Parallelism | Mapping[str, int] | None = None
 
@@ -321,6 +353,8 @@ class NeuronOptions(_NativeOptions):
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    recovery: str = "restart"
+    max_in_place_restarts: int = 3
     peak_tflops: float | None = None
     parallelism: Parallelism | Mapping[str, int] | None = None
 
@@ -341,6 +375,8 @@ class TPUOptions(_NativeOptions):
     compile_cache: str | None = None
     profile_steps: tuple[int, int] | None = None
     memory_every: int | None = None
+    recovery: str = "restart"
+    max_in_place_restarts: int = 3
     peak_tflops: float | None = None
     parallelism: Parallelism | Mapping[str, int] | None = None
 

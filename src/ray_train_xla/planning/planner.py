@@ -31,6 +31,7 @@ from ray_train_xla.planning.contract import (
     PEAK_TFLOPS_VAR,
     PG_BACKEND_VAR,
     PROFILE_STEPS_VAR,
+    RECOVERY_VAR,
     RUN_START_VAR,
     RUNTIME_VAR,
     SPMD_VAR,
@@ -161,6 +162,14 @@ def plan(
         ours[PROFILE_STEPS_VAR] = ",".join(str(v) for v in config.profile_steps)
     if getattr(config, "memory_every", None):
         ours[MEMORY_EVERY_VAR] = str(config.memory_every)
+    if getattr(config, "recovery", "restart") == "in_place":
+        if config.runtime != NATIVE and device != "cpu":
+            raise config_error(
+                "recovery", "in_place",
+                f"'restart' on {device!r} (device='auto' found it): torch_xla's device runtime "
+                "starts once per process; use TorchNeuronConfig or TorchTPUConfig (native) for "
+                "recovery in place", config._owner)
+        ours[RECOVERY_VAR] = f"in_place:{config.max_in_place_restarts}"
     if getattr(config, "peak_tflops", None):
         ours[PEAK_TFLOPS_VAR] = repr(float(config.peak_tflops))
     user = {k: str(v) for k, v in config.env.items()}

@@ -10,6 +10,7 @@ process group itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -25,6 +26,7 @@ from ray_train_xla.planning.contract import worker_context
 from ray_train_xla.startup import native_neuron, native_tpu, rendezvous
 from ray_train_xla.startup.facts import who
 from ray_train_xla.startup.watchdog import call_within
+from ray_train_xla.toolkit.runtime import World, set_world
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +64,9 @@ def init_process_group() -> None:
                 hint=("a process of the job did not get there, or the device runtime could not "
                       "connect the processes (TPU: every host of the slice; Neuron: "
                       "NEURON_RT_ROOT_COMM_ID)"))
+            group_store = None
         else:
-            store = _init_with_store(backend, store, ctx, timeout)
+            group_store = _init_with_store(backend, store, ctx, timeout)
     except Exception as exc:
         listeners = (gloo_listeners(getattr(exc, "attempt_store", store), ctx.world_size)
                      if "Gloo" in str(exc) else "")
@@ -73,6 +76,34 @@ def init_process_group() -> None:
             f"{timeout.total_seconds():g}: {type(exc).__name__}: {exc}. If another worker failed "
             f"first, its error is the cause.{listeners}"
         ) from exc
+    set_world(World(ctx.run_id, ctx.rank, ctx.world_size, store=store,
+                    gloo=_published(backend, group_store, ctx.world_size)))
+
+
+def start_generation(world: World) -> None:
+    """Start the default process group of ``world``'s generation (a recovery in place, every
+    rank after its groups of the generation before were destroyed), on the run's store, bounded
+    by ``timeout_s``; the world is this worker's from then on."""
+    ctx = worker_context()
+    timeout = timedelta(seconds=ctx.timeout_s)
+    try:
+        group_store = _init_with_store(ctx.pg_backend, world.store, ctx, timeout,
+                                       prefix=world.key())
+    except Exception as exc:
+        raise WorkerSetupError(
+            f"{who()}: the process group of generation {world.generation} did not start within "
+            f"timeout_s={ctx.timeout_s:g}: {type(exc).__name__}: {exc}") from exc
+    set_world(dataclasses.replace(
+        world, gloo=_published(ctx.pg_backend, group_store, ctx.world_size)))
+
+
+def _published(backend: str, group_store, world: int) -> tuple:
+    """Every rank's gloo listener of a default group of gloo, as published (recovery in place
+    shuts their connections down: ``recovery.py``); () for another backend or one rank."""
+    if backend != "gloo" or group_store is None or world == 1:
+        return ()
+    found = gloo_endpoints(group_store, world)
+    return tuple(found) if all(isinstance(e, tuple) for e in found) else ()
 
 
 # A gloo connection that fails at start (``connectFullMesh``) is tried again this many times.
@@ -87,8 +118,9 @@ def is_gloo_connect_error(exc: BaseException) -> bool:
     return "Gloo connectFullMesh failed" in text or ("gloo" in text and "Connection closed by peer" in text)
 
 
-def _init_with_store(backend: str, store, ctx, timeout: timedelta):
-    """``init_process_group`` on ``store``, every attempt under its own key prefix. When gloo
+def _init_with_store(backend: str, store, ctx, timeout: timedelta, prefix: str = ""):
+    """``init_process_group`` on ``store``, every attempt under its own key prefix (under
+    ``prefix``: the run's, by default). When gloo
     fails to connect on any rank, every rank learns it through the store, drops what it set up
     and tries again together (at most ``GLOO_START_ATTEMPTS`` times, within ``timeout``);
     any other error ends it on every rank. Returns the store the group uses."""
@@ -96,8 +128,9 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
     from torch.distributed import distributed_c10d
 
     deadline = time.monotonic() + timeout.total_seconds()
+    prefix = prefix or f"ray_train_xla/{ctx.run_id or 'run'}"
     for attempt in range(GLOO_START_ATTEMPTS):
-        attempt_store = dist.PrefixStore(f"ray_train_xla/{ctx.run_id or 'run'}/pg{attempt}", store)
+        attempt_store = dist.PrefixStore(f"{prefix}/pg{attempt}", store)
         error = None
         if attempt:
             # A failed attempt leaves torch's group counter one up on its rank: every rank must
@@ -116,15 +149,15 @@ def _init_with_store(backend: str, store, ctx, timeout: timedelta):
                 raise error
             return attempt_store
         outcome = "ok" if error is None else "retry" if is_gloo_connect_error(error) else "fail"
-        prefix = f"ray_train_xla/{ctx.run_id or 'run'}/pg{attempt}/outcome"
+        told = f"{prefix}/pg{attempt}/outcome"
         if error is not None and (outcome == "fail" or attempt == GLOO_START_ATTEMPTS - 1):
             # Tell the others not to wait (the store may be gone with rank 0), then fail with
             # this rank's own error.
             with contextlib.suppress(Exception):
-                store.set(f"{prefix}/{ctx.rank}", "fail")
+                store.set(f"{told}/{ctx.rank}", "fail")
             error.attempt_store = attempt_store  # where its gloo listeners were published
             raise error
-        outcomes = _exchange(store, prefix, ctx.rank, ctx.world_size, outcome, deadline)
+        outcomes = _exchange(store, told, ctx.rank, ctx.world_size, outcome, deadline)
         if all(o == "ok" for o in outcomes):
             return attempt_store
         if dist.is_initialized():  # this rank's group started (or half started): drop it
@@ -168,28 +201,36 @@ def _exchange(store, prefix: str, rank: int, world: int, value: str, deadline: f
     return [store.get(k).decode() for k in keys]
 
 
-def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> str:
-    """Where each rank's gloo listener of the default group said it listens (read back from the
-    store, as gloo's ``connectFullMesh`` published it): for a failed connection, whether the
-    address a rank connected to is the one its peer published."""
-    found = []
+def gloo_endpoints(store, world: int, group: str = "0",
+                   device: str = "cpu") -> list[tuple[str, int] | str]:
+    """Where each rank's gloo listener of ``group`` (the default group: "0") said it listens,
+    read back from ``store`` as gloo's ``connectFullMesh`` published it: (IP, port), or why
+    there is none ("none", "unreadable (...)")."""
+    found: list[tuple[str, int] | str] = []
     for r in range(world):
         key = f"{group}//{device}//0/{r}"  # torch's group/device prefixes, then gloo's device 0
         try:
             if not store.check([key]):
-                found.append(f"rank {r}: none")
+                found.append("none")
                 continue
             raw = store.get(key)
             n = struct.unpack_from("<Q", raw, 0)[0]
-            host = raw[8:8 + n].decode(errors="replace")
             size = struct.unpack_from("<Q", raw, 8 + n)[0]
             addr = raw[16 + n:16 + n + size]
             family, port = struct.unpack_from("<H", addr, 0)[0], struct.unpack_from(">H", addr, 2)[0]
             ip = (socket.inet_ntop(socket.AF_INET, addr[4:8]) if family == socket.AF_INET
                   else socket.inet_ntop(socket.AF_INET6, addr[8:24]))
-            found.append(f"rank {r}: {ip}:{port} (host {host})")
+            found.append((ip, port))
         except Exception as exc:  # noqa: BLE001 (a diagnostic: never hide the original error)
-            found.append(f"rank {r}: unreadable ({type(exc).__name__})")
+            found.append(f"unreadable ({type(exc).__name__})")
+    return found
+
+
+def gloo_listeners(store, world: int, group: str = "0", device: str = "cpu") -> str:
+    """``gloo_endpoints`` for an error message: for a failed connection, whether the address a
+    rank connected to is the one its peer published."""
+    found = [f"rank {r}: {e[0]}:{e[1]}" if isinstance(e, tuple) else f"rank {r}: {e}"
+             for r, e in enumerate(gloo_endpoints(store, world, group, device))]
     return " gloo listeners as published: " + "; ".join(found) + "."
 
 

@@ -26,6 +26,7 @@ def shutdown_worker() -> None:
         except Exception as exc:  # noqa: BLE001 (shutdown goes on)
             logger.warning("%s: the step timeline did not end: %s", who(), exc)
         runtime.end()  # its watcher of profile requests, torch's global optimizer hooks
+        runtime.set_world(None)  # its store goes with the group
 
     def destroy() -> None:
         try:

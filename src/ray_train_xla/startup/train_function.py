@@ -32,8 +32,26 @@ logger = logging.getLogger(__name__)
 def training_function() -> Iterator[None]:
     """Ray Train's ``train_func_context`` under TorchXLAConfig, TorchNeuronConfig and
     TorchTPUConfig (see the module docstring)."""
-    from ray_train_xla.toolkit import reporting, runtime, steps
+    from ray_train_xla.toolkit import reporting
     from ray_train_xla.toolkit.checkpoint.memory.tier import flush_memory
+    from ray_train_xla.toolkit.observability import profiling
+
+    start_function()
+    try:
+        yield
+        flush_memory()  # the memory tier's generation in flight, complete or its error
+        reporting.flush_reports()
+        profiling.flush()  # the traces of finished profile windows reach the run's storage
+    except BaseException as exc:
+        end_function(exc)
+        raise
+    end_function()
+
+
+def start_function() -> None:
+    """A fresh runtime and what watches the steps (the training function starts, or starts
+    again after a recovery in place: ``recovery.py``)."""
+    from ray_train_xla.toolkit import runtime, steps
     from ray_train_xla.toolkit.observability import compile_causes, profiling, timeline
 
     runtime.begin()
@@ -42,17 +60,19 @@ def training_function() -> Iterator[None]:
               steps.install_optimizer_hook)
     _optional("profiles and graph checks are off", profiling.install, compile_causes.install)
     _optional("the step timeline did not start", timeline.begin)
-    try:
-        profiling.training_starts()  # a profile window of the first step starts here
-        yield
-        flush_memory()  # the memory tier's generation in flight, complete or its error
-        reporting.flush_reports()
-        profiling.flush()  # the traces of finished profile windows reach the run's storage
-    except BaseException as exc:
-        timeline.end(failed=True, error=f"{type(exc).__name__}: {exc}")
-        runtime.end()
-        raise
-    timeline.end()
+    profiling.training_starts()  # a profile window of the first step starts here
+
+
+def end_function(error: BaseException | None = None) -> None:
+    """The training function ended (``error``: with it): its timeline's last events reach the
+    run's storage and its runtime is closed."""
+    from ray_train_xla.toolkit import runtime
+    from ray_train_xla.toolkit.observability import timeline
+
+    if error is None:
+        timeline.end()
+    else:
+        timeline.end(failed=True, error=f"{type(error).__name__}: {error}")
     runtime.end()
 
 

@@ -89,6 +89,7 @@ class Reporter:
         self._cv = threading.Condition()
         self._events: collections.deque = collections.deque()
         self._checkpoints = 0  # checkpoints queued or being written/reported
+        self.calls = [0, 0]  # save_checkpoint and report calls handed over (recovery compares)
         self._closing = False
         self._error: BaseException | None = None
         self._raised = False
@@ -107,6 +108,7 @@ class Reporter:
         item = _Checkpoint(dict(metrics), write, after)
         with self._cv:
             self._take_slot()
+            self.calls[0] += 1
             self._events.append(item)
             self._cv.notify_all()
         if wait:
@@ -117,6 +119,7 @@ class Reporter:
     def metrics(self, metrics: Mapping[str, Any]) -> None:
         with self._cv:
             self._raise_error()
+            self.calls[1] += 1
             tail = self._events[-1] if self._events else None
             if self._coalesce and isinstance(tail, _Metrics) and not tail.frozen:
                 tail.count += 1
@@ -435,12 +438,14 @@ def reporter() -> Reporter:
         if rt.reporter is None:  # a failed one stays: its error is raised at every call
             rt.reporters += 1
             ctx = rt.ctx
-            store = _default_store() if ctx.world_size > 1 else None
+            world = rt.world  # its store and generation: a recovery in place starts anew
+            store = (world.store or _default_store()) if ctx.world_size > 1 else None
             rt.reporter = Reporter(
                 _ray_report, rank=ctx.rank, world=ctx.world_size,
                 max_in_flight=rt.options(ReportOptions, capture=True).max_in_flight,
                 timeout_s=ctx.timeout_s, store=store,
-                key_prefix=f"ray_train_xla/reports/{ctx.run_id or os.getpid()}/{rt.reporters}",
+                key_prefix=(world.key("reports", rt.reporters) if world.run_id else
+                            f"ray_train_xla/reports/{os.getpid()}/{rt.reporters}"),
                 coalesce=ctx.world_size == 1 or store is not None,
                 on_checkpoint=events.checkpoint_committed, place=in_place_directory())
         return rt.reporter

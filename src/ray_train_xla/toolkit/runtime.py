@@ -125,6 +125,17 @@ class Runtime:
                 setattr(self, name, value)
             return value
 
+    def steps_guard(self, guard: Callable[[], None] | None) -> None:
+        """Call ``guard()`` before each step is counted (it may raise); None: no more."""
+        from ray_train_xla.toolkit.steps import StepCounter
+
+        self.part("steps", StepCounter).guard = guard
+
+    @property
+    def world(self) -> World:
+        """The world this worker trains in now (membership and generation)."""
+        return world()
+
     @property
     def ctx(self) -> WorkerContext:
         """The plan of this worker, as its environment says now."""
@@ -184,10 +195,63 @@ class Runtime:
                 part.close()
 
 
-# ---- this worker's runtime --------------------------------------------------------------------
+# ---- the world this worker trains in ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The ranks this worker trains with, as a value: the run (its plan's id), this worker's rank,
+    the world's size, and the generation (0 from the backend's start; one more at each recovery
+    in place, ``startup/recovery.py``); ``store`` is the run's store, where the ranks meet for
+    each generation. The process group, the helpers' groups, meshes and the protocols between
+    the ranks (the reporter's decisions, the memory tier's barriers) belong to one generation:
+    their keys in the store start with :meth:`key`."""
+
+    run_id: str
+    rank: int
+    size: int
+    generation: int = 0
+    store: Any = dataclasses.field(default=None, compare=False, repr=False)
+    started: float = 0.0  # Unix seconds: the fault this generation recovered from (0: the first)
+    faults: tuple = ()  # the faults the generations after the first recovered from, in order
+    gloo: tuple = ()  # gloo's listener (IP, port) of each rank, as published (gloo groups only)
+
+    def key(self, *parts: object) -> str:
+        """A key of this generation in the store."""
+        return "/".join(("ray_train_xla", self.run_id or "run", f"g{self.generation}",
+                         *map(str, parts)))
+
+    def next(self) -> World:
+        """The same ranks in the next generation."""
+        return dataclasses.replace(self, generation=self.generation + 1)
+
+    def after(self, fault: dict[str, Any]) -> World:
+        """This generation, started by a recovery from ``fault`` (``startup/recovery.py``)."""
+        return dataclasses.replace(self, started=float(fault["t"]), faults=(*self.faults, fault))
+
+
+# ---- this worker's runtime and world ----------------------------------------------------------
 
 _lock = threading.Lock()
 _current: Runtime | None = None
+_world: World | None = None
+
+
+def world() -> World:
+    """The world this worker trains in: the one its process group started in, else (no group
+    started here: a test, a single process) the plan's ranks in generation 0, without a store."""
+    current = _world
+    if current is None:
+        ctx = worker_context()
+        return World(ctx.run_id, ctx.rank, ctx.world_size)
+    return current
+
+
+def set_world(new: World | None) -> None:
+    """The process group of ``new`` started (``startup/process_group.py``); None: it ended."""
+    global _world
+    with _lock:
+        _world = new
 
 
 def runtime() -> Runtime:

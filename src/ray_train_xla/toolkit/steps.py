@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ray_train_xla.errors import RecoveryError
+
 logger = logging.getLogger(__name__)
 
 # step() called from these only creates the optimizer's state (before a checkpoint loads into it).
@@ -57,6 +59,7 @@ class StepCounter:
         self.lead: weakref.ref | None = None  # the optimizer whose step() ends a step
         self.others: set[int] = set()  # other optimizers stepped since the lead's last step
         self.warned = False
+        self.guard: Callable[[], None] | None = None  # called before each count (may raise)
 
     def close(self) -> None:
         handle, self.handle = self.handle, None
@@ -64,6 +67,8 @@ class StepCounter:
             handle.remove()
 
     def count(self) -> int:
+        if self.guard is not None:
+            self.guard()
         self.steps += 1
         for hook in self.hooks:
             hook(self.steps)
@@ -149,6 +154,8 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         counter.others.clear()
         counter.pending = True
         counter.count()
+    except RecoveryError:
+        raise  # a step that must not happen (startup/recovery.py): the user's error
     except Exception as exc:  # noqa: BLE001 (observation never fails the user's step)
         if not counter.warned:
             counter.warned = True

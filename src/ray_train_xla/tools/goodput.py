@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 LABELS = {"productive": "productive", "start_up": "start-up", "compilation": "compilation",
           "data_wait": "data wait", "checkpoint_stall": "checkpoint stall",
-          "lost": "lost to failures", "restart": "restart", "other": "other"}
+          "lost": "lost to failures", "restart": "restart", "recovery": "recovery in place",
+          "other": "other"}
 
 
 def _share(text: str) -> float:
@@ -32,7 +33,7 @@ def _share(text: str) -> float:
 
 
 def format_table(result: Goodput) -> str:
-    from ray_train_xla.toolkit.observability.goodput import BUCKETS
+    from ray_train_xla.toolkit.observability.goodput import BUCKETS, recovery_of
 
     wall = result.wall
     workers = max(len(a.workers) for a in result.attempts)
@@ -54,10 +55,15 @@ def format_table(result: Goodput) -> str:
     else:
         lines.append(f"MFU: not measured: {result.mfu_missing}")
     lines += ["", f"{'worker group':<14}{'start':>8}{'end':>9}{'workers':>9}{'steps':>8}  outcome"]
-    for a in result.attempts:
+    for i, a in enumerate(result.attempts):
         steps = max((w.steps for w in a.workers), default=0)
         restored = (f", restored from {a.restore['tier']} in {a.restore['seconds']:.2f} s"
                     if a.restore else "")
+        rec = recovery_of(result, i)
+        if rec is not None:
+            took = f" in {rec['seconds']:.2f} s" if rec["seconds"] is not None else ""
+            restored = (f", began by {RECOVERY_LABELS[rec['kind']]}{took} (the failure to "
+                        f"its first step's end){restored}")
         mfu = (f"; MFU {a.mfu:.1%}, effective {a.effective_mfu:.1%}" if a.mfu is not None
                else "")
         lines.append(f"{a.id[:12]:<14}{a.start - result.start:>8.1f}{a.end - result.start:>9.1f}"
@@ -93,9 +99,12 @@ def format_stragglers(result: Goodput) -> list[str]:
     return [*lines, *older]
 
 
+RECOVERY_LABELS = {"in_process": "a recovery in place (same processes)",
+                   "group_restart": "a restart of the group (new processes)"}
+
 COLORS = {"productive": "#3a9d3a", "start_up": "#9e9e9e", "compilation": "#d62728",
           "data_wait": "#ff9f1c", "checkpoint_stall": "#7b4fc9", "lost": "#ffb3b3",
-          "restart": "#cfcfcf", "other": "#e8e8e8"}
+          "restart": "#cfcfcf", "recovery": "#8fd3e8", "other": "#e8e8e8"}
 
 
 def draw(result: Goodput, path: str) -> None:
@@ -126,15 +135,16 @@ def draw(result: Goodput, path: str) -> None:
     previous_end = None
     for i, attempt in enumerate(result.attempts):
         failed = attempt.outcome in ("failed", "stopped")
+        begun = "recovery" if attempt.recovery == "in_process" else "restart"
         if previous_end is not None and attempt.start > previous_end:
-            ax.axvspan(previous_end - t0, attempt.start - t0, color=COLORS["restart"], alpha=0.6,
+            ax.axvspan(previous_end - t0, attempt.start - t0, color=COLORS[begun], alpha=0.6,
                        hatch="//", lw=0)
         for w in attempt.workers:
             y = w.rank
             lost_from = lost_work_from(w, attempt.end) if failed else attempt.end
             head_end = attempt.end if w.first_step_end is None else min(w.first_step_end, attempt.end)
             bar(y, attempt.start - t0, head_end - attempt.start,
-                color=COLORS["restart" if i else "start_up"])
+                color=COLORS[begun if i else "start_up"])
             head = next((sp for sp in w.spans if sp.get("first")), None)
             if head is not None and float(head["t1"]) <= attempt.end:  # the first step's measured
                 x = float(head["t1"]) - t0

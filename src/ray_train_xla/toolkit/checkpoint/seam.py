@@ -23,6 +23,7 @@ from ray_train_xla.toolkit.checkpoint.writer import write_staged
 from ray_train_xla.toolkit.device import sync
 from ray_train_xla.toolkit.ranks import rank
 from ray_train_xla.toolkit.reporting import reporter
+from ray_train_xla.toolkit.runtime import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def load_checkpoint(
     for; ShardedStateError for torch_xla FSDP v1 models.
     """
     restoring = target(model, optimizer, "load_checkpoint")
+    runtime().steps_guard(None)  # a recovery in place restores here (startup/recovery.py)
     with _source(checkpoint, filename) as source:
         return None if source is None else restoring.kind.restore(restoring, source)
 

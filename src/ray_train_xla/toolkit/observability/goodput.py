@@ -33,7 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BUCKETS = ("productive", "start_up", "compilation", "data_wait", "checkpoint_stall", "lost",
-           "restart", "other")
+           "restart", "recovery", "other")
+# How a worker group after the first began: a recovery in place ("in_process": the same
+# processes, ``startup/recovery.py``; its start-up is the "recovery" bucket) or Ray Train's
+# restart of the group ("group_restart": new processes; "restart").
+RECOVERY_KINDS = ("in_process", "group_restart")
 
 
 # goodput/attempt-<id>/rank-<r>.<part>.jsonl
@@ -135,6 +139,13 @@ class Attempt:
         return None if self.mfu is None else self.mfu * self.goodput
 
     @property
+    def recovery(self) -> str:
+        """How this group began after a failure: "in_process" when its workers say so (a
+        generation of a recovery in place), else "group_restart"."""
+        return ("in_process" if any(w.header.get("recovery") == "in_process"
+                                    for w in self.workers) else "group_restart")
+
+    @property
     def restore(self) -> dict[str, Any] | None:
         """Where this group's state came from (memory or storage) and the slowest worker's
         time, when it restored one (the memory tier's workers say so)."""
@@ -187,11 +198,26 @@ class Goodput:
                           "workers": len(a.workers), "steps": max((w.steps for w in a.workers),
                                                                   default=0),
                           "lost_from": a.lost_from, "buckets_s": dict(a.buckets),
-                          "restore": a.restore, "mfu": a.mfu, "effective_mfu": a.effective_mfu,
+                          "restore": a.restore, "recovery": recovery_of(self, i),
+                          "mfu": a.mfu, "effective_mfu": a.effective_mfu,
                           "ranks_measured": a.measured, "stragglers_same_steps": a.same_steps,
                           "stragglers": [s.to_json() for s in a.stragglers]}
-                         for a in self.attempts],
+                         for i, a in enumerate(self.attempts)],
         }
+
+
+def recovery_of(result: Goodput, i: int) -> dict[str, Any] | None:
+    """How worker group ``i`` recovered from the failure of the one before (None for the
+    first): its kind (``RECOVERY_KINDS``), the seconds from the failure to the end of its first
+    step (the mean over its workers), and the tier its state came from."""
+    if i == 0:
+        return None
+    attempt, before = result.attempts[i], result.attempts[i - 1]
+    heads = [w.first_step_end for w in attempt.workers if w.first_step_end is not None]
+    seconds = (sum(heads) / len(heads) - before.end) if heads else None
+    restore = attempt.restore
+    return {"kind": attempt.recovery, "seconds": seconds,
+            "tier": restore["tier"] if restore else None}
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -301,9 +327,10 @@ def lost_work_from(worker: Worker, end: float, memory: bool = False) -> float:
 
 
 def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
-                   restarted: bool, memory: bool = False) -> dict[str, float]:
+                   restarted: bool | str, memory: bool = False) -> dict[str, float]:
     """One worker's seconds of ``[start, end]`` (its group's) by bucket; ``failed``: the group
-    failed (lost work); ``restarted``: a later group than the first (start-up is restart);
+    failed (lost work); ``restarted``: a later group than the first (start-up is restart, or the
+    bucket it names: "recovery");
     ``memory``: the next group restored from the memory tier (``lost_work_from``).
 
     ``[start, head]`` (to the end of the first step) is start-up (or restart) less what was
@@ -314,7 +341,8 @@ def worker_buckets(worker: Worker, start: float, end: float, failed: bool,
     lost_from = lost_work_from(worker, end, memory) if failed else end
     first = worker.first_step_end
     head = max(start, min(first if first is not None else end, lost_from))
-    startup_key = "restart" if restarted else "start_up"
+    startup_key = restarted if isinstance(restarted, str) else \
+        "restart" if restarted else "start_up"
     out[startup_key] = head - start
     covered = steps = 0.0
     for span in worker.spans:
@@ -359,12 +387,13 @@ def compute(workers: list[Worker], run: str = "", straggler_threshold: float = 0
     per_worker_of: list[dict[str, float]] = []
     previous_end = None
     for i, attempt in enumerate(attempts):
+        begun = ("recovery" if attempt.recovery == "in_process" else "restart") if i else False
         if previous_end is not None and attempt.start > previous_end:
-            totals["restart"] += attempt.start - previous_end  # the failure to the next start
+            totals[begun] += attempt.start - previous_end  # the failure to the next start
         failed = attempt.outcome in ("failed", "stopped")
         following = attempts[i + 1].restore if i + 1 < len(attempts) else None
         memory = bool(following and following["tier"] == "memory")
-        per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, i > 0, memory)
+        per_worker = [worker_buckets(w, attempt.start, attempt.end, failed, begun, memory)
                       for w in attempt.workers]
         attempt.buckets = {b: sum(p[b] for p in per_worker) / len(per_worker) for b in BUCKETS}
         per_worker_of += per_worker

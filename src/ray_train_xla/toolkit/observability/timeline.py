@@ -157,7 +157,8 @@ class Timeline:
 
     def __init__(self, *, attempt: str = "", rank: int = 0, world: int = 1, local_rank: int = 0,
                  node: str = "", device: str = "", group_start: float = 0.0,
-                 run_start: float = 0.0, storage: Any = None, run: str = "", export: Any = None,
+                 run_start: float = 0.0, recovery: str = "", storage: Any = None, run: str = "",
+                 export: Any = None,
                  compile_reader: Any = None, clock: Callable[[], float] = time.time,
                  options: Callable[[], TimelineOptions] = TimelineOptions,
                  model_flops: Callable[[], Any] = lambda: None) -> None:
@@ -206,6 +207,8 @@ class Timeline:
             "group_start": self.group_start, "run_start": self.run_start, "begin": self.begin,
             "pid": os.getpid(),
         }  # what one step processes is added at each write of the first part (``_write``)
+        if recovery:  # this attempt is a generation started by a recovery of that kind
+            self._header["recovery"] = recovery
         self._lines = [json.dumps(self._header)]
         self._bytes = 0  # of the lines of the current part (``PART_BYTES``)
         self._wake = threading.Event()
@@ -597,10 +600,14 @@ def begin() -> Timeline:
         compile_reader = counters.compiles, counters.compile_time_s
     except ImportError:  # no torch_xla here: no compile time
         compile_reader = None
+    # A generation after a recovery in place is an attempt of its own, from its fault on.
+    world = rt.world
+    later = world.generation > 0
     tl = Timeline(
-        attempt=ctx.run_id, rank=ctx.rank, world=ctx.world_size, local_rank=ctx.local_rank,
-        node=node, device=ctx.device or "cpu", group_start=ctx.group_start,
-        run_start=ctx.run_start, storage=storage,
+        attempt=f"{ctx.run_id}.g{world.generation}" if later else ctx.run_id, rank=ctx.rank,
+        world=ctx.world_size, local_rank=ctx.local_rank, node=node, device=ctx.device or "cpu",
+        group_start=world.started if later else ctx.group_start, run_start=ctx.run_start,
+        recovery="in_process" if later else "", storage=storage,
         run=storage.path.rsplit("/", 1)[-1] if storage is not None else "",
         export=ray_metrics.exporter() if ctx.planned else None, compile_reader=compile_reader,
         options=lambda: rt.options(TimelineOptions), model_flops=lambda: rt.model_flops)
