@@ -573,7 +573,8 @@ def test_the_checks_find_what_they_are_for():
             "It takes `device`, `efa`, `env` and `timeout_s`, ...\n")
     assert list_problems(lists_in("t.md", text)) == [
         "t.md:3: the list of TorchTPUConfig's fields leaves out profile_steps, memory_every, "
-        "peak_tflops, parallelism (end it with ', ...' if it is meant to be partial)",
+        "recovery, max_in_place_restarts, peak_tflops, parallelism (end it with ', ...' if it "
+        "is meant to be partial)",
         "t.md:7: TorchTPUConfig has no field efa"]
 
 

@@ -55,7 +55,10 @@ def recoverable(train_func: F) -> F:
 
     @functools.wraps(train_func)
     def run(*args: Any, **kwargs: Any) -> Any:
+        from ray_train_xla.toolkit.runtime import runtime
+
         while True:
+            runtime().recoverable = True  # (the runtime of this generation)
             try:
                 return train_func(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 (recovered, or raised again by recover)
@@ -69,7 +72,7 @@ def recover(exc: Exception) -> None:
     import torch.distributed as dist
 
     from ray_train_xla.startup import process_group, train_function
-    from ray_train_xla.toolkit import runtime
+    from ray_train_xla.toolkit import runtime, steps
 
     ctx = worker_context()
     world = runtime.world()
@@ -115,7 +118,7 @@ def recover(exc: Exception) -> None:
     process_group.start_generation(nxt)
     _devmode_again()
     train_function.start_function()
-    runtime.runtime().steps_guard(_restore_first)
+    steps.set_guard(_restore_first)
     logger.warning("%s: recovered in place (generation %d) from rank %d's fault at %s in %.2f s: "
                    "%s", who(), nxt.generation, origin["rank"], _said(origin["at"]),
                    time.monotonic() - began, origin["error"].splitlines()[0][:300])

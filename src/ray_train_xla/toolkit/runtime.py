@@ -115,6 +115,7 @@ class Runtime:
         self.layout_mesh: Any = None  # parallel: (layout, its DeviceMesh over the dimensions)
         self.layout_groups: dict[tuple, Any] = {}  # parallel: (layout, dim, host) -> group
         self.spare_buffers: list[Any] = []  # files.MemoryFiles: data buffers to reuse
+        self.recoverable = False  # the function runs in rtx.recoverable (startup/recovery.py)
 
     def part(self, name: str, make: Callable[[], Part]) -> Part:
         """The component ``name``, made by ``make`` on its first use."""
@@ -124,12 +125,6 @@ class Runtime:
                 value = make()
                 setattr(self, name, value)
             return value
-
-    def steps_guard(self, guard: Callable[[], None] | None) -> None:
-        """Call ``guard()`` before each step is counted (it may raise); None: no more."""
-        from ray_train_xla.toolkit.steps import StepCounter
-
-        self.part("steps", StepCounter).guard = guard
 
     @property
     def world(self) -> World:

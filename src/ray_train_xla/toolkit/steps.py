@@ -89,6 +89,12 @@ def steps_done() -> int:
     return _counter().steps
 
 
+def set_guard(guard: Callable[[], None] | None) -> None:
+    """Call ``guard()`` before each step is counted from now on (it may raise: a step that must
+    not happen, ``startup/recovery.py``); None: no more."""
+    _counter().guard = guard
+
+
 def add_step_hook(hook: Callable[[int], None]) -> None:
     """Call ``hook(steps_done)`` at the end of every step from now on (once per hook)."""
     hooks = _counter().hooks

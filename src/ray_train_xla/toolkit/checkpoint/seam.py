@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ray_train_xla.planning.contract import worker_context
-from ray_train_xla.toolkit import events, reporting
+from ray_train_xla.toolkit import events, reporting, steps
 from ray_train_xla.toolkit.checkpoint.describe import describe, target
 from ray_train_xla.toolkit.checkpoint.format import CHECKPOINT_FILE
 from ray_train_xla.toolkit.checkpoint.memory import tier as _memory
@@ -126,7 +126,13 @@ def load_checkpoint(
     for; ShardedStateError for torch_xla FSDP v1 models.
     """
     restoring = target(model, optimizer, "load_checkpoint")
-    runtime().steps_guard(None)  # a recovery in place restores here (startup/recovery.py)
+    rt = runtime()
+    if rt.ctx.in_place_restarts and not rt.recoverable:
+        raise ValueError(
+            "load_checkpoint: the config sets recovery='in_place', but the training function "
+            "is not wrapped: pass TorchTrainer(train_loop_per_worker=rtx.recoverable("
+            "train_func), ...), or a fault would restart the whole group")
+    steps.set_guard(None)  # a recovery in place restores here (startup/recovery.py)
     with _source(checkpoint, filename) as source:
         return None if source is None else restoring.kind.restore(restoring, source)
 
