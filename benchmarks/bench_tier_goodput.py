@@ -67,7 +67,10 @@ def train(config):
     last_save = time.time()
     x = torch.randn(64, width)
     tier = memory_tier()
-    while time.time() < config["t0"] + config["minutes"] * 60:
+    end = config["t0"] + config["minutes"] * 60
+    # the same decision on every rank: rank 0's clock (a rank that left the loop alone would
+    # leave the other's failure to a restart of the group)
+    while bool(rtx.broadcast(torch.tensor([int(time.time() < end)])).item()):
         step += 1
         opt.zero_grad()
         model(x).pow(2).mean().backward()

@@ -10,7 +10,9 @@ function's context:
   ``RecoveryError`` on both ranks;
 - a fault at the same step every time: the second is not recovered, and the run fails with
   the origin's own error (a note says why) and ``RecoveryError`` naming it on the other rank,
-  within seconds.
+  within seconds;
+- a fault on rank 1 after rank 0's function returned: rank 1 does not wait ``timeout_s`` for
+  it, and fails with its own error at once (a restart of the group takes over).
 (Through Ray Train, with FSDP2, the memory tier and a killed process: ``test_recovery_ray.py``.)
 """
 
@@ -139,6 +141,10 @@ def train():
     if scenario == "repeat":
         record(event="raise")
         raise RuntimeError(f"the same fault on rank {rank}")
+    if scenario == "late" and rank == 1:  # after rank 0's function returned
+        time.sleep(1.0)
+        record(event="raise")
+        raise RuntimeError("a fault after the last collective")
 
 try:
     with train_function.training_function():
@@ -217,3 +223,13 @@ def test_recovery_in_place_without_the_wrapper_is_named_at_the_restore(monkeypat
     with pytest.raises(ValueError, match=r"recovery='in_place'.*rtx.recoverable\(train_func\)"):
         rtx.load_checkpoint(torch.nn.Linear(2, 2))
     assert rtx.recoverable(lambda: runtime().recoverable)() is True
+
+
+def test_a_fault_after_another_rank_returned_is_not_waited_for(tmp_path):
+    logs = _run("late", tmp_path)
+    raised = next(e for e in logs[1] if e["event"] == "raise")
+    end = logs[1][-1]
+    assert end["type"] == "RuntimeError" and end["error"] == "a fault after the last collective"
+    assert any("rank(s) [0] returned from the training function" in n for n in end["notes"]), end
+    assert end["t"] - raised["t"] < 10 < TIMEOUT_S  # not the timeout: rank 0 said it returned
+    assert [e["event"] for e in logs[0]] == ["enter"]  # rank 0 returned, once

@@ -35,7 +35,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from ray_train_xla.errors import RecoveryError
@@ -60,9 +59,12 @@ def recoverable(train_func: F) -> F:
         while True:
             runtime().recoverable = True  # (the runtime of this generation)
             try:
-                return train_func(*args, **kwargs)
+                result = train_func(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 (recovered, or raised again by recover)
                 recover(exc)
+                continue
+            _returned()
+            return result
 
     return run  # type: ignore[return-value]
 
@@ -220,6 +222,19 @@ def decide(faults: list[dict[str, Any]], before: tuple, budget: int) -> str:
     return ""
 
 
+def _returned() -> None:
+    """This rank's function returned: a rank that fails after it (after their last collective)
+    learns at once that this one will not come to a recovery."""
+    from ray_train_xla.toolkit.runtime import world
+
+    current = world()
+    if worker_context().in_place_restarts and current.store is not None:
+        try:
+            current.store.set(current.next().key("returned", current.rank), "1")
+        except Exception:  # noqa: BLE001 (the store is gone: no rank is recovering)
+            pass
+
+
 def _position(rt) -> list[int]:
     """Where this rank is: [the memory generation it restored (-1: none), steps since]."""
     tier = rt.memory_tier
@@ -234,17 +249,27 @@ def _said(at) -> str:
 
 
 def _gather(store, nxt, exc: Exception) -> list[dict[str, Any]]:
-    """Every rank's fault of generation ``nxt`` from the store, waiting ``timeout_s``."""
+    """Every rank's fault of generation ``nxt`` from the store, waiting ``timeout_s``; gives
+    up at once when a rank's function returned (it will not come)."""
     ctx = worker_context()
     keys = [nxt.key("fault", r) for r in range(nxt.size)]
-    try:
-        store.wait(keys, timedelta(seconds=ctx.timeout_s))
-    except Exception:  # noqa: BLE001 (named below)
+    deadline = time.monotonic() + ctx.timeout_s
+    pause = 0.005
+    while True:
         missing = [r for r, k in enumerate(keys) if not _has(store, k)]
-        _give_up(exc, f"rank(s) {missing} did not come to the recovery within timeout_s="
-                      f"{ctx.timeout_s:g} (their process may be gone: Ray Train then restarts "
-                      "the group, FailureConfig)")
-    return [json.loads(store.get(k)) for k in keys]
+        if not missing:
+            return [json.loads(store.get(k)) for k in keys]
+        returned = [r for r in missing if _has(store, nxt.key("returned", r))]
+        if returned:
+            _give_up(exc, f"rank(s) {returned} returned from the training function before the "
+                          "fault (it came after their last collective): Ray Train restarts the "
+                          "group (FailureConfig)")
+        if time.monotonic() > deadline:
+            _give_up(exc, f"rank(s) {missing} did not come to the recovery within timeout_s="
+                          f"{ctx.timeout_s:g} (their process may be gone: Ray Train then "
+                          "restarts the group, FailureConfig)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
 
 
 def _has(store, key: str) -> bool:
