@@ -1,14 +1,15 @@
 """Recovery in place through real Ray Train: FSDP2 on ``TorchNeuronConfig``'s CPU twin, 4 workers
 over 2 nodes (``two_nodes``), ``recovery="in_place"`` with ``memory_every=1``, the training
-function wrapped in ``rtx.recoverable``. One fit, three faults in turn:
+function wrapped in ``rtx.recoverable``. The ``in_place`` fit (``make test``), two faults in turn:
 
 1. rank 2 raises before its step 3: every rank re-enters the function in its own process
    (the 4 PIDs unchanged, Ray starts no worker), restores step 2 from memory and goes on;
 2. rank 1 raises before step 5: another fault (not the one before again), recovered the same
-   way;
-3. rank 1's process is killed with SIGKILL from outside before step 6: the others cannot
-   recover without it, and Ray Train restarts the group (new processes), which restores from
-   the memory tier.
+   way.
+
+The ``killed`` fit (``make test-e2e``): rank 1's process is killed with SIGKILL from outside
+before step 6; the others cannot recover without it, and Ray Train restarts the group (new
+processes), which restores from the memory tier.
 
 Every generation records its rank, PID, start step and where it restored from. After the last
 step every rank trains a fresh model the same steps without a fault: the parameters and the
@@ -29,9 +30,9 @@ from conftest import connected, fit, neuron_scaling, write_record
 pytestmark = [pytest.mark.ray, pytest.mark.native, pytest.mark.timeout(600)]
 
 STEPS = 7
-# (generation, rank, step): raise before that step (the first two), or be killed (the last)
+# (generation, rank, step): raise before that step, or be killed
 RAISE = [(0, 2, 3), (1, 1, 5)]
-KILL = (2, 1, 6)
+KILL = (0, 1, 6)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,10 @@ def train_recovering(config):
         "restored": tier.restored and {k: tier.restored[k] for k in ("gen", "world", "stores")}})
 
     def on_step(step: int) -> None:
-        for g, r, s in RAISE:
+        for g, r, s in RAISE if not config["kill"] else []:
             if (generation, rank, step) == (g, r, s):
                 raise RuntimeError(f"injected fault on rank {rank} before step {step}")
-        if (generation, rank, step) == KILL:
+        if config["kill"] and (generation, rank, step) == KILL:
             subprocess.run(["kill", "-9", str(os.getpid())])  # from another process
             import time
 
@@ -103,8 +104,7 @@ def train_recovering(config):
         "moved": w.max_diff(recovered["model"], w.named_state(w.make_lm())["model"])})
 
 
-@pytest.fixture(scope="module")
-def run(two_nodes, tmp_path_factory):
+def _fit(tmp_path_factory, kill: bool) -> dict:
     import ray.train
 
     import ray_train_xla as rtx
@@ -115,10 +115,20 @@ def run(two_nodes, tmp_path_factory):
         rtx.recoverable(train_recovering),
         torch_config=TorchNeuronConfig(device="cpu", timeout_s=60, memory_every=1,
                                        recovery="in_place"),
-        scaling_config=neuron_scaling(4),
+        scaling_config=neuron_scaling(4), loop_config={"kill": kill},
         run_config=ray.train.RunConfig(storage_path=str(tmp), name="recovery",
                                        failure_config=ray.train.FailureConfig(max_failures=1)))
     return {"result": result, "records": records, "path": str(tmp / "recovery")}
+
+
+@pytest.fixture(scope="module")
+def run(two_nodes, tmp_path_factory):
+    return _fit(tmp_path_factory, kill=False)
+
+
+@pytest.fixture(scope="module")
+def killed(two_nodes, tmp_path_factory):
+    return _fit(tmp_path_factory, kill=True)
 
 
 def _gens(records) -> dict[int, dict[int, dict]]:
@@ -131,8 +141,8 @@ def _gens(records) -> dict[int, dict[int, dict]]:
 
 def test_a_raised_fault_recovers_every_rank_in_its_own_process(run):
     gens = _gens(run["records"])
-    assert sorted(gens) == [0, 1, 2, 3] and all(len(g) == 4 for g in gens.values()), gens
-    first, second, third, restarted = (gens[i] for i in range(4))
+    assert sorted(gens) == [0, 1, 2] and all(len(g) == 4 for g in gens.values()), gens
+    first, second, third = (gens[i] for i in range(3))
     # In place: the same 4 processes, the same Ray run, the world's generation counted up.
     for before, after in ((first, second), (second, third)):
         assert {r: v["pid"] for r, v in after.items()} == {r: v["pid"] for r, v in before.items()}
@@ -142,22 +152,13 @@ def test_a_raised_fault_recovers_every_rank_in_its_own_process(run):
     # Each restored the step before its fault from memory, written by all 4 ranks.
     assert {v["start"] for v in second.values()} == {RAISE[0][2] - 1}
     assert {v["start"] for v in third.values()} == {RAISE[1][2] - 1}
-    for g in (second, third, restarted):
+    for g in (second, third):
         assert all(v["restored"] and v["restored"]["world"] == 4 for v in g.values()), g
 
 
-def test_a_killed_process_falls_back_to_restarting_the_group(run):
-    gens = _gens(run["records"])
-    third, restarted = gens[2], gens[3]
-    # Ray Train started 4 new processes (a new run id, generation 0) and they restored the
-    # step before the kill from the memory tier.
-    assert not {v["pid"] for v in restarted.values()} & {v["pid"] for v in third.values()}
-    assert {v["world_generation"] for v in restarted.values()} == {0}
-    assert {v["start"] for v in restarted.values()} == {KILL[2] - 1}
-
-
-def test_the_recovered_run_equals_an_uninterrupted_one_bit_for_bit(run):
-    ends = [r for r in run["records"] if "exact" in r]
+@pytest.mark.parametrize("which", ["run", pytest.param("killed", marks=pytest.mark.e2e)])
+def test_the_recovered_run_equals_an_uninterrupted_one_bit_for_bit(which, request):
+    ends = [r for r in request.getfixturevalue(which)["records"] if "exact" in r]
     assert len(ends) == 4, ends
     assert all(r["exact"] is True and r["moved"] > 0 for r in ends), ends
 
@@ -167,10 +168,28 @@ def test_goodput_names_each_recovery(run):
 
     result = goodput_of(run["path"]).to_json()
     kinds = [(a["recovery"] or {}).get("kind") for a in result["attempts"]]
-    assert kinds == [None, "in_process", "in_process", "group_restart"], kinds
+    assert kinds == [None, "in_process", "in_process"], kinds
     for a in result["attempts"][1:]:
         rec = a["recovery"]
         assert rec["tier"] == "memory" and rec["seconds"] is not None and rec["seconds"] > 0, a
-    assert result["buckets_s"]["recovery"] > 0 and result["buckets_s"]["restart"] > 0
+    assert result["buckets_s"]["recovery"] > 0 and result["buckets_s"]["restart"] == 0
     assert all(a["outcome"] == "failed" for a in result["attempts"][:2])
+    assert result["attempts"][2]["outcome"] == "finished"
 
+
+@pytest.mark.e2e
+def test_a_killed_process_falls_back_to_restarting_the_group(killed):
+    from ray_train_xla.toolkit.observability.goodput import goodput_of
+
+    gens = _gens(killed["records"])
+    assert sorted(gens) == [0, 1] and all(len(g) == 4 for g in gens.values()), gens
+    first, restarted = gens[0], gens[1]
+    # Ray Train started 4 new processes (a new run id, generation 0) and they restored the
+    # step before the kill from the memory tier, written by all 4 ranks.
+    assert not {v["pid"] for v in restarted.values()} & {v["pid"] for v in first.values()}
+    assert {v["world_generation"] for v in restarted.values()} == {0}
+    assert {v["start"] for v in restarted.values()} == {KILL[2] - 1}
+    assert all(v["restored"] and v["restored"]["world"] == 4 for v in restarted.values())
+    result = goodput_of(killed["path"]).to_json()
+    kinds = [(a["recovery"] or {}).get("kind") for a in result["attempts"]]
+    assert kinds == [None, "group_restart"], kinds
