@@ -2,9 +2,7 @@
 workers, the model on the XLA device) and ``TorchTPUConfig``'s CPU twin (the native stack), each
 with ``memory_every=1`` and 2 workers on the shared local Ray. Every step is kept in memory and
 no checkpoint ever goes to storage; a worker fails once, and the next group restores the step
-kept last from memory, bit for bit, and trains on to the end; under ``TorchXLAConfig`` again
-with ``recovery="in_place"``, where the worker raises instead and both re-enter the function in
-their own processes (the model on the XLA device again). (FSDP2 state on
+kept last from memory, bit for bit, and trains on to the end. (FSDP2 state on
 ``TorchNeuronConfig``'s twin, node loss and resharding: ``test_memory_tier_ray.py``.)"""
 
 from __future__ import annotations
@@ -58,8 +56,6 @@ def train_kept(config):
         marker = os.path.join(config["out_dir"], "failed.json")
         if step == FAIL_AT and rank == 1 and not os.path.exists(marker):
             write_record(config, "failed", {"step": step})
-            if config.get("in_place"):
-                raise RuntimeError("injected fault")
             os._exit(1)
     write_record(config, f"end_rank{rank}", {"step": STEPS})
 
@@ -93,26 +89,3 @@ def test_a_worker_failure_restores_replicated_state_from_memory(ray_local, kind,
     assert result.checkpoint is None
     assert not [d for d in os.listdir(tmp_path / "kept") if d.startswith("checkpoint_")]
 
-
-@pytest.mark.skipif(not is_train_v2(), reason="the memory tier's stores live in Ray Train V2's controller")
-def test_torch_xla_on_cpu_workers_recovers_in_place(ray_local, tmp_path):
-    from ray.train import FailureConfig, RunConfig
-
-    import ray_train_xla as rtx
-    from ray_train_xla import TorchXLAConfig
-
-    (tmp_path / "params").mkdir()
-    result, records = fit(rtx.recoverable(train_kept), num_workers=2,
-                          torch_config=TorchXLAConfig(device="cpu", timeout_s=60, memory_every=1,
-                                                      recovery="in_place"),
-                          loop_config={"params_dir": str(tmp_path / "params"), "in_place": True},
-                          run_config=RunConfig(storage_path=str(tmp_path), name="in_place",
-                                               failure_config=FailureConfig(max_failures=0)))
-    starts = {(r["start"], r["rank"]): r for r in records if "start" in r}
-    assert sorted(starts) == [(0, 0), (0, 1), (FAIL_AT, 0), (FAIL_AT, 1)], starts
-    for rank in (0, 1):  # the same process, the state of step FAIL_AT from memory, bit for bit
-        first, again = starts[(0, rank)], starts[(FAIL_AT, rank)]
-        assert again["pid"] == first["pid"]
-        assert again["restored"]["world"] == 2 and again["exact"] is True, again
-        assert again["device"].startswith("xla"), again
-    assert sum(1 for r in records if r.get("step") == STEPS) == 2

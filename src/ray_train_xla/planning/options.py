@@ -185,8 +185,9 @@ RECOVERIES = ("restart", "in_place")
 
 def check_recovery(options: Any, err: Callable[[str, Any, Any], Exception]) -> None:
     """``recovery`` and ``max_in_place_restarts``: recovery in place restores from the memory
-    tier, so it needs ``memory_every``; torch_xla on an accelerator cannot start its device
-    runtime again inside a process (its PJRT client lives as long as the process)."""
+    tier, so it needs ``memory_every``, and runs on the native configs only: torch_xla cannot
+    start its device runtime again inside a process (its PJRT client lives as long as the
+    process)."""
     if options.recovery not in RECOVERIES:
         raise err("recovery", options.recovery,
                   "'restart' (Ray Train restarts the worker group, the default) or 'in_place' "
@@ -201,12 +202,11 @@ def check_recovery(options: Any, err: Callable[[str, Any, Any], Exception]) -> N
         raise err("recovery", options.recovery,
                   "'restart' without memory_every: recovery in place restores from the memory "
                   "tier; set memory_every=N as well")
-    if options.runtime != NATIVE and options.device in ("neuron", "tpu"):
+    if options.runtime != NATIVE:
         raise err("recovery", options.recovery,
-                  f"'restart' with device={options.device!r}: torch_xla's device runtime (its "
-                  "PJRT client) starts once per process, so a process cannot join a new world "
-                  "on the device; use TorchNeuronConfig or TorchTPUConfig (native) for "
-                  "recovery in place")
+                  "'restart' under torch_xla: its device runtime (its PJRT client) starts once "
+                  "per process, so a process cannot join a new world; use TorchNeuronConfig or "
+                  "TorchTPUConfig (native) for recovery in place")
 
 
 @dataclass(kw_only=True)

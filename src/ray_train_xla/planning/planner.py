@@ -163,12 +163,6 @@ def plan(
     if getattr(config, "memory_every", None):
         ours[MEMORY_EVERY_VAR] = str(config.memory_every)
     if getattr(config, "recovery", "restart") == "in_place":
-        if config.runtime != NATIVE and device != "cpu":
-            raise config_error(
-                "recovery", "in_place",
-                f"'restart' on {device!r} (device='auto' found it): torch_xla's device runtime "
-                "starts once per process; use TorchNeuronConfig or TorchTPUConfig (native) for "
-                "recovery in place", config._owner)
         ours[RECOVERY_VAR] = f"in_place:{config.max_in_place_restarts}"
     if getattr(config, "peak_tflops", None):
         ours[PEAK_TFLOPS_VAR] = repr(float(config.peak_tflops))
