@@ -118,7 +118,6 @@ def recover(exc: Exception) -> None:
         tier.end()
     nxt = nxt.after(origin)
     process_group.start_generation(nxt)
-    _devmode_again()
     train_function.start_function()
     steps.set_guard(_restore_first)
     logger.warning("%s: recovered in place (generation %d) from rank %d's fault at %s in %.2f s: "
@@ -134,7 +133,6 @@ def _drop_groups(exc: Exception) -> None:
     peers' (as gloo published them, ``gloo_endpoints``) are shut down here, as a freed group
     would. What the failed function's frames held goes first (``traceback.clear_frames``)."""
     import gc
-    import sys
     import traceback
 
     import torch.distributed as dist
@@ -143,9 +141,6 @@ def _drop_groups(exc: Exception) -> None:
 
     endpoints = runtime.world().gloo
     traceback.clear_frames(exc.__traceback__)
-    devmode = sys.modules.get("ray_train_xla.startup.devmode")
-    if devmode is not None:
-        devmode.uninstall()
     dist.destroy_process_group()
     gc.collect()
     if endpoints:
@@ -284,17 +279,6 @@ def _give_up(exc: Exception, why: str):
     logger.error("%s: not recovered in place: %s", who(), why)
     exc.add_note(f"ray_train_xla: not recovered in place: {why}")
     raise exc
-
-
-def _devmode_again() -> None:
-    """The CPU development mode's bridge of torch_xla's collectives belongs to a process group:
-    installed again on the new one."""
-    if worker_context().devmode:
-        import torch.distributed as dist
-
-        from ray_train_xla.startup import devmode
-
-        devmode.install(dist.get_rank(), dist.get_world_size())
 
 
 def _restore_first() -> None:
