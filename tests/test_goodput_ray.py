@@ -282,11 +282,13 @@ def test_the_slow_rank_is_named_with_its_excess_and_none_where_no_rank_is_slow(a
     assert first.measured == 2 and first.stragglers == [], first.stragglers
     [slow] = restarted.stragglers
     assert slow.rank == 1 and slow.steps >= 3
-    # Its excess is what the loops timed themselves over the same steps, within 10% of the
-    # sleep, and about the sleep (medians of 6 steps: on a loaded machine the slow rank's sleep
-    # and the other's work stretch by tens of ms).
+    # Its excess is what the loops timed themselves over the same steps, within a quarter of the
+    # sleep, and about the sleep (medians of 6 steps). The loop's clock stops before
+    # optimizer_step and starts after it returns; the timeline's runs from the step hook inside it
+    # to the arrival at the all-reduce. On a loaded machine (the CI runs both halves of the suite
+    # side by side) those few lines stretch by up to tens of ms on one rank: 22 ms was seen.
     timed = _timed_excess(audited_run["records"])
-    assert slow.excess_per_step_s == pytest.approx(timed, abs=0.1 * SLOW_S), (slow, timed)
+    assert slow.excess_per_step_s == pytest.approx(timed, abs=0.25 * SLOW_S), (slow, timed)
     assert 0.5 * SLOW_S <= slow.excess_per_step_s <= 1.5 * SLOW_S, slow
     assert slow.excess_s == pytest.approx(slow.excess_per_step_s * slow.steps)
     assert slow.share == pytest.approx(slow.excess_s / result.wall)
@@ -314,7 +316,7 @@ def test_prometheus_shows_our_metrics_for_every_rank(audited_run):
                    if not ln.startswith("ray_train_xla_straggler"))
     # Rank 0 named rank 1 a straggler, with about its sleep a step. The live figure covers the
     # steps every rank had written when rank 0 last read them (a prefix of the attempt; the test
-    # above compares the whole attempt's figure with the loops' own timing to 10 ms): a difference
+    # above compares the whole attempt's figure with the loops' own timing to 25 ms): a difference
     # of medians over some of the same steps, so within what those steps allow, and never the
     # overshoot of comparing files that lag each other (3 times the sleep, before).
     [named] = [ln for ln in lines if ln.startswith("ray_train_xla_straggler_excess_seconds")
