@@ -122,7 +122,10 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
     model, opt = _model_and_opt(0)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}
     assert rtx.keep_in_memory(state, 3) is False  # not a multiple of memory_every=2
-    assert rtx.keep_in_memory(state, 4) is True
+    draws = _draws()  # what the generators give after the keep
+    _draws()  # (drawn again: moved on)
+    assert rtx.keep_in_memory(state, 4) is True  # keeps the generators as they are now
+    expected = _draws()
     flush_memory()
     tier = memory_tier()
     assert tier.kept == 1
@@ -131,12 +134,49 @@ def test_replicated_state_kept_in_memory_restores_bit_for_bit_without_storage(ti
     rest = rtx.load_checkpoint(fresh, fresh_opt)  # no Ray Train checkpoint: memory serves
     assert rest["step"] == 4
     assert tier.restored["fetched_bytes"] > 0 and tier.restored["world"] == 1
+    # The generators are set as the keep found them: the draws after it come again.
+    assert tier.restored["generators"] is True and _draws() == expected != draws
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     saved, got = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
     assert all(torch.equal(saved[i][k], got[i][k]) for i in saved for k in saved[i])
     # After a restore, the numbers go on from the newest generation the stores know.
     assert tier.next_generation() == 1
+
+
+def _draws() -> tuple:
+    """One draw from each generator the memory tier keeps per rank."""
+    import random
+
+    import numpy as np
+
+    return torch.rand(2).tolist(), random.random(), np.random.rand(2).tolist()
+
+
+def test_generators_come_back_only_into_a_world_of_the_size_that_kept_them(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    import pyarrow.fs as pafs
+
+    from ray_train_xla.toolkit.checkpoint.files import ROOT
+    from ray_train_xla.toolkit.checkpoint.memory import rng
+    from ray_train_xla.toolkit.checkpoint.memory.tier import MemoryTier
+
+    os.makedirs(tmp_path / ROOT)
+    (tmp_path / ROOT / rng.file_name(1)).write_bytes(rng.capture())
+    expected = _draws()
+    fs = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    choice = {"gen": 5, "world": 2, "holders": {rng.file_name(1): [("store", 1)]}}
+    restore = MemoryTier.restore_generators
+    # Another world size (rank 1 of 3 is another rank's place), or a generation without them:
+    # left as they are, and logged.
+    with caplog.at_level("INFO", logger="ray_train_xla.toolkit.checkpoint.memory.tier"):
+        assert restore(SimpleNamespace(rank=1, world=3), fs, choice) is False
+        assert restore(SimpleNamespace(rank=0, world=2), fs, choice) is False
+    assert "kept by 2 workers (now 3)" in caplog.text and "without them" in caplog.text
+    assert _draws() != expected
+    assert restore(SimpleNamespace(rank=1, world=2), fs, choice) is True
+    assert _draws() == expected
 
 
 @pytest.fixture(params=[False, True], ids=["in-process", "in-place"])
@@ -187,11 +227,11 @@ def test_fsdp2_state_kept_in_memory_restores_bit_for_bit(tier_env, tmp_path, sha
         assert tier.by_writer == 0 and tier.writer_pid() is None  # no writer process for it
         if shared_memory:
             # Written rank by rank, in place: the rank's data file (a slot, which the store
-            # mapped and unlinked), its own metadata (merged when read).
+            # mapped and unlinked), its own metadata (merged when read), its generators.
             inventory = tier.inventories()[0]
             assert sorted(inventory["gens"][0]["ranks"][0]) == [
                 "__0.metadata", "__0_0.distcp", "extra.pt", "param_groups.pt",
-                "sharded.json"], inventory
+                "rng-0.pkl", "sharded.json"], inventory
             tier_dir = os.path.join(_shared_root(), tier.tier)
             assert os.listdir(tier_dir) == []  # mapped by the store, and unlinked
             # Three more generations: the two slots are used in turn, laid out and planned

@@ -11,8 +11,10 @@ The ``killed`` fit (``make test-e2e``): rank 1's process is killed with SIGKILL 
 before step 6; the others cannot recover without it, and Ray Train restarts the group (new
 processes), which restores from the memory tier.
 
-Every generation records its rank, PID, start step and where it restored from. After the last
-step every rank trains a fresh model the same steps without a fault: the parameters and the
+Every generation records its rank, PID, start step and where it restored from. Each step draws
+from torch's, Python's and NumPy's generators (seeded per rank at every entry of the function),
+so only a restore that sets them as they were keeps the run exact. After the last step every
+rank seeds again and trains a fresh model the same steps without a fault: the parameters and the
 optimizer state of the recovered run equal that uninterrupted run's, bit for bit. The run's
 goodput names the kinds of recovery (``in_process``, ``group_restart``) and the tier.
 (A fault at the same step every time, the budget, the refusals: ``test_recovery_local.py``.)
@@ -41,8 +43,24 @@ def two_nodes(two_nodes):
         yield two_nodes
 
 
+def _seed(rank: int) -> None:
+    """Every rank's generators as a fresh start sets them (at every entry of the function)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.manual_seed(100 + rank)
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+
+
 def _train(model, opt, start: int, steps: int, on_step=None) -> None:
+    import random
+
     import fsdp2_worker as w
+    import numpy as np
+    import torch
 
     import ray_train_xla as rtx
 
@@ -51,7 +69,10 @@ def _train(model, opt, start: int, steps: int, on_step=None) -> None:
         if on_step is not None:
             on_step(step)
         opt.zero_grad()
-        w.loss_of(model, w.rows(step, dp_rank, dp)).backward()
+        # Each step draws from torch's, Python's and NumPy's generators: the recovered run
+        # equals the uninterrupted one only if a restore sets them as they were at that step.
+        scale = 1 + torch.rand(()).item() + random.random() + float(np.random.rand())
+        (scale * w.loss_of(model, w.rows(step, dp_rank, dp))).backward()
         rtx.optimizer_step(opt)
         if on_step is not None:  # the recovered run keeps every step in host memory
             from ray_train_xla.toolkit.checkpoint.memory import memory_tier
@@ -72,6 +93,7 @@ def train_recovering(config):
     world = runtime().world
     ctx = runtime().ctx
     generation = len([f for f in os.listdir(out) if f.startswith("gen")]) // 4  # of this fit
+    _seed(rank)
     model = rtx.prepare_sharded_model(w.make_lm(), auto_wrap_policy={w.block_class()})
     opt = w.optimizer(model)
     extra = rtx.load_checkpoint(model, opt)
@@ -81,7 +103,8 @@ def train_recovering(config):
     write_record(config, f"gen{generation}_rank{rank}", {
         "rank": rank, "pid": os.getpid(), "run": ctx.run_id, "world_generation": world.generation,
         "generation": generation, "start": start, "node": ray.get_runtime_context().get_node_id(),
-        "restored": tier.restored and {k: tier.restored[k] for k in ("gen", "world", "stores")}})
+        "restored": tier.restored and {k: tier.restored[k]
+                                       for k in ("gen", "world", "stores", "generators")}})
 
     def on_step(step: int) -> None:
         for g, r, s in RAISE if not config["kill"] else []:
@@ -95,6 +118,7 @@ def train_recovering(config):
 
     _train(model, opt, start, STEPS, on_step)
     recovered = w.named_state(model, opt)
+    _seed(rank)
     fresh = rtx.prepare_sharded_model(w.make_lm(), auto_wrap_policy={w.block_class()})
     fresh_opt = w.optimizer(fresh)
     _train(fresh, fresh_opt, 0, STEPS)
@@ -154,6 +178,7 @@ def test_a_raised_fault_recovers_every_rank_in_its_own_process(run):
     assert {v["start"] for v in third.values()} == {RAISE[1][2] - 1}
     for g in (second, third):
         assert all(v["restored"] and v["restored"]["world"] == 4 for v in g.values()), g
+        assert all(v["restored"]["generators"] is True for v in g.values()), g
 
 
 @pytest.mark.parametrize("which", ["run", pytest.param("killed", marks=pytest.mark.e2e)])
@@ -190,6 +215,7 @@ def test_a_killed_process_falls_back_to_restarting_the_group(killed):
     assert {v["world_generation"] for v in restarted.values()} == {0}
     assert {v["start"] for v in restarted.values()} == {KILL[2] - 1}
     assert all(v["restored"] and v["restored"]["world"] == 4 for v in restarted.values())
+    assert all(v["restored"]["generators"] is True for v in restarted.values())
     result = goodput_of(killed["path"]).to_json()
     kinds = [(a["recovery"] or {}).get("kind") for a in result["attempts"]]
     assert kinds == [None, "group_restart"], kinds

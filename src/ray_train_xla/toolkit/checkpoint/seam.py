@@ -154,9 +154,11 @@ def _source(checkpoint: Any, filename: str) -> Iterator[Source | None]:
             fs, files = tier.filesystem(choice)
             yield open_source(_memory.ROOT, fs,
                               f"rank {rank()}: memory generation {choice['gen']}", filename)
+            generators = tier.restore_generators(fs, choice)
             seconds = time.perf_counter() - start
             tier.restored = {"gen": choice["gen"], "world": choice["world"], "seconds": seconds,
-                             "fetched_bytes": files.fetched_bytes, "stores": sorted(files.served)}
+                             "fetched_bytes": files.fetched_bytes, "stores": sorted(files.served),
+                             "generators": generators}
             logger.info("rank %d: restored from memory (generation %d, saved by %d workers; %d "
                         "bytes read from %s) in %.2f s", rank(), choice["gen"], choice["world"],
                         files.fetched_bytes, ", ".join(sorted(files.served)), seconds)

@@ -24,8 +24,9 @@ from ray.util import list_named_actors
 from ray_train_xla.errors import ReportError
 from ray_train_xla.toolkit import events, reporting
 from ray_train_xla.toolkit.checkpoint.describe import describe
-from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles, SlotFile
+from ray_train_xla.toolkit.checkpoint.files import ROOT, MemoryFiles, SlotFile, save_file
 from ray_train_xla.toolkit.checkpoint.format import write_small_files
+from ray_train_xla.toolkit.checkpoint.memory import rng
 from ray_train_xla.toolkit.checkpoint.memory.restore import StoreFiles
 from ray_train_xla.toolkit.checkpoint.memory.store import NAMESPACE, STORE_PREFIX, store_name
 from ray_train_xla.toolkit.checkpoint.writer import SaveProcess, write_staged
@@ -158,6 +159,8 @@ class MemoryTier:
         gen = self.next_generation()
         sync()
         files = MemoryFiles()
+        # this rank's generators as the next step finds them (written with its files, below)
+        save_file(files, ROOT, rng.file_name(self.rank), rng.capture())
         if writer is not None:
             files.write_by(writer, os.path.join(self._shared, self.tier, f"{gen}-{self.rank}"),
                            self.timeout_s, self.rank)
@@ -349,6 +352,20 @@ class MemoryTier:
                     "stores": sorted({s for h in holders.values() for s, _ in h})}
         return {"tier": "storage", "why": why, "next": newest + 1}
 
+    def restore_generators(self, fs, choice: dict[str, Any]) -> bool:
+        """Set this rank's random number generators as it kept them with generation
+        ``choice["gen"]`` (read over ``fs``, :meth:`filesystem`'s), when the world has the same
+        size and the generation has them; returns whether it did."""
+        name = rng.file_name(self.rank)
+        if choice["world"] != self.world or name not in choice["holders"]:
+            logger.info("rank %d: random number generators not restored: generation %d was kept "
+                        "by %d workers (now %d)%s", self.rank, choice["gen"], choice["world"],
+                        self.world, "" if choice["world"] != self.world else " without them")
+            return False
+        with fs.open_input_file(f"{ROOT}/{name}") as f:
+            rng.restore(f.read())
+        return True
+
     def filesystem(self, choice: dict[str, Any]):
         handler_class = type("StoreFiles", (StoreFiles, pafs.FileSystemHandler), {})
         handler = handler_class(choice["gen"], choice["holders"], self.timeout_s)
@@ -396,8 +413,10 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     (like ``save_checkpoint``, with the same kind of state).
 
     The call takes the snapshot (for DTensor state, copied while the loop goes on: the next
-    optimizer step waits for the copy) and returns; the files are written into memory and
-    handed to this node's and the peer node's store in the background. While the previous
+    optimizer step waits for the copy) and this rank's random number generators' states
+    (``rng.py``: a restore from memory in a world of the same size sets them again) and
+    returns; the files are written into memory and handed to this node's and the peer node's
+    store in the background. While the previous
     generation is still being kept on some rank, the call keeps nothing and returns False
     (every rank alike): the loop never waits for the tier. An error of the previous generation
     is raised here as ``ReportError``.
