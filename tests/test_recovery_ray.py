@@ -1,13 +1,15 @@
 """Recovery in place through real Ray Train: FSDP2 on ``TorchNeuronConfig``'s CPU twin, 4 workers
 over 2 nodes (``two_nodes``), ``recovery="in_place"`` with ``memory_every=1``, the training
-function wrapped in ``rtx.recoverable``. The ``in_place`` fit (``make test``), two faults in turn:
+function wrapped in ``rtx.recoverable``; ``make test-e2e`` and ``make test-native`` run it (``make
+test`` keeps its budget with ``test_recovery_local.py``: the same recovery in two processes
+without Ray). The ``in_place`` fit, two faults in turn:
 
 1. rank 2 raises before its step 3: every rank re-enters the function in its own process
    (the 4 PIDs unchanged, Ray starts no worker), restores step 2 from memory and goes on;
 2. rank 1 raises before step 5: another fault (not the one before again), recovered the same
    way.
 
-The ``killed`` fit (``make test-e2e``): rank 1's process is killed with SIGKILL from outside
+The ``killed`` fit: rank 1's process is killed with SIGKILL from outside
 before step 6; the others cannot recover without it, and Ray Train restarts the group (new
 processes), which restores from the memory tier.
 
@@ -29,7 +31,7 @@ import pytest
 
 from conftest import connected, fit, neuron_scaling, write_record
 
-pytestmark = [pytest.mark.ray, pytest.mark.native, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.native, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STEPS = 7
 # (generation, rank, step): raise before that step, or be killed
@@ -181,7 +183,7 @@ def test_a_raised_fault_recovers_every_rank_in_its_own_process(run):
         assert all(v["restored"]["generators"] is True for v in g.values()), g
 
 
-@pytest.mark.parametrize("which", ["run", pytest.param("killed", marks=pytest.mark.e2e)])
+@pytest.mark.parametrize("which", ["run", "killed"])
 def test_the_recovered_run_equals_an_uninterrupted_one_bit_for_bit(which, request):
     ends = [r for r in request.getfixturevalue(which)["records"] if "exact" in r]
     assert len(ends) == 4, ends
@@ -202,7 +204,6 @@ def test_goodput_names_each_recovery(run):
     assert result["attempts"][2]["outcome"] == "finished"
 
 
-@pytest.mark.e2e
 def test_a_killed_process_falls_back_to_restarting_the_group(killed):
     from ray_train_xla.toolkit.observability.goodput import goodput_of
 
