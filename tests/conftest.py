@@ -260,6 +260,24 @@ def fit_failure(train_fn, **fit_kwargs) -> str:
     return str(info.value)
 
 
+def fit_in_background(trainer):
+    """Start ``trainer.fit()`` in a daemon thread (the test acts on the cluster meanwhile);
+    returns (the thread, the outcome: ``{"result": ...}`` or ``{"error": ...}`` once it ends)."""
+    import threading
+
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 (the test reads it)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 def neuron_scaling(workers: int, cores_per_worker: int = 1):
     """ScalingConfig for workers with fake NeuronCores (``neuron_cores`` resource)."""
     from ray.train import ScalingConfig

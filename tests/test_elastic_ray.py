@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 import time
 
 import pytest
 
-from conftest import HAS_TORCH_XLA, is_train_v2, write_record
+from conftest import HAS_TORCH_XLA, fit_in_background, is_train_v2, write_record
 
 # The FSDP2 run (TorchNeuronConfig's twin) is `make test-native`'s, on the torch the native stacks
 # ship; the replicated one (the same scenario, the path the toolkit had first) `make test-e2e`'s.
@@ -276,17 +275,8 @@ def test_elastic_run_shrinks_and_grows_and_matches_a_fixed_size_run(elastic_clus
         scaling_config=scaling,
         run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="rtx-test-results-"),
                              failure_config=FailureConfig(max_failures=3)))
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # shown by the assertion below
-            outcome["error"] = exc
-
     t0 = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = fit_in_background(trainer)
     wait_for(os.path.join(out_dir, "ready_w4.json"), "4 workers at the first block")
     # Drain a node as a spot reclaim does (what `ray drain-node` and the autoscaler call); at
     # the deadline Ray takes the node down itself.

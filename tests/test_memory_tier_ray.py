@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import threading
 import time
 from unittest import mock
 
 import pytest
 
-from conftest import is_train_v2
+from conftest import fit_in_background, is_train_v2
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.native, pytest.mark.timeout(900),
               pytest.mark.skipif(not is_train_v2(), reason="elastic runs need Ray Train V2")]
@@ -152,16 +151,7 @@ def tiered_run():
         run_config=RunConfig(storage_path=storage, name="tiered",
                              storage_filesystem=counting_filesystem(log),
                              failure_config=FailureConfig(max_failures=3)))
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # noqa: BLE001 (shown by the test)
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = fit_in_background(trainer)
     events = {}
     try:
         _wait(out, "ready_remove", outcome)

@@ -23,12 +23,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
-from conftest import connected, new_cluster
+from conftest import connected, fit_in_background, new_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -74,7 +73,6 @@ def test_replica_groups_replace_a_killed_worker_alone_but_a_lost_node_fails_the_
     cluster = new_cluster(nodes=2, cpus_per_node=2)
     out = tmp_path / "records"
     out.mkdir()
-    outcome: dict = {}
     try:
         with connected(cluster):
             trainer = TorchTrainer(
@@ -86,14 +84,7 @@ def test_replica_groups_replace_a_killed_worker_alone_but_a_lost_node_fails_the_
                     storage_path=str(tmp_path / "storage"),
                     failure_config=ray.train.FailureConfig(max_failures=3)))
 
-            def run():
-                try:
-                    outcome["result"] = trainer.fit()
-                except BaseException as exc:  # noqa: BLE001 (the test reads it)
-                    outcome["error"] = exc
-
-            thread = threading.Thread(target=run, daemon=True)
-            thread.start()
+            thread, outcome = fit_in_background(trainer)
             first = _wait(str(out), 4, outcome)
             assert len({r["node"] for r in first}) == 2
             # Every worker its own replica group: Ray's local ranks are per group, all 0 of 1.
