@@ -15,8 +15,8 @@ says why.
 The room: ``store.py``, the stores and their start (the backend imports it: no torch);
 ``tier.py``, the worker's side (keeping generations, choosing one at a restore);
 ``restore.py``, a generation read back through the stores; ``rng.py``, each rank's random
-number generators kept with its files and set again at a restore. Its names are imported on first use,
-so that importing ``store`` loads no torch.
+number generators kept with its files and set again at a restore. Its names are imported on
+first use, so that importing ``store`` loads no torch.
 """
 
 from __future__ import annotations

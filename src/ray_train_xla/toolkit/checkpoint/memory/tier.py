@@ -416,9 +416,9 @@ def keep_in_memory(state: Mapping[str, Any], step: int) -> bool:
     optimizer step waits for the copy) and this rank's random number generators' states
     (``rng.py``: a restore from memory in a world of the same size sets them again) and
     returns; the files are written into memory and handed to this node's and the peer node's
-    store in the background. While the previous
-    generation is still being kept on some rank, the call keeps nothing and returns False
-    (every rank alike): the loop never waits for the tier. An error of the previous generation
+    store in the background. While the previous generation is still being kept on some rank,
+    the call keeps nothing and returns False (every rank alike): the loop never waits for the
+    tier. An error of the previous generation
     is raised here as ``ReportError``.
     """
     tier = memory_tier(required="keep_in_memory")
