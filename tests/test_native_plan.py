@@ -76,12 +76,16 @@ def views(facts, envs):
             for rank, (f, env) in enumerate(zip(facts, envs))]
 
 
+@pytest.mark.parametrize("recovery", [{}, {"memory_every": 1, "recovery": "in_place"}],
+                         ids=["restart", "in-place"])
 @pytest.mark.parametrize("v1", [False, True], ids=["V2", "V1"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_native_plans_pass_the_contract(shape, v1):
+def test_native_plans_pass_the_contract(shape, v1, recovery):
     nodes, per_node = SHAPES[shape]
     facts = facts_for(nodes, per_node, first_core=2)
-    plans = native_plan(facts, compile_cache="/fsx/neff")
+    plans = native_plan(facts, compile_cache="/fsx/neff", **recovery)
+    if recovery:  # recovery in place: the budget planned too
+        assert {p.env["RAY_TRAIN_XLA_RECOVERY"] for p in plans} == {"in_place:3"}
     envs = []
     for preset, p in zip(ray_preset(facts, v1), plans):
         preset.update(p.env)  # apply_env: the plan wins over what Ray left

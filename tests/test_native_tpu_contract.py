@@ -316,6 +316,10 @@ def all_results():
         groups[name] = (facts, plans, generation, launch_cases(facts, plans, generation))
     real, plans = naive_plan()
     groups["naive"] = (real, plans, "v5p", launch_cases(real, plans, "v5p"))
+    # Recovery in place plans two more variables of ours (the memory tier's, the budget)
+    facts = CASES["v5p-4hosts"][1]()
+    plans = tpu_plan(facts, memory_every=1, recovery="in_place")
+    groups["in_place"] = (facts, plans, "v5p", launch_cases(facts, plans, "v5p"))
     flat = ([c for g in groups.values() for c in g[3]] + topology_cases()
             + [DEFAULT_PORTS_CASE, {"kind": "hardware"}])
     results = iter(run_torch_tpu(flat))
@@ -358,6 +362,15 @@ def test_a_plan_in_rays_node_order_fails(all_results):
     problems = check(real, plans, generation, results["naive"])
     assert any("!= TorchTPU's topological" in p for p in problems), problems
     assert any("RANK is not torchrun's" in p for p in problems), problems
+
+
+def test_the_in_place_recovery_plan_passes_torchtpu_launch_code(all_results):
+    from ray_train_xla.planning.contract import RECOVERY_VAR
+
+    groups, results = all_results
+    facts, plans, generation, _ = groups["in_place"]
+    assert check(facts, plans, generation, results["in_place"]) == []
+    assert {p.env[RECOVERY_VAR] for p in plans} == {"in_place:3"}
 
 
 def test_topological_order_is_torchtpus(all_results):
