@@ -177,6 +177,15 @@ def test_generators_come_back_only_into_a_world_of_the_size_that_kept_them(tmp_p
     assert _draws() != expected
     assert restore(SimpleNamespace(rank=1, world=2), fs, choice) is True
     assert _draws() == expected
+    # An accelerator's generator kept, restored in a process without it: the rest is set, and
+    # the one left out is named.
+    import pickle
+
+    kept = pickle.loads(rng.capture())
+    kept["device"] = ("neuron", torch.zeros(8, dtype=torch.uint8))
+    with caplog.at_level("WARNING", logger="ray_train_xla.toolkit.checkpoint.memory.rng"):
+        assert rng.restore(pickle.dumps(kept)) == ["torch", "python", "numpy"]
+    assert "the neuron generator kept with this generation is not restored" in caplog.text
 
 
 @pytest.fixture(params=[False, True], ids=["in-process", "in-place"])

@@ -6,17 +6,21 @@ crops, a data loader's worker seeds).
 
 The generators: torch's CPU generator, the accelerator's when torch has one
 (``torch.accelerator``), Python's ``random`` and NumPy's global one. A restore in a world of
-another size, or of a generation kept without them, leaves them as they are, and says so.
+another size, or of a generation kept without them, leaves them as they are, and says so; so
+does an accelerator's generator restored in a process without that accelerator.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def file_name(rank: int) -> str:
@@ -45,6 +49,9 @@ def restore(data: bytes) -> list[str]:
         if device == _accelerator():
             torch.get_device_module(device).set_rng_state(value)
             names.append(device)
+        else:
+            logger.warning("the %s generator kept with this generation is not restored: this "
+                           "process has %s", device, _accelerator() or "no accelerator")
     return names
 
 
