@@ -233,14 +233,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "storage (RUN_PATH/goodput/, written by runs of this package's backend) and print the "
         "run's wall-clock time by bucket: productive, start-up, compilation, data wait, "
         "checkpoint stall, lost to failures, restart, recovery in place, other; with model "
-        "FLOPs (counted where "
-        "the package prepared the model and loaded the batches, else "
+        "FLOPs (counted where the package prepared the model and loaded the batches, else "
         "configure_timeline(flops_per_step=...)) and a peak the MFU over productive time and "
         "effective MFU (MFU x goodput), without them why not; then one line per worker group "
         "(restarts, recoveries in place and elastic resizes start a new one, each named with "
         "how it began, its seconds and the tier it restored from), and the stragglers: ranks "
-        "whose own "
-        "time a step held the others back. The wall clock starts at fit(). Exits 2 when "
+        "whose own time a step held the others back. The wall clock starts at fit(). Exits 2 when "
         "RUN_PATH holds no goodput events, 1 when its storage cannot be read or FILE cannot be "
         "written.",
     )
